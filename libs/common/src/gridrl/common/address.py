@@ -1,0 +1,47 @@
+"""host:port addresses."""
+
+from __future__ import annotations
+
+from gridrl.common.errors import invalid_argument
+
+
+def parse_address(address: str, field: str = "address") -> tuple[str, int]:
+    """Split ``"host:port"`` (IPv6 as ``"[::1]:50051"``) into ``(host, port)``.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT naming ``field`` when empty, without a port, or with a
+            port outside 1..65535 (0 is accepted only by servers binding, see ``allow_zero``).
+    """
+    return _parse(address, field, allow_zero=False)
+
+
+def parse_listen(address: str, field: str = "listen") -> tuple[str, int]:
+    """Like :func:`parse_address` but port 0 (pick a free port) is allowed."""
+    return _parse(address, field, allow_zero=True)
+
+
+def _parse(address: str, field: str, allow_zero: bool) -> tuple[str, int]:
+    if not address:
+        raise invalid_argument(field, "is required (host:port)")
+    if address.startswith("["):
+        host, sep, rest = address[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise invalid_argument(field, f"{address!r} is not [ipv6]:port")
+        port_s = rest[1:]
+    else:
+        host, sep, port_s = address.rpartition(":")
+        if not sep or not host:
+            raise invalid_argument(field, f"{address!r} is not host:port")
+        if ":" in host:
+            raise invalid_argument(field, f"{address!r}: write IPv6 hosts as [addr]:port")
+    if not port_s.isdigit():
+        raise invalid_argument(field, f"{address!r}: port {port_s!r} is not a number")
+    port = int(port_s)
+    if not (0 if allow_zero else 1) <= port <= 65535:
+        raise invalid_argument(field, f"{address!r}: port {port} is out of range")
+    return host, port
+
+
+def join_address(host: str, port: int) -> str:
+    """Inverse of :func:`parse_address`; brackets IPv6 hosts."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

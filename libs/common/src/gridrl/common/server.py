@@ -1,0 +1,206 @@
+"""Wiring of a gridrl gRPC server: health, reflection, size limits, metrics, auth, shutdown.
+
+Every service builds its server with :class:`GrpcServer`:
+
+    server = GrpcServer(listen="0.0.0.0:50051", metrics_port=9401, auth_token=None)
+    server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer,
+               rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)
+    server.start()          # binds; server.port is the bound port (listen port 0 -> free port)
+    server.wait()           # until SIGTERM/SIGINT or server.stop()
+
+On stop, health flips to NOT_SERVING at once, new calls are refused, and calls in flight get
+``grace_s`` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from gridrl.common.address import join_address, parse_listen
+from gridrl.common.auth import check_token
+from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
+from gridrl.common.errors import StatusError
+from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+class _ServerInterceptor(grpc.ServerInterceptor):
+    """Checks the bearer token, turns :class:`StatusError` into a status, and records
+    ``gridrl_rpc_requests_total`` / ``gridrl_rpc_duration_seconds`` for every call."""
+
+    def __init__(self, auth_token: str | None) -> None:
+        self._token = auth_token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        service, name = split_method(method)
+        denied = check_token(self._token, method, handler_call_details.invocation_metadata)
+
+        def finish(context: grpc.ServicerContext, start: float, code: grpc.StatusCode | None) -> None:
+            code = code or context.code() or grpc.StatusCode.OK
+            if isinstance(code, int):  # some grpcio versions report the raw enum value
+                code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+            RPC_REQUESTS.labels(service, name, code.name).inc()
+            RPC_DURATION.labels(service, name).observe(time.perf_counter() - start)
+
+        def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
+                start = time.perf_counter()
+                if denied:
+                    finish(context, start, grpc.StatusCode.UNAUTHENTICATED)
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
+                try:
+                    response = behavior(request_or_iterator, context)
+                except StatusError as e:
+                    finish(context, start, e.code)
+                    context.abort(e.code, e.message)
+                except Exception:
+                    code = context.code()
+                    finish(context, start, code or grpc.StatusCode.UNKNOWN)
+                    if code is None:
+                        log.exception("unhandled error in %s", method)
+                    raise
+                finish(context, start, None)
+                return response
+
+            return wrapped
+
+        def stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                start = time.perf_counter()
+                if denied:
+                    finish(context, start, grpc.StatusCode.UNAUTHENTICATED)
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
+                try:
+                    yield from behavior(request_or_iterator, context)
+                except StatusError as e:
+                    finish(context, start, e.code)
+                    context.abort(e.code, e.message)
+                except GeneratorExit:  # client went away
+                    finish(context, start, grpc.StatusCode.CANCELLED)
+                    raise
+                except Exception:
+                    code = context.code()
+                    finish(context, start, code or grpc.StatusCode.UNKNOWN)
+                    if code is None:
+                        log.exception("unhandled error in %s", method)
+                    raise
+                finish(context, start, None)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary_response(handler.unary_unary), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                unary_response(handler.stream_unary), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                stream_response(handler.unary_stream), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            stream_response(handler.stream_stream), handler.request_deserializer,
+            handler.response_serializer)
+
+
+class GrpcServer:
+    """A gRPC server with health, reflection, metrics, auth and graceful shutdown.
+
+    Args:
+        listen: ``host:port`` to bind; port 0 picks a free port (read it back from ``.port``).
+        metrics_port: Prometheus ``/metrics`` port; 0 picks a free one, negative disables.
+        auth_token: when set, every call but health/reflection needs ``Bearer <token>``.
+        max_workers: threads serving calls; streams hold one each for their duration.
+        max_message_bytes: explicit send/receive message size limit.
+        grace_s: seconds calls in flight get to finish on stop.
+    """
+
+    def __init__(self, listen: str, metrics_port: int = -1, auth_token: str | None = None,
+                 max_workers: int = 32, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 grace_s: float = 10.0) -> None:
+        self._host, self._requested_port = parse_listen(listen)
+        self._metrics_port_requested = metrics_port
+        self.grace_s = grace_s
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            interceptors=[_ServerInterceptor(auth_token)],
+            options=channel_options(max_message_bytes),
+            maximum_concurrent_rpcs=max_workers * 4,
+        )
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._service_names: list[str] = []
+        self._on_stop: list[Callable[[], None]] = []
+        self._stopped = threading.Event()
+        self.port = 0
+        self.metrics_port = -1
+
+    def add(self, add_fn: Callable[[Any, grpc.Server], None], servicer: Any, service_name: str) -> None:
+        """Register ``servicer`` with its generated ``add_*_to_server`` and full service name."""
+        add_fn(servicer, self._server)
+        self._service_names.append(service_name)
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after the server stopped (close engines, deregister, flush)."""
+        self._on_stop.append(callback)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the bound socket (0.0.0.0 / :: shown as 127.0.0.1 / ::1)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(self._host, self._host)
+        return join_address(host, self.port)
+
+    def start(self) -> GrpcServer:
+        """Bind, start serving, mark every service SERVING, start /metrics. Returns self."""
+        self.port = self._server.add_insecure_port(join_address(self._host, self._requested_port))
+        if self.port == 0:
+            raise OSError(f"listen: could not bind {self._host}:{self._requested_port}")
+        names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self._server)
+        self._server.start()
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for name in self._service_names:
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics_port = start_metrics_server(self._metrics_port_requested)
+        log.info("serving %s on %s (metrics port %s)", ", ".join(self._service_names),
+                 self.address, self.metrics_port)
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Flip health to NOT_SERVING, refuse new calls, let calls in flight finish within
+        ``grace_s`` (default: the constructor's), then run the on-stop callbacks. Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self._server.stop(self.grace_s if grace_s is None else grace_s).wait()
+        for callback in self._on_stop:
+            try:
+                callback()
+            except Exception:  # shutdown must go on
+                log.exception("on-stop callback failed")
+
+    def wait(self) -> None:
+        """Block until SIGTERM/SIGINT (main thread only) or :meth:`stop`, then stop gracefully."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
+        while not self._stopped.wait(0.5):
+            pass
+        self._server.wait_for_termination()

