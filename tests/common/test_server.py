@@ -6,12 +6,13 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from gridrl.common.address import parse_address
 from gridrl.common.channel import dial
 from gridrl.common.errors import StatusError, invalid_argument
 from gridrl.common.server import GrpcServer
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from gridrl.common.auth import TokenInterceptor
 
 # 64 MiB: a Generate response with large n fits; adapters are streamed in chunks anyway.

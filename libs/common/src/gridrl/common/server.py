@@ -23,13 +23,14 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from gridrl.common.address import join_address, parse_listen
 from gridrl.common.auth import check_token
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
 from gridrl.common.errors import StatusError
 from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 

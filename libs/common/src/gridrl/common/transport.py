@@ -1,0 +1,216 @@
+"""The adapter transport: one streaming format for ``PushAdapter``, both ends.
+
+Sender (trainer, ``gridrl-rollout push-adapter``)::
+
+    stub.PushAdapter(push_requests(manifest_dict, files), timeout=30)
+
+Receiver (rollout node)::
+
+    pushed = receive_push(request_iterator, max_bytes=256 << 20)   # raises StatusError
+
+Wire layout: first message ``header`` (manifest + stage_only), then ``chunk`` messages carrying
+the files' bytes in manifest order, each file split into pieces of at most ``chunk_size``
+bytes, offsets contiguous from 0. 1 MiB chunks stream 19.6 MB in ~30 ms on loopback (64 KiB:
+~70 ms), so 1 MiB is the default.
+
+The receiver checks as bytes arrive (declared sizes, order, offsets, total against
+``max_bytes``) and at the end (sizes, sha256). Nothing is written to disk here: the result is
+in memory, and the caller stores it atomically only once it is complete and verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from gridrl.common.errors import StatusError, invalid_argument
+from gridrl.v1 import common_pb2, rollout_pb2
+
+CHUNK_SIZE = 1 << 20
+_FORMATS = {"peft": common_pb2.ADAPTER_FORMAT_PEFT, "mlx": common_pb2.ADAPTER_FORMAT_MLX}
+_FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
+
+
+def manifest_to_proto(manifest: Mapping[str, Any]) -> common_pb2.AdapterManifest:
+    """Convert ``gridrl.adapters.AdapterManifest.to_dict()`` (format ``"peft"``/``"mlx"``) to
+    the protobuf message."""
+    d = dict(manifest)
+    fmt = d.pop("format", "")
+    msg = json_format.ParseDict(d, common_pb2.AdapterManifest(), ignore_unknown_fields=False)
+    msg.format = _FORMATS.get(fmt, common_pb2.ADAPTER_FORMAT_UNSPECIFIED)
+    return msg
+
+
+def manifest_to_dict(manifest: common_pb2.AdapterManifest) -> dict[str, Any]:
+    """Inverse of :func:`manifest_to_proto` (every field present, format as ``"peft"``/``"mlx"``
+    or ``""`` when unspecified)."""
+    d = json_format.MessageToDict(manifest, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True)
+    d["format"] = _FORMAT_NAMES.get(manifest.format, "")
+    d["version"] = int(d.get("version", 0))
+    for f in d.get("files", []):
+        f["size_bytes"] = int(f.get("size_bytes", 0))
+    return d
+
+
+def format_name(fmt: int) -> str:
+    """``ADAPTER_FORMAT_PEFT`` -> ``"peft"``; ``""`` for unspecified."""
+    return _FORMAT_NAMES.get(fmt, "")
+
+
+def format_enum(name: str) -> int:
+    """``"peft"`` -> ``ADAPTER_FORMAT_PEFT``; unknown names -> unspecified."""
+    return _FORMATS.get(name, common_pb2.ADAPTER_FORMAT_UNSPECIFIED)
+
+
+def push_requests(manifest: Mapping[str, Any] | common_pb2.AdapterManifest,
+                  files: Mapping[str, bytes], *, stage_only: bool = False,
+                  chunk_size: int = CHUNK_SIZE) -> Iterator[rollout_pb2.PushAdapterRequest]:
+    """Yield the PushAdapter stream: the header, then every file of ``manifest.files`` in order.
+
+    Args:
+        manifest: the adapter's manifest (dict schema of ``gridrl.adapters`` or the message);
+            its ``files`` must describe ``files`` (path, size_bytes, sha256).
+        files: file path -> bytes, as listed in the manifest.
+        chunk_size: bytes per chunk message (> 0).
+    Raises:
+        KeyError: a manifest file is missing from ``files``.
+    """
+    msg = manifest if isinstance(manifest, common_pb2.AdapterManifest) else manifest_to_proto(manifest)
+    yield rollout_pb2.PushAdapterRequest(
+        header=rollout_pb2.PushAdapterHeader(manifest=msg, stage_only=stage_only))
+    for entry in msg.files:
+        data = memoryview(files[entry.path])
+        for offset in range(0, len(data), chunk_size):
+            yield rollout_pb2.PushAdapterRequest(chunk=rollout_pb2.AdapterChunk(
+                path=entry.path, offset=offset, data=bytes(data[offset:offset + chunk_size])))
+
+
+@dataclass
+class ReceivedAdapter:
+    """A complete, verified push.
+
+    Attributes:
+        manifest: the header's manifest.
+        stage_only: the header's flag.
+        files: path -> bytes, every manifest file, sizes and sha256 checked.
+        bytes_received: total payload bytes.
+        receive_s: seconds from the header to the last chunk.
+        verify_s: seconds spent hashing.
+    """
+
+    manifest: common_pb2.AdapterManifest
+    stage_only: bool
+    files: dict[str, bytes] = field(default_factory=dict)
+    bytes_received: int = 0
+    receive_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def _check_path(path: str, field_name: str) -> None:
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+        raise invalid_argument(field_name, f"{path!r} is not a relative path inside the adapter")
+
+
+def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
+    """Check a manifest before any byte is accepted.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT naming the field (``header.manifest.<field>``), or
+            RESOURCE_EXHAUSTED when the declared total exceeds ``max_bytes``.
+    """
+    prefix = "header.manifest"
+    if not m.name or not all(c.isalnum() or c in "._-" for c in m.name):
+        raise invalid_argument(f"{prefix}.name", f"{m.name!r} must match [A-Za-z0-9._-]+")
+    if m.version < 1:
+        raise invalid_argument(f"{prefix}.version", "must be >= 1")
+    if m.format not in _FORMAT_NAMES:
+        raise invalid_argument(f"{prefix}.format", "must be ADAPTER_FORMAT_PEFT or ADAPTER_FORMAT_MLX")
+    if not m.files:
+        raise invalid_argument(f"{prefix}.files", "is empty")
+    seen: set[str] = set()
+    for i, f in enumerate(m.files):
+        _check_path(f.path, f"{prefix}.files[{i}].path")
+        if f.path in seen:
+            raise invalid_argument(f"{prefix}.files[{i}].path", f"{f.path!r} is listed twice")
+        seen.add(f.path)
+        if len(f.sha256) != 64 or any(c not in "0123456789abcdef" for c in f.sha256):
+            raise invalid_argument(f"{prefix}.files[{i}].sha256", "must be 64 lower-case hex digits")
+    total = sum(f.size_bytes for f in m.files)
+    if total > max_bytes:
+        raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{prefix}.files: adapter is {total} bytes, over the node's limit of "
+                          f"{max_bytes} bytes")
+
+
+def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
+                 max_bytes: int) -> ReceivedAdapter:
+    """Read and verify a whole PushAdapter stream into memory.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT (missing or repeated header, chunk for an unknown file,
+            out-of-order offset, more bytes than declared, manifest problems), DATA_LOSS (a file
+            shorter than declared, i.e. a truncated stream, or a sha256 mismatch),
+            RESOURCE_EXHAUSTED (over ``max_bytes``). A cancelled stream surfaces as the
+            ``grpc.RpcError`` / iterator error of the caller's request iterator.
+    """
+    it = iter(requests)
+    first = next(it, None)
+    if first is None or first.WhichOneof("payload") != "header":
+        raise invalid_argument("header", "the first PushAdapter message must be the header")
+    start = time.perf_counter()
+    manifest = first.header.manifest
+    validate_manifest(manifest, max_bytes)
+    expected = {f.path: f for f in manifest.files}
+    order = [f.path for f in manifest.files]
+    buffers: dict[str, bytearray] = {p: bytearray() for p in order}
+    current = 0  # index into order of the file being received
+    total = 0
+    for msg in it:
+        if msg.WhichOneof("payload") != "chunk":
+            raise invalid_argument("header", "only the first message may be a header")
+        chunk = msg.chunk
+        if chunk.path not in expected:
+            raise invalid_argument("chunk.path", f"{chunk.path!r} is not in the manifest")
+        idx = order.index(chunk.path)
+        if idx < current:
+            raise invalid_argument("chunk.path", f"{chunk.path!r} arrived after a later file")
+        for skipped in order[current:idx]:  # earlier files must be complete
+            if len(buffers[skipped]) != expected[skipped].size_bytes:
+                raise invalid_argument("chunk.path", f"{chunk.path!r} arrived before {skipped!r} "
+                                       f"was complete ({len(buffers[skipped])} of "
+                                       f"{expected[skipped].size_bytes} bytes)")
+        current = idx
+        buf = buffers[chunk.path]
+        if chunk.offset != len(buf):
+            raise invalid_argument("chunk.offset", f"{chunk.path}: expected offset {len(buf)}, "
+                                                   f"got {chunk.offset}")
+        if len(buf) + len(chunk.data) > expected[chunk.path].size_bytes:
+            raise invalid_argument("chunk.data", f"{chunk.path}: more bytes than the declared "
+                                                 f"{expected[chunk.path].size_bytes}")
+        buf += chunk.data
+        total += len(chunk.data)
+    receive_s = time.perf_counter() - start
+    t = time.perf_counter()
+    for path in order:
+        want = expected[path]
+        got = buffers[path]
+        if len(got) != want.size_bytes:
+            raise StatusError(grpc.StatusCode.DATA_LOSS,
+                              f"{path}: received {len(got)} of {want.size_bytes} bytes "
+                              "(truncated stream)")
+        digest = hashlib.sha256(got).hexdigest()
+        if digest != want.sha256:
+            raise StatusError(grpc.StatusCode.DATA_LOSS,
+                              f"{path}: sha256 {digest} does not match the manifest's {want.sha256}")
+    files = {p: bytes(b) for p, b in buffers.items()}
+    return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only, files=files,
+                           bytes_received=total, receive_s=receive_s,
+                           verify_s=time.perf_counter() - t)
