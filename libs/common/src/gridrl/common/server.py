@@ -148,6 +148,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = []
         self._on_stop: list[Callable[[], None]] = []
+        self._on_stopping: list[Callable[[], None]] = []
         self._stopped = threading.Event()
         self.port = 0
         self.metrics_port = -1
@@ -156,6 +157,12 @@ class GrpcServer:
         """Register ``servicer`` with its generated ``add_*_to_server`` and full service name."""
         add_fn(servicer, self._server)
         self._service_names.append(service_name)
+
+    def on_stopping(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` as soon as :meth:`stop` begins: new calls are already refused but
+        calls in flight are not yet drained. End long-lived streams (watches) here, or the stop
+        waits ``grace_s`` for them."""
+        self._on_stopping.append(callback)
 
     def on_stop(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after the server stopped (close engines, deregister, flush)."""
@@ -190,7 +197,13 @@ class GrpcServer:
             return
         self._stopped.set()
         self._health.enter_graceful_shutdown()
-        self._server.stop(self.grace_s if grace_s is None else grace_s).wait()
+        drained = self._server.stop(self.grace_s if grace_s is None else grace_s)
+        for callback in self._on_stopping:
+            try:
+                callback()
+            except Exception:  # shutdown must go on
+                log.exception("on-stopping callback failed")
+        drained.wait()
         for callback in self._on_stop:
             try:
                 callback()

@@ -1,0 +1,277 @@
+"""Node side of the master's registry: register, heartbeat, re-register, deregister.
+
+    registrar = NodeRegistrar("master:50050", info_fn=node.info, load_fn=node.load)
+    registrar.start()            # returns at once; a background thread does the rest
+    ...
+    registrar.stop()             # deregisters (best effort) and joins the thread
+
+The thread registers with ``info_fn()``, then heartbeats every interval the master asks for
+(start to start), carrying ``info_fn().adapter``, ``info_fn().queue_depth`` and ``load_fn()``.
+A heartbeat answered NOT_FOUND (the master restarted without its store, or expired the node)
+triggers an immediate re-registration. While the master is unreachable it retries every
+``min(retry_interval_s, heartbeat interval)`` seconds on a fresh channel (so gRPC's reconnect
+backoff never delays the return), logs once per outage, and never raises into the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from gridrl.common.address import parse_address
+from gridrl.common.channel import dial
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Deadline of one call to the master, in seconds (registration, deregistration, heartbeat).
+CALL_TIMEOUT_S = 5.0
+# Used until the master says otherwise.
+DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
+# Codes after which the channel is replaced (its connection is likely gone).
+_RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+class _Stopped(Exception):
+    """The registrar is stopping; the worker thread unwinds."""
+
+
+class NodeRegistrar:
+    """Registers a node with the master and heartbeats in a background thread.
+
+    Args:
+        master_address: host:port of the master.
+        info_fn: returns the node's current ``NodeInfo`` (address, role, backend, adapter,
+            queue depth...); called at each registration and each heartbeat.
+        load_fn: returns busy slots / capacity in [0, 1]; clamped into [0, 1], NaN or an
+            exception read as 0. None: always 0.
+        auth_token: bearer token the master requires, if any.
+        retry_interval_s: seconds between attempts while the master is unreachable (capped at
+            the heartbeat interval).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT ``master_address: ...`` when not host:port.
+    """
+
+    def __init__(self, master_address: str, info_fn: Callable[[], common_pb2.NodeInfo],
+                 load_fn: Callable[[], float] | None = None, auth_token: str | None = None,
+                 retry_interval_s: float = 2.0) -> None:
+        parse_address(master_address, field="master_address")
+        if not retry_interval_s > 0:
+            raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
+        self.master_address = master_address
+        self._info_fn = info_fn
+        self._load_fn = load_fn
+        self._auth_token = auth_token
+        self.retry_interval_s = retry_interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._channel: grpc.Channel | None = None
+        self._node_id: str | None = None
+        self._registered = False
+        self._interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        self._failing_since: float | None = None  # monotonic start of the current outage
+        self._logged_in_outage: set[str] = set()
+        self._load_fn_failing = False
+
+    @property
+    def node_id(self) -> str | None:
+        """Id of the last successful registration; None before the first one."""
+        return self._node_id
+
+    @property
+    def registered(self) -> bool:
+        """True while the master acknowledged the last registration or heartbeat."""
+        return self._registered
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Seconds between heartbeats, as the master last said."""
+        return self._interval_s
+
+    def start(self) -> None:
+        """Start the background thread and return at once. Idempotent.
+
+        Raises:
+            RuntimeError: after :meth:`stop` (a registrar is not restartable).
+        """
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("NodeRegistrar was stopped; create a new one")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="node-registrar",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stop heartbeating; with ``deregister``, tell the master the node is leaving (best
+        effort: one call of at most ``CALL_TIMEOUT_S``; errors are logged, not raised).
+        In-flight calls are cancelled, so this returns promptly. Idempotent."""
+        with self._lock:
+            already = self._stop.is_set()
+            self._stop.set()
+            thread = self._thread
+        if already:
+            return
+        self._drop_channel()  # cancels a call in flight
+        if thread is not None:
+            thread.join()
+        node_id = self._node_id
+        self._registered = False
+        if deregister and node_id is not None:
+            channel = dial(self.master_address, self._auth_token)
+            try:
+                registry_pb2_grpc.RegistryServiceStub(channel).DeregisterNode(
+                    registry_pb2.DeregisterNodeRequest(node_id=node_id), timeout=CALL_TIMEOUT_S)
+                log.info("deregistered %s from master %s", node_id, self.master_address)
+            except grpc.RpcError as e:
+                level = logging.DEBUG if e.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
+                log.log(level, "could not deregister %s from master %s: %s: %s", node_id,
+                            self.master_address, e.code().name, e.details())
+            finally:
+                channel.close()
+
+    # -------------------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        need_registration = True
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if need_registration:
+                    if not self._register():
+                        self._stop.wait(self._retry_wait_s())
+                        continue
+                    need_registration = False
+                    next_beat = time.monotonic() + self._interval_s
+                if self._stop.wait(max(0.0, next_beat - time.monotonic())):
+                    break
+                next_beat = time.monotonic() + self._interval_s
+                outcome = self._heartbeat()
+                if outcome == "not_found":
+                    need_registration = True
+                elif outcome == "failed":
+                    next_beat = time.monotonic() + self._retry_wait_s()
+            except _Stopped:
+                break
+            except Exception:  # never let the thread die: the node would silently vanish
+                if self._stop.is_set():  # e.g. a call on the channel stop() just closed
+                    break
+                log.exception("registrar error; retrying")
+                self._stop.wait(self._retry_wait_s())
+
+    def _register(self) -> bool:
+        try:
+            info = self._info_fn()
+        except Exception as e:
+            self._note_failure("info_fn", f"info_fn raised {e!r}")
+            return False
+        try:
+            response = self._stub().RegisterNode(
+                registry_pb2.RegisterNodeRequest(node=info), timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            self._rpc_failed("register", e)
+            return False
+        self._node_id = response.node_id
+        self._set_interval(response.heartbeat_interval)
+        self._registered = True
+        self._note_success()
+        log.info("registered %s with master %s as %s (heartbeat every %.2fs)", info.address,
+                 self.master_address, response.node_id, self._interval_s)
+        return True
+
+    def _heartbeat(self) -> str:
+        """One heartbeat; returns "ok", "not_found" or "failed"."""
+        try:
+            info = self._info_fn()
+        except Exception as e:
+            self._note_failure("info_fn", f"info_fn raised {e!r}")
+            return "failed"
+        request = registry_pb2.HeartbeatRequest(node_id=self._node_id or "", adapter=info.adapter,
+                                                queue_depth=info.queue_depth, load=self._load())
+        try:
+            response = self._stub().Heartbeat(request, timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                self._registered = False
+                log.info("master %s does not know %s (%s); registering again",
+                         self.master_address, self._node_id, e.details())
+                return "not_found"
+            self._rpc_failed("heartbeat", e)
+            return "failed"
+        self._set_interval(response.heartbeat_interval)
+        self._registered = True
+        self._note_success()
+        return "ok"
+
+    def _load(self) -> float:
+        if self._load_fn is None:
+            return 0.0
+        try:
+            load = float(self._load_fn())
+            self._load_fn_failing = False
+        except Exception:
+            if not self._load_fn_failing:
+                log.exception("load_fn failed; reporting load 0")
+            self._load_fn_failing = True
+            return 0.0
+        return 0.0 if math.isnan(load) else min(1.0, max(0.0, load))
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _stub(self) -> registry_pb2_grpc.RegistryServiceStub:
+        with self._lock:
+            if self._stop.is_set():
+                raise _Stopped
+            if self._channel is None:
+                self._channel = dial(self.master_address, self._auth_token)
+            return registry_pb2_grpc.RegistryServiceStub(self._channel)
+
+    def _drop_channel(self) -> None:
+        with self._lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def _rpc_failed(self, what: str, e: grpc.RpcError) -> None:
+        if self._stop.is_set():
+            raise _Stopped
+        self._registered = False
+        code = e.code()
+        if code in _RECONNECT_CODES:
+            self._drop_channel()
+        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}")
+
+    def _note_failure(self, kind: str, message: str) -> None:
+        """Log once per outage and kind of failure; later attempts log at debug level."""
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+        if kind in self._logged_in_outage:
+            log.debug("master %s: %s", self.master_address, message)
+            return
+        self._logged_in_outage.add(kind)
+        log.warning("master %s: %s; retrying every %.1fs until it answers",
+                    self.master_address, message, self._retry_wait_s())
+
+    def _note_success(self) -> None:
+        if self._failing_since is not None:
+            log.info("master %s answers again after %.1fs", self.master_address,
+                     time.monotonic() - self._failing_since)
+        self._failing_since = None
+        self._logged_in_outage.clear()
+
+    def _set_interval(self, duration) -> None:
+        seconds = duration.ToNanoseconds() / 1e9
+        if seconds > 0:
+            self._interval_s = seconds
+
+    def _retry_wait_s(self) -> float:
+        return min(self.retry_interval_s, self._interval_s)

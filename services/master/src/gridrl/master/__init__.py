@@ -1,0 +1,7 @@
+"""gridrl master: the registry of rollout nodes and trainers (who is up, what they serve,
+which adapter version they hold). Pure Python plus gRPC: no torch, no mlx, no numpy.
+
+Modules, top-down: ``cli`` (click commands) -> ``server`` (gRPC servicer and wiring) ->
+``registry`` (thread-safe state, liveness, watch events), ``validate`` (request checks),
+``store`` (sqlite persistence), ``metrics`` (Prometheus), ``display`` (the ``nodes`` table).
+"""

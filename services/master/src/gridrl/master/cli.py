@@ -1,0 +1,118 @@
+"""``gridrl-master``: serve the registry, or print it.
+
+    gridrl-master serve --listen 0.0.0.0:50050 --store ~/.local/state/gridrl/master.sqlite
+    gridrl-master nodes --address 127.0.0.1:50050 [--json] [--role rollout]
+
+Imports stay light (click, grpc, protobuf): ``--help`` is instant and the master never loads
+torch, mlx or numpy.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from gridrl.common.cli import (
+    auth_option,
+    env_option,
+    exit_on_rpc_error,
+    print_json,
+    server_options,
+    setup_logging,
+    write_ready_file,
+)
+from gridrl.master.store import default_store_path
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """gridrl master: the registry of rollout nodes and trainers."""
+
+
+@main.command()
+@server_options("master", listen="0.0.0.0:50050", metrics_port=9400)
+@env_option("--store", env="GRIDRL_MASTER_STORE", default=default_store_path(),
+            help="sqlite file the registrations persist to ('' or ':memory:': none).")
+@env_option("--heartbeat-interval", env="GRIDRL_MASTER_HEARTBEAT_INTERVAL", default=5.0,
+            type=click.FloatRange(min=0, min_open=True),
+            help="Seconds between heartbeats the master asks nodes for.")
+@env_option("--unhealthy-after", env="GRIDRL_MASTER_UNHEALTHY_AFTER", default=15.0,
+            type=click.FloatRange(min=0, min_open=True),
+            help="Seconds without a heartbeat before a node is marked unhealthy.")
+@env_option("--expire-after", env="GRIDRL_MASTER_EXPIRE_AFTER", default=60.0,
+            type=click.FloatRange(min=0, min_open=True),
+            help="Seconds without a heartbeat before a node is removed.")
+def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
+          ready_file: str | None, store: str, heartbeat_interval: float,
+          unhealthy_after: float, expire_after: float) -> None:
+    """Serve RegistryService until SIGTERM/SIGINT."""
+    if not heartbeat_interval < unhealthy_after < expire_after:
+        raise click.UsageError(
+            f"need --heartbeat-interval ({heartbeat_interval}) < --unhealthy-after "
+            f"({unhealthy_after}) < --expire-after ({expire_after})")
+    setup_logging(log_level)
+    from gridrl.common.errors import StatusError
+    from gridrl.master.server import Master
+
+    try:
+        master = Master(listen, metrics_port=metrics_port, auth_token=auth_token,
+                        store_path=store, heartbeat_interval_s=heartbeat_interval,
+                        unhealthy_after_s=unhealthy_after, expire_after_s=expire_after)
+    except StatusError as e:
+        raise click.BadParameter(e.message, param_hint="--listen") from e
+    except Exception as e:  # sqlite3.Error, OSError
+        raise click.BadParameter(str(e), param_hint="--store") from e
+    master.start()
+    write_ready_file(ready_file, master.address, master.port, master.metrics_port)
+    master.wait()
+
+
+@main.command()
+@env_option("--address", env="GRIDRL_MASTER_ADDRESS", default="127.0.0.1:50050",
+            help="host:port of the master.")
+@auth_option
+@env_option("--json", "as_json", env="GRIDRL_MASTER_NODES_JSON", is_flag=True, default=False,
+            help="Print {\"nodes\": [...]} as JSON instead of a table.")
+@env_option("--role", env="GRIDRL_MASTER_NODES_ROLE", default=None, show_default=False,
+            type=click.Choice(["rollout", "trainer"]), help="Only nodes with this role.")
+@env_option("--backend", env="GRIDRL_MASTER_NODES_BACKEND", default=None, show_default=False,
+            type=click.Choice(["torch", "mlx", "vllm"]), help="Only nodes with this backend.")
+@env_option("--model", env="GRIDRL_MASTER_NODES_MODEL", default=None, show_default=False,
+            help="Only nodes serving this base model id.")
+@env_option("--status", env="GRIDRL_MASTER_NODES_STATUS", default=None, show_default=False,
+            type=click.Choice(["healthy", "unhealthy", "draining"]),
+            help="Only nodes with this status.")
+@env_option("--timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", default=10.0, type=float,
+            help="Seconds to wait for the master.")
+@exit_on_rpc_error
+def nodes(address: str, auth_token: str | None, as_json: bool, role: str | None,
+          backend: str | None, model: str | None, status: str | None, timeout: float) -> None:
+    """Print the registry: address, role, backend, model, adapter, status, last seen."""
+    from gridrl.common.channel import dial
+    from gridrl.master.display import nodes_json, nodes_table
+    from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+    request = registry_pb2.ListNodesRequest(
+        role=common_pb2.NodeRole.Value(f"NODE_ROLE_{role.upper()}") if role else 0,
+        backend=common_pb2.Backend.Value(f"BACKEND_{backend.upper()}") if backend else 0,
+        model_id=model or "",
+        status=common_pb2.NodeStatus.Value(f"NODE_STATUS_{status.upper()}") if status else 0)
+    channel = dial(address, auth_token)
+    try:
+        response = registry_pb2_grpc.RegistryServiceStub(channel).ListNodes(request,
+                                                                            timeout=timeout)
+    finally:
+        channel.close()
+    if as_json:
+        print_json(nodes_json(list(response.nodes)))
+        return
+    from rich.console import Console
+
+    # Off a terminal (pipes, CliRunner) rows must not be cut at 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 400)
+    console.print(nodes_table(list(response.nodes)))
+
+
+if __name__ == "__main__":
+    main()

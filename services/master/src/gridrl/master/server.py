@@ -1,0 +1,247 @@
+"""RegistryService over gRPC, and the wiring of a master process (server, store, sweeper).
+
+    master = Master(listen="0.0.0.0:50050", metrics_port=9400, store_path="/var/lib/m.sqlite")
+    master.start()   # binds; master.address / master.port
+    master.wait()    # until SIGTERM/SIGINT or master.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+
+from gridrl.common.server import GrpcServer
+from gridrl.master import metrics
+from gridrl.master.registry import NodeFilter, Registry
+from gridrl.master.store import NO_STORE, SqliteStore
+from gridrl.master.validate import (
+    validate_filter,
+    validate_heartbeat,
+    validate_node_id,
+    validate_register,
+)
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
+# Each WatchNodes stream holds a server thread; half the threads stay for unary calls so
+# heartbeats are never starved by watchers.
+MAX_WORKERS = 64
+MAX_WATCHERS = MAX_WORKERS // 2
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    """gRPC face of a :class:`Registry`. Handlers raise ``StatusError``; the shared server
+    interceptor turns it into the status the client sees."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def RegisterNode(self, request: registry_pb2.RegisterNodeRequest,
+                     context: grpc.ServicerContext) -> registry_pb2.RegisterNodeResponse:
+        """Add the node or replace the record at its address; returns its id and the heartbeat
+        interval (seconds, as a Duration).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT naming ``node``, ``node.address`` (missing, not
+                host:port, a wildcard host), ``node.role`` (unset or unknown),
+                ``node.backend`` (unknown, or unset on a rollout node) or
+                ``node.adapter_format`` (unknown).
+        """
+        validate_register(request)
+        record, existed = self._registry.register(request.node)
+        metrics.REGISTRATIONS.labels(metrics.enum_label(common_pb2.NodeRole, record.info.role),
+                                     str(existed).lower()).inc()
+        log.info("%s %s as %s (%s)", "re-registered" if existed else "registered",
+                 record.info.address, record.node_id,
+                 metrics.enum_label(common_pb2.NodeRole, record.info.role))
+        return registry_pb2.RegisterNodeResponse(
+            node_id=record.node_id,
+            heartbeat_interval=_duration(self._registry.heartbeat_interval_s))
+
+    def Heartbeat(self, request: registry_pb2.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> registry_pb2.HeartbeatResponse:
+        """Keep the node alive; record its adapter, queue depth, load and DRAINING status.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT naming ``node_id`` (empty), ``load`` (outside
+                [0, 1]) or ``status`` (UNHEALTHY or unknown); NOT_FOUND for an unknown
+                ``node_id`` (the node must register again).
+        """
+        validate_heartbeat(request)
+        self._registry.heartbeat(request.node_id, request.adapter, request.queue_depth,
+                                 request.load, request.status)
+        metrics.HEARTBEATS.inc()
+        return registry_pb2.HeartbeatResponse(
+            heartbeat_interval=_duration(self._registry.heartbeat_interval_s))
+
+    def ListNodes(self, request: registry_pb2.ListNodesRequest,
+                  context: grpc.ServicerContext) -> registry_pb2.ListNodesResponse:
+        """Nodes matching every set filter (role, backend, model_id, status), by address.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT naming ``role``, ``backend`` or ``status`` for an
+                unknown enum value.
+        """
+        validate_filter(request.role, request.backend, request.status)
+        nodes = self._registry.list_nodes(NodeFilter(request.role, request.backend,
+                                                     request.model_id, request.status))
+        return registry_pb2.ListNodesResponse(nodes=nodes)
+
+    def WatchNodes(self, request: registry_pb2.WatchNodesRequest, context: grpc.ServicerContext):
+        """Stream SNAPSHOT events for the matching nodes, SNAPSHOT_END, then JOINED / CHANGED /
+        REMOVED as they happen, with strictly increasing sequence numbers. Ends (OK) when
+        the master stops; the client cancelling ends it at once.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT naming ``role`` or ``backend``; RESOURCE_EXHAUSTED
+                past the watcher limit or when the client falls 10,000 events behind;
+                UNAVAILABLE while the master shuts down.
+        """
+        validate_filter(request.role, request.backend)
+        sub = self._registry.subscribe(NodeFilter(request.role, request.backend,
+                                                  request.model_id))
+        if not context.add_callback(sub.close):  # the call already ended
+            sub.close()
+        metrics.WATCHERS.inc()
+        try:
+            while True:
+                event = sub.get()
+                if event is None:
+                    return
+                response = registry_pb2.WatchNodesResponse(type=event.type,
+                                                           sequence=event.sequence)
+                if event.node is not None:
+                    response.node.CopyFrom(event.node)
+                yield response
+        finally:
+            sub.close()
+            metrics.WATCHERS.dec()
+
+    def DeregisterNode(self, request: registry_pb2.DeregisterNodeRequest,
+                       context: grpc.ServicerContext) -> registry_pb2.DeregisterNodeResponse:
+        """Remove the node (clean shutdown).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT for an empty ``node_id``; NOT_FOUND for an unknown one.
+        """
+        validate_node_id(request.node_id)
+        record = self._registry.deregister(request.node_id)
+        metrics.DEREGISTRATIONS.inc()
+        log.info("deregistered %s (%s)", record.info.address, record.node_id)
+        return registry_pb2.DeregisterNodeResponse()
+
+
+class Sweeper:
+    """Background thread running :meth:`Registry.sweep` every ``interval_s`` seconds and
+    counting what it marked unhealthy or expired."""
+
+    def __init__(self, registry: Registry, interval_s: float) -> None:
+        self._registry = registry
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop and join the thread (within one sweep)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                result = self._registry.sweep()
+            except Exception:  # the sweeper must survive anything
+                log.exception("registry sweep failed")
+                continue
+            metrics.UNHEALTHY_TRANSITIONS.inc(len(result.unhealthy))
+            metrics.EXPIRATIONS.inc(len(result.expired))
+
+
+class Master:
+    """A master process: registry + optional sqlite store + sweeper + gRPC server.
+
+    Args:
+        listen: host:port to serve on (port 0: any free port; read ``.port`` after start).
+        metrics_port: Prometheus port (0: any free port, negative: off).
+        auth_token: bearer token every call but health/reflection must carry (None: open).
+        store_path: sqlite file for the records; None, "" or ":memory:" for no persistence.
+        heartbeat_interval_s, unhealthy_after_s, expire_after_s: liveness, in seconds
+            (see :class:`Registry`).
+        grace_s: seconds unary calls in flight get to finish on stop (watch streams end at once).
+
+    Raises:
+        ValueError: for non-increasing durations. OSError / sqlite3.Error: unusable store path.
+    """
+
+    def __init__(self, listen: str = "0.0.0.0:50050", metrics_port: int = -1,
+                 auth_token: str | None = None, store_path: str | None = None,
+                 heartbeat_interval_s: float = 5.0, unhealthy_after_s: float = 15.0,
+                 expire_after_s: float = 60.0, grace_s: float = 5.0) -> None:
+        self.store = None if store_path in (None, *NO_STORE) else SqliteStore(store_path)
+        try:
+            self.registry = Registry(heartbeat_interval_s, unhealthy_after_s, expire_after_s,
+                                     store=self.store, max_watchers=MAX_WATCHERS)
+            self.server = GrpcServer(listen, metrics_port=metrics_port, auth_token=auth_token,
+                                     max_workers=MAX_WORKERS, grace_s=grace_s)
+        except Exception:
+            if self.store is not None:
+                self.store.close()
+            raise
+        self.server.add(registry_pb2_grpc.add_RegistryServiceServicer_to_server,
+                        RegistryServicer(self.registry), SERVICE_NAME)
+        self.server.on_stopping(self.registry.close_watchers)
+        self.server.on_stop(self._shutdown)
+        self._sweeper = Sweeper(self.registry, max(0.02, min(heartbeat_interval_s,
+                                                             unhealthy_after_s / 4)))
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial (after :meth:`start`)."""
+        return self.server.address
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.server.metrics_port
+
+    def start(self) -> Master:
+        """Bind and serve, start the sweeper and the node-count metrics. Returns self."""
+        self.server.start()
+        metrics.track(self.registry)
+        self._sweeper.start()
+        return self
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """End watch streams, let unary calls finish within ``grace_s``, flush and close the
+        store. Idempotent."""
+        self.server.stop(grace_s)
+
+    def wait(self) -> None:
+        """Block until SIGTERM/SIGINT or :meth:`stop`, then stop gracefully."""
+        self.server.wait()
+
+    def _shutdown(self) -> None:
+        self._sweeper.stop()
+        metrics.untrack(self.registry)
+        self.registry.close()
+        if self.store is not None:
+            self.store.close()
+        log.info("master stopped")
