@@ -1,0 +1,136 @@
+"""The contract every rollout backend (torch, mlx) implements.
+
+The engine (``gridrl.rollout.engine``) owns queuing, batching, validation and adapter
+bookkeeping; a backend only knows how to run a batch of sequences on its framework, and how to
+load an adapter directory of its own format next to the weights already serving.
+
+Sampling semantics, identical in every backend (this is what makes behaviour logprobs exact):
+
+1. ``logits`` of the next token in float32, shape (vocab,).
+2. ``temperature == 0`` (greedy): the token is ``argmax(logits)``; its logprob is
+   ``log_softmax(logits)[token]`` (temperature 1, no truncation).
+3. Otherwise ``z = logits / temperature``; then top-k (keep the k largest of ``z``, ties at the
+   k-th value kept, when ``0 < top_k < vocab``); then top-p (sort descending, keep the smallest
+   prefix whose softmax mass is >= top_p, always at least one token, when ``top_p < 1``);
+   removed entries become ``-inf``. ``logprobs = log_softmax(z)`` over what is kept.
+4. The token is drawn from ``exp(logprobs)`` with the sequence's own RNG, and its logprob is
+   ``logprobs[token]``: the log-probability under the distribution it was actually drawn from.
+
+A sequence stops after a token in ``eos_token_ids | stop_token_ids`` (included in the output,
+``finish_reason="stop"``) or after ``max_tokens`` tokens (``"length"``).
+
+Seeds: each sequence carries its own ``seed``; the same seed, weights and prompt give the same
+tokens regardless of what else is in the batch (up to float rounding changing an argmax).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gridrl.models import ModelIdentity
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Validated sampling parameters (see the module docstring for their meaning)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SequenceRequest:
+    """One sequence to decode.
+
+    Attributes:
+        prompt_ids: prompt token ids, length >= 1.
+        sampling: how to pick each token.
+        seed: seed of this sequence's RNG (the engine derives it from the request seed and the
+            sample index).
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    seed: int
+
+
+@dataclass
+class SequenceResult:
+    """What a backend sampled for one :class:`SequenceRequest`.
+
+    Attributes:
+        token_ids: sampled ids, stop token included when ``finish_reason == "stop"``.
+        logprobs: one float per token, natural log, under the distribution it was drawn from.
+        finish_reason: ``"stop"`` or ``"length"``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+
+class AdapterLoadError(ValueError):
+    """An adapter directory does not fit this backend's base model (shapes, modules, layers).
+    The message names what does not fit; nothing was changed."""
+
+
+class Backend(abc.ABC):
+    """A model on one framework and device, able to decode batches and hold adapters.
+
+    Attributes set by implementations:
+        name: ``"torch"`` or ``"mlx"``.
+        adapter_format: the adapter layout loaded natively, ``"peft"`` or ``"mlx"``.
+        device: e.g. ``"cpu"``, ``"cuda:0"``, ``"mps"``, ``"mlx-cpu"``, ``"mlx-gpu"``.
+        dtype: compute dtype name, e.g. ``"float32"``, ``"bfloat16"``.
+        identity: the base model's identity (architecture, sizes) from config.json.
+        tokenizer: a ``transformers`` tokenizer for the model directory.
+        eos_token_ids: ids that end a sequence besides per-request stop ids.
+
+    Threading: the engine calls every method from its single scheduler thread, so no two calls
+    overlap and an adapter is never swapped during a batch.
+    """
+
+    name: str
+    adapter_format: str
+    device: str
+    dtype: str
+    identity: ModelIdentity
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+
+    @abc.abstractmethod
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+        """Decode every sequence of ``batch`` together with a KV cache.
+
+        Args:
+            batch: sequences, possibly of different prompt lengths and sampling configs.
+            adapter: a handle from :meth:`load_adapter`, or None for the base model.
+        Returns:
+            one result per request, in order.
+        """
+
+    @abc.abstractmethod
+    def load_adapter(self, directory: Path, key: str) -> Any:
+        """Load the adapter in ``directory`` (this backend's format) next to the weights already
+        serving, under ``key``, and return a handle for :meth:`generate`. The serving adapter is
+        untouched. Raises :class:`AdapterLoadError` when it does not fit the base model."""
+
+    @abc.abstractmethod
+    def unload_adapter(self, adapter: Any) -> None:
+        """Free an adapter handle that no batch will use again."""
+
+    @abc.abstractmethod
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
+              adapter: Any | None) -> list[float]:
+        """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids`` under the same
+        sampling transform as :meth:`generate` (module docstring, steps 1-3), one per token.
+        Tokens outside the top-k/top-p support get ``-inf``. Used to check the logprob invariant.
+        """
