@@ -6,6 +6,7 @@ import threading
 
 import grpc
 import pytest
+
 from gridrl.common.errors import StatusError
 from gridrl.master.registry import (
     CHANGED,

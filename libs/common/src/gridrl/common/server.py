@@ -150,6 +150,7 @@ class GrpcServer:
         self._on_stop: list[Callable[[], None]] = []
         self._on_stopping: list[Callable[[], None]] = []
         self._stopped = threading.Event()
+        self._stop_done = threading.Event()  # set once stop() ran every callback
         self.port = 0
         self.metrics_port = -1
 
@@ -196,19 +197,22 @@ class GrpcServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        drained = self._server.stop(self.grace_s if grace_s is None else grace_s)
-        for callback in self._on_stopping:
-            try:
-                callback()
-            except Exception:  # shutdown must go on
-                log.exception("on-stopping callback failed")
-        drained.wait()
-        for callback in self._on_stop:
-            try:
-                callback()
-            except Exception:  # shutdown must go on
-                log.exception("on-stop callback failed")
+        try:
+            self._health.enter_graceful_shutdown()
+            drained = self._server.stop(self.grace_s if grace_s is None else grace_s)
+            for callback in self._on_stopping:
+                try:
+                    callback()
+                except Exception:  # shutdown must go on
+                    log.exception("on-stopping callback failed")
+            drained.wait()
+            for callback in self._on_stop:
+                try:
+                    callback()
+                except Exception:  # shutdown must go on
+                    log.exception("on-stop callback failed")
+        finally:
+            self._stop_done.set()
 
     def wait(self) -> None:
         """Block until SIGTERM/SIGINT (main thread only) or :meth:`stop`, then stop gracefully."""
@@ -217,4 +221,7 @@ class GrpcServer:
                 signal.signal(sig, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
         while not self._stopped.wait(0.5):
             pass
+        # stop() may run in the signal's thread: return only once its callbacks are done,
+        # or the process would exit in the middle of them.
+        self._stop_done.wait()
         self._server.wait_for_termination()

@@ -38,11 +38,15 @@ def node_row(record: registry_pb2.NodeRecord, now: float) -> tuple[str, ...]:
 
 
 def nodes_table(records: list[registry_pb2.NodeRecord], now: float | None = None):
-    """A ``rich.table.Table`` of ``records`` (one row each, in the given order)."""
+    """A ``rich.table.Table`` of ``records`` (one row each, in the given order); ``now`` is
+    the wall-clock time (seconds) ages are measured against, default ``time.time()``."""
+    from rich import box
     from rich.table import Table
 
     now = time.time() if now is None else now
-    table = Table(caption=f"{len(records)} node(s)", caption_justify="left")
+    # Whitespace-separated columns: readable, and awk/grep-friendly.
+    table = Table(box=box.SIMPLE_HEAD, caption=f"{len(records)} node(s)",
+                  caption_justify="left")
     for name in COLUMNS:
         table.add_column(name, no_wrap=True)
     for record in records:

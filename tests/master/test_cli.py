@@ -1,0 +1,194 @@
+"""``gridrl-master`` as users run it: serve (subprocess), nodes (table / JSON), SIGTERM,
+a store that survives a crash, light imports, flag validation."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from click.testing import CliRunner
+from master_helpers import node_info
+
+from gridrl.common.channel import dial
+from gridrl.master.cli import main
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+BIN = f"{sys.prefix}/bin/gridrl-master"
+
+
+def serve_argv(*extra: str) -> list[str]:
+    return ["gridrl-master", "serve", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+            "--store", "", *extra]
+
+
+def stub(address: str) -> registry_pb2_grpc.RegistryServiceStub:
+    return registry_pb2_grpc.RegistryServiceStub(dial(address))
+
+
+def register(s, info) -> str:
+    return s.RegisterNode(registry_pb2.RegisterNodeRequest(node=info), timeout=10).node_id
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_nodes_table_and_json(service_factory) -> None:
+    master = service_factory(serve_argv("--unhealthy-after", "30"), "master",
+                             env={"GRIDRL_MASTER_HEARTBEAT_INTERVAL": "0.5"})
+    s = stub(master.address)
+    response = s.RegisterNode(registry_pb2.RegisterNodeRequest(
+        node=node_info("10.0.0.1:6000", model="smollm2-135m", adapter=("gsm8k", 12))), timeout=10)
+    assert response.heartbeat_interval.ToNanoseconds() == 500_000_000  # from the env variable
+    register(s, node_info("10.0.0.2:6000", backend=common_pb2.BACKEND_MLX, model="smollm2-135m"))
+    trainer = register(s, node_info("10.0.0.9:6100", role=common_pb2.NODE_ROLE_TRAINER,
+                                    backend=0, model="smollm2-135m"))
+    s.Heartbeat(registry_pb2.HeartbeatRequest(node_id=trainer,
+                                              status=common_pb2.NODE_STATUS_DRAINING), timeout=10)
+
+    # The table, through the installed console script.
+    out = subprocess.run([BIN, "nodes", "--address", master.address], capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    lines = out.splitlines()
+    header = next(line for line in lines if "ADDRESS" in line)
+    for column in ("ADDRESS", "ROLE", "BACKEND", "MODEL", "ADAPTER", "STATUS", "LAST SEEN"):
+        assert column in header
+    rows = [line.split() for line in lines if "10.0.0." in line]
+    assert [r[:6] for r in rows] == [
+        ["10.0.0.1:6000", "rollout", "torch", "smollm2-135m", "gsm8k@v12", "healthy"],
+        ["10.0.0.2:6000", "rollout", "mlx", "smollm2-135m", "base", "healthy"],
+        ["10.0.0.9:6100", "trainer", "-", "smollm2-135m", "base", "draining"],
+    ]
+    assert all("ago)" in line for line in lines if "10.0.0." in line)
+    assert "3 node(s)" in out
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"])
+    assert result.exit_code == 0, result.output
+    nodes = json.loads(result.output)["nodes"]
+    assert [n["info"]["address"] for n in nodes] == ["10.0.0.1:6000", "10.0.0.2:6000",
+                                                      "10.0.0.9:6100"]
+    first = nodes[0]
+    assert first["node_id"] == response.node_id
+    assert first["info"]["adapter"] == {"name": "gsm8k", "version": "12"}
+    assert (first["info"]["role"], first["info"]["backend"], first["status"]) == (
+        "NODE_ROLE_ROLLOUT", "BACKEND_TORCH", "NODE_STATUS_HEALTHY")
+    assert first["load"] == 0 and first["last_seen"].endswith("Z")
+
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json",
+                                  "--role", "rollout", "--backend", "mlx"])
+    assert [n["info"]["address"] for n in json.loads(result.output)["nodes"]] == ["10.0.0.2:6000"]
+    result = runner.invoke(main, ["nodes", "--status", "draining"],
+                           env={"GRIDRL_MASTER_ADDRESS": master.address})
+    assert result.exit_code == 0 and "10.0.0.9:6100" in result.output
+    assert "10.0.0.1:6000" not in result.output and "1 node(s)" in result.output
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json",
+                                  "--model", "other"])
+    assert json.loads(result.output) == {"nodes": []}
+
+
+def test_nodes_reports_rpc_errors() -> None:
+    result = CliRunner().invoke(main, ["nodes", "--address", f"127.0.0.1:{free_port()}",
+                                       "--timeout", "2"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: UNAVAILABLE: ")
+
+
+def test_sigterm_exits_zero_promptly_with_open_watch(service_factory, tmp_path) -> None:
+    store = tmp_path / "state" / "master.sqlite"
+    master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
+                              "--metrics-port", "-1", "--store", str(store)], "master")
+    s = stub(master.address)
+    register(s, node_info("10.0.0.1:6000"))
+    watch = s.WatchNodes(registry_pb2.WatchNodesRequest())
+    assert next(watch).type == registry_pb2.NODE_EVENT_TYPE_SNAPSHOT
+    t0 = time.monotonic()
+    master.proc.send_signal(signal.SIGTERM)
+    assert master.proc.wait(10) == 0
+    assert time.monotonic() - t0 < 3, master.log()
+    events = list(watch)  # the stream ended cleanly, not with an error
+    assert [e.type for e in events] == [registry_pb2.NODE_EVENT_TYPE_SNAPSHOT_END]
+    assert "master stopped" in master.log()
+    assert store.exists()
+
+
+def test_store_survives_a_crash(service_factory, tmp_path) -> None:
+    store = str(tmp_path / "master.sqlite")
+    listen = f"127.0.0.1:{free_port()}"
+    argv = ["gridrl-master", "serve", "--listen", listen, "--metrics-port", "-1",
+            "--store", store]
+    first = service_factory(argv, "first")
+    s = stub(first.address)
+    node_id = register(s, node_info("10.0.0.1:6000", adapter=("run", 3)))
+    first.stop(signal.SIGKILL)  # no flush, no goodbye
+    second = service_factory(argv, "second")
+    assert second.address == first.address
+    s = stub(second.address)
+    (record,) = s.ListNodes(registry_pb2.ListNodesRequest(), timeout=10).nodes
+    assert (record.node_id, record.info.adapter.version) == (node_id, 3)
+    s.Heartbeat(registry_pb2.HeartbeatRequest(node_id=node_id), timeout=10)  # known at once
+    assert "restored 1 node(s)" in second.log()
+
+
+def test_bad_flags_are_usage_errors() -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", "--store", "", "--heartbeat-interval", "5",
+                                  "--unhealthy-after", "2"])
+    assert result.exit_code == 2
+    assert "need --heartbeat-interval (5.0) < --unhealthy-after (2.0) < --expire-after" in (
+        result.output)
+    result = runner.invoke(main, ["serve", "--store", "", "--heartbeat-interval", "0"])
+    assert result.exit_code == 2 and "--heartbeat-interval" in result.output
+    result = runner.invoke(main, ["serve", "--store", "", "--listen", "nohost"])
+    assert result.exit_code == 2
+    assert "listen: 'nohost' is not host:port" in result.output
+
+
+def test_help_is_instant_and_shows_every_env_variable() -> None:
+    t0 = time.monotonic()
+    out = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=30,
+                         check=True).stdout
+    assert time.monotonic() - t0 < 5
+    for env in ("GRIDRL_MASTER_LISTEN", "GRIDRL_MASTER_METRICS_PORT", "GRIDRL_AUTH_TOKEN",
+                "GRIDRL_MASTER_LOG_LEVEL", "GRIDRL_MASTER_READY_FILE", "GRIDRL_MASTER_STORE",
+                "GRIDRL_MASTER_HEARTBEAT_INTERVAL", "GRIDRL_MASTER_UNHEALTHY_AFTER",
+                "GRIDRL_MASTER_EXPIRE_AFTER"):
+        assert env in out
+    out = subprocess.run([BIN, "nodes", "--help"], capture_output=True, text=True, timeout=30,
+                         check=True).stdout
+    for env in ("GRIDRL_MASTER_ADDRESS", "GRIDRL_AUTH_TOKEN", "GRIDRL_MASTER_NODES_JSON",
+                "GRIDRL_MASTER_NODES_ROLE", "GRIDRL_MASTER_NODES_BACKEND",
+                "GRIDRL_MASTER_NODES_MODEL", "GRIDRL_MASTER_NODES_STATUS",
+                "GRIDRL_MASTER_NODES_TIMEOUT"):
+        assert env in out
+
+
+def test_master_never_imports_tensor_libraries() -> None:
+    code = ("import sys, gridrl.master.cli, gridrl.master.server; "
+            "print(sorted(m for m in ('torch', 'mlx', 'numpy', 'transformers') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_auth_token_is_required_when_set(service_factory) -> None:
+    master = service_factory(serve_argv(), "master", env={"GRIDRL_AUTH_TOKEN": "s3cret"})
+    try:
+        stub(master.address).ListNodes(registry_pb2.ListNodesRequest(), timeout=10)
+        raise AssertionError("expected UNAUTHENTICATED")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+    runner = CliRunner()
+    result = runner.invoke(main, ["nodes", "--address", master.address])
+    assert result.exit_code == 1 and result.output.startswith("error: UNAUTHENTICATED")
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"],
+                           env={"GRIDRL_AUTH_TOKEN": "s3cret"})
+    assert result.exit_code == 0 and json.loads(result.output) == {"nodes": []}
