@@ -317,8 +317,11 @@ def test_watch_ordering_under_concurrent_changes(make_master, stub_for) -> None:
     assert per_stream[0][-len(per_stream[2]):] == per_stream[2]
 
 
-def test_hundreds_of_nodes_register_at_once(make_master, stub_for) -> None:
-    master = make_master(heartbeat_interval_s=5, unhealthy_after_s=30, expire_after_s=60)
+@pytest.mark.parametrize("with_store", [False, True], ids=["memory", "store"])
+def test_hundreds_of_nodes_register_at_once(make_master, stub_for, tmp_path, with_store) -> None:
+    store = str(tmp_path / "master.sqlite") if with_store else None
+    master = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
+                         expire_after_s=60)
     stub = stub_for(master)
     watcher = Watcher(stub)
     watcher.wait_for(lambda e: e.type == E.NODE_EVENT_TYPE_SNAPSHOT_END)
@@ -348,7 +351,12 @@ def test_hundreds_of_nodes_register_at_once(make_master, stub_for) -> None:
     joined = [e for e in watcher.events if e.type == E.NODE_EVENT_TYPE_JOINED]
     assert len(joined) == n
     watcher.cancel()
-    print(f"{n} concurrent registrations in {elapsed:.2f}s")
+    print(f"{n} concurrent registrations in {elapsed:.2f}s ({'with' if with_store else 'no'} store)")
+    if with_store:  # every one of them is back after a restart
+        master.stop(1)
+        restarted = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
+                                expire_after_s=60)
+        assert sorted(r.node_id for r in list_nodes(stub_for(restarted))) == sorted(ids)
 
 
 @pytest.mark.parametrize("with_store", [True, False])
