@@ -143,6 +143,35 @@ def clipped_surrogate(logp: torch.Tensor, behaviour_logp: torch.Tensor,
     return loss, took_clip
 
 
+def sequence_weights(lengths: torch.Tensor, aggregation: Aggregation,
+                     max_tokens: int | None = None) -> torch.Tensor:
+    """Weight of every token of each sequence, so that the step's loss is
+    ``sum_i sum_t c_i * m_it * loss_it`` (see :func:`loss_weights`).
+
+    Args:
+        lengths: (N,) number of completion tokens of each sequence of the whole step.
+        aggregation, max_tokens: as in :func:`loss_weights`.
+    Returns:
+        (N,) float32 ``c_i``: ``1 / (|o_i| N)`` (sequence), ``1 / sum|o|`` (token),
+        ``1 / (N max_tokens)`` (constant); 0 for empty sequences.
+    Raises:
+        ValueError: unknown aggregation, or ``"constant"`` without ``max_tokens``.
+    """
+    n_tok = lengths.to(torch.float32)
+    n = max(int(n_tok.shape[0]), 1)
+    if aggregation == "sequence":
+        c = 1.0 / (n_tok.clamp(min=1) * n)
+    elif aggregation == "token":
+        c = torch.full_like(n_tok, 1.0) / n_tok.sum().clamp(min=1)
+    elif aggregation == "constant":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError("aggregation 'constant' needs max_tokens >= 1")
+        c = torch.full_like(n_tok, 1.0 / (n * max_tokens))
+    else:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return torch.where(n_tok > 0, c, torch.zeros_like(c))
+
+
 def loss_weights(mask: torch.Tensor, aggregation: Aggregation,
                  max_tokens: int | None = None) -> torch.Tensor:
     """Per-token weights ``w`` such that the step's loss is ``sum(w * per_token_loss)``.
@@ -167,17 +196,7 @@ def loss_weights(mask: torch.Tensor, aggregation: Aggregation,
         ValueError: unknown aggregation, or ``"constant"`` without ``max_tokens``.
     """
     m = mask.to(torch.float32)
-    n = m.shape[0]
-    if aggregation == "sequence":
-        lengths = m.sum(dim=1, keepdim=True).clamp(min=1)
-        return m / (lengths * max(n, 1))
-    if aggregation == "token":
-        return m / m.sum().clamp(min=1)
-    if aggregation == "constant":
-        if not max_tokens or max_tokens < 1:
-            raise ValueError("aggregation 'constant' needs max_tokens >= 1")
-        return m / (max(n, 1) * max_tokens)
-    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    return m * sequence_weights(m.sum(dim=1), aggregation, max_tokens).unsqueeze(-1)
 
 
 def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation,

@@ -1,0 +1,152 @@
+"""Data parallelism: the same trainer under ``torchrun`` (torch.distributed DDP; NCCL on
+GPUs, gloo on CPU).
+
+Every rank holds the policy and computes the loss on its share of the step's groups (groups
+``rank, rank + W, ...``); DDP averages the LoRA gradients, so every rank applies the same
+update. Rank 0 alone talks to rollout nodes, pushes adapters, evaluates, checkpoints and
+writes the run directory; it broadcasts each step's training sequences to the other ranks
+(``broadcast_object_list``).
+
+Single-process runs use :class:`SingleProcess`, which has the same interface and does nothing
+collective, so the training code has one path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+class SingleProcess:
+    """One process, no collectives. ``model`` is the module the update calls forward on."""
+
+    rank = 0
+    world_size = 1
+    is_main = True
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def local_share(self, groups: Sequence[int]) -> list[int]:
+        """Indices of the sequences this rank trains on, given each sequence's group index."""
+        return list(range(len(groups)))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no all-reduce) inside the block."""
+        yield
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks, in place; returns it."""
+        return tensor
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        return obj
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    def close(self) -> None:
+        """Leave the process group."""
+
+
+class DataParallel(SingleProcess):
+    """DDP over the policy's peft model in an initialised process group.
+
+    Args:
+        model: the peft model (its LoRA parameters are the DDP parameters).
+        device: this rank's device; CUDA devices get ``device_ids=[index]``.
+    """
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.is_main = self.rank == 0
+        self.device = device
+        ids = [device.index] if device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters and buffers at construction: every rank starts
+        # from the same LoRA init even if their seeds differed.
+        self.model = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=False)
+
+    def local_share(self, groups: Sequence[int]) -> list[int]:
+        return [i for i, g in enumerate(groups) if g % self.world_size == self.rank]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.model.no_sync():
+            yield
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+            moved = tensor.to(self.device)
+            dist.all_reduce(moved)
+            tensor.copy_(moved.to(tensor.device))
+            return tensor
+        dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0,
+                                   device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment of ``torchrun`` (WORLD_SIZE > 1) is present."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_process_group(device: torch.device, *, init_method: str | None = None,
+                       rank: int | None = None, world_size: int | None = None,
+                       timeout_s: float = 1800.0) -> None:
+    """Join the process group: NCCL when ``device`` is CUDA, gloo otherwise.
+
+    Without arguments it reads torchrun's environment (``env://``). The long default timeout
+    covers rank 0 waiting on rollouts and evals while the other ranks block in a collective.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+
+
+def make_parallel(model: Any, device: torch.device) -> SingleProcess:
+    """:class:`DataParallel` when a process group is initialised with more than one rank,
+    else :class:`SingleProcess`."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return DataParallel(model, device)
+    return SingleProcess(model)

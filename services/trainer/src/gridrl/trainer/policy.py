@@ -1,0 +1,229 @@
+"""The policy: a base causal LM with a trainable peft LoRA adapter, and the forward passes the
+trainer needs (completion logprobs of a padded batch, reference logprobs with the adapter
+disabled). Also serializes the adapter to peft files in memory for pushes and checkpoints.
+
+Base weights load in float32 on CPU and bfloat16 on CUDA; LoRA weights stay float32 (peft's
+``autocast_adapter_dtype``). Only LoRA parameters require grad.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gridrl.common.errors import invalid_argument
+from gridrl.models import ModelIdentity, model_identity
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """peft LoRA hyper-parameters.
+
+    Attributes:
+        rank: r.
+        alpha: lora_alpha; the update is scaled by ``alpha / r`` (``alpha / sqrt(r)`` with
+            rsLoRA, Kalajdzievski 2023, arXiv:2312.03732).
+        dropout: lora_dropout on the adapter input (training mode only).
+        target_modules: ``"all-linear"`` (every linear layer but the output head) or a
+            comma-separated list of module names (``"q_proj,v_proj"``).
+        rslora: use rank-stabilised scaling.
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str = "all-linear"
+    rslora: bool = False
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig, TaskType
+
+        targets: str | list[str] = self.target_modules
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=targets, use_rslora=self.rslora, bias="none",
+                          task_type=TaskType.CAUSAL_LM)
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """``"auto"`` -> ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Policy:
+    """A causal LM wrapped by peft with one trainable LoRA adapter named ``default``.
+
+    Attributes:
+        model: the ``peft.PeftModel``.
+        tokenizer: the model directory's tokenizer (a pad id is guaranteed).
+        identity: the base model's identity.
+        device, dtype: where and in what the base weights live.
+        model_id: the ``--model`` string (for manifests and logs).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, model_id: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.model_id = model_id
+        p = next(model.parameters())
+        self.device = p.device
+        self.dtype = next(iter(model.get_base_model().parameters())).dtype
+        self.pad_id = pad_token_id(tokenizer)
+
+    # ---------------------------------------------------------------- parameters and files
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA parameters (float32), in a stable order."""
+        return [p for _, p in sorted(self.model.named_parameters()) if p.requires_grad]
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA state dict with peft's on-disk key names (``...lora_A.weight``), on CPU."""
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+    def adapter_config_json(self) -> bytes:
+        """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (sets as lists,
+        ``inference_mode`` true, ``base_model_name_or_path`` the model id)."""
+        cfg = self.model.peft_config["default"].to_dict()
+        for key, value in list(cfg.items()):
+            if isinstance(value, set):
+                cfg[key] = sorted(value)
+        cfg["inference_mode"] = True
+        cfg["base_model_name_or_path"] = self.model_id
+        return json.dumps(cfg, indent=2, sort_keys=True, default=str).encode()
+
+    def adapter_files(self) -> dict[str, bytes]:
+        """The adapter as peft files in memory: ``{"adapter_config.json": ...,
+        "adapter_model.safetensors": ...}`` (no disk round trip)."""
+        from safetensors.torch import save
+
+        return {ADAPTER_CONFIG: self.adapter_config_json(),
+                ADAPTER_WEIGHTS: save(self.adapter_state(), metadata={"format": "pt"})}
+
+    def load_adapter_files(self, files: Mapping[str, bytes]) -> None:
+        """Set the LoRA weights from peft files (as :meth:`adapter_files` returns).
+
+        Raises:
+            ValueError: a key is missing or unexpected (a different adapter layout).
+        """
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load
+
+        state = load(files[ADAPTER_WEIGHTS])
+        result = set_peft_model_state_dict(self.model, state)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
+        if unexpected or missing:
+            raise ValueError(f"adapter does not fit the policy: unexpected {unexpected[:3]}, "
+                             f"missing {missing[:3]}")
+
+    def save_adapter(self, directory: Path) -> dict[str, bytes]:
+        """Write the peft files into ``directory`` (created); returns them."""
+        directory.mkdir(parents=True, exist_ok=True)
+        files = self.adapter_files()
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+        return files
+
+    # ---------------------------------------------------------------- forward passes
+
+    def completion_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          completion_width: int, *, model: Any | None = None) -> torch.Tensor:
+        """Logits predicting the completion columns of a prompt-left-padded batch.
+
+        Args:
+            input_ids: (N, P + C) int64, prompts left-padded to width P, completions after
+                them, right-padded to width C.
+            attention_mask: (N, P + C) 1 on real tokens.
+            completion_width: C.
+            model: the module to call (a DDP wrapper of :attr:`model`); default :attr:`model`.
+        Returns:
+            (N, C, V) logits in the model's dtype; ``[:, t]`` predicts completion token ``t``.
+            Positions are ``cumsum(attention_mask) - 1`` so padding does not shift them.
+        """
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids,
+                                    logits_to_keep=completion_width + 1, use_cache=False)
+        return out.logits[:, :-1]
+
+    @torch.no_grad()
+    def reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         completion_width: int) -> torch.Tensor:
+        """:meth:`completion_logits` of the reference policy: the base model with the adapter
+        disabled (no gradient)."""
+        with self.model.disable_adapter():
+            return self.completion_logits(input_ids, attention_mask, completion_width)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its eos id, else 0 (padding is always masked)."""
+    for attr in ("pad_token_id", "eos_token_id"):
+        v = getattr(tokenizer, attr, None)
+        if isinstance(v, int):
+            return v
+        if isinstance(v, list | tuple) and v:
+            return int(v[0])
+    return 0
+
+
+def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: str = "auto",
+                seed: int = 0) -> Policy:
+    """Load ``--model`` (alias, directory or hub id) and wrap it with a fresh LoRA adapter.
+
+    The LoRA init (A random, B zero, so the policy starts equal to the base model) is seeded
+    with ``seed``.
+
+    Args:
+        model: model id/alias/path, resolved with :func:`gridrl.models.resolve_model`.
+        lora: LoRA settings.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"bfloat16"``.
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--lora-target-modules`` when no module matches.
+    """
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gridrl.models import resolve_model
+
+    path = resolve_model(model)
+    dev = pick_device(device)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev)
+    base.config.use_cache = False
+    torch.manual_seed(seed)
+    try:
+        peft_model = get_peft_model(base, lora.peft_config())
+    except ValueError as e:
+        raise invalid_argument("--lora-target-modules", str(e)) from e
+    identity = model_identity(path, model_id=model) if Path(str(path)).is_dir() else None
+    if identity is None:
+        cfg = base.config
+        identity = ModelIdentity(model_id=model, architecture=cfg.model_type,
+                                 hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                                 vocab_size=cfg.vocab_size,
+                                 max_context=getattr(cfg, "max_position_embeddings", 2048))
+    return Policy(peft_model, tokenizer, identity, model)
