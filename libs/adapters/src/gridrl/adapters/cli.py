@@ -1,0 +1,105 @@
+"""``gridrl-adapters``: convert adapters between peft and mlx-lm, and inspect them.
+
+    gridrl-adapters convert SRC DST [--to mlx|peft] [--num-layers N] [--dtype D] [--force]
+    gridrl-adapters inspect DIR [--json]
+
+Every flag also reads ``GRIDRL_ADAPTERS_<FLAG>``. Exit status 1 with ``Error: <reason>`` when
+an adapter cannot be read or converted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from gridrl.adapters.convert import convert_dir, detect_format
+from gridrl.adapters.errors import AdapterError
+from gridrl.adapters.manifest import AdapterManifest, build_manifest
+
+
+def _option(*decls: str, env: str, **kwargs):
+    return click.option(*decls, envvar=f"GRIDRL_ADAPTERS_{env}", show_envvar=True, **kwargs)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Exact LoRA adapter conversion between peft and mlx-lm, and adapter manifests."""
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@_option("--to", "to", env="TO", type=click.Choice(["mlx", "peft"]), default=None,
+         help="Target format (default: the other one).")
+@_option("--num-layers", env="NUM_LAYERS", type=click.IntRange(min=1), default=None,
+         help="Number of transformer blocks of the BASE model (peft -> mlx, when the adapter "
+              "does not adapt every block; default: read from a local base model directory).")
+@_option("--dtype", env="DTYPE", type=click.Choice(["float32", "float16", "bfloat16"]),
+         default=None, help="Cast the tensors (default: keep each tensor's dtype).")
+@_option("--force", env="FORCE", is_flag=True, default=False,
+         help="Replace DST if it exists.")
+def convert(src: Path, dst: Path, to: str | None, num_layers: int | None, dtype: str | None,
+            force: bool) -> None:
+    """Convert the adapter directory SRC into DST (written atomically)."""
+    if dst.exists() and not force:
+        raise click.ClickException(f"{dst} exists; pass --force to replace it")
+    try:
+        names = [p.name for p in src.iterdir()]
+        fmt = detect_format(names)
+        target = to or ("mlx" if fmt == "peft" else "peft")
+        convert_dir(src, dst, target, num_layers, dtype=dtype)  # type: ignore[arg-type]
+    except AdapterError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{src} ({fmt}) -> {dst} ({target})")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_option("--json", "as_json", env="JSON", is_flag=True, default=False,
+         help="Print the manifest as JSON (the gridrl.v1.AdapterManifest fields).")
+def inspect(directory: Path, as_json: bool) -> None:
+    """Print the manifest of the adapter in DIRECTORY."""
+    try:
+        manifest = build_manifest(directory)
+    except AdapterError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+    else:
+        click.echo(format_table(manifest))
+
+
+def format_table(m: AdapterManifest) -> str:
+    """A plain two-column rendering of a manifest, then its files."""
+    b = m.base_model
+    rows = [
+        ("format", m.format),
+        ("rank", str(m.rank)),
+        ("scale", repr(m.scale)),
+        ("target_modules", ", ".join(m.target_modules) or "-"),
+        ("layers", _ranges(m.layers) or "-"),
+        ("base_model", b.model_id or "-"),
+        ("architecture", b.architecture or "-"),
+        ("hidden_size", str(b.hidden_size or "-")),
+        ("num_layers", str(b.num_layers or "-")),
+        ("vocab_size", str(b.vocab_size or "-")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("")
+    size_w = max((len(str(f.size_bytes)) for f in m.files), default=1)
+    lines += [f"{str(f.size_bytes).rjust(size_w)}  {f.sha256}  {f.path}" for f in m.files]
+    return "\n".join(lines)
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out: list[str] = []
+    for v in values:
+        if out and v == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
