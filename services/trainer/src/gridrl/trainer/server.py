@@ -1,0 +1,76 @@
+"""TrainerService over gRPC: a read-only view of the run in :class:`RunStatus`.
+
+    server = serve_trainer(status, listen="0.0.0.0:50052", metrics_port=9402)
+    ...                      # the loop calls status.report(...) each step
+    server.stop()
+
+``GetRunStatus`` answers the run's state and last report. ``WatchRun`` streams step reports as
+they finish (the history first when asked) and ends when the run finishes or fails, when the
+client goes away, or when the server stops. The Prometheus endpoint (``gridrl_trainer_*`` from
+:mod:`gridrl.trainer.metrics`, ``gridrl_rpc_*``) is served on ``metrics_port``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from gridrl.common.server import GrpcServer
+from gridrl.trainer.status import RunStatus
+from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+# Seconds between checks that a WatchRun client is still there.
+_WATCH_POLL_S = 1.0
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """gRPC face of a :class:`RunStatus`."""
+
+    def __init__(self, status: RunStatus) -> None:
+        self._status = status
+        self._stopping = threading.Event()
+
+    def GetRunStatus(self, request: trainer_pb2.GetRunStatusRequest,
+                     context: grpc.ServicerContext) -> trainer_pb2.GetRunStatusResponse:
+        """The run's name, directory, state, step, policy version, last report, baseline."""
+        return self._status.snapshot()
+
+    def WatchRun(self, request: trainer_pb2.WatchRunRequest,
+                 context: grpc.ServicerContext) -> Iterator[trainer_pb2.WatchRunResponse]:
+        """Step reports as they finish; with ``include_history``, every earlier one first.
+        Ends (OK) after the last report of a finished or failed run, or when the server stops."""
+        context.add_callback(self._status.wake)
+        index = 0 if request.include_history else self._status.history_length()
+        while not self._stopping.is_set() and context.is_active():
+            reports, done = self._status.wait_reports(index, _WATCH_POLL_S)
+            for report in reports:
+                yield trainer_pb2.WatchRunResponse(report=report)
+            index += len(reports)
+            if done:
+                return
+
+    def stop(self) -> None:
+        """End every WatchRun stream (server stopping)."""
+        self._stopping.set()
+        self._status.wake()
+
+
+def serve_trainer(status: RunStatus, listen: str, metrics_port: int,
+                  auth_token: str | None = None) -> GrpcServer:
+    """Start TrainerService on ``listen`` (host:port, port 0: any free port) with Prometheus
+    ``/metrics`` on ``metrics_port`` (0: any free port, negative: off).
+
+    Returns:
+        the started server; ``.address`` / ``.port`` / ``.metrics_port`` are bound.
+    Raises:
+        StatusError: INVALID_ARGUMENT ``listen: ...`` for a malformed address.
+        OSError: when the port cannot be bound.
+    """
+    servicer = TrainerServicer(status)
+    server = GrpcServer(listen, metrics_port=metrics_port, auth_token=auth_token, grace_s=5.0)
+    server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)
+    server.on_stopping(servicer.stop)
+    return server.start()

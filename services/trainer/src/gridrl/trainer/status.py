@@ -1,0 +1,162 @@
+"""The run's live state, shared by the training loop (writer) and TrainerService (readers).
+
+    status = RunStatus()
+    status.begin("run-1", "/runs/run-1", total_steps=200, model_id="smollm2-135m-instruct")
+    status.set_baseline(0.12)
+    status.report({"step": 1, "policy_version": 1, "reward_mean": 0.3, ...})   # each step
+    status.finish()            # or status.fail("CUDA out of memory")
+
+Reports are ``gridrl.v1.StepReport`` messages built from dicts keyed by its field names (times
+in seconds); ``time`` is filled with the current time when absent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+
+from gridrl.v1 import trainer_pb2
+
+_FIELDS = frozenset(f.name for f in trainer_pb2.StepReport.DESCRIPTOR.fields)
+
+
+def report_to_proto(report: Mapping[str, Any]) -> trainer_pb2.StepReport:
+    """Build a StepReport from a dict of its field names (``eval_score`` None: not measured;
+    ``time`` absent: now; ``time`` may be a Timestamp or POSIX seconds).
+
+    Raises:
+        ValueError: naming the key, for an unknown key or a value of the wrong type.
+    """
+    unknown = sorted(set(report) - _FIELDS)
+    if unknown:
+        raise ValueError(f"report: unknown field(s) {', '.join(unknown)} (StepReport has "
+                         f"{', '.join(sorted(_FIELDS))})")
+    msg = trainer_pb2.StepReport()
+    for key, value in report.items():
+        if value is None:
+            continue
+        try:
+            if key == "time":
+                if isinstance(value, timestamp_pb2.Timestamp):
+                    msg.time.CopyFrom(value)
+                else:
+                    msg.time.FromNanoseconds(int(float(value) * 1e9))
+            elif isinstance(getattr(msg, key), int):
+                setattr(msg, key, int(value))
+            else:
+                setattr(msg, key, float(value))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"report.{key}: {value!r} is not valid: {e}") from None
+    if "time" not in report or report["time"] is None:
+        msg.time.FromNanoseconds(time.time_ns())
+    return msg
+
+
+class RunStatus:
+    """Thread-safe state of one training run: lifecycle, baseline, and every step report.
+
+    Readers (:meth:`snapshot`, :meth:`wait_reports`) never block the writer for long.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._run_name = ""
+        self._run_dir = ""
+        self._model_id = ""
+        self._total_steps = 0
+        self._state = trainer_pb2.RUN_STATE_STARTING
+        self._baseline: float | None = None
+        self._error = ""
+        self._history: list[trainer_pb2.StepReport] = []
+
+    def begin(self, run_name: str, run_dir: str, total_steps: int, model_id: str) -> None:
+        """Start a run (state STARTING: loading the model, measuring the baseline)."""
+        with self._cond:
+            self._run_name, self._run_dir, self._model_id = run_name, run_dir, model_id
+            self._total_steps = int(total_steps)
+            self._state = trainer_pb2.RUN_STATE_STARTING
+            self._baseline = None
+            self._error = ""
+            self._history = []
+            self._cond.notify_all()
+
+    def set_baseline(self, score: float) -> None:
+        """Record the base model's eval score (in [0, 1]) measured before training."""
+        with self._cond:
+            self._baseline = float(score)
+
+    def report(self, report: Mapping[str, Any]) -> None:
+        """Append one step's report (keys: StepReport field names), set state RUNNING and wake
+        WatchRun subscribers. Does not touch Prometheus (see ``metrics.record_step``).
+
+        Raises:
+            ValueError: naming the key, for an unknown key or a bad value.
+        """
+        msg = report_to_proto(report)
+        with self._cond:
+            self._history.append(msg)
+            if self._state == trainer_pb2.RUN_STATE_STARTING:
+                self._state = trainer_pb2.RUN_STATE_RUNNING
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Mark the run FINISHED (all steps done); ends WatchRun streams."""
+        with self._cond:
+            self._state = trainer_pb2.RUN_STATE_FINISHED
+            self._cond.notify_all()
+
+    def fail(self, error: str) -> None:
+        """Mark the run FAILED with ``error``; ends WatchRun streams."""
+        with self._cond:
+            self._state = trainer_pb2.RUN_STATE_FAILED
+            self._error = error
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """True once the run finished or failed."""
+        with self._cond:
+            return self._done()
+
+    def snapshot(self) -> trainer_pb2.GetRunStatusResponse:
+        """The run as ``GetRunStatusResponse``."""
+        with self._cond:
+            msg = trainer_pb2.GetRunStatusResponse(
+                run_name=self._run_name, run_dir=self._run_dir, state=self._state,
+                total_steps=self._total_steps, model_id=self._model_id, error=self._error)
+            if self._history:
+                last = self._history[-1]
+                msg.step = last.step
+                msg.policy_version = last.policy_version
+                msg.last_report.CopyFrom(last)
+            if self._baseline is not None:
+                msg.baseline_eval = self._baseline
+            return msg
+
+    def history_length(self) -> int:
+        """Number of reports so far."""
+        with self._cond:
+            return len(self._history)
+
+    def wait_reports(self, start: int, timeout_s: float) -> tuple[list[trainer_pb2.StepReport], bool]:
+        """Reports from index ``start`` on, waiting up to ``timeout_s`` seconds for one.
+
+        Returns:
+            (reports, done): the new reports (possibly none after the timeout) and whether the
+            run has finished or failed (no report will follow those returned).
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._history) > start or self._done(), timeout_s)
+            return list(self._history[start:]), self._done()
+
+    def wake(self) -> None:
+        """Wake every :meth:`wait_reports` caller (a server stopping, a client leaving)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _done(self) -> bool:
+        return self._state in (trainer_pb2.RUN_STATE_FINISHED, trainer_pb2.RUN_STATE_FAILED)

@@ -1,0 +1,302 @@
+"""Weight sync: stream the trainer's LoRA adapter to every rollout node with ``PushAdapter``.
+
+    sync = AdapterSync(pool, name="run-1", num_layers=30, deadline_s=30)
+    report = sync.push(version, files, manifest)     # every --sync-every steps
+    report.synced, report.skipped                    # addresses; address -> reason
+    sync.lagging_nodes(version)                      # nodes still behind: warn loudly
+
+Each node gets the adapter in the format it declared: peft files as they are (torch, vLLM),
+converted once per version with ``gridrl.adapters.convert_files(..., "mlx")`` for MLX nodes.
+Pushes go to all nodes concurrently, each with its own deadline, so a push takes about the
+slowest node's time, never the sum. A node that fails or misses the deadline is reported in
+``skipped`` and benched by the pool (it would sample a stale policy); nodes out of rotation are
+skipped without a call. The newest (version, files) is remembered: a node that joins or comes
+back into rotation, or reports serving an older version than it was pushed (restarted), gets
+it in the background first thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gridrl.common.transport import push_requests
+from gridrl.trainer import metrics
+from gridrl.trainer.pool import NodePool, NodeState
+from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncReport:
+    """Outcome of one push.
+
+    Attributes:
+        seconds: wall-clock seconds of the whole push (conversion included).
+        synced: addresses that now serve the pushed version, sorted.
+        skipped: address -> why it did not take the adapter (failed call, deadline, out of
+            rotation, conversion unavailable).
+    """
+
+    seconds: float
+    synced: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Adapter:
+    """One version of the adapter, with its files in each format converted so far."""
+
+    version: int
+    payloads: dict[str, tuple[dict, Mapping[str, bytes]]]  # format -> (manifest, files)
+
+
+class AdapterSync:
+    """Pushes adapters to the nodes of a :class:`NodePool` and keeps late nodes caught up.
+
+    Args:
+        pool: the node pool (its nodes, channels and bookkeeping).
+        name: adapter name (the run name); [A-Za-z0-9._-]+.
+        num_layers: transformer blocks of the base model (for the MLX conversion).
+        deadline_s: seconds one node's push may take (per node; nodes run concurrently).
+        auth_token: unused beyond the pool's channels (which carry the pool's token); kept for
+            symmetry with the other clients.
+    """
+
+    def __init__(self, pool: NodePool, *, name: str, num_layers: int, deadline_s: float = 30.0,
+                 auth_token: str | None = None) -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
+        self.pool = pool
+        self.name = name
+        self.num_layers = num_layers
+        self.deadline_s = deadline_s
+        self.auth_token = auth_token
+        self._lock = threading.Lock()
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._newest: _Adapter | None = None
+        self._convert_lock = threading.Lock()
+        self._executor = futures.ThreadPoolExecutor(32, thread_name_prefix="adapter-sync")
+        self._closed = False
+        pool.add_listener(self._on_node)
+
+    def push(self, version: int, files: Mapping[str, bytes], manifest: Mapping[str, Any]) -> SyncReport:
+        """Push policy ``version`` to every node concurrently, each within ``deadline_s``.
+
+        Args:
+            version: the policy version (>= 1, not older than the last push).
+            files: the peft adapter files in memory, path -> bytes.
+            manifest: the ``gridrl.adapters`` manifest dict of ``files`` (format "peft").
+        Returns:
+            who took it and who was skipped, and why.
+        Raises:
+            ValueError: naming the field, when ``manifest`` does not describe ``version`` /
+                this adapter name / peft files, or ``version`` is older than the last push.
+        """
+        start = time.perf_counter()
+        if manifest.get("version") != version:
+            raise ValueError(f"manifest.version: {manifest.get('version')} != version {version}")
+        if manifest.get("name") != self.name:
+            raise ValueError(f"manifest.name: {manifest.get('name')!r} != {self.name!r}")
+        if manifest.get("format") != "peft":
+            raise ValueError(f"manifest.format: expected 'peft', got {manifest.get('format')!r}")
+        adapter = _Adapter(version, {"peft": (dict(manifest), dict(files))})
+        with self._lock:
+            if self._newest is not None and version < self._newest.version:
+                raise ValueError(f"version: {version} is older than the last push "
+                                 f"({self._newest.version})")
+            self._newest = adapter
+        report = SyncReport(seconds=0.0)
+        targets = []
+        for node in self.pool.nodes():
+            if node.excluded:
+                continue
+            if node.in_rotation:
+                targets.append(node)
+            else:
+                report.skipped[node.address] = _why_out(node)
+        unconvertible = {}
+        for fmt in sorted({n.adapter_format for n in targets}):  # convert before the clock runs
+            try:
+                self._payload(adapter, fmt)
+            except Exception as e:
+                log.exception("could not convert policy version %d to %s", version, fmt)
+                unconvertible[fmt] = f"conversion to {fmt} failed: {e!r}"
+        jobs: dict[futures.Future, str] = {}
+        for node in targets:
+            if node.adapter_format in unconvertible:
+                report.skipped[node.address] = self._failed(
+                    node.address, version, unconvertible[node.adapter_format])
+            else:
+                jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
+        done, late = futures.wait(jobs, timeout=self.deadline_s + 5.0)
+        for future in done:
+            error = future.result()
+            if error:
+                report.skipped[jobs[future]] = error
+            else:
+                report.synced.append(jobs[future])
+        for future in late:  # a call outliving its own deadline: should not happen
+            report.skipped[jobs[future]] = f"no answer within {self.deadline_s:.1f}s"
+            self.pool.note_sync_failed(jobs[future], version, report.skipped[jobs[future]])
+        report.synced.sort()
+        report.seconds = time.perf_counter() - start
+        for address, why in sorted(report.skipped.items()):
+            log.warning("sync of policy version %d: SKIPPED node %s: %s", version, address, why)
+        log.info("synced policy version %d to %d node(s) in %.2fs (%d skipped)", version,
+                 len(report.synced), report.seconds, len(report.skipped))
+        return report
+
+    def lagging_nodes(self, current_version: int) -> list[str]:
+        """Addresses of usable nodes (base model matching) whose served or last-synced policy
+        version is below ``current_version`` (the version last pushed), sorted. Includes nodes
+        out of rotation: they hold stale weights too."""
+        return sorted(n.address for n in self.pool.nodes() if not n.excluded
+                      and min(n.adapter_version, n.synced_version) < current_version)
+
+    def close(self) -> None:
+        """Wait for background catch-up pushes and stop the worker threads. Idempotent."""
+        self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -------------------------------------------------------------------- per node
+
+    def _push_node(self, node: NodeState, adapter: _Adapter) -> str:
+        """Push ``adapter`` to one node; returns "" on success, else the reason (and the node
+        is benched)."""
+        deadline = time.monotonic() + self.deadline_s
+        lock = self._node_lock(node.address)
+        if not lock.acquire(timeout=self.deadline_s):
+            return self._failed(node.address, adapter.version,
+                                f"an earlier push was still running after {self.deadline_s:.1f}s")
+        try:
+            fmt = node.adapter_format
+            try:
+                manifest, files = self._payload(adapter, fmt)
+            except Exception as e:
+                return self._failed(node.address, adapter.version,
+                                    f"conversion to {fmt} failed: {e}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._failed(node.address, adapter.version,
+                                    f"deadline of {self.deadline_s:.1f}s spent converting")
+            stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
+            try:
+                response = stub.PushAdapter(push_requests(manifest, files), timeout=left)
+            except grpc.RpcError as e:
+                return self._failed(node.address, adapter.version,
+                                    f"PushAdapter {e.code().name}: {e.details()}")
+            except KeyError as e:  # the node left the pool meanwhile
+                return f"left the pool: {e}"
+            serving = response.serving
+            if serving.name != self.name or serving.version != adapter.version:
+                return self._failed(node.address, adapter.version,
+                                    f"node serves {serving.name!r} v{serving.version} after the "
+                                    f"push of v{adapter.version}")
+            self.pool.note_synced(node.address, adapter.version, serving)
+            log.debug("pushed policy version %d (%s) to %s", adapter.version, fmt, node.address)
+            return ""
+        finally:
+            lock.release()
+
+    def _failed(self, address: str, version: int, reason: str) -> str:
+        metrics.SYNC_FAILURES.labels(address).inc()
+        self.pool.note_sync_failed(address, version, reason)
+        return reason
+
+    def _payload(self, adapter: _Adapter, fmt: str) -> tuple[dict, Mapping[str, bytes]]:
+        """The (manifest, files) of ``adapter`` in ``fmt``, converting once per version."""
+        with self._convert_lock:
+            if fmt not in adapter.payloads:
+                if fmt != "mlx":
+                    raise ValueError(f"adapter_format {fmt!r} is not peft or mlx")
+                from gridrl.adapters import build_manifest, convert_files
+
+                peft_manifest, peft_files = adapter.payloads["peft"]
+                mlx_files = convert_files(peft_files, "mlx", self.num_layers)
+                mlx_manifest = build_manifest(mlx_files, name=self.name, version=adapter.version,
+                                              base_model=peft_manifest["base_model"]).to_dict()
+                adapter.payloads["mlx"] = (mlx_manifest, mlx_files)
+            return adapter.payloads[fmt]
+
+    def _node_lock(self, address: str) -> threading.Lock:
+        with self._lock:
+            return self._node_locks.setdefault(address, threading.Lock())
+
+    # ------------------------------------------------------------------- catch-up
+
+    def _on_node(self, node: NodeState) -> None:
+        """Pool listener: a node joined, came back, or lost its adapter; catch it up. Before
+        the first push, a node serving another run's adapter is reset to the base model."""
+        with self._lock:
+            adapter = self._newest
+        if self._closed or node.excluded:
+            return
+        if adapter is None:
+            if node.adapter_name not in ("", self.name):
+                self._submit(self._reset_to_base, node.address, node.adapter_name)
+            return
+        if node.synced_version >= adapter.version and node.adapter_version >= adapter.version:
+            return
+        self._submit(self._catch_up, node.address, adapter)
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down meanwhile
+            pass
+
+    def _reset_to_base(self, address: str, foreign: str) -> None:
+        """Make a node that serves another run's adapter serve the base model (version 0)."""
+        log.warning("node %s serves adapter %r, not this run's %r; switching it to the base "
+                    "model until the first sync", address, foreign, self.name)
+        try:
+            response = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).ReloadAdapter(
+                rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=self.deadline_s)
+        except (grpc.RpcError, KeyError) as e:
+            reason = (f"ReloadAdapter {e.code().name}: {e.details()}"
+                      if isinstance(e, grpc.RpcError) else "left the pool")
+            log.warning("node %s: could not switch to the base model: %s", address, reason)
+            self.pool.note_sync_failed(address, 0, f"serves another run's adapter {foreign!r} "
+                                                   f"and {reason}")
+            return
+        self.pool.note_synced(address, 0, response.serving)
+
+    def _catch_up(self, address: str, adapter: _Adapter) -> None:
+        """Give a late node the newest adapter, unless it already serves it."""
+        with self._lock:
+            if self._newest is not adapter:  # a newer push reaches it (or skips it) anyway
+                return
+        node = self.pool.node(address)
+        if node is None or not node.in_rotation:
+            return
+        try:
+            info = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).GetNodeInfo(
+                rollout_pb2.GetNodeInfoRequest(), timeout=self.deadline_s).info
+            if info.adapter.name == self.name and info.adapter.version == adapter.version:
+                self.pool.note_synced(address, adapter.version, info.adapter)
+                return
+        except (grpc.RpcError, KeyError):
+            pass  # the push below reports the problem
+        error = self._push_node(node, adapter)
+        if error:
+            log.warning("catch-up of node %s to policy version %d failed: %s", address,
+                        adapter.version, error)
+        else:
+            log.info("caught up node %s to policy version %d", address, adapter.version)
+
+
+def _why_out(node: NodeState) -> str:
+    if node.benched:
+        return f"out of rotation: {node.benched}"
+    if not node.healthy:
+        return f"unhealthy{': ' + node.last_error if node.last_error else ''}"
+    return "out of rotation"
