@@ -1,0 +1,324 @@
+"""The MLX backend: mlx-lm models (Apple Silicon, or Linux CPU through ``mlx[cpu]``).
+
+Decoding (``generate``):
+
+1. Every distinct prompt of the batch is prefilled alone (batch 1, its own mlx-lm KV cache),
+   so a prompt's cache and first-token logits never depend on the rest of the batch; the
+   ``n`` samples of a GRPO group share one prefill.
+2. The per-sequence caches are merged into mlx-lm's batch caches (``KVCache.merge`` ->
+   ``BatchKVCache``: left padding with a per-row offset, so RoPE positions and the attention
+   mask are each sequence's own, exactly as ``mlx_lm.generate.BatchGenerator`` decodes).
+3. One forward per step for all live sequences; finished rows are filtered out of the cache.
+   Each step applies :func:`~gridrl.rollout.backends.mlx_sampling.transform_logits` to float32
+   logits and draws with the sequence's own key (``split(key(seed), max_tokens)[step]``).
+
+``score`` runs one teacher-forced forward and reads the same transform, so the behaviour
+logprobs of ``generate`` equal ``score`` up to float rounding of the logits.
+
+Adapters are mlx-lm LoRA directories held next to the base weights
+(:mod:`gridrl.rollout.backends.mlx_lora`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from gridrl.models import ModelIdentity, model_identity
+from gridrl.rollout.backends.base import (
+    Backend,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+)
+from gridrl.rollout.backends.mlx_lora import LoRAManager, MlxAdapter
+from gridrl.rollout.backends.mlx_sampling import draw_tokens, sequence_keys, transform_logits
+
+log = logging.getLogger(__name__)
+
+PREFILL_STEP = 2048  # prompt tokens per forward while prefilling (as mlx-lm's default)
+
+
+def _device_for(device: str) -> mx.Device:
+    """``"auto"`` (MLX's default device), ``"cpu"`` / ``"mlx-cpu"`` or ``"gpu"`` / ``"mlx-gpu"``.
+
+    Raises:
+        ValueError: an unknown name, or a GPU that this MLX build cannot use.
+    """
+    name = device.lower().removeprefix("mlx-")
+    if name == "auto":
+        return mx.default_device()
+    if name == "cpu":
+        return mx.Device(mx.cpu)
+    if name == "gpu":
+        if not mx.is_available(mx.gpu):
+            raise ValueError("--device gpu: this MLX build has no GPU back-end "
+                             "(mlx[cpu] on Linux is CPU only)")
+        return mx.Device(mx.gpu)
+    raise ValueError(f"--device: {device!r} is not one of auto, cpu, gpu (mlx-cpu, mlx-gpu)")
+
+
+def _config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Config keys mlx-lm needs but a transformers >= 5 ``config.json`` nests elsewhere.
+
+    transformers 5 writes ``rope_parameters: {rope_theta, rope_type, ...}`` instead of the
+    top-level ``rope_theta`` / ``rope_scaling`` that mlx-lm's llama-family models read; without
+    this, mlx-lm silently uses its default base 10000 (SmolLM2 uses 100000).
+    """
+    text = config.get("text_config", config)
+    rope = text.get("rope_parameters")
+    out: dict[str, Any] = {}
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return out  # absent, or nested per layer type (models that read it themselves)
+    if "rope_theta" not in text:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and text.get("rope_scaling") is None:
+        out["rope_scaling"] = dict(rope)
+    if out and text is not config:
+        return {"text_config": {**text, **out}}
+    return out
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """eos ids of the tokenizer, config.json and generation_config.json, together."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, list):
+            for v in value:
+                add(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            try:
+                add(json.loads(path.read_text()).get("eos_token_id"))
+            except (OSError, ValueError, AttributeError):
+                log.warning("could not read eos_token_id from %s", path)
+    return frozenset(ids)
+
+
+class MlxBackend(Backend):
+    """An mlx-lm model that decodes batches with exact behaviour logprobs and holds adapters.
+
+    Build it with :meth:`from_pretrained`. Every method runs on the device chosen there; all
+    calls must come from one thread at a time (the engine's scheduler thread).
+    """
+
+    name = "mlx"
+    adapter_format = "mlx"
+
+    def __init__(self, model: nn.Module, tokenizer: Any, identity: ModelIdentity,
+                 eos_token_ids: frozenset[int], device: mx.Device) -> None:
+        self._model = model
+        self._device = device
+        self._lora = LoRAManager(model)
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = "mlx-gpu" if device.type == mx.gpu else "mlx-cpu"
+        self.dtype = self._weight_dtype(model)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path | str, device: str = "auto") -> MlxBackend:
+        """Load a local Hugging Face directory (safetensors) with mlx-lm.
+
+        Weights keep their stored dtype (fp32 stays fp32). The tokenizer is
+        ``transformers.AutoTokenizer`` of the same directory, so ids and chat templates equal
+        the torch backend's.
+
+        Args:
+            model_dir: a resolved model directory (``gridrl.models.resolve_model``).
+            device: ``"auto"``, ``"cpu"`` or ``"gpu"`` (``"mlx-"`` prefix accepted).
+        Raises:
+            ValueError: unknown device, or an architecture mlx-lm does not know.
+            FileNotFoundError: no config.json / safetensors in ``model_dir``.
+        """
+        from mlx_lm.utils import load_config, load_model
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model_dir)
+        dev = _device_for(device)
+        overrides = _config_overrides(load_config(model_dir))
+        with mx.stream(dev):
+            model, _ = load_model(model_dir, model_config=overrides or None)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        backend = cls(model, tokenizer, model_identity(model_dir), _eos_ids(model_dir, tokenizer),
+                      dev)
+        log.info("mlx backend: %s on %s (%s), %d layers", model_dir, backend.device,
+                 backend.dtype, backend.identity.num_layers)
+        return backend
+
+    @staticmethod
+    def _weight_dtype(model: nn.Module) -> str:
+        from mlx.utils import tree_flatten
+
+        for _, w in tree_flatten(model.parameters()):
+            if mx.issubdtype(w.dtype, mx.floating):
+                return str(w.dtype).rsplit(".", 1)[-1]
+        return "float32"
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def load_adapter(self, directory: Path, key: str) -> MlxAdapter:
+        """Load an mlx-lm LoRA directory next to the serving weights under ``key``.
+
+        Returns:
+            an :class:`~gridrl.rollout.backends.mlx_lora.MlxAdapter` handle for
+            :meth:`generate` / :meth:`score`.
+        Raises:
+            AdapterLoadError: it does not fit the base model (the message names the tensor,
+                module, shape or config field); nothing is changed then.
+        """
+        with mx.stream(self._device):
+            handle = self._lora.load(directory, key)
+        log.info("mlx adapter %r loaded from %s: rank %d, scale %g, %d modules, %.1f MiB",
+                 key, directory, handle.rank, handle.scale, len(handle.modules),
+                 handle.nbytes / 2**20)
+        return handle
+
+    def unload_adapter(self, adapter: Any) -> None:
+        """Free ``adapter``'s arrays; the handle cannot be used afterwards.
+
+        Raises:
+            ValueError: ``adapter`` is not a handle of this backend.
+        """
+        if not isinstance(adapter, MlxAdapter):
+            raise ValueError(f"not an MLX adapter handle: {type(adapter).__name__}")
+        self._lora.unload(adapter)
+        mx.clear_cache()
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following base.py's semantics.
+
+        Args:
+            batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
+            adapter: a handle from :meth:`load_adapter`, or None for the base model.
+        Returns:
+            one :class:`SequenceResult` per request, in order: token ids (stop token included
+            when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
+        Raises:
+            ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+        """
+        if not batch:
+            return []
+        for i, req in enumerate(batch):
+            if not req.prompt_ids:
+                raise ValueError(f"batch[{i}].prompt_ids is empty")
+            if req.sampling.max_tokens < 1:
+                raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        with mx.stream(self._device):
+            self._lora.activate(adapter)
+            try:
+                return self._generate(batch)
+            finally:
+                mx.clear_cache()
+
+    def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
+        from mlx_lm.generate import _merge_caches
+
+        results = [SequenceResult() for _ in batch]
+        stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
+        keys = [sequence_keys(r.seed, r.sampling.max_tokens) for r in batch]
+
+        # 1. prefill each distinct prompt alone; rows of one prompt share its cache.
+        prompt_row: dict[tuple[int, ...], int] = {}
+        row_of = [prompt_row.setdefault(tuple(r.prompt_ids), len(prompt_row)) for r in batch]
+        caches, first_logits = [], []
+        for prompt in prompt_row:
+            cache, logits = self._prefill(list(prompt))
+            caches.append(cache)
+            first_logits.append(logits)
+        logits = mx.concatenate(first_logits, axis=0)
+        if len(first_logits) != len(batch) or row_of != list(range(len(batch))):
+            logits = logits[mx.array(row_of)]
+        # 2. one batch cache (left-padded, per-row offsets) for every sequence.
+        batch_cache = _merge_caches([caches[j] for j in row_of])
+        del caches
+
+        # 3. decode; `active` maps cache rows to batch indices.
+        active = list(range(len(batch)))
+        step = 0
+        while True:
+            configs = [batch[i].sampling for i in active]
+            logprobs = transform_logits(logits, configs)
+            tokens, token_logprobs = draw_tokens(logits, logprobs, configs,
+                                                 [keys[i][step] for i in active])
+            mx.eval(tokens, token_logprobs)
+            keep: list[int] = []
+            for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(),
+                                                   token_logprobs.tolist(), strict=True)):
+                res = results[i]
+                res.token_ids.append(tok)
+                res.logprobs.append(lp)
+                if tok in stops[i]:
+                    res.finish_reason = "stop"
+                elif len(res.token_ids) >= batch[i].sampling.max_tokens:
+                    res.finish_reason = "length"
+                else:
+                    keep.append(row)
+            if not keep:
+                return results
+            if len(keep) < len(active):
+                for c in batch_cache:
+                    c.filter(keep)
+                active = [active[row] for row in keep]
+                tokens = tokens[mx.array(keep)]
+            step += 1
+            logits = self._model(tokens[:, None], cache=batch_cache)[:, -1, :]
+            logits = logits.astype(mx.float32)
+
+    def _prefill(self, prompt: list[int]) -> tuple[list[Any], mx.array]:
+        """Run ``prompt`` through the model alone. Returns its mlx-lm cache (one entry per
+        layer) and the float32 logits (1, V) of the token after it."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self._model)
+        ids = mx.array(prompt, mx.int32)[None]
+        done = 0
+        while len(prompt) - done > 1:
+            n = min(PREFILL_STEP, len(prompt) - 1 - done)
+            self._model(ids[:, done:done + n], cache=cache)
+            mx.eval([c.state for c in cache])
+            done += n
+        logits = self._model(ids[:, done:], cache=cache)[:, -1, :].astype(mx.float32)
+        mx.eval(logits, [c.state for c in cache])
+        return cache, logits
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
+              adapter: Any | None) -> list[float]:
+        """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids``.
+
+        One forward over ``prompt_ids + completion_ids`` (no cache), float32 logits at the
+        positions that predict each completion token, then the same transform as
+        :meth:`generate` (base.py steps 1-3).
+
+        Returns:
+            one float per completion token (natural log), ``-inf`` for tokens outside the
+            top-k / top-p support; ``[]`` for an empty completion.
+        Raises:
+            ValueError: empty ``prompt_ids``, or an unloaded adapter handle.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if not completion_ids:
+            return []
+        with mx.stream(self._device):
+            self._lora.activate(adapter)
+            ids = mx.array(list(prompt_ids) + list(completion_ids), mx.int32)[None]
+            logits = self._model(ids)[0, len(prompt_ids) - 1:-1, :].astype(mx.float32)
+            logprobs = transform_logits(logits, [sampling] * len(completion_ids))
+            target = mx.array(list(completion_ids), mx.int32)[:, None]
+            out = mx.take_along_axis(logprobs, target, axis=-1)[:, 0]
+            return [float(x) for x in out.tolist()]
