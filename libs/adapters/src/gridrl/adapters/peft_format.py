@@ -55,12 +55,15 @@ def peft_scale(lora_alpha: float, r: int, use_rslora: bool) -> float:
 
 
 def alpha_for_scale(scale: float, r: int) -> int | float:
-    """A ``lora_alpha`` with ``lora_alpha / r == scale`` exactly in float64 (an int when one
-    exists), so a converted peft adapter scales by exactly the mlx-lm ``scale``.
+    """A ``lora_alpha`` whose peft scaling ``lora_alpha / r`` is the mlx-lm ``scale``.
+
+    Exact in float64 when some alpha divides back exactly (an int when one does: 20.0 with
+    r=16 gives 320); otherwise (about 1 in 10 random scales, since ``r * ulp(scale)`` can be
+    smaller than ``ulp(r * scale)``) ``scale * r``, whose quotient is within one float64 ulp
+    and identical in float32, the precision torch and mlx multiply activations by the scale.
 
     Raises:
-        AdapterError: no float64 within 8 ulps of ``scale * r`` divides back exactly, and the
-            nearest does not even agree in float32 (never seen in practice).
+        AdapterError: not even float32 agreement (never seen in practice).
     """
     alpha = scale * r
     candidates = [alpha]
@@ -81,6 +84,10 @@ def _pattern_value(patterns: Mapping[str, object], path: str, default: object) -
         if re.match(rf"(.*\.)?({key})$", path):
             return value
     return default
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def read(files: Mapping[str, bytes]) -> LoraAdapter:
@@ -121,6 +128,8 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
     if cfg.get("lora_bias"):
         unsupported.append("lora_bias=true trains a bias on lora_B; mlx-lm LoRA has no bias")
     parts: dict[str, dict[str, st.Tensor]] = {}
+    biases: list[str] = []
+    strays: list[str] = []
     for name, t in parsed.tensors.items():
         bare = name[len(prefix):] if prefix and name.startswith(prefix) else name
         for suffix, kind in _SUFFIXES.items():
@@ -129,10 +138,14 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
                 break
         else:
             if bare.endswith(".bias"):
-                unsupported.append(f"trained bias {name} (bias={cfg.get('bias')!r}) cannot be "
-                                   f"expressed in an mlx-lm LoRA adapter")
+                biases.append(name)
             elif not cfg.get("modules_to_save"):
-                unsupported.append(f"tensor {name} is not a LoRA A/B/magnitude tensor")
+                strays.append(name)
+    if biases:
+        unsupported.append(f"trained biases {_some(biases)} (bias={cfg.get('bias')!r}) cannot be "
+                           "expressed in an mlx-lm LoRA adapter")
+    if strays:
+        unsupported.append(f"tensors {_some(strays)} are not LoRA A/B/magnitude tensors")
 
     modules: dict[str, LoraModule] = {}
     other: list[str] = []
@@ -142,8 +155,8 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
             other.append(path)
             continue
         if "lora_bias" in kinds and not cfg.get("lora_bias"):
-            unsupported.append(f"trained bias {prefix}{path}.lora_B.bias cannot be expressed in "
-                               f"an mlx-lm LoRA adapter")
+            unsupported.append(f"trained bias {prefix}{path}.lora_B.bias cannot be expressed "
+                               "in an mlx-lm LoRA adapter")
         if "a" not in kinds or "b" not in kinds:
             if set(kinds) <= {"lora_bias"}:
                 continue
