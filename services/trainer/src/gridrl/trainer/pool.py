@@ -14,8 +14,9 @@ Rotation: a node takes groups while it is healthy (master status HEALTHY, or its
 answered), usable (base model matches) and not benched. It is benched after
 ``max_consecutive_failures`` failed or timed-out Generate calls in a row, or when an adapter
 push to it failed (it would sample a stale policy). It comes back when the master reports it
-healthy again (a JOINED / CHANGED event) or a ``GetNodeInfo`` probe (every
-``probe_interval_s``) answers; listeners (:meth:`NodePool.add_listener`, the adapter sync) are
+healthy again (a JOINED / CHANGED event) or a ``GetNodeInfo`` probe answers (every
+``probe_interval_s``, doubling each time the node is benched again before a Generate
+succeeds on it, so a node that answers probes but fails every Generate does not flap); listeners (:meth:`NodePool.add_listener`, the adapter sync) are
 told, so it gets the newest adapter first thing. They are also told when a node reports serving
 an older policy than was pushed to it (it restarted).
 
@@ -56,6 +57,9 @@ _POLL_S = 0.1
 # Seconds a node missing from the snapshot of a reconnected master stays in the pool (a master
 # restarted without its store learns the nodes again as they re-register, within a heartbeat).
 ORPHAN_GRACE_S = 30.0
+# Most seconds between probes of a node benched again and again (answers GetNodeInfo but keeps
+# failing Generate): the probe interval doubles at each benching, up to this.
+MAX_PROBE_BACKOFF_S = 60.0
 
 
 @dataclass
@@ -109,10 +113,13 @@ class _Node:
         self.static = source == "static"
         self.from_master = source == "master"
         self.channel: grpc.Channel | None = None
+        self.retired: list[grpc.Channel] = []  # replaced channels, closed once calls drain
         self.synced_at = 0.0  # monotonic time of the last successful push
         self.last_assigned = 0  # scheduler tick of the last group given to it
         self.reached = False  # answered at least once (probe or master record)
         self.orphan_since: float | None = None  # missing from the master's last snapshot
+        self.strikes = 0  # benchings since its last successful Generate
+        self.probe_after = 0.0  # monotonic time before which it is not probed
 
 
 class NodePool:
@@ -192,9 +199,11 @@ class NodePool:
         if self._probe_thread.is_alive():
             self._probe_thread.join()
         with self._lock:
-            channels = [n.channel for n in self._nodes.values() if n.channel is not None]
+            channels = [c for n in self._nodes.values() for c in [n.channel, *n.retired]
+                        if c is not None]
             for n in self._nodes.values():
                 n.channel = None
+                n.retired.clear()
             self._changed.notify_all()
         for channel in channels:
             channel.close()
@@ -356,8 +365,9 @@ class NodePool:
             with self._lock:
                 node = self._nodes.get(address)
                 if node is not None:
-                    node.state.in_flight = max(0, node.state.in_flight - 1)
+                    self._call_ended(node)
                     node.state.failures = 0
+                    node.strikes = 0
                     notify = self._observe_served(node, name, served, started)
                     self._changed.notify_all()
             self._notify(notify)
@@ -372,7 +382,7 @@ class NodePool:
             node = self._nodes.get(address)
             if node is None:
                 return
-            node.state.in_flight = max(0, node.state.in_flight - 1)
+            self._call_ended(node)
             node.state.last_error = f"Generate: {code}: {detail}"
             if code == grpc.StatusCode.INVALID_ARGUMENT.name:
                 log.warning("node %s rejected prompt %d: %s", address, index, detail)
@@ -492,8 +502,9 @@ class NodePool:
                     if node.orphan_since is not None and now - node.orphan_since > ORPHAN_GRACE_S:
                         node.orphan_since = None
                         self._forget(node, "the master did not list it again")
-                due = [a for a, n in self._nodes.items() if not n.state.excluded and (
-                    (n.static and not n.state.healthy) or n.state.benched)]
+                due = [a for a, n in self._nodes.items() if not n.state.excluded
+                       and now >= n.probe_after
+                       and ((n.static and not n.state.healthy) or n.state.benched)]
             probes = [self._prober.submit(self._probe, a) for a in due]
             futures.wait(probes)
             self._closed.wait(self.probe_interval_s)
@@ -577,11 +588,27 @@ class NodePool:
     def _bench(self, node: _Node, reason: str) -> None:
         """Take a node out of rotation until a probe or the master says it is back. Lock held."""
         node.state.benched = reason
-        log.warning("node %s leaves rotation: %s", node.state.address, reason)
+        node.strikes += 1
+        backoff = min(MAX_PROBE_BACKOFF_S, self.probe_interval_s * 2 ** (node.strikes - 1))
+        node.probe_after = time.monotonic() + backoff
+        log.warning("node %s leaves rotation: %s (probed again in %.1fs)", node.state.address,
+                    reason, backoff)
         if node.channel is not None:  # a fresh channel later skips gRPC's reconnect backoff
-            node.channel.close()
+            node.retired.append(node.channel)
             node.channel = None
+            if not node.state.in_flight:
+                self._call_ended(node, finished=False)
         self._publish(node)
+
+    @staticmethod
+    def _call_ended(node: _Node, finished: bool = True) -> None:
+        """Count a Generate call out; close retired channels once none is in flight."""
+        if finished:
+            node.state.in_flight = max(0, node.state.in_flight - 1)
+        if not node.state.in_flight:
+            for channel in node.retired:
+                channel.close()
+            node.retired.clear()
 
     def _forget(self, node: _Node, why: str) -> None:
         address = node.state.address
@@ -591,8 +618,9 @@ class NodePool:
             return
         log.warning("rollout node %s left the pool: %s", address, why)
         del self._nodes[address]
-        if node.channel is not None:
-            node.channel.close()
+        for channel in [node.channel, *node.retired]:
+            if channel is not None:
+                channel.close()
         metrics.forget_node(address)
         self._changed.notify_all()
 

@@ -1,0 +1,240 @@
+"""NodePool over real gRPC servers: capacity weighting, retries, rotation, node death, model
+mismatch, and discovery through a real ``gridrl-master serve``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+import pytest
+from scripted_nodes import IDENTITY, NodeFarm, wait_until
+
+from gridrl.common.registration import NodeRegistrar
+from gridrl.trainer.pool import NodePool
+from gridrl.trainer.rollouts import group_seed
+
+SAMPLING = {"group_size": 2, "max_tokens": 8, "temperature": 1.0}
+
+
+@pytest.fixture
+def farm():
+    f = NodeFarm()
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def make_pool():
+    pools: list[NodePool] = []
+
+    def make(addresses=(), master=None, **kw) -> NodePool:
+        kw.setdefault("probe_interval_s", 0.2)
+        pool = NodePool(master=master, addresses=list(addresses), model_identity=IDENTITY, **kw)
+        pools.append(pool)
+        pool.start()
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[5, 6, 7 + i] for i in range(n)]
+
+
+def test_groups_spread_by_capacity_in_order_with_versions(farm, make_pool) -> None:
+    big = farm.start(capacity=8, generate_s=0.05, adapter=("run", 3))
+    small = farm.start(capacity=2, generate_s=0.05, adapter=("run", 2))
+    pool = make_pool([big.address, small.address])
+    pool.wait_for_nodes(2, timeout_s=10)
+    groups = pool.generate_groups(prompts(40), seed=7, **SAMPLING)
+
+    assert [g.prompt_index for g in groups] == list(range(40))
+    per_node = Counter(g.node for g in groups)
+    # Slots: big 8 // 2 = 4 groups at a time, small 1: about 4x the groups on the big node.
+    assert per_node[big.address] >= 2.5 * per_node[small.address], per_node
+    assert per_node[small.address] >= 3, per_node
+    assert big.max_active <= 4 and small.max_active == 1
+    assert big.max_active >= 3  # the big node really ran groups concurrently
+    for g in groups:
+        assert g.prompt_ids == prompts(40)[g.prompt_index]
+        assert len(g.samples) == 2 and g.seconds > 0
+        want = 3 if g.node == big.address else 2
+        assert {s.policy_version for s in g.samples} == {want}
+        assert {s.node for s in g.samples} == {g.node}
+        assert g.samples[0].finish_reason == "stop" and g.samples[0].logprobs == [-0.5, -0.25]
+    requests = {tuple(r.prompt_token_ids): r for r in big.generates + small.generates}
+    for i, p in enumerate(prompts(40)):
+        r = requests[tuple(p)]
+        assert r.sampling.n == 2 and r.sampling.max_tokens == 8
+        assert r.sampling.seed == group_seed(7, i)
+    assert len({group_seed(7, i) for i in range(40)} | {group_seed(8, 0)}) == 41
+
+
+@pytest.mark.parametrize("failure", ["error", "deadline"])
+def test_failing_node_retried_elsewhere_benched_and_back(farm, make_pool, failure) -> None:
+    good = farm.start(capacity=2, generate_s=0.2)  # busy long enough for bad to fail twice
+    bad = farm.start(capacity=2)
+    pool = make_pool([good.address, bad.address], request_timeout_s=0.5,
+                     max_consecutive_failures=2, probe_interval_s=1.0)
+    returned = []
+    pool.add_listener(lambda s: returned.append(s.address))
+    pool.wait_for_nodes(2, timeout_s=10)
+    returned.clear()
+    if failure == "error":
+        bad.down = True  # every call fails, probes too
+    else:
+        bad.generate_s = 5.0  # Generate sleeps past the deadline
+        bad.down = False
+    groups = pool.generate_groups(prompts(8), **SAMPLING)
+
+    assert [g.prompt_index for g in groups] == list(range(8))
+    assert {g.node for g in groups} == {good.address}
+    state = {s.address: s for s in pool.nodes()}[bad.address]
+    assert not state.in_rotation
+    assert "2 consecutive Generate failures" in state.benched
+    assert ("UNAVAILABLE" if failure == "error" else "DEADLINE_EXCEEDED") in state.benched
+    if failure == "error":
+        assert len(bad.generates) == 0  # refused before recording
+    else:
+        assert len(bad.generates) == 2
+
+    # Back once a probe answers (and only Generate was failing in the deadline case).
+    bad.down = False
+    bad.generate_s = 0.0
+    wait_until(lambda: pool.node(bad.address).in_rotation, 5, "the node back in rotation")
+    assert returned == [bad.address]
+    groups = pool.generate_groups(prompts(8), **SAMPLING)
+    assert {g.node for g in groups} == {good.address, bad.address}
+
+
+def test_node_killed_mid_step_run_continues(farm, make_pool) -> None:
+    a, b, c = (farm.start(capacity=2, generate_s=0.1) for _ in range(3))
+    pool = make_pool([a.address, b.address, c.address], request_timeout_s=5)
+    pool.wait_for_nodes(3, timeout_s=10)
+    killer = threading.Timer(0.25, b.kill)
+    killer.start()
+    groups = pool.generate_groups(prompts(30), **SAMPLING)
+    killer.join()
+
+    assert [g.prompt_index for g in groups] == list(range(30))
+    per_node = Counter(g.node for g in groups)
+    assert per_node[a.address] > 0 and per_node[c.address] > 0
+    assert per_node[b.address] < 10  # it died a quarter of the way through
+    # The next step goes on without it.
+    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    assert b.address not in {g.node for g in groups}
+
+
+def test_all_nodes_dead_raises_quickly(farm, make_pool) -> None:
+    a, b = farm.start(), farm.start()
+    pool = make_pool([a.address, b.address], request_timeout_s=5)
+    pool.wait_for_nodes(2, timeout_s=10)
+    a.kill()
+    b.kill()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        pool.generate_groups(prompts(4), **SAMPLING)
+    assert time.monotonic() - start < 5
+    assert a.address in str(e.value) and b.address in str(e.value)
+    assert "UNAVAILABLE" in str(e.value)
+
+
+def test_model_mismatch_is_excluded_loudly(farm, make_pool, caplog) -> None:
+    good = farm.start()
+    other = farm.start(identity={**IDENTITY, "hidden_size": 32})
+    caplog.set_level(logging.ERROR, logger="gridrl.trainer.pool")
+    pool = make_pool([good.address, other.address])
+    pool.wait_for_nodes(1, timeout_s=10)
+    wait_until(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
+
+    state = pool.node(other.address)
+    assert not state.in_rotation and state.excluded == "hidden_size 32 != 64"
+    assert any("EXCLUDED" in r.message and other.address in r.message for r in caplog.records)
+    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    assert {g.node for g in groups} == {good.address}
+    assert other.generates == []
+
+
+def test_wait_for_nodes_timeout_names_nodes(farm, make_pool) -> None:
+    node = farm.start()
+    node.down = True
+    pool = make_pool([node.address])
+    with pytest.raises(TimeoutError) as e:
+        pool.wait_for_nodes(1, timeout_s=0.5)
+    assert node.address in str(e.value) and "UNAVAILABLE" in str(e.value)
+
+
+def test_invalid_request_rejected_by_every_node_is_a_value_error(farm, make_pool) -> None:
+    node = farm.start()
+    pool = make_pool([node.address])
+    pool.wait_for_nodes(1, timeout_s=10)
+    with pytest.raises(ValueError, match=r"prompt 0: 1020 prompt tokens \+ max_tokens 8"):
+        pool.generate_groups([[1] * 1020], **SAMPLING)  # beyond the node's max_context 1024
+    with pytest.raises(ValueError, match=r"prompt 1: rejected by every node in rotation: "
+                                         r".*prompt_token_ids\[0\]: 600 is outside"):
+        pool.generate_groups([[1], [600]], **SAMPLING)  # the node refuses token 600
+    state = pool.node(node.address)
+    assert state.in_rotation and state.failures == 0
+
+
+# ----------------------------------------------------------------------------- master
+
+
+def _register(node, master_address: str) -> NodeRegistrar:
+    registrar = NodeRegistrar(master_address, info_fn=node.info, retry_interval_s=0.2)
+    registrar.start()
+    return registrar
+
+
+def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory, tmp_path) -> None:
+    store = tmp_path / "master.sqlite"
+    args = ["gridrl-master", "serve", "--metrics-port", "-1", "--store", str(store),
+            "--heartbeat-interval", "0.2", "--unhealthy-after", "0.8", "--expire-after", "5"]
+    master = service_factory([*args, "--listen", "127.0.0.1:0"], "master")
+    a, b = farm.start(capacity=4), farm.start(capacity=4)
+    registrars = [_register(a, master.address), _register(b, master.address)]
+    try:
+        pool = make_pool(master=master.address, max_consecutive_failures=1)
+        joined = []
+        pool.add_listener(lambda s: joined.append(s.address))
+        pool.wait_for_nodes(2, timeout_s=10)
+        assert {s.source for s in pool.nodes()} == {"master"}
+        groups = pool.generate_groups(prompts(8), **SAMPLING)
+        assert {g.node for g in groups} == {a.address, b.address}
+
+        # b sleeps: Generate fails, heartbeats stop -> benched, then UNHEALTHY at the master.
+        b.down = True
+        registrars[1].stop(deregister=False)
+        groups = pool.generate_groups(prompts(8), **SAMPLING)
+        assert {g.node for g in groups} == {a.address}
+        wait_until(lambda: not pool.node(b.address).healthy, 5, "the master to mark b unhealthy")
+        # b wakes up and heartbeats: the master's CHANGED(HEALTHY) puts it back.
+        joined.clear()
+        b.down = False
+        registrars[1] = _register(b, master.address)
+        wait_until(lambda: pool.node(b.address).in_rotation, 5, "b back in rotation")
+        assert joined == [b.address]
+
+        # The master restarts on the same port (with its store): the pool reconnects, keeps
+        # its nodes meanwhile, and sees a node that joins after the restart.
+        port = master.address.rsplit(":", 1)[1]
+        master.stop()
+        groups = pool.generate_groups(prompts(4), **SAMPLING)  # no master: still served
+        assert len(groups) == 4
+        master = service_factory([*args, "--listen", f"127.0.0.1:{port}"], "master2")
+        c = farm.start(capacity=4)
+        registrars.append(_register(c, master.address))
+        wait_until(lambda: pool.node(c.address) is not None and pool.node(c.address).in_rotation,
+                   10, "c discovered after the master restart")
+        assert {s.address for s in pool.nodes()} == {a.address, b.address, c.address}
+
+        # A node deregistering leaves the pool.
+        registrars[0].stop(deregister=True)
+        wait_until(lambda: pool.node(a.address) is None, 5, "a removed")
+    finally:
+        for r in registrars:
+            r.stop(deregister=False)
