@@ -1,0 +1,90 @@
+"""Held-out eval on the trainer's own weights: greedy decoding of the task's eval set, scored
+by the task (or by the run's rewards when the task has no score of its own).
+
+The eval never asks a rollout node: a node may hold stale weights, and an eval of those would
+report the wrong policy. Every result carries the policy version it measured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gridrl.trainer.tasks import Task, TaskItem, encode_chat
+
+
+@dataclass
+class EvalResult:
+    """A held-out eval.
+
+    Attributes:
+        score: mean score over the eval set, in [0, 1] for task scores.
+        exact: fraction of completions scoring 1.0.
+        policy_version: trainer policy version of the weights measured.
+        n: eval prompts.
+        seconds: wall-clock time.
+        examples: the first few (prompt, completion, score) for the log.
+    """
+
+    score: float
+    exact: float
+    policy_version: int
+    n: int
+    seconds: float
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Evaluator:
+    """Greedy eval of a task's held-out items with an in-process sampler.
+
+    Args:
+        sampler: a :class:`gridrl.trainer.local.LocalRollout` over the policy (its
+            ``generate`` runs the trainer's own model).
+        tokenizer: the policy's tokenizer.
+        task: the task (its ``eval_items`` and ``score``).
+        max_tokens: new tokens per eval completion.
+        rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`, used when the task
+            cannot score (a JSONL task without an answer column).
+    """
+
+    def __init__(self, sampler: Any, tokenizer: Any, task: Task, *, max_tokens: int,
+                 rewards: Any | None = None) -> None:
+        self.sampler = sampler
+        self.task = task
+        self.max_tokens = max_tokens
+        self.rewards = rewards
+        self.items: list[TaskItem] = task.eval_items()
+        self.prompt_ids = [encode_chat(tokenizer, item.messages) for item in self.items]
+        self.tokenizer = tokenizer
+
+    def run(self, policy_version: int) -> EvalResult:
+        """Decode every eval prompt greedily (one batch per ``max_batch`` of the sampler) and
+        score it. ``policy_version`` is the trainer's version, recorded with the result."""
+        from gridrl.rollout.backends.base import SamplingConfig
+
+        start = time.perf_counter()
+        config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
+        results = self.sampler.generate(self.prompt_ids, config, [0] * len(self.prompt_ids))
+        completions = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+                       for r in results]
+        prompts = [item.prompt for item in self.items]
+        columns: dict[str, list[Any]] = {}
+        for item in self.items:
+            for key in item.columns:
+                columns.setdefault(key, [])
+        for key in columns:
+            columns[key] = [item.columns.get(key) for item in self.items]
+        if getattr(self.task, "has_answer", True):
+            scores = [float(s) for s in self.task.score(prompts, completions, **columns)]
+        elif self.rewards is not None:
+            columns["completion_ids"] = [list(r.token_ids) for r in results]
+            scores, _ = self.rewards(prompts, completions, columns)
+        else:
+            raise ValueError(f"task {self.task.name} cannot score its eval set")
+        n = len(scores)
+        examples = [{"prompt": p, "completion": c, "score": s}
+                    for p, c, s in list(zip(prompts, completions, scores, strict=True))[:3]]
+        return EvalResult(score=sum(scores) / n, exact=sum(s >= 1.0 for s in scores) / n,
+                          policy_version=policy_version, n=n,
+                          seconds=time.perf_counter() - start, examples=examples)

@@ -1,0 +1,98 @@
+"""``--rollout local``: sample in-process with the rollout engine's torch backend over the
+policy's own (peft) model, for a single machine.
+
+The sampler shares the weights being trained, so every sample carries the trainer's current
+policy version and there is nothing to push. Sampling semantics (temperature, top-k, top-p,
+stop tokens, exact behaviour logprobs) are those of every rollout node
+(``gridrl.rollout.backends.base``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
+
+LOCAL = "local"
+
+
+def sample_seed(group: int, index: int) -> int:
+    """Seed of sample ``index`` of a group seeded ``group`` (distinct, deterministic)."""
+    return group_seed(group, index)
+
+
+class LocalRollout:
+    """A :class:`gridrl.trainer.rollouts.RolloutSource` over the trainer's own model.
+
+    Args:
+        policy: the :class:`gridrl.trainer.policy.Policy` being trained.
+        version: returns the trainer's current policy version (stamped on every sample).
+        max_batch: sequences decoded together in one batch (a step's B*G sequences are split
+            into batches of at most this many).
+    """
+
+    def __init__(self, policy: Any, version: Callable[[], int], max_batch: int = 64) -> None:
+        from gridrl.rollout.backends.torch import TorchBackend
+
+        self.policy = policy
+        self.version = version
+        self.max_batch = max_batch
+        self.backend = TorchBackend.from_model(policy.model, policy.tokenizer)
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: Any,
+                 seeds: Sequence[int]) -> list[Any]:
+        """Decode one sequence per prompt with ``config`` (a ``SamplingConfig``) in eval mode,
+        batches of ``max_batch``; returns the backend's ``SequenceResult`` s in order."""
+        from gridrl.rollout.backends.base import SequenceRequest
+
+        requests = [SequenceRequest(prompt_ids=list(p), sampling=config, seed=s)
+                    for p, s in zip(prompts, seeds, strict=True)]
+        was_training = self.policy.model.training
+        self.policy.model.eval()
+        try:
+            results: list[Any] = []
+            with torch.no_grad():
+                for i in range(0, len(requests), self.max_batch):
+                    results.extend(self.backend.generate(requests[i:i + self.max_batch], None))
+            return results
+        finally:
+            if was_training:
+                self.policy.model.train()
+
+    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
+                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
+        """See :meth:`gridrl.trainer.rollouts.RolloutSource.generate_groups`. All groups of the
+        call are decoded together."""
+        from gridrl.rollout.backends.base import SamplingConfig
+
+        config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, stop_token_ids=tuple(stop_token_ids))
+        flat_prompts, seeds = [], []
+        for i, p in enumerate(prompts):
+            g_seed = group_seed(seed, i)
+            for j in range(group_size):
+                flat_prompts.append(p)
+                seeds.append(sample_seed(g_seed, j))
+        version = self.version()
+        start = time.perf_counter()
+        results = self.generate(flat_prompts, config, seeds)
+        seconds = time.perf_counter() - start
+        decode = self.policy.tokenizer.decode
+        groups = []
+        for i, p in enumerate(prompts):
+            samples = [RolloutSample(token_ids=list(r.token_ids), logprobs=list(r.logprobs),
+                                     text=decode(r.token_ids, skip_special_tokens=True),
+                                     finish_reason=r.finish_reason, policy_version=version,
+                                     node=LOCAL)
+                       for r in results[i * group_size:(i + 1) * group_size]]
+            groups.append(Group(prompt_index=i, prompt_ids=list(p), samples=samples, node=LOCAL,
+                                seconds=seconds))
+        return groups
+
+    def close(self) -> None:
+        """Nothing to release (the model belongs to the policy)."""

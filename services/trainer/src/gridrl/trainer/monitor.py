@@ -1,0 +1,102 @@
+"""Per-node health as the trainer sees it in the samples: staleness and logprob mismatch.
+
+Two silent failures of distributed RL show up here and are flagged loudly:
+
+- a node that never receives new weights keeps sampling an old policy: its samples arrive
+  older than ``--max-staleness`` (or with a version that is not in this run's lineage) and are
+  dropped, step after step;
+- a node that claims the trainer's version but samples with other weights (a failed swap, a
+  wrong conversion, a different base): its samples of staleness 0 disagree with the trainer's
+  own logprobs. The k3 KL(behaviour || trainer) of such samples is ~1e-6 nats/token for a
+  healthy fp32 node, ~1e-3 for bf16; above ``mismatch_kl_max`` the step counts as mismatched.
+
+A node is flagged after ``flag_after`` consecutive bad steps and unflagged after a good one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeStepStats:
+    """One node's samples in one step.
+
+    Attributes:
+        samples: samples received from the node.
+        dropped: samples dropped as too stale or of a version outside the run's lineage.
+        unknown_version: of ``dropped``, those whose version is not in the lineage.
+        staleness_sum: sum of the staleness of the samples kept.
+        fresh_kl_sum: sum over kept samples of staleness 0 of (per-token mismatch KL * tokens).
+        fresh_tokens: tokens of those samples.
+        versions: the policy versions seen.
+    """
+
+    samples: int = 0
+    dropped: int = 0
+    unknown_version: int = 0
+    staleness_sum: float = 0.0
+    fresh_kl_sum: float = 0.0
+    fresh_tokens: int = 0
+    versions: set[int] | None = None
+
+    @property
+    def fresh_kl(self) -> float | None:
+        """Mean mismatch KL per token over the node's staleness-0 samples, or None."""
+        return self.fresh_kl_sum / self.fresh_tokens if self.fresh_tokens else None
+
+
+class NodeMonitor:
+    """Tracks consecutive bad steps per node and keeps the set of flagged nodes.
+
+    Args:
+        max_staleness: the staleness bound samples are dropped beyond.
+        mismatch_kl_max: nats/token above which staleness-0 samples count as mismatched.
+        flag_after: consecutive bad steps that flag a node.
+    """
+
+    def __init__(self, *, max_staleness: int, mismatch_kl_max: float, flag_after: int) -> None:
+        self.max_staleness = max_staleness
+        self.mismatch_kl_max = mismatch_kl_max
+        self.flag_after = flag_after
+        self._bad_steps: dict[str, int] = {}
+        self.flagged: dict[str, str] = {}
+
+    def problem(self, stats: NodeStepStats) -> str:
+        """Why this step of the node is bad, or "" when it is fine."""
+        if stats.dropped:
+            what = (f"{stats.unknown_version} with a version outside this run's lineage"
+                    if stats.unknown_version else f"older than --max-staleness {self.max_staleness}")
+            versions = ",".join(str(v) for v in sorted(stats.versions or ()))
+            return (f"stale: {stats.dropped}/{stats.samples} samples dropped ({what}; sampled "
+                    f"with policy version(s) {versions})")
+        kl = stats.fresh_kl
+        if kl is not None and kl > self.mismatch_kl_max:
+            return (f"mismatched: KL(behaviour || trainer) {kl:.2e} nats/token on samples of the "
+                    f"trainer's own version (> {self.mismatch_kl_max:g}): the node samples with "
+                    "other weights than it claims")
+        return ""
+
+    def observe(self, step: int, per_node: dict[str, NodeStepStats]) -> dict[str, str]:
+        """Account one step; returns the nodes newly flagged at this step (address -> reason).
+
+        Nodes absent from ``per_node`` (no samples this step) keep their count and flag.
+        """
+        newly: dict[str, str] = {}
+        for node, stats in per_node.items():
+            why = self.problem(stats)
+            if not why:
+                self._bad_steps[node] = 0
+                if node in self.flagged:
+                    log.warning("node %s recovered at step %d (was: %s)", node, step,
+                                self.flagged.pop(node))
+                continue
+            self._bad_steps[node] = self._bad_steps.get(node, 0) + 1
+            if self._bad_steps[node] >= self.flag_after:
+                if node not in self.flagged:
+                    newly[node] = why
+                self.flagged[node] = why
+        return newly
