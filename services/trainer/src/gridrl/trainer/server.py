@@ -22,8 +22,9 @@ from gridrl.trainer.status import RunStatus
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
-# Seconds between checks that a WatchRun client is still there.
-_WATCH_POLL_S = 1.0
+# Seconds between checks that a WatchRun client is still there (a safety net: the client
+# leaving and the server stopping wake the stream at once).
+_WATCH_POLL_S = 5.0
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -44,8 +45,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         Ends (OK) after the last report of a finished or failed run, or when the server stops."""
         context.add_callback(self._status.wake)
         index = 0 if request.include_history else self._status.history_length()
-        while not self._stopping.is_set() and context.is_active():
-            reports, done = self._status.wait_reports(index, _WATCH_POLL_S)
+
+        def cancelled() -> bool:
+            return self._stopping.is_set() or not context.is_active()
+
+        while not cancelled():
+            reports, done = self._status.wait_reports(index, _WATCH_POLL_S, cancelled)
             for report in reports:
                 yield trainer_pb2.WatchRunResponse(report=report)
             index += len(reports)

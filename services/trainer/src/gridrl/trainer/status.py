@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from google.protobuf import timestamp_pb2
@@ -142,15 +142,19 @@ class RunStatus:
         with self._cond:
             return len(self._history)
 
-    def wait_reports(self, start: int, timeout_s: float) -> tuple[list[trainer_pb2.StepReport], bool]:
-        """Reports from index ``start`` on, waiting up to ``timeout_s`` seconds for one.
+    def wait_reports(self, start: int, timeout_s: float,
+                     cancelled: Callable[[], bool] = lambda: False,
+                     ) -> tuple[list[trainer_pb2.StepReport], bool]:
+        """Reports from index ``start`` on, waiting up to ``timeout_s`` seconds for one, or
+        until ``cancelled()`` is true after a :meth:`wake`.
 
         Returns:
             (reports, done): the new reports (possibly none after the timeout) and whether the
             run has finished or failed (no report will follow those returned).
         """
         with self._cond:
-            self._cond.wait_for(lambda: len(self._history) > start or self._done(), timeout_s)
+            self._cond.wait_for(
+                lambda: len(self._history) > start or self._done() or cancelled(), timeout_s)
             return list(self._history[start:]), self._done()
 
     def wake(self) -> None:

@@ -1,0 +1,151 @@
+"""TrainerService over real channels (GetRunStatus, WatchRun with history and live reports)
+and the trainer's Prometheus endpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from scripted_nodes import wait_until
+
+from gridrl.common.channel import dial
+from gridrl.trainer import metrics
+from gridrl.trainer.server import serve_trainer
+from gridrl.trainer.status import RunStatus
+from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+
+def step_report(step: int, **over) -> dict:
+    report = {"step": step, "policy_version": step, "reward_mean": 0.1 * step, "reward_std": 0.2,
+              "loss": -0.05 * step, "eval_score": None, "eval_policy_version": 0,
+              "mismatch_kl": 0.001, "staleness_mean": 0.5, "dropped_samples": 1,
+              "rollout_s": 2.0, "train_s": 1.0, "sync_s": 0.25, "nodes_synced": 3,
+              "nodes_skipped": 1, "tokens_per_s": 850.0, "elapsed_s": 3.5 * step}
+    report.update(over)
+    return report
+
+
+@pytest.fixture
+def served():
+    status = RunStatus()
+    server = serve_trainer(status, "127.0.0.1:0", metrics_port=0, auth_token="tok")
+    channel = dial(server.address, auth_token="tok")
+    yield status, server, trainer_pb2_grpc.TrainerServiceStub(channel)
+    channel.close()
+    server.stop(0)
+
+
+def test_get_run_status_through_the_lifecycle(served) -> None:
+    status, _server, stub = served
+    status.begin("run-1", "/runs/run-1", total_steps=10, model_id="tiny")
+    got = stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert (got.run_name, got.run_dir, got.total_steps, got.model_id) == (
+        "run-1", "/runs/run-1", 10, "tiny")
+    assert got.state == trainer_pb2.RUN_STATE_STARTING and got.step == 0
+    assert not got.HasField("baseline_eval")
+
+    status.set_baseline(0.125)
+    status.report(step_report(1))
+    status.report(step_report(2, eval_score=0.5, eval_policy_version=2))
+    got = stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert got.state == trainer_pb2.RUN_STATE_RUNNING
+    assert (got.step, got.policy_version, got.baseline_eval) == (2, 2, 0.125)
+    last = got.last_report
+    assert last.HasField("eval_score") and last.eval_score == 0.5 and last.eval_policy_version == 2
+    assert (last.nodes_synced, last.nodes_skipped, last.dropped_samples) == (3, 1, 1)
+    assert last.sync_s == 0.25 and last.tokens_per_s == 850.0
+    assert abs(last.time.ToNanoseconds() / 1e9 - time.time()) < 60
+
+    status.fail("CUDA out of memory")
+    got = stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert got.state == trainer_pb2.RUN_STATE_FAILED and got.error == "CUDA out of memory"
+
+
+def test_watch_run_history_then_live_until_finished(served) -> None:
+    status, _server, stub = served
+    status.begin("run-1", "/runs/run-1", total_steps=4, model_id="tiny")
+    status.report(step_report(1))
+    status.report(step_report(2))
+    with_history = stub.WatchRun(trainer_pb2.WatchRunRequest(include_history=True), timeout=10)
+    live_only = stub.WatchRun(trainer_pb2.WatchRunRequest(), timeout=10)
+    got_history, got_live = [], []
+    readers = [threading.Thread(target=lambda: got_history.extend(r.report.step for r in with_history)),
+               threading.Thread(target=lambda: got_live.extend(r.report.step for r in live_only))]
+    for t in readers:
+        t.start()
+    wait_until(lambda: got_history == [1, 2], 5, "the history")
+    time.sleep(0.2)  # the live-only stream is subscribed by now
+    status.report(step_report(3))
+    status.report(step_report(4))
+    status.finish()
+    for t in readers:
+        t.join(5)
+        assert not t.is_alive(), "WatchRun did not end when the run finished"
+    assert got_history == [1, 2, 3, 4]
+    assert got_live == [3, 4]
+    # A watch on a finished run replays the history and ends.
+    steps = [r.report.step for r in stub.WatchRun(
+        trainer_pb2.WatchRunRequest(include_history=True), timeout=5)]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_server_stop_ends_watch_streams(served) -> None:
+    status, server, stub = served
+    status.begin("run-1", "/runs/run-1", total_steps=4, model_id="tiny")
+    stream = stub.WatchRun(trainer_pb2.WatchRunRequest(), timeout=30)
+    result = []
+
+    def read() -> None:
+        try:
+            result.extend(r.report.step for r in stream)
+            result.append("ended")
+        except grpc.RpcError as e:
+            result.append(e.code().name)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    server.stop(grace_s=5)
+    reader.join(8)
+    assert not reader.is_alive() and time.monotonic() - start < 2.5  # poll is 5 s
+    assert result in (["ended"], ["CANCELLED"], ["UNAVAILABLE"])
+
+
+def test_report_refuses_unknown_fields() -> None:
+    status = RunStatus()
+    with pytest.raises(ValueError, match=r"^report: unknown field\(s\) rewards"):
+        status.report({"step": 1, "rewards": 0.3})
+    with pytest.raises(ValueError, match=r"^report\.dropped_samples"):
+        status.report({"step": 1, "dropped_samples": -1})
+    assert status.history_length() == 0
+
+
+def test_metrics_endpoint_shows_step_metrics(served) -> None:
+    _status, server, _stub = served
+    before = metrics.DROPPED_SAMPLES._value.get()
+    metrics.record_step(step_report(7, eval_score=0.75, dropped_samples=4))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line.startswith("gridrl_trainer_")}
+    assert values["gridrl_trainer_step"] == 7
+    assert values["gridrl_trainer_policy_version"] == 7
+    assert values["gridrl_trainer_reward_mean"] == pytest.approx(0.7)
+    assert values["gridrl_trainer_eval_score"] == 0.75
+    assert values["gridrl_trainer_loss"] == pytest.approx(-0.35)
+    assert values["gridrl_trainer_mismatch_kl"] == 0.001
+    assert values["gridrl_trainer_staleness_mean"] == 0.5
+    assert values["gridrl_trainer_dropped_samples_total"] == before + 4
+    assert values["gridrl_trainer_rollout_seconds"] == 2.0
+    assert values["gridrl_trainer_train_seconds"] == 1.0
+    assert values["gridrl_trainer_sync_seconds"] == 0.25
+    assert values["gridrl_trainer_nodes_synced"] == 3
+    assert values["gridrl_trainer_nodes_skipped"] == 1
+    assert values["gridrl_trainer_tokens_per_second"] == 850.0
+    assert 'gridrl_trainer_phase_seconds_total{phase="rollout"}' in values
+    with pytest.raises(ValueError, match=r"^report\.loss"):
+        metrics.record_step({"loss": "nan-ish"})

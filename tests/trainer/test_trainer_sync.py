@@ -1,0 +1,145 @@
+"""AdapterSync over real gRPC servers that verify and record every push: concurrency, per-node
+deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign adapters."""
+
+from __future__ import annotations
+
+import pytest
+from scripted_nodes import IDENTITY, NodeFarm, peft_files, peft_manifest, wait_until
+
+from gridrl.adapters import convert_files
+from gridrl.trainer.pool import NodePool
+from gridrl.trainer.sync import AdapterSync
+
+NAME = "run-1"
+
+
+@pytest.fixture
+def farm():
+    f = NodeFarm()
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def make_sync():
+    made: list[tuple[NodePool, AdapterSync]] = []
+
+    def make(nodes, deadline_s: float = 5.0, **kw) -> tuple[NodePool, AdapterSync]:
+        kw.setdefault("probe_interval_s", 0.2)
+        pool = NodePool(master=None, addresses=[n.address for n in nodes],
+                        model_identity=IDENTITY, **kw)
+        sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"],
+                           deadline_s=deadline_s)
+        made.append((pool, sync))
+        pool.start()
+        return pool, sync
+
+    yield make
+    for pool, sync in made:
+        sync.close()
+        pool.close()
+
+
+def adapter(version: int) -> tuple[dict[str, bytes], dict]:
+    files = peft_files(version)
+    return files, peft_manifest(files, NAME, version)
+
+
+def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
+    fast = [farm.start(push_s=0.6) for _ in range(3)]
+    sleepy = farm.start(push_s=30.0)  # answers, but its push never finishes in time
+    late = farm.start()
+    late.down = True  # not up yet at the first push
+    other_model = farm.start(identity={**IDENTITY, "num_layers": 4})
+    pool, sync = make_sync([*fast, sleepy, late, other_model], deadline_s=1.0)
+    pool.wait_for_nodes(4, timeout_s=10)
+    wait_until(lambda: pool.node(other_model.address).excluded, 5, "the mismatch to be seen")
+
+    files, manifest = adapter(1)
+    report = sync.push(1, files, manifest)
+
+    assert report.synced == sorted(n.address for n in fast)
+    assert set(report.skipped) == {sleepy.address, late.address}
+    assert "DEADLINE_EXCEEDED" in report.skipped[sleepy.address]
+    assert report.skipped[late.address].startswith("unhealthy: GetNodeInfo: UNAVAILABLE")
+    # Concurrent: about the sleepy node's deadline, not 3 x 0.6 s + 1 s one after another.
+    assert 1.0 <= report.seconds < 1.8, report.seconds
+    for node in fast:
+        assert node.pushed_files == [files]
+        assert node.pushes[0]["format"] == "peft" and node.pushes[0]["version"] == 1
+        state = pool.node(node.address)
+        assert (state.synced_version, state.adapter_version) == (1, 1)
+    assert other_model.pushes == []  # a different base model never gets our adapter
+    assert "adapter push of policy version 1 failed" in pool.node(sleepy.address).benched
+    assert sync.lagging_nodes(1) == sorted([sleepy.address, late.address])
+
+    # Both come back and receive the newest version without another push.
+    sleepy.push_s = 0.0
+    late.down = False
+    wait_until(lambda: sync.lagging_nodes(1) == [], 10, "the skipped nodes to catch up")
+    for node in (sleepy, late):
+        assert node.adapter == (NAME, 1) and node.pushed_files[-1] == files
+        assert pool.node(node.address).in_rotation
+
+    files2, manifest2 = adapter(2)
+    report = sync.push(2, files2, manifest2)
+    assert report.skipped == {}
+    assert report.synced == sorted(n.address for n in [*fast, sleepy, late])
+    assert sync.lagging_nodes(2) == []
+
+
+def test_mlx_nodes_receive_converted_files(farm, make_sync) -> None:
+    torch_node = farm.start()
+    mlx_node = farm.start(backend="mlx", adapter_format="mlx")
+    pool, sync = make_sync([torch_node, mlx_node])
+    pool.wait_for_nodes(2, timeout_s=10)
+    files, manifest = adapter(1)
+    report = sync.push(1, files, manifest)
+
+    assert report.synced == sorted([torch_node.address, mlx_node.address])
+    assert torch_node.pushes[0]["format"] == "peft" and torch_node.pushed_files == [files]
+    pushed = mlx_node.pushes[0]
+    assert pushed["format"] == "mlx" and pushed["version"] == 1 and pushed["name"] == NAME
+    assert pushed["base_model"]["hidden_size"] == IDENTITY["hidden_size"]
+    assert mlx_node.pushed_files == [convert_files(files, "mlx", IDENTITY["num_layers"])]
+    assert set(mlx_node.pushed_files[0]) == {"adapter_config.json", "adapters.safetensors"}
+
+
+def test_restarted_node_is_caught_up(farm, make_sync) -> None:
+    node = farm.start()
+    pool, sync = make_sync([node])
+    pool.wait_for_nodes(1, timeout_s=10)
+    files, manifest = adapter(1)
+    assert sync.push(1, files, manifest).synced == [node.address]
+
+    node.adapter = ("", 0)  # the process restarted: it serves the base model again
+    groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
+    assert {s.policy_version for s in groups[0].samples} == {0}  # honest about what it sampled
+    wait_until(lambda: node.adapter == (NAME, 1), 5, "the restarted node to get v1 again")
+    assert len(node.pushes) == 2 and node.pushed_files[-1] == files
+    wait_until(lambda: sync.lagging_nodes(1) == [], 5, "the pool to see v1 served")
+
+
+def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> None:
+    node = farm.start(adapter=("someone-elses-run", 7))
+    pool, _sync = make_sync([node])
+    pool.wait_for_nodes(1, timeout_s=10)
+    wait_until(lambda: node.reloads == 1, 5, "the node switched to the base model")
+    assert node.adapter == ("", 0)
+    wait_until(lambda: pool.node(node.address).adapter_version == 0, 5, "version 0 recorded")
+
+
+def test_push_refuses_inconsistent_input(farm, make_sync) -> None:
+    node = farm.start()
+    pool, sync = make_sync([node])
+    pool.wait_for_nodes(1, timeout_s=10)
+    files, manifest = adapter(2)
+    with pytest.raises(ValueError, match=r"^manifest\.version: 2 != version 3"):
+        sync.push(3, files, manifest)
+    with pytest.raises(ValueError, match=r"^manifest\.name"):
+        sync.push(2, files, {**manifest, "name": "other"})
+    sync.push(2, files, manifest)
+    files1, manifest1 = adapter(1)
+    with pytest.raises(ValueError, match=r"^version: 1 is older than the last push \(2\)"):
+        sync.push(1, files1, manifest1)
+    assert [p["version"] for p in node.pushes] == [2]
