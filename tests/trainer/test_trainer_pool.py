@@ -141,6 +141,7 @@ def test_all_nodes_dead_raises_quickly(farm, make_pool) -> None:
     assert time.monotonic() - start < 5
     assert a.address in str(e.value) and b.address in str(e.value)
     assert "UNAVAILABLE" in str(e.value)
+    wait_until(lambda: all(s.in_flight == 0 for s in pool.nodes()), 5, "no call left in flight")
 
 
 def test_model_mismatch_is_excluded_loudly(farm, make_pool, caplog) -> None:

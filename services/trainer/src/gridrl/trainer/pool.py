@@ -29,13 +29,14 @@ on the same node only when no other is.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
 import grpc
@@ -103,6 +104,26 @@ class NodeState:
     max_tokens: int = 0
     max_context: int = 0
     in_flight: int = 0
+
+
+@dataclass
+class _Batch:
+    """The bookkeeping of one ``generate_groups`` call."""
+
+    prompts: list[list[int]]
+    sampling: common_pb2.SamplingParams  # seed set per group
+    seed: int
+    results: list[Group | None] = field(default_factory=list)
+    tried: list[list[str]] = field(default_factory=list)  # nodes each group failed on
+    rejected: list[dict[str, str]] = field(default_factory=list)  # INVALID_ARGUMENT per node
+    pending: deque[int] = field(default_factory=deque)
+    in_flight: dict[futures.Future, tuple[int, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.prompts)
+        self.tried = [[] for _ in self.prompts]
+        self.rejected = [{} for _ in self.prompts]
+        self.pending = deque(range(len(self.prompts)))
 
 
 class _Node:
@@ -273,14 +294,22 @@ class NodePool:
             raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
         if self._closed.is_set():
             raise RuntimeError("the node pool is closed")
-        sampling = dict(n=group_size, max_tokens=max_tokens, temperature=temperature,
-                        top_p=top_p, top_k=top_k, stop_token_ids=list(stop_token_ids))
-        prompts = [list(p) for p in prompts]
-        results: list[Group | None] = [None] * len(prompts)
-        tried: list[list[str]] = [[] for _ in prompts]  # nodes each group failed on, in order
-        rejected: list[dict[str, str]] = [{} for _ in prompts]  # INVALID_ARGUMENT per node
-        pending = deque(range(len(prompts)))
-        in_flight: dict[futures.Future, tuple[int, str]] = {}
+        sampling = common_pb2.SamplingParams(
+            n=group_size, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, stop_token_ids=list(stop_token_ids))
+        batch = _Batch([list(p) for p in prompts], sampling, seed)
+        try:
+            self._schedule(batch)
+        finally:  # on an error, groups not started yet are dropped; running ones drain
+            for future in batch.in_flight:
+                future.cancel()
+        return [g for g in batch.results if g is not None]
+
+    def _schedule(self, batch: _Batch) -> None:
+        """The scheduling loop of :meth:`generate_groups` (fills ``batch.results``)."""
+        prompts, results, tried, rejected = batch.prompts, batch.results, batch.tried, batch.rejected
+        pending, in_flight = batch.pending, batch.in_flight
+        group_size, max_tokens = batch.sampling.n, batch.sampling.max_tokens
         while pending or in_flight:
             for i in list(pending):
                 address = self._assign(len(prompts[i]), group_size, max_tokens, tried[i],
@@ -290,9 +319,11 @@ class NodePool:
                 pending.remove(i)
                 request = rollout_pb2.GenerateRequest(
                     prompt_token_ids=prompts[i], request_id=f"group-{i}-try-{len(tried[i])}",
-                    sampling=common_pb2.SamplingParams(seed=group_seed(seed, i), **sampling))
-                in_flight[self._executor.submit(self._call_generate, address, request)] = (
-                    i, address)
+                    sampling=batch.sampling)
+                request.sampling.seed = group_seed(batch.seed, i)
+                future = self._executor.submit(self._call_generate, address, request)
+                future.add_done_callback(functools.partial(self._call_done, address))
+                in_flight[future] = (i, address)
             if pending and not in_flight:
                 i = pending[0]
                 raise self._cannot_serve(i, len(prompts[i]), group_size, max_tokens, rejected[i])
@@ -315,7 +346,6 @@ class NodePool:
                             f"{', '.join(sorted(set(tried[i])))}; last ({address}): "
                             f"{code}: {detail}")
                 pending.appendleft(i)
-        return [g for g in results if g is not None]
 
     def _assign(self, prompt_len: int, group_size: int, max_tokens: int, tried: list[str],
                 rejected: Mapping[str, str]) -> str | None:
@@ -365,7 +395,6 @@ class NodePool:
             with self._lock:
                 node = self._nodes.get(address)
                 if node is not None:
-                    self._call_ended(node)
                     node.state.failures = 0
                     node.strikes = 0
                     notify = self._observe_served(node, name, served, started)
@@ -382,7 +411,6 @@ class NodePool:
             node = self._nodes.get(address)
             if node is None:
                 return
-            self._call_ended(node)
             node.state.last_error = f"Generate: {code}: {detail}"
             if code == grpc.StatusCode.INVALID_ARGUMENT.name:
                 log.warning("node %s rejected prompt %d: %s", address, index, detail)
@@ -596,19 +624,18 @@ class NodePool:
         if node.channel is not None:  # a fresh channel later skips gRPC's reconnect backoff
             node.retired.append(node.channel)
             node.channel = None
-            if not node.state.in_flight:
-                self._call_ended(node, finished=False)
+            _close_retired(node)
         self._publish(node)
 
-    @staticmethod
-    def _call_ended(node: _Node, finished: bool = True) -> None:
-        """Count a Generate call out; close retired channels once none is in flight."""
-        if finished:
-            node.state.in_flight = max(0, node.state.in_flight - 1)
-        if not node.state.in_flight:
-            for channel in node.retired:
-                channel.close()
-            node.retired.clear()
+    def _call_done(self, address: str, _future: futures.Future) -> None:
+        """A Generate call ended (answered, failed or cancelled before it started): free its
+        slot on the node."""
+        with self._lock:
+            node = self._nodes.get(address)
+            if node is not None:
+                node.state.in_flight = max(0, node.state.in_flight - 1)
+                _close_retired(node)
+                self._changed.notify_all()
 
     def _forget(self, node: _Node, why: str) -> None:
         address = node.state.address
@@ -687,6 +714,14 @@ class NodePool:
             parts.append(f"master {self.master} ("
                          f"{'connected' if self._watch.connected else self._watch.last_error or 'connecting'})")
         return "; ".join(parts) or "no nodes known"
+
+
+def _close_retired(node: _Node) -> None:
+    """Close a node's replaced channels once no Generate call is in flight on it."""
+    if not node.state.in_flight:
+        for channel in node.retired:
+            channel.close()
+        node.retired.clear()
 
 
 def _slots(state: NodeState, group_size: int) -> int:
