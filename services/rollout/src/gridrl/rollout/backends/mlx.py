@@ -21,6 +21,7 @@ Adapters are mlx-lm LoRA directories held next to the base weights
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -226,29 +227,56 @@ class MlxBackend(Backend):
                 mx.clear_cache()
 
     def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
-        from mlx_lm.generate import _merge_caches
-
         results = [SequenceResult() for _ in batch]
         stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
         keys = [sequence_keys(r.seed, r.sampling.max_tokens) for r in batch]
+        mx.eval(keys)
 
-        # 1. prefill each distinct prompt alone; rows of one prompt share its cache.
-        prompt_row: dict[tuple[int, ...], int] = {}
-        row_of = [prompt_row.setdefault(tuple(r.prompt_ids), len(prompt_row)) for r in batch]
-        caches, first_logits = [], []
-        for prompt in prompt_row:
-            cache, logits = self._prefill(list(prompt))
-            caches.append(cache)
-            first_logits.append(logits)
-        logits = mx.concatenate(first_logits, axis=0)
-        if len(first_logits) != len(batch) or row_of != list(range(len(batch))):
-            logits = logits[mx.array(row_of)]
-        # 2. one batch cache (left-padded, per-row offsets) for every sequence.
-        batch_cache = _merge_caches([caches[j] for j in row_of])
-        del caches
+        # 1. prefill each distinct prompt alone; the rows of one prompt share its cache.
+        prompt_index: dict[tuple[int, ...], int] = {}
+        row_prompt = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
+                      for r in batch]
+        prefilled = [self._prefill(list(prompt)) for prompt in prompt_index]
+        caches = [cache for cache, _ in prefilled]
+        first_logits = mx.concatenate([logits for _, logits in prefilled], axis=0)
 
-        # 3. decode; `active` maps cache rows to batch indices.
-        active = list(range(len(batch)))
+        # 2. one batch cache for every sequence (left padding, per-row offsets), or, for cache
+        # types mlx-lm cannot batch, one sequence at a time on a copy of its prompt's cache.
+        batched = self._can_merge(caches[0])
+        if batched:
+            groups = [list(range(len(batch)))]
+        else:
+            log.debug("cache types %s cannot be merged: decoding one sequence at a time",
+                      sorted({type(c).__name__ for c in caches[0]}))
+            groups = [[i] for i in range(len(batch))]
+        for rows in groups:
+            if batched:
+                cache = [layer[0].merge(list(layer)) for layer in
+                         zip(*(caches[row_prompt[i]] for i in rows), strict=True)]
+            else:
+                cache = copy.deepcopy(caches[row_prompt[rows[0]]])
+            logits = first_logits[mx.array([row_prompt[i] for i in rows])]
+            self._decode(batch, rows, cache, logits, keys, stops, results)
+        return results
+
+    @staticmethod
+    def _can_merge(cache: list[Any]) -> bool:
+        """Whether mlx-lm can merge these per-layer caches into batch caches (KVCache,
+        RotatingKVCache, ArraysCache, ... can; e.g. ChunkedKVCache cannot)."""
+        return all(hasattr(c, "merge") for c in cache)
+
+    def _decode(self, batch: list[SequenceRequest], rows: list[int], cache: list[Any],
+                logits: mx.array, keys: list[mx.array], stops: list[frozenset[int]],
+                results: list[SequenceResult]) -> None:
+        """Sample ``batch[rows]`` to the end, appending to ``results[rows]``.
+
+        Args:
+            rows: batch indices, in the row order of ``cache`` and ``logits``.
+            cache: mlx-lm cache per layer, batch dimension ``len(rows)``, after the prompts.
+            logits: float32 (len(rows), V) for each row's first new token.
+            keys: per batch index, its (max_tokens, 2) PRNG keys.
+        """
+        active = list(rows)  # cache row -> batch index
         step = 0
         while True:
             configs = [batch[i].sampling for i in active]
@@ -269,15 +297,14 @@ class MlxBackend(Backend):
                 else:
                     keep.append(row)
             if not keep:
-                return results
+                return
             if len(keep) < len(active):
-                for c in batch_cache:
+                for c in cache:
                     c.filter(keep)
                 active = [active[row] for row in keep]
                 tokens = tokens[mx.array(keep)]
             step += 1
-            logits = self._model(tokens[:, None], cache=batch_cache)[:, -1, :]
-            logits = logits.astype(mx.float32)
+            logits = self._model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
 
     def _prefill(self, prompt: list[int]) -> tuple[list[Any], mx.array]:
         """Run ``prompt`` through the model alone. Returns its mlx-lm cache (one entry per
