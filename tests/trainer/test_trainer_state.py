@@ -1,0 +1,162 @@
+"""Checkpoints, run directory, config, node monitor, prefetcher and plot: the run's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gridrl.common.errors import StatusError
+from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.monitor import NodeMonitor, NodeStepStats
+from gridrl.trainer.plot import plot_run
+from gridrl.trainer.prefetch import Prefetcher
+from gridrl.trainer.rundir import RunDir
+
+
+def _optimizer():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    p.grad = torch.ones(3)
+    opt.step()
+    sched.step()
+    return opt, sched
+
+
+def test_checkpoint_round_trip_restores_rng_and_state(tmp_path):
+    opt, sched = _optimizer()
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    files = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"weights"}
+    path = save_checkpoint(tmp_path, step=4, adapter_files=files, optimizer=opt,
+                           scheduler=sched, state={"version": 4, "data_position": 4},
+                           config={"lr": 0.1})
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    ckpt = load_checkpoint(latest_checkpoint(tmp_path))
+    assert ckpt.path == path and ckpt.step == 4 and ckpt.state["data_position"] == 4
+    assert ckpt.adapter_files == files and ckpt.config == {"lr": 0.1}
+    assert ckpt.optimizer["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert ckpt.scheduler["last_epoch"] == 1
+    from gridrl.trainer.checkpoint import set_rng_state
+
+    set_rng_state(ckpt.rng)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_checkpoints_keep_the_newest_and_latest_points_at_a_complete_one(tmp_path):
+    opt, sched = _optimizer()
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step=step, adapter_files={"a": b"x"}, optimizer=opt,
+                        scheduler=sched, state={}, config={}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000004", "step-000006"]
+    assert latest_checkpoint(tmp_path).name == "step-000006"
+    # a kill between the rename and the pointer update: the pointer names an older complete one
+    (tmp_path / "latest").write_text("step-000004")
+    assert latest_checkpoint(tmp_path).name == "step-000004"
+    (tmp_path / "latest").unlink()  # no pointer: the newest complete directory
+    assert latest_checkpoint(tmp_path).name == "step-000006"
+    assert latest_checkpoint(tmp_path / "none") is None
+
+
+def test_run_dir_log_truncation_versions_and_torn_lines(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.append_log({"event": "baseline", "eval_score": 0.1})
+    for step in range(1, 6):
+        rd.append_log({"step": step, "reward_mean": step / 10})
+    with open(rd.log, "a") as f:
+        f.write('{"step": 6, "rew')  # torn by kill -9
+    assert [r.get("step") for r in rd.read_log()] == [None, 1, 2, 3, 4, 5]
+    assert rd.truncate_log(3) == 2
+    assert [r.get("step") for r in rd.read_log()] == [None, 1, 2, 3]
+    assert rd.max_version() == 0
+    for v in (1, 2, 7):
+        rd.record_version(v, v)
+    assert rd.max_version() == 7
+    rd.write_json(rd.summary, {"x": np.float32(0.5)})
+    assert json.loads(rd.summary.read_text()) == {"x": 0.5}
+
+
+def test_config_defaults_validation_and_staleness_bound(tmp_path):
+    cfg = TrainConfig().finalize()
+    assert cfg.local and cfg.rollout == ["local"] and cfg.staleness_bound == 0
+    assert (cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.lr, cfg.lora_rank,
+            cfg.lora_alpha, cfg.clip_eps, cfg.eval_every, cfg.eval_tasks) == (
+        1, 8, 40, 1e-4, 16, 32.0, 0.2, 10, 16)
+    remote = TrainConfig(rollout=["h:1"], sync_every=3, async_steps=2).finalize()
+    assert remote.staleness_bound == 4
+    with pytest.raises(StatusError, match="--max-staleness"):
+        TrainConfig(rollout=["h:1"], sync_every=3, max_staleness=1).finalize()
+    with pytest.raises(StatusError, match="--group-size"):
+        TrainConfig(group_size=1).finalize()
+    with pytest.raises(StatusError, match="--temperature"):
+        TrainConfig(temperature=0).finalize()
+    with pytest.raises(StatusError, match="--async-steps"):
+        TrainConfig(async_steps=1).finalize()
+    with pytest.raises(StatusError, match="--rollout"):
+        TrainConfig(rollout=["local", "h:1"]).finalize()
+    cfg = TrainConfig(auth_token="secret", run_dir=str(tmp_path)).finalize()
+    cfg.save(tmp_path / "config.json")
+    loaded = TrainConfig.load(tmp_path / "config.json")
+    assert loaded.auth_token is None and loaded.run_name == cfg.run_name
+
+
+def test_node_monitor_flags_after_consecutive_bad_steps_and_recovers():
+    mon = NodeMonitor(max_staleness=0, mismatch_kl_max=0.01, flag_after=2)
+    stale = NodeStepStats(samples=8, dropped=8, versions={3})
+    good = NodeStepStats(samples=8, fresh_kl_sum=1e-6 * 80, fresh_tokens=80, versions={5})
+    mismatched = NodeStepStats(samples=8, fresh_kl_sum=0.05 * 80, fresh_tokens=80,
+                               versions={5})
+    assert mon.observe(1, {"a": stale, "b": good}) == {}
+    newly = mon.observe(2, {"a": stale, "b": good})
+    assert list(newly) == ["a"] and "stale: 8/8 samples dropped" in newly["a"]
+    assert mon.observe(3, {"a": stale}) == {} and "a" in mon.flagged  # flagged once
+    assert mon.observe(4, {"b": mismatched}) == {}
+    assert "mismatched" in mon.observe(5, {"b": mismatched})["b"]
+    mon.observe(6, {"a": good})
+    assert set(mon.flagged) == {"b"}
+    unknown = NodeStepStats(samples=2, dropped=2, unknown_version=2, versions={9})
+    assert "outside this run's lineage" in mon.problem(unknown)
+
+
+def test_prefetcher_runs_ahead_by_depth_and_no_further():
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def generate(step):
+        with lock:
+            calls.append(step)
+        time.sleep(0.05)
+        return [step]
+
+    pre = Prefetcher(generate, depth=2, last_step=4)
+    first = pre.get(1)
+    assert first.groups == [1] and first.generate_s >= 0.05
+    time.sleep(0.2)
+    assert sorted(calls) == [1, 2, 3]  # steps 2 and 3 sampled while step 1 "trains"
+    assert pre.get(2).wait_s < 0.05
+    time.sleep(0.1)
+    assert sorted(calls) == [1, 2, 3, 4]  # never beyond last_step
+    assert [pre.get(s).groups for s in (3, 4)] == [[3], [4]]
+    pre.close()
+    sync = Prefetcher(lambda s: [s], depth=0, last_step=3)
+    assert sync.get(2).groups == [2]
+
+
+def test_plot_writes_a_png(tmp_path):
+    records = [{"step": s, "reward_mean": s / 10, "reward_std": 0.1, "staleness_mean": s % 2,
+                "dropped_samples": s % 3, "eval_score": 0.5 if s == 5 else None}
+               for s in range(1, 11)]
+    out = plot_run([*records, {"event": "baseline"}], tmp_path / "plot.png", baseline=0.1,
+                   title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
