@@ -20,11 +20,6 @@ from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
 LOCAL = "local"
 
 
-def sample_seed(group: int, index: int) -> int:
-    """Seed of sample ``index`` of a group seeded ``group`` (distinct, deterministic)."""
-    return group_seed(group, index)
-
-
 class LocalRollout:
     """A :class:`gridrl.trainer.rollouts.RolloutSource` over the trainer's own model.
 
@@ -69,6 +64,7 @@ class LocalRollout:
         """See :meth:`gridrl.trainer.rollouts.RolloutSource.generate_groups`. All groups of the
         call are decoded together."""
         from gridrl.rollout.backends.base import SamplingConfig
+        from gridrl.rollout.rng import sequence_seed
 
         config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop_token_ids=tuple(stop_token_ids))
@@ -77,7 +73,7 @@ class LocalRollout:
             g_seed = group_seed(seed, i)
             for j in range(group_size):
                 flat_prompts.append(p)
-                seeds.append(sample_seed(g_seed, j))
+                seeds.append(sequence_seed(g_seed, j))  # as the engine seeds sample j
         version = self.version()
         start = time.perf_counter()
         results = self.generate(flat_prompts, config, seeds)
