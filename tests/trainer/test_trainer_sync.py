@@ -4,6 +4,7 @@ deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign a
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 from scripted_nodes import IDENTITY, NodeFarm, peft_files, peft_manifest, wait_until
 
 from gridrl.adapters import convert_files
@@ -51,7 +52,8 @@ def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
     late = farm.start()
     late.down = True  # not up yet at the first push
     other_model = farm.start(identity={**IDENTITY, "num_layers": 4})
-    pool, sync = make_sync([*fast, sleepy, late, other_model], deadline_s=1.0)
+    pool, sync = make_sync([*fast, sleepy, late, other_model], deadline_s=1.0,
+                           probe_interval_s=0.5)
     pool.wait_for_nodes(4, timeout_s=10)
     wait_until(lambda: pool.node(other_model.address).excluded, 5, "the mismatch to be seen")
 
@@ -72,6 +74,15 @@ def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
     assert other_model.pushes == []  # a different base model never gets our adapter
     assert "adapter push of policy version 1 failed" in pool.node(sleepy.address).benched
     assert sync.lagging_nodes(1) == sorted([sleepy.address, late.address])
+    # The lag is on the dashboard too, per node.
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_synced_version",
+                                     {"node": fast[0].address}) == 1
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_synced_version",
+                                     {"node": sleepy.address}) == 0
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_in_rotation",
+                                     {"node": sleepy.address}) == 0
+    assert REGISTRY.get_sample_value("gridrl_trainer_sync_failures_total",
+                                     {"node": sleepy.address}) >= 1
 
     # Both come back and receive the newest version without another push.
     sleepy.push_s = 0.0

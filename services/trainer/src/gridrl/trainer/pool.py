@@ -388,6 +388,8 @@ class NodePool:
             code, detail = e.code().name, e.details() or ""
         except ValueError as e:
             code, detail = "MALFORMED_RESPONSE", str(e)
+        except KeyError:
+            code, detail = "NODE_LEFT", "the node left the pool before the call"
         else:
             served = max(s.policy_version for s in samples)
             name = response.samples[0].adapter_name if response.samples else ""
