@@ -34,6 +34,9 @@ from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# Nodes pushed to at the same time; beyond this, pushes queue (and their deadline starts late).
+MAX_CONCURRENT_PUSHES = 256
+
 
 @dataclass
 class SyncReport:
@@ -84,7 +87,9 @@ class AdapterSync:
         self._node_locks: dict[str, threading.Lock] = {}
         self._newest: _Adapter | None = None
         self._convert_lock = threading.Lock()
-        self._executor = futures.ThreadPoolExecutor(32, thread_name_prefix="adapter-sync")
+        # One thread per node pushed to at once (threads are started lazily, as needed).
+        self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
+                                                    thread_name_prefix="adapter-sync")
         self._closed = False
         pool.add_listener(self._on_node)
 
@@ -124,7 +129,7 @@ class AdapterSync:
             else:
                 report.skipped[node.address] = _why_out(node)
         unconvertible = {}
-        for fmt in sorted({n.adapter_format for n in targets}):  # convert before the clock runs
+        for fmt in sorted({n.adapter_format for n in targets}):  # outside the per-node deadlines
             try:
                 self._payload(adapter, fmt)
             except Exception as e:
@@ -137,7 +142,8 @@ class AdapterSync:
                     node.address, version, unconvertible[node.adapter_format])
             else:
                 jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
-        done, late = futures.wait(jobs, timeout=self.deadline_s + 5.0)
+        waves = -(-len(jobs) // MAX_CONCURRENT_PUSHES) if jobs else 1
+        done, late = futures.wait(jobs, timeout=waves * self.deadline_s + 5.0)
         for future in done:
             error = future.result()
             if error:
