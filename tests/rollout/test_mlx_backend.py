@@ -300,7 +300,7 @@ def write_mlx_adapter(out: Path, model_dir: Path, *, rank: int, scale: float, ke
     n, shapes = layer_shapes(model_dir)
     rng = np.random.default_rng(seed)
     weights = {}
-    for i in range(n - min(num_layers, n), n):
+    for i in list(range(n))[-max(num_layers, 0):]:  # mlx-lm: 0 and -1 mean every block
         for key in keys:
             in_dims, out_dims = shapes[key]
             a = rng.uniform(-1, 1, (in_dims, rank)) / math.sqrt(in_dims)
@@ -340,6 +340,12 @@ def adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
         "b": write_mlx_adapter(root / "b", tiny_llama_dir, rank=8, scale=1.5, num_layers=2,
                                keys=["self_attn.o_proj", "mlp.down_proj", "mlp.up_proj"],
                                seed=2),
+        # no "keys": every Linear of the blocks, as mlx-lm does; num_layers -1: every block
+        "c": write_mlx_adapter(root / "c", tiny_llama_dir, rank=2, scale=3.0, num_layers=-1,
+                               keys=["self_attn.q_proj", "self_attn.k_proj",
+                                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                                     "mlp.up_proj", "mlp.down_proj"], seed=3,
+                               config_edit=lambda c: c["lora_parameters"].pop("keys")),
     }
 
 
@@ -350,17 +356,19 @@ def test_adapters_match_mlx_lm_and_alternate(tiny_llama_dir, prompts, adapters):
     prompt, completion = prompts[0], [40, 7, 300, 2, 511, 16]
     t1 = SamplingConfig(6, 1.0)
     ref = {k: reference_logprobs(tiny_llama_dir, adapters.get(k), prompt, completion)
-           for k in ("base", "a", "b")}
+           for k in ("base", "a", "b", "c")}
     base_before = backend.score(prompt, completion, t1, None)
     np.testing.assert_allclose(base_before, ref["base"], atol=TOL)
-    for k in ("a", "b"):  # the adapters really change the model
+    for k in ("a", "b", "c"):  # the adapters really change the model
         assert max(abs(x - y) for x, y in zip(ref[k], ref["base"], strict=True)) > 0.05
 
     ha = backend.load_adapter(adapters["a"], "a")
     hb = backend.load_adapter(adapters["b"], "b")
-    assert (ha.rank, hb.rank) == (4, 8)
-    for handle, k in [(ha, "a"), (None, "base"), (hb, "b"), (ha, "a"), (hb, "b"),
-                      (None, "base")]:
+    hc = backend.load_adapter(adapters["c"], "c")
+    assert (ha.rank, hb.rank, hc.rank) == (4, 8, 2)
+    assert (len(ha.modules), len(hb.modules), len(hc.modules)) == (2, 6, 14)
+    for handle, k in [(ha, "a"), (None, "base"), (hb, "b"), (ha, "a"), (hc, "c"), (hb, "b"),
+                      (None, "base"), (hc, "c")]:
         np.testing.assert_allclose(backend.score(prompt, completion, t1, handle), ref[k],
                                    atol=TOL, err_msg=k)
     # base weights untouched: exactly the logprobs from before any adapter was loaded
