@@ -1,0 +1,366 @@
+"""Static checks of deploy/: systemd units, launchd plists, Prometheus config and alert rules,
+and the Grafana dashboard's metric names, against the real tools and the real CLIs.
+
+- units pass ``systemd-analyze verify`` (copies whose ExecStart points at this venv);
+- every ``GRIDRL_*`` variable a unit or plist sets is read by the command it starts (a click
+  flag of that very command, or a process-wide variable the code reads), and its value is
+  valid for the flag's type;
+- plists parse and start an installed console script's existing subcommand;
+- ``promtool check config`` / ``check rules`` / ``test rules`` pass;
+- metrics ports agree between units, plists, CLI defaults and the scrape config;
+- every metric the alerts and the dashboard query is exported by some gridrl service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+BIN = Path(sys.executable).parent
+UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+PLISTS = sorted((DEPLOY / "launchd").glob("*.plist"))
+PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS_YML = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TEST = Path(__file__).with_name("alerts_test.yml")
+DASHBOARD = DEPLOY / "grafana" / "gridrl.json"
+DEPLOYED_VENV_BIN = "/opt/gridrl/.venv/bin/"
+SCRIPTS = ("gridrl-master", "gridrl-rollout", "gridrl-trainer", "gridrl-adapters")
+# job name in prometheus.yml -> the console script whose `serve`/`run` it scrapes
+JOBS = {"gridrl-master": "gridrl-master", "gridrl-rollout": "gridrl-rollout",
+        "gridrl-trainer": "gridrl-trainer"}
+# Service metrics modules: every series the dashboard and alerts use comes from one of them.
+METRICS_MODULES = ("gridrl.common.metrics", "gridrl.master.metrics", "gridrl.rollout.metrics",
+                   "gridrl.trainer.metrics")
+PROMQL_BUILTINS = {"up"}  # series Prometheus itself adds to every target
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path=str(BIN))
+    assert path, f"{name} is not installed (make tools)"
+    return path
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _unit_sections(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """``{section: [(key, value), ...]}`` of a unit file (comments and blanks dropped,
+    backslash continuations joined)."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    text = path.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        key, _, value = line.partition("=")
+        assert current is not None, f"{path.name}: {line!r} outside a section"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def _unit_environment(path: Path) -> dict[str, str]:
+    """Every ``Environment=`` assignment of the unit's [Service] section, in order."""
+    env: dict[str, str] = {}
+    for key, value in _unit_sections(path)["Service"]:
+        if key == "Environment":
+            for assignment in shlex.split(value):
+                name, sep, val = assignment.partition("=")
+                assert sep, f"{path.name}: Environment={value!r} is not NAME=VALUE"
+                env[name] = val
+    return env
+
+
+def _unit_exec_start(path: Path) -> str:
+    starts = [v for k, v in _unit_sections(path)["Service"] if k == "ExecStart"]
+    assert len(starts) == 1, f"{path.name}: expected one ExecStart, got {starts}"
+    return starts[0]
+
+
+def _command_of(command_line: str, where: str) -> tuple[str, str]:
+    """``(console script, subcommand)`` started by a unit's ExecStart or a plist's
+    ProgramArguments (also inside a ``/bin/sh -c '...'`` wrapper)."""
+    m = re.search(r"/\.venv/bin/(gridrl-[a-z]+)\s+([a-z][a-z-]*)", command_line)
+    assert m, f"{where}: {command_line!r} starts no <venv>/bin/gridrl-* <command>"
+    return m.group(1), m.group(2)
+
+
+def _plist(path: Path) -> dict:
+    with path.open("rb") as f:
+        return plistlib.load(f)
+
+
+def _click_command(script: str, sub: str) -> click.Command:
+    eps = {ep.name: ep for ep in entry_points(group="console_scripts")}
+    assert script in eps, f"{script} is not an installed console script"
+    group = eps[script].load()
+    assert isinstance(group, click.Group), f"{script} is not a click group"
+    assert sub in group.commands, f"{script} has no command {sub!r} ({sorted(group.commands)})"
+    return group.commands[sub]
+
+
+def _process_env_readers() -> dict[str, object]:
+    """Variables read by the code itself rather than by a flag, each with a check that the
+    code really reads it: name -> callable(value) returning what the code made of it."""
+    from gridrl.models.resolve import cache_root
+
+    return {"GRIDRL_CACHE_DIR": lambda value: str(cache_root())}
+
+
+# ----------------------------------------------------------------------------- systemd
+
+
+def test_deploy_files_exist() -> None:
+    names = {p.name for p in UNITS}
+    assert names == {"gridrl-master.service", "gridrl-rollout.service",
+                     "gridrl-trainer.service"}, names
+    assert {p.name for p in PLISTS} == {"com.gridrl.master.plist", "com.gridrl.rollout.plist"}
+
+
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    """``systemd-analyze verify`` on copies whose binaries are this venv's: exit 0 and not a
+    single warning (unknown keys and bad values are only warnings to systemd)."""
+    analyze = _tool("systemd-analyze")
+    rendered = []
+    for unit in UNITS:
+        text = unit.read_text()
+        assert DEPLOYED_VENV_BIN in text, f"{unit.name}: ExecStart is not under {DEPLOYED_VENV_BIN}"
+        copy = tmp_path / unit.name
+        copy.write_text(text.replace(DEPLOYED_VENV_BIN, f"{BIN}/"))
+        rendered.append(str(copy))
+    proc = subprocess.run([analyze, "verify", *rendered], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and not proc.stderr.strip(), (
+        f"systemd-analyze verify exited {proc.returncode}:\n{proc.stderr}{proc.stdout}")
+
+
+def test_systemd_verify_catches_broken_units(tmp_path: Path) -> None:
+    """The check above is not vacuous: a typo'd key or a missing binary is reported."""
+    analyze = _tool("systemd-analyze")
+    text = (DEPLOY / "systemd" / "gridrl-master.service").read_text()
+    bad = tmp_path / "broken.service"
+    bad.write_text(text.replace(DEPLOYED_VENV_BIN, "/nonexistent/bin/")
+                   .replace("Restart=", "Restrt="))
+    proc = subprocess.run([analyze, "verify", str(bad)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Restrt" in proc.stderr and "/nonexistent/bin/gridrl-master" in proc.stderr
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_starts_a_real_command_with_env_vars_it_reads(unit: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    script, sub = _command_of(_unit_exec_start(unit), unit.name)
+    assert unit.stem == script, f"{unit.name} starts {script}"
+    _check_env(_unit_environment(unit), script, sub, unit.name, monkeypatch)
+
+
+@pytest.mark.parametrize("plist", PLISTS, ids=lambda p: p.name)
+def test_plist_parses_and_starts_a_real_command(plist: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _plist(plist)
+    assert data["Label"] == plist.stem, f"{plist.name}: Label {data['Label']!r}"
+    args = data["ProgramArguments"]
+    assert isinstance(args, list) and all(isinstance(a, str) for a in args)
+    script, sub = _command_of(" ".join(args), plist.name)
+    assert Path(args[0]).name == script and args[1] == sub, args
+    assert script in SCRIPTS and os.access(BIN / script, os.X_OK)
+    assert data.get("RunAtLoad") is True
+    # Restart after a crash only: a clean SIGTERM exit stays down.
+    assert data.get("KeepAlive") == {"SuccessfulExit": False}
+    for key in ("StandardOutPath", "StandardErrorPath"):
+        assert Path(data[key]).is_absolute(), f"{plist.name}: {key} must be absolute"
+    env = data.get("EnvironmentVariables", {})
+    assert all(isinstance(v, str) for v in env.values()), "plist environment values are strings"
+    _check_env(env, script, sub, plist.name, monkeypatch)
+
+
+def _check_env(env: dict[str, str], script: str, sub: str, where: str,
+               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GRIDRL_* variable is read by ``script sub`` and its value converts."""
+    cmd = _click_command(script, sub)
+    by_env = {p.envvar: p for p in cmd.params if isinstance(p.envvar, str)}
+    process_env = _process_env_readers()
+    problems = []
+    gridrl_vars = {k: v for k, v in env.items() if k.startswith("GRIDRL_")}
+    assert gridrl_vars, f"{where}: sets no GRIDRL_* variable"
+    for name, value in gridrl_vars.items():
+        monkeypatch.setenv(name, value)
+        if name in process_env:
+            got = process_env[name](value)  # type: ignore[operator]
+            if got != value:
+                problems.append(f"{name}={value}: the code made {got!r} of it")
+            continue
+        param = by_env.get(name)
+        if param is None:
+            problems.append(f"{name}: no flag of `{script} {sub}` reads it")
+            continue
+        ctx = click.Context(cmd, info_name=sub)
+        try:
+            param.type_cast_value(ctx, param.value_from_envvar(ctx))
+        except click.BadParameter as e:
+            problems.append(f"{name}={value!r}: {e.format_message()}")
+    assert not problems, f"{where}:\n" + "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- prometheus
+
+
+def test_promtool_check_config_and_rules() -> None:
+    promtool = _tool("promtool")
+    for argv in (["check", "config", str(PROMETHEUS_YML)], ["check", "rules", str(ALERTS_YML)],
+                 ["test", "rules", str(ALERTS_TEST)]):
+        proc = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=120,
+                              cwd=ALERTS_TEST.parent if argv[0] == "test" else None)
+        assert proc.returncode == 0, f"promtool {' '.join(argv)}:\n{proc.stdout}{proc.stderr}"
+        assert "SUCCESS" in proc.stdout + proc.stderr
+
+
+def test_alert_rules_cover_the_failures_that_matter() -> None:
+    rules = {r.get("alert") or r.get("record"): r
+             for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]}
+    for alert in ("GridrlRolloutNodeDown", "GridrlNodeStalePolicy", "GridrlTrainerStalled",
+                  "GridrlHighRpcErrorRate"):
+        assert alert in rules, f"alerts.yml has no {alert}"
+        rule = rules[alert]
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    tested = set(re.findall(r"alertname:\s*(\w+)", ALERTS_TEST.read_text()))
+    untested = {name for name, r in rules.items() if "alert" in r} - tested
+    assert not untested - {"GridrlNoRolloutNodeUp", "GridrlMasterDown",
+                           "GridrlRegisteredNodeUnhealthy", "GridrlAdapterSyncFailing",
+                           "GridrlMismatchKLHigh"}, f"alerts without a promtool test: {untested}"
+
+
+def _scrape_jobs() -> dict[str, dict]:
+    return {j["job_name"]: j for j in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]}
+
+
+def _job_ports(job: dict) -> set[int]:
+    targets = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+    for sd in job.get("file_sd_configs", []):
+        for pattern in sd["files"]:
+            for f in PROMETHEUS_YML.parent.glob(pattern):
+                targets += [t for group in yaml.safe_load(f.read_text()) for t in group["targets"]]
+    assert targets, f"job {job['job_name']} has no example target"
+    return {int(t.rsplit(":", 1)[1]) for t in targets}
+
+
+def test_scrape_ports_match_units_plists_and_cli_defaults() -> None:
+    jobs = _scrape_jobs()
+    assert set(jobs) >= set(JOBS), f"prometheus.yml jobs {sorted(jobs)}"
+    deployed: dict[str, set[int]] = {}
+    for unit in UNITS:
+        script, _ = _command_of(_unit_exec_start(unit), unit.name)
+        env = _unit_environment(unit)
+        deployed.setdefault(script, set()).update(
+            int(v) for k, v in env.items() if k.endswith("_METRICS_PORT"))
+    for plist in PLISTS:
+        data = _plist(plist)
+        script = Path(data["ProgramArguments"][0]).name
+        deployed.setdefault(script, set()).update(
+            int(v) for k, v in data.get("EnvironmentVariables", {}).items()
+            if k.endswith("_METRICS_PORT"))
+    for job, script in JOBS.items():
+        sub = "run" if script == "gridrl-trainer" else "serve"
+        cmd = _click_command(script, sub)
+        default = next(p.default for p in cmd.params if p.name == "metrics_port")
+        ports = _job_ports(jobs[job])
+        assert ports == {default}, f"job {job} scrapes ports {ports}, {script} {sub} " \
+                                   f"defaults to {default}"
+        assert deployed.get(script) == {default}, \
+            f"{script}: units/plists set metrics ports {deployed.get(script)}, not {default}"
+
+
+# ----------------------------------------------------------------------------- metric names
+
+
+def _exported_series_names() -> set[str]:
+    """Every sample name the services' metrics modules can export (in a fresh interpreter)."""
+    code = r"""
+import importlib, json, sys
+from prometheus_client import REGISTRY
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+suffixes = {"counter": ["_total", "_created"], "gauge": [""], "histogram":
+            ["_bucket", "_sum", "_count", "_created"], "summary": ["", "_sum", "_count",
+            "_created"], "info": ["_info"], "stateset": [""], "gaugehistogram": ["_bucket",
+            "_gsum", "_gcount"], "unknown": [""]}
+names = set()
+for collector in list(REGISTRY._collector_to_names):
+    for family in (collector.describe() if hasattr(collector, "describe") else []) or \
+            collector.collect():
+        names.update(family.name + s for s in suffixes[family.type])
+print(json.dumps(sorted(names)))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, *METRICS_MODULES], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout))
+
+
+def _promql_metric_names(expr: str) -> set[str]:
+    """gridrl_* series names and Prometheus' own ``up`` in a PromQL expression (label values
+    in quotes are skipped; no label name starts with gridrl_)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    return set(re.findall(r"\b(gridrl_[a-z0-9_]+|up)\b", expr))
+
+
+def _dashboard_exprs() -> list[tuple[str, str]]:
+    dash = json.loads(DASHBOARD.read_text())
+    out = []
+    for panel in _panels(dash):
+        for target in panel.get("targets", []):
+            out.append((panel["title"], target["expr"]))
+    return out
+
+
+def _panels(dash: dict) -> list[dict]:
+    panels = []
+    for p in dash["panels"]:
+        panels.append(p)
+        panels.extend(p.get("panels", []))  # collapsed rows
+    return [p for p in panels if p.get("type") != "row"]
+
+
+def test_every_queried_metric_is_exported_by_a_service() -> None:
+    exported = _exported_series_names()
+    assert "gridrl_rpc_requests_total" in exported and "gridrl_master_nodes" in exported
+    queries = [(f"alert {r.get('alert') or r.get('record')}", r["expr"])
+               for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]]
+    queries += [(f"panel {title!r}", expr) for title, expr in _dashboard_exprs()]
+    queries += [(f"variable {v['name']}", v["definition"])
+                for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
+                if v.get("type") == "query"]
+    missing = []
+    for where, expr in queries:
+        names = _promql_metric_names(expr)
+        assert names, f"{where}: no metric found in {expr!r}"
+        missing += [f"{where}: {n}" for n in sorted(names - exported - PROMQL_BUILTINS)]
+    assert not missing, "queried but exported by no gridrl service:\n" + "\n".join(missing)
+
+
+def test_metric_name_extraction() -> None:
+    """The PromQL scan above finds names in the shapes the dashboard uses, and no label."""
+    expr = ('histogram_quantile(0.95, sum by (le, method) (rate(gridrl_rpc_duration_seconds_bucket'
+            '{job="gridrl-rollout", instance=~"$node"}[$__rate_interval])))'
+            ' / on() group_left max(gridrl_trainer_policy_version) and up == 1')
+    assert _promql_metric_names(expr) == {"gridrl_rpc_duration_seconds_bucket",
+                                          "gridrl_trainer_policy_version", "up"}
