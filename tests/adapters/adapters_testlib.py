@@ -68,7 +68,8 @@ def make_mlx_adapter(base_dir: Path, out: Path, num_layers: int, keys: list[str]
 
 
 def torch_logprobs(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:
-    """(len(ids), vocab) float64 next-token log-probabilities from transformers (+ peft), fp32."""
+    """(len(ids), vocab) next-token log-probabilities from transformers (+ peft): the fp32
+    model's logits, normalized in float64 (as :func:`mlx_logprobs`, so only the engines differ)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -79,16 +80,35 @@ def torch_logprobs(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> 
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).double().numpy()
+        logits = model(torch.tensor([ids])).logits[0]
+    assert logits.dtype == torch.float32
+    return _log_softmax64(logits.numpy())
 
 
 def mlx_logprobs(base_dir: Path, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:
-    """(len(ids), vocab) float64 next-token log-probabilities from ``mlx_lm.load``, fp32."""
+    """(len(ids), vocab) next-token log-probabilities from ``mlx_lm.load``: the fp32 model's
+    logits, normalized in float64 (mlx's fp32 ``logsumexp`` over a 49k vocabulary alone is off
+    by up to 5e-5, which would be the test's error, not the engine's).
+
+    transformers 5 nests ``rope_theta`` in ``rope_parameters``, where mlx-lm's llama does not
+    look (it would silently use 10000; SmolLM2 uses 100000), so it is passed explicitly.
+    """
+    import json
+
     import mlx.core as mx
     from mlx_lm import load
 
-    model, _ = load(str(base_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
-    logits = model(mx.array([ids]))[0].astype(mx.float32)
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return np.array(lp).astype(np.float64)
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    overrides = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    model, _ = load(str(base_dir), model_config=overrides,
+                    adapter_path=str(adapter_dir) if adapter_dir else None)
+    logits = model(mx.array([ids]))[0]
+    assert logits.dtype == mx.float32
+    return _log_softmax64(np.array(logits))
+
+
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
