@@ -233,3 +233,15 @@ def test_detect_format_errors() -> None:
         detect_format(["adapters.safetensors", "adapter_model.safetensors"])
     with pytest.raises(AdapterError, match="pickled"):
         detect_format(["adapter_config.json", "adapter_model.bin"])
+
+
+def test_peft_names_without_the_peft_model_prefix(peft_dirs: dict[str, Path]) -> None:
+    # transformers' own PEFT integration saves "model.layers..." without "base_model.model.".
+    files = read_dir(peft_dirs["dora"])
+    parsed = st.load(files["adapter_model.safetensors"])
+    bare = {k.removeprefix(P): t for k, t in parsed.tensors.items()}
+    bare_files = {**files, "adapter_model.safetensors": st.dump(bare, parsed.metadata)}
+    mlx_files = convert_files(bare_files, "mlx")
+    assert st.load(mlx_files["adapters.safetensors"]).tensors == st.load(
+        convert_files(files, "mlx")["adapters.safetensors"]).tensors
+    assert convert_files(mlx_files, "peft") == bare_files

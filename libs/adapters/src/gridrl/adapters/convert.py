@@ -100,8 +100,8 @@ def _restore(adapter: LoraAdapter, to: str, num_layers: int | None) -> dict[str,
                                                                      peft_format.PREFIX)))
         else:
             tensors = mlx_format.tensors_of(adapter)
-        candidate_files = {CONFIG: config_bytes, WEIGHTS[to]: st.dump(tensors)}
-        candidate = (peft_format if to == "peft" else mlx_format).read(candidate_files)
+        module = peft_format if to == "peft" else mlx_format
+        candidate = module.read({CONFIG: config_bytes}, tensors=tensors)
         again, _ = _render(candidate, adapter.format,
                            num_layers if num_layers is not None else _block_count_of_mlx(adapter))
     except (AdapterError, ValueError, TypeError, KeyError):

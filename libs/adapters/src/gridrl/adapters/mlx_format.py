@@ -40,8 +40,10 @@ WEIGHTS = "adapters.safetensors"
 _SUFFIXES = {".lora_a": "a", ".lora_b": "b", ".m": "m"}
 
 
-def read(files: Mapping[str, bytes]) -> LoraAdapter:
-    """Read an mlx-lm LoRA/DoRA adapter (file name -> bytes).
+def read(files: Mapping[str, bytes],
+         tensors: Mapping[str, st.Tensor] | None = None) -> LoraAdapter:
+    """Read an mlx-lm LoRA/DoRA adapter (file name -> bytes); with ``tensors``, those stand for
+    the weights file (already parsed; no metadata, no layout).
 
     Tensors are transposed to peft's orientation (A (r, in), B (out, r)) bit for bit.
 
@@ -51,7 +53,7 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
             or tensors mlx-lm itself would refuse (half a pair, rank not matching, a
             magnitude without DoRA, a key outside ``lora_parameters.keys``).
     """
-    if WEIGHTS not in files:
+    if WEIGHTS not in files and tensors is None:
         raise AdapterError(f"mlx adapter: {WEIGHTS} is missing")
     cfg, raw_cfg = parse_config(files, "mlx")
     fine_tune_type = cfg.get("fine_tune_type", "lora")
@@ -75,8 +77,12 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
     keys = lp.get("keys")
     dora = fine_tune_type == "dora"
 
-    data = bytes(files[WEIGHTS])
-    parsed = st.load(data, WEIGHTS)
+    if tensors is None:
+        data = bytes(files[WEIGHTS])
+        parsed = st.load(data, WEIGHTS)
+        layout = st.detect_writer(data, parsed)
+    else:
+        parsed, layout = st.SafetensorsFile(dict(tensors), None, list(tensors)), None
     unsupported: list[str] = []
     parts: dict[str, dict[str, st.Tensor]] = {}
     for name, t in parsed.tensors.items():
@@ -120,7 +126,7 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
         format="mlx", modules=modules, rank=rank, scale=scale, dora=dora,
         dropout=float(lp.get("dropout", 0.0) or 0.0), base_model_path=str(cfg.get("model") or ""),
         all_layers=num_layers <= 0, config=cfg, config_bytes=raw_cfg, metadata=parsed.metadata,
-        layout=st.detect_writer(data, parsed), mlx_num_layers=num_layers, unsupported=unsupported,
+        layout=layout, mlx_num_layers=num_layers, unsupported=unsupported,
         other_modules=other,
         extra_files={k: bytes(v) for k, v in files.items() if k not in (CONFIG, WEIGHTS)},
     )

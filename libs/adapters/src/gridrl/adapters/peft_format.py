@@ -90,8 +90,10 @@ def _some(names: list[str]) -> str:
     return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
-def read(files: Mapping[str, bytes]) -> LoraAdapter:
-    """Read a peft LoRA adapter (file name -> bytes).
+def read(files: Mapping[str, bytes],
+         tensors: Mapping[str, st.Tensor] | None = None) -> LoraAdapter:
+    """Read a peft LoRA adapter (file name -> bytes); with ``tensors``, those stand for the
+    weights file (already parsed; no metadata, no layout).
 
     What mlx-lm cannot express is listed in ``unsupported`` rather than raised, so the
     manifest of any peft LoRA adapter can still be built.
@@ -100,7 +102,7 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
         AdapterError: missing files, pickled weights, a peft_type other than LORA, or broken
             tensors (half of a pair, ranks not matching the config).
     """
-    if WEIGHTS not in files:
+    if WEIGHTS not in files and tensors is None:
         if PICKLE_WEIGHTS in files:
             raise AdapterError(f"{PICKLE_WEIGHTS}: pickled torch weights are not supported; save "
                                f"with safe_serialization=True to get {WEIGHTS}")
@@ -118,8 +120,12 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
     alpha_pattern = cfg.get("alpha_pattern") or {}
     use_dora = bool(cfg.get("use_dora", False))
 
-    data = bytes(files[WEIGHTS])
-    parsed = st.load(data, WEIGHTS)
+    if tensors is None:
+        data = bytes(files[WEIGHTS])
+        parsed = st.load(data, WEIGHTS)
+        layout = st.detect_writer(data, parsed)
+    else:
+        parsed, layout = st.SafetensorsFile(dict(tensors), None, list(tensors)), None
     prefix = PREFIX if any(n.startswith(PREFIX) for n in parsed.tensors) else ""
     unsupported: list[str] = []
     if cfg.get("modules_to_save"):
@@ -197,7 +203,7 @@ def read(files: Mapping[str, bytes]) -> LoraAdapter:
         dora=use_dora, dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
         base_model_path=str(cfg.get("base_model_name_or_path") or ""), all_layers=all_layers,
         config=cfg, config_bytes=raw_cfg, metadata=parsed.metadata,
-        layout=st.detect_writer(data, parsed), key_prefix=prefix, unsupported=unsupported,
+        layout=layout, key_prefix=prefix, unsupported=unsupported,
         other_modules=other,
         extra_files={k: bytes(v) for k, v in files.items() if k not in (CONFIG, WEIGHTS)},
     )

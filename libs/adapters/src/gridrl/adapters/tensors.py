@@ -117,15 +117,9 @@ def canonical_order(tensors: Mapping[str, Tensor]) -> list[str]:
     return sorted(tensors, key=lambda k: (-_RUST_RANK.get(tensors[k].dtype, -1), k))
 
 
-def dump(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None,
-         writer: str = "safetensors", order: Sequence[str] | None = None) -> bytes:
-    """Serialize ``tensors`` exactly as ``writer`` ("safetensors" or "mlx") would.
-
-    ``order`` is the data order (names); default: the Rust writer's order. Returns the bytes.
-
-    Raises:
-        AdapterError: unknown writer, or ``order`` not a permutation of the names.
-    """
+def header(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None,
+           writer: str = "safetensors", order: Sequence[str] | None = None) -> bytes:
+    """The first bytes :func:`dump` writes: 8-byte length, then the JSON header (padded)."""
     if writer not in WRITERS:
         raise AdapterError(f"unknown safetensors writer {writer!r}; expected one of {WRITERS}")
     order = list(order) if order is not None else canonical_order(tensors)
@@ -143,14 +137,27 @@ def dump(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = Non
         offset = end
     if writer == "mlx":
         header_obj = {"__metadata__": dict(metadata) if metadata is not None else None, **entries}
-        header = json.dumps(header_obj, sort_keys=True, separators=(",", ":"),
-                            ensure_ascii=False).encode()
+        text = json.dumps(header_obj, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode()
     else:
         header_obj = {"__metadata__": dict(metadata), **entries} if metadata else entries
-        header = json.dumps(header_obj, separators=(",", ":"), ensure_ascii=False).encode()
-        header += b" " * (-len(header) % 8)
-    return b"".join([struct.pack("<Q", len(header)), header,
-                     *(tensors[name].data for name in order)])
+        text = json.dumps(header_obj, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def dump(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None,
+         writer: str = "safetensors", order: Sequence[str] | None = None) -> bytes:
+    """Serialize ``tensors`` exactly as ``writer`` ("safetensors" or "mlx") would.
+
+    ``order`` is the data order (names); default: the Rust writer's order. Returns the bytes.
+
+    Raises:
+        AdapterError: unknown writer, or ``order`` not a permutation of the names.
+    """
+    order = list(order) if order is not None else canonical_order(tensors)
+    head = header(tensors, metadata, writer, order)
+    return b"".join([head, *(tensors[name].data for name in order)])
 
 
 def detect_writer(data: bytes, parsed: SafetensorsFile) -> dict | None:
@@ -158,12 +165,18 @@ def detect_writer(data: bytes, parsed: SafetensorsFile) -> dict | None:
 
     Returns ``{"writer": "safetensors"}``, ``{"writer": "mlx", "order": [i, ...]}`` (data order
     as indices into the sorted tensor names), or None when neither writer reproduces the file.
+    Only headers are compared: ``parsed`` holds the data at the offsets the header gives, so a
+    matching header over a file with no trailing bytes reproduces the file.
     """
-    if dump(parsed.tensors, parsed.metadata, "safetensors") == data:
-        return {"writer": "safetensors"}
-    if dump(parsed.tensors, parsed.metadata, "mlx", parsed.data_order) == data:
-        index = {name: i for i, name in enumerate(sorted(parsed.tensors))}
-        return {"writer": "mlx", "order": [index[name] for name in parsed.data_order]}
+    size = sum(len(t.data) for t in parsed.tensors.values())
+    candidates = [("safetensors", None), ("mlx", parsed.data_order)]
+    for writer, order in candidates:
+        head = header(parsed.tensors, parsed.metadata, writer, order)
+        if len(head) + size == len(data) and data[:len(head)] == head:
+            if writer == "safetensors":
+                return {"writer": writer}
+            index = {name: i for i, name in enumerate(sorted(parsed.tensors))}
+            return {"writer": writer, "order": [index[name] for name in parsed.data_order]}
     return None
 
 
