@@ -364,3 +364,50 @@ def test_metric_name_extraction() -> None:
             ' / on() group_left max(gridrl_trainer_policy_version) and up == 1')
     assert _promql_metric_names(expr) == {"gridrl_rpc_duration_seconds_bucket",
                                           "gridrl_trainer_policy_version", "up"}
+
+
+# ----------------------------------------------------------------------------- trainer unit
+
+
+def _systemd_command(exec_start: str) -> list[str]:
+    """argv of an ExecStart as systemd runs it: ``$$`` is a literal ``$`` (the unit must not
+    use systemd's own ``$VAR`` expansion, which this emulation does not do)."""
+    assert not re.search(r"(?<!\$)\$(?!\$)", exec_start.replace("$$", "")), exec_start
+    return shlex.split(exec_start.replace("$$", "$").replace(DEPLOYED_VENV_BIN, f"{BIN}/"))
+
+
+@pytest.mark.slow
+def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path,
+                                                         tiny_llama_dir: Path) -> None:
+    """What systemd does with gridrl-trainer.service: the first start (empty state directory)
+    trains from scratch; a restart after that (crash, reboot) resumes from the checkpoint in
+    the same run directory instead of starting over or refusing to start."""
+    unit = DEPLOY / "systemd" / "gridrl-trainer.service"
+    state, cache = tmp_path / "state", tmp_path / "cache"
+    env = {k: v.replace("/var/lib/gridrl", str(state)).replace("/var/cache/gridrl", str(cache))
+           for k, v in _unit_environment(unit).items()}
+    # /etc/gridrl/trainer.env (EnvironmentFile, read after Environment=): a tiny, quick run.
+    env_file = {"GRIDRL_TRAINER_MODEL": str(tiny_llama_dir), "GRIDRL_TRAINER_ROLLOUT": "local",
+                "GRIDRL_TRAINER_STEPS": "1", "GRIDRL_TRAINER_CHECKPOINT_EVERY": "1",
+                "GRIDRL_TRAINER_GROUP_SIZE": "2", "GRIDRL_TRAINER_MAX_TOKENS": "4",
+                "GRIDRL_TRAINER_EVAL_TASKS": "1", "GRIDRL_TRAINER_DEVICE": "cpu",
+                "GRIDRL_TRAINER_LISTEN": "127.0.0.1:0", "GRIDRL_TRAINER_METRICS_PORT": "-1"}
+    base = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    argv = _systemd_command(_unit_exec_start(unit))
+    run_dir = Path(env["GRIDRL_TRAINER_RUN_DIR"])
+    assert run_dir.is_relative_to(state), "the run directory must live in StateDirectory"
+
+    first = subprocess.run(argv, env={**base, **env, **env_file}, capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, f"first start failed:\n{first.stdout}{first.stderr}"
+    assert (run_dir / "checkpoints" / "latest").is_file(), sorted(run_dir.rglob("*"))
+
+    env_file["GRIDRL_TRAINER_STEPS"] = "2"  # the operator extends the run; or a crash restart
+    second = subprocess.run(argv, env={**base, **env, **env_file}, capture_output=True,
+                            text=True, timeout=600)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, f"restart failed:\n{out}"
+    assert "resumed" in out, out
+    steps = [json.loads(line).get("step") for line in (run_dir / "log.jsonl").read_text()
+             .splitlines()]
+    assert [s for s in steps if s is not None] == [1, 2], steps
