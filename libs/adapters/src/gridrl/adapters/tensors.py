@@ -241,18 +241,20 @@ def cast(t: Tensor, dtype: str) -> Tensor:
     if dtype == t.dtype:
         return t
     values = to_float64(t)
-    if dtype == "F64":
-        out = values.astype("<f8")
-    elif dtype == "F32":
-        out = values.astype("<f4")
-    elif dtype == "F16":
-        out = values.astype("<f2")
-    elif dtype == "BF16":
-        f32 = values.astype("<f4")
-        bits = f32.view("<u4").astype(np.uint64)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-        rounded[np.isnan(f32)] = 0x7FC0
-        out = rounded
-    else:
-        raise AdapterError(f"cannot cast to dtype {dtype!r}; expected one of F64, F32, F16, BF16")
+    with np.errstate(over="ignore", invalid="ignore"):  # out of range -> inf, as torch does
+        if dtype == "F64":
+            out = values.astype("<f8")
+        elif dtype == "F32":
+            out = values.astype("<f4")
+        elif dtype == "F16":
+            out = values.astype("<f2")
+        elif dtype == "BF16":
+            f32 = values.astype("<f4")
+            bits = f32.view("<u4").astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+            rounded[np.isnan(f32)] = 0x7FC0
+            out = rounded
+        else:
+            raise AdapterError(f"cannot cast to dtype {dtype!r}; expected one of F64, F32, F16, "
+                               "BF16")
     return Tensor(dtype, t.shape, np.ascontiguousarray(out).tobytes())
