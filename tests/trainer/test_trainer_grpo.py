@@ -152,3 +152,11 @@ def test_mismatch_kl_mean_and_per_sequence():
     # token (0,0): r = 0.25/0.5 -> 0.193147; others equal -> 0; masked token ignored
     assert per_seq.tolist() == pytest.approx([0.193147 / 2, 0.0], abs=1e-6)
     assert mean.item() == pytest.approx(0.193147 / 3, abs=1e-6)
+
+
+def test_mismatch_kl_resolves_fp_noise():
+    # d = 1e-6 nats per token: KL ~ d^2 / 2 = 5e-13, which exp(d) - d - 1 in float32 rounds to 0
+    behaviour = torch.tensor([[-2.0]])
+    trainer = behaviour + 1e-6
+    mean, _ = grpo.mismatch_kl(trainer, behaviour, torch.ones(1, 1))
+    assert mean.item() == pytest.approx(5e-13, rel=0.1)

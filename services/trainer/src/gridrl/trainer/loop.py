@@ -120,7 +120,7 @@ class Trainer:
         if console is None:
             from rich.console import Console
 
-            console = Console(highlight=False)
+            console = Console(highlight=False, soft_wrap=True)
         self.console = console
         self.state = TrainerState()
         self.source: Any = None
