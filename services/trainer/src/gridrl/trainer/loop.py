@@ -419,6 +419,9 @@ class Trainer:
             TimeoutError: not enough nodes in time. The status is marked FAILED first.
         """
         try:
+            if self.status is not None:  # STARTING while the model loads
+                self.status.begin(self.cfg.run_name or "", str(self.cfg.run_dir),
+                                  self.cfg.steps, self.cfg.model)
             self._setup()
             if self.is_main:
                 return self._run_main()
@@ -464,7 +467,6 @@ class Trainer:
         cfg, st = self.cfg, self.state
         assert self.run_dir is not None
         if self.status is not None:
-            self.status.begin(cfg.run_name or "", str(self.run_dir.path), cfg.steps, cfg.model)
             for rec in self.run_dir.read_log():  # a resumed run's earlier steps
                 if rec.get("step"):
                     self._report(rec, publish_metrics=False)

@@ -1,0 +1,196 @@
+"""``gridrl-trainer run --rollout local`` end to end on the tiny llama: it learns a reward, feeds
+TrainerService, writes the run directory; kill -9 and ``--resume`` continue the same steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+# Reward of the tiny llama's word-level vocabulary: the fraction of words "w<even number>".
+REWARD_FILE = '''
+def even_words(prompts, completions, **kwargs):
+    out = []
+    for c in completions:
+        words = c.split()
+        even = [w for w in words if w.startswith("w") and w[1:].isdigit() and int(w[1:]) % 2 == 0]
+        out.append(len(even) / max(len(words), 1))
+    return out
+'''
+
+
+@pytest.fixture
+def task_files(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "cat dog red blue sky sea "
+                                        + " ".join(f"w{i * 7 + j}" for j in range(3))}) + "\n"
+                            for i in range(40)))
+    reward = tmp_path / "even.py"
+    reward.write_text(REWARD_FILE)
+    return data, reward
+
+
+def _args(model, data, reward, run_dir, steps, **extra):
+    args = ["gridrl-trainer", "run", "--model", str(model), "--task", str(data),
+            "--reward-file", str(reward), "--steps", str(steps), "--prompts-per-step", "2",
+            "--group-size", "8", "--max-tokens", "8", "--lr", "2e-2", "--lora-rank", "8",
+            "--lora-alpha", "16", "--eval-every", "6", "--eval-tasks", "8",
+            "--checkpoint-every", "6", "--run-dir", str(run_dir), "--rollout", "local",
+            "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def _watch_all(address: str) -> list:
+    from gridrl.common.channel import dial
+    from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+    with dial(address) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        first = stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=10)
+        reports = [r.report for r in stub.WatchRun(
+            trainer_pb2.WatchRunRequest(include_history=True), timeout=120)]
+        return first, reports
+
+
+def test_local_run_learns_and_writes_the_run_directory(tiny_llama_dir, task_files, tmp_path,
+                                                        service_factory):
+    from gridrl.v1 import trainer_pb2
+
+    data, reward = task_files
+    run_dir = tmp_path / "run"
+    svc = service_factory(_args(tiny_llama_dir, data, reward, run_dir, steps=12), "trainer")
+    cli = subprocess.run([str(BIN / "gridrl-trainer"), "status", "--address", svc.address,
+                          "--json"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["total_steps"] == "12"  # proto3 JSON: uint64 as a string
+    first, reports = _watch_all(svc.address)
+    assert first.state in (trainer_pb2.RUN_STATE_STARTING, trainer_pb2.RUN_STATE_RUNNING)
+    assert svc.proc.wait(60) == 0, svc.log()
+    log_text = svc.log()
+
+    # TrainerService streamed every step, with the eval's policy version
+    assert [r.step for r in reports] == list(range(1, 13))
+    assert [r.step for r in reports if r.HasField("eval_score")] == [6, 12]
+    assert all(r.eval_policy_version == r.policy_version for r in reports
+               if r.HasField("eval_score"))
+
+    records = _records(run_dir)
+    baseline = [r for r in records if r.get("event") == "baseline"]
+    steps = [r for r in records if r.get("step")]
+    assert len(baseline) == 1 and baseline[0]["eval_policy_version"] == 0
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert [r["policy_version"] for r in steps] == list(range(1, 13))
+    for r in steps:
+        assert r["staleness_mean"] == 0 and r["dropped_samples"] == 0
+        assert r["mismatch_kl"] < 1e-6  # the sampler is the trainer's own model
+        assert r["nodes"]["local"]["samples"] == 16 and r["nodes"]["local"]["versions"] == [
+            r["policy_version"] - 1]
+        assert r["nodes_synced"] == 0 and r["sync_s"] == 0
+    # it learns: the reward and the greedy eval go up
+    first3 = sum(r["reward_mean"] for r in steps[:3]) / 3
+    last3 = sum(r["reward_mean"] for r in steps[-3:]) / 3
+    assert last3 > first3 + 0.2, (first3, last3)
+    assert steps[-1]["eval_score"] > baseline[0]["eval_score"] + 0.2
+    assert "step   12/12" in log_text and "eval" in log_text
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["final_eval_policy_version"] == 12
+    assert summary["final_eval"] == steps[-1]["eval_score"]
+    assert summary["adapter_mlx_error"] is None
+    assert (run_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((run_dir / "config.json").read_text())["lr"] == 2e-2
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
+        "step-000006", "step-000012"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000012"
+    assert {p.name for p in (run_dir / "adapter").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors"}
+    assert (run_dir / "adapter-mlx" / "adapters.safetensors").exists()
+
+    # the final peft adapter holds the trained weights and loads with peft
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    final = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    ckpt = load_file(run_dir / "checkpoints" / "step-000012" / "adapter_model.safetensors")
+    assert final.keys() == ckpt.keys() and all(torch.equal(final[k], ckpt[k]) for k in final)
+    assert any(v.abs().max() > 0 for k, v in final.items() if "lora_B" in k)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
+                                      run_dir / "adapter")
+    assert model.peft_config["default"].r == 8
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = run_dir / "log.jsonl"
+        if log.exists() and any(r.get("step", 0) >= step for r in _records(run_dir)):
+            return
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, tmp_path):
+    data, reward = task_files
+    run_dir = tmp_path / "run"
+    args = _args(tiny_llama_dir, data, reward, run_dir, steps=40, checkpoint_every=3,
+                 eval_every=20)
+    args[0] = str(BIN / args[0])
+    log1 = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(args, stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_step(run_dir, 4, proc, timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed = {r["step"]: r for r in _records(run_dir) if r.get("step")}
+    last_ckpt = (run_dir / "checkpoints" / "latest").read_text()
+    ckpt_step = int(last_ckpt.split("-")[1])
+    assert 3 <= ckpt_step < max(killed)  # steps after the checkpoint were lost with the kill
+    versions_before = [json.loads(v)["version"]
+                       for v in (run_dir / "versions.jsonl").read_text().splitlines()]
+
+    resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
+                              "--steps", "12", "--listen", "127.0.0.1:0", "--metrics-port",
+                              "-1"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed at step {ckpt_step}" in resumed.stdout
+
+    records = _records(run_dir)
+    steps = [r["step"] for r in records if r.get("step")]
+    assert steps == list(range(1, 13))  # no step repeated or lost, same numbering
+    assert sum(1 for r in records if r.get("event") == "baseline") == 1
+    by_step = {r["step"]: r for r in records if r.get("step")}
+    # the step after the checkpoint is re-done exactly as before the kill (same data, same
+    # sampler seeds, restored weights, optimizer and RNG)
+    again = by_step[ckpt_step + 1]
+    before = killed[ckpt_step + 1]
+    assert again["reward_mean"] == pytest.approx(before["reward_mean"], abs=1e-9)
+    assert again["loss"] == pytest.approx(before["loss"], abs=1e-6)
+    assert again["data_position"] == before["data_position"]
+    # versions minted after the resume are new: none reuses a number the killed run used
+    assert min(by_step[s]["policy_version"] for s in range(ckpt_step + 1, 13)) > max(
+        versions_before)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_at"] == [ckpt_step] and summary["steps"] == 12
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["steps"] == 12 and config["lr"] == 2e-2
