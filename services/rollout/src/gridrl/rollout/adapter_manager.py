@@ -1,0 +1,305 @@
+"""PushAdapter and ReloadAdapter: receive -> verify -> convert -> stage -> load -> swap.
+
+A push is checked against the node's base model as soon as its header arrives, received into
+memory and verified (sizes, sha256: ``gridrl.common.transport.receive_push``), checked again
+against the base model by what its tensors say (``gridrl.adapters.check_fits``), converted to
+the backend's format when needed (``gridrl.adapters.convert_files``), written to a staging
+directory, loaded by the backend next to the serving adapter, renamed into the store and made
+the serving adapter, all of the last three between two batches on the engine's scheduler thread.
+Any failure changes nothing: the previous adapter keeps serving and the staging directory is
+removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gridrl.adapters import (
+    AdapterError,
+    AdapterManifest,
+    check_fits,
+    convert_files,
+    detect_format,
+    read_dir,
+)
+from gridrl.common.errors import StatusError, failed_precondition, invalid_argument
+from gridrl.common.transport import format_name, manifest_to_dict, receive_push
+from gridrl.models import ModelIdentity
+from gridrl.rollout import metrics
+from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
+from gridrl.rollout.backends.base import AdapterLoadError, Backend
+from gridrl.rollout.engine import BASE_MODEL, Engine, ServingAdapter
+from gridrl.v1 import common_pb2, rollout_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Applied:
+    serving: ServingAdapter
+    apply_s: float
+
+
+class AdapterManager:
+    """The node's adapter operations over an engine, its backend and an adapter store.
+
+    Args:
+        engine: the engine whose serving adapter is swapped.
+        store: where adapters live on disk.
+        identity: the base model (what pushed adapters must fit).
+        max_bytes: largest push accepted, in bytes.
+    """
+
+    def __init__(self, engine: Engine, store: AdapterStore, identity: ModelIdentity,
+                 max_bytes: int) -> None:
+        self.engine = engine
+        self.backend: Backend = engine.backend
+        self.store = store
+        self.identity = identity
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()  # one push / reload applies at a time
+        self._keys = itertools.count(1)
+
+    def base_model(self) -> dict[str, object]:
+        """The base model as the manifest's ``base_model`` dict."""
+        i = self.identity
+        return {"model_id": i.model_id, "architecture": i.architecture,
+                "hidden_size": i.hidden_size, "num_layers": i.num_layers,
+                "vocab_size": i.vocab_size}
+
+    def stored_refs(self) -> list[common_pb2.AdapterRef]:
+        """Every stored push as an AdapterRef, by name then version."""
+        return [common_pb2.AdapterRef(name=s.name, version=s.version) for s in self.store.pushed()]
+
+    # -- PushAdapter -------------------------------------------------------------------------
+
+    def push(self, requests: Iterable[rollout_pb2.PushAdapterRequest]
+             ) -> rollout_pb2.PushAdapterResponse:
+        """Receive, verify, convert, store and (unless stage_only) serve a pushed adapter.
+
+        Returns:
+            the adapter serving afterwards, whether the files were converted, bytes received
+            and the phase timings (seconds).
+        Raises:
+            StatusError: INVALID_ARGUMENT (malformed stream or manifest, files that are not the
+                declared format, an adapter that cannot be converted), DATA_LOSS (truncated
+                stream, sha256 mismatch), RESOURCE_EXHAUSTED (over ``max_bytes``),
+                FAILED_PRECONDITION (made for another base model, or tensors that do not fit
+                it), ALREADY_EXISTS (that name and version is stored with other contents),
+                CANCELLED (the client cancelled the stream). Nothing changes on any error.
+        """
+        start = time.perf_counter()
+        stream = iter(requests)
+        try:
+            first = next(stream, None)
+            if first is not None and first.WhichOneof("payload") == "header":
+                self._check_header(first.header.manifest)
+            received = receive_push(_chain(first, stream), self.max_bytes)
+        except grpc.RpcError as e:
+            raise StatusError(grpc.StatusCode.CANCELLED,
+                              "push stream ended by the client before it was complete; "
+                              "nothing changed") from e
+        metrics.PUSH_BYTES.inc(received.bytes_received)
+        manifest = received.manifest
+        name, version = manifest.name, int(manifest.version)
+        pushed_format = format_name(manifest.format)
+        t = time.perf_counter()
+        files = received.files
+        try:
+            found = detect_format(files)
+        except AdapterError as e:
+            raise invalid_argument("header.manifest.files", str(e)) from e
+        if found != pushed_format:
+            raise invalid_argument("header.manifest.format",
+                                   f"says {pushed_format} but the files are a {found} adapter")
+        try:
+            check_fits(files, self.base_model())
+        except AdapterError as e:
+            raise failed_precondition(f"adapter: {e}") from e
+        verify_s = received.verify_s + time.perf_counter() - t
+        t = time.perf_counter()
+        converted = pushed_format != self.backend.adapter_format
+        if converted:
+            try:
+                files = convert_files(files, self.backend.adapter_format,
+                                      num_layers=self.identity.num_layers)
+            except AdapterError as e:
+                raise invalid_argument("adapter", f"cannot convert {pushed_format} to "
+                                                  f"{self.backend.adapter_format}: {e}") from e
+        convert_s = time.perf_counter() - t if converted else 0.0
+        meta = {"name": name, "version": version, "format": self.backend.adapter_format,
+                "pushed_format": pushed_format, "converted": converted,
+                "manifest": manifest_to_dict(manifest)}
+        applied = self._store_and_apply(files, meta, received.stage_only)
+        total = time.perf_counter() - start
+        for phase, seconds in (("receive", received.receive_s), ("verify", verify_s),
+                               ("convert", convert_s), ("apply", applied.apply_s),
+                               ("total", total)):
+            metrics.PUSH_DURATION.labels(phase).observe(seconds)
+        log.info("push %s v%d (%s%s, %d bytes): receive %.3fs verify %.3fs convert %.3fs "
+                 "apply %.3fs%s", name, version, pushed_format,
+                 f" -> {self.backend.adapter_format}" if converted else "",
+                 received.bytes_received, received.receive_s, verify_s, convert_s,
+                 applied.apply_s, " (staged only)" if received.stage_only else "")
+        return rollout_pb2.PushAdapterResponse(
+            serving=_ref(applied.serving), converted=converted,
+            bytes_received=received.bytes_received,
+            timings=rollout_pb2.PushTimings(receive_s=received.receive_s, verify_s=verify_s,
+                                            convert_s=convert_s, apply_s=applied.apply_s))
+
+    def _check_header(self, manifest: common_pb2.AdapterManifest) -> None:
+        """Refuse, before any byte arrives, a push made for another base model."""
+        if manifest.name.startswith("."):
+            raise invalid_argument("header.manifest.name", f"{manifest.name!r} must not start "
+                                                           "with '.'")
+        try:
+            check_fits(AdapterManifest.from_dict(manifest_to_dict(manifest)), self.base_model())
+        except AdapterError as e:
+            raise failed_precondition(f"header.manifest.base_model: {e}") from e
+
+    def _store_and_apply(self, files: dict[str, bytes], meta: dict, stage_only: bool) -> _Applied:
+        name, version = meta["name"], meta["version"]
+        with self._lock:
+            existing = self.store.get(name, version)
+            if existing is not None:
+                if existing.file_digests != {f["path"]: f["sha256"]
+                                             for f in meta["manifest"]["files"]}:
+                    raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
+                                      f"header.manifest.version: {name} v{version} is already "
+                                      "stored with different files; push a new version")
+                # The same push again (a retry): serve what is stored.
+                if stage_only:
+                    return _Applied(self.engine.serving, 0.0)
+                return self._switch(existing)
+            t = time.perf_counter()
+            staged = self.store.stage(files, meta)
+            try:
+                serving = self.engine.call_between_batches(
+                    lambda: self._load_commit_swap(staged, name, version, stage_only))
+            finally:
+                self.store.discard(staged)  # no-op once renamed into the store
+            apply_s = time.perf_counter() - t
+            metrics.ADAPTER_APPLY_DURATION.observe(apply_s)
+            return _Applied(serving, apply_s)
+
+    def _load_commit_swap(self, staged: Path, name: str, version: int,
+                          stage_only: bool) -> ServingAdapter:
+        """On the scheduler thread: load ``staged``, rename it into the store, swap."""
+        handle = self._load(staged)
+        try:
+            self.store.commit(staged, name, version)
+        except BaseException:
+            self.backend.unload_adapter(handle)
+            raise
+        if stage_only:
+            self.backend.unload_adapter(handle)
+            return self.engine.serving
+        self._swap(ServingAdapter(name=name, version=version, handle=handle))
+        return self.engine.serving
+
+    def _load(self, directory: Path):
+        try:
+            return self.backend.load_adapter(directory, f"adapter{next(self._keys)}")
+        except AdapterLoadError as e:
+            raise failed_precondition(f"adapter: {e}") from e
+
+    def _swap(self, adapter: ServingAdapter) -> None:
+        """On the scheduler thread: serve ``adapter``, free the previous one."""
+        previous = self.engine.set_serving(adapter)
+        if previous.handle is not None and previous.handle is not adapter.handle:
+            self.backend.unload_adapter(previous.handle)
+        log.info("serving %s", f"{adapter.name} v{adapter.version}" if adapter.handle is not None
+                 else "the base model")
+
+    # -- ReloadAdapter -----------------------------------------------------------------------
+
+    def reload(self, request: rollout_pb2.ReloadAdapterRequest
+               ) -> rollout_pb2.ReloadAdapterResponse:
+        """Serve a stored push (by version), a directory under the adapter root (by path), or
+        the base model.
+
+        A directory without gridrl metadata is served under its relative path as the name and
+        version 0. A directory in the other adapter format is converted in memory.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT (no target; ``path`` empty, absolute or leaving the
+                root; ``version`` 0 or ambiguous), NOT_FOUND (no such version or directory),
+                FAILED_PRECONDITION (the adapter does not fit the base model or cannot be
+                read). Nothing changes on any error.
+        """
+        target = request.WhichOneof("target")
+        start = time.perf_counter()
+        with self._lock:
+            if target == "base_model":
+                if not request.base_model:
+                    raise invalid_argument("base_model", "must be true to select the base model")
+                self.engine.call_between_batches(lambda: self._swap(BASE_MODEL))
+            elif target == "version":
+                if request.version < 1:
+                    raise invalid_argument("version", "must be >= 1 (use base_model for the "
+                                                      "base model)")
+                stored = self.store.by_version(request.version, self.engine.serving.name)
+                self._switch(stored)
+            elif target == "path":
+                stored = self.store.describe(self.store.resolve(request.path))
+                self._switch(stored)
+            else:
+                raise invalid_argument("target", "set one of version, path or base_model")
+        apply_s = time.perf_counter() - start
+        metrics.ADAPTER_APPLY_DURATION.observe(apply_s)
+        return rollout_pb2.ReloadAdapterResponse(serving=_ref(self.engine.serving),
+                                                 apply_s=apply_s)
+
+    def _switch(self, stored: StoredAdapter) -> _Applied:
+        """Load a stored directory (converting a foreign format through a staging copy) and
+        serve it; a no-op when it is already serving."""
+        serving = self.engine.serving
+        if serving.handle is not None and (serving.name, serving.version) == (
+                stored.name, stored.version) and stored.version > 0:
+            return _Applied(serving, 0.0)
+        t = time.perf_counter()
+        staged = None
+        directory = stored.path
+        try:
+            fmt = detect_format(p.name for p in directory.iterdir())
+        except AdapterError as e:
+            raise failed_precondition(f"path: {e}") from e
+        if fmt != self.backend.adapter_format:
+            try:
+                files = convert_files(read_dir(directory), self.backend.adapter_format,
+                                      num_layers=self.identity.num_layers)
+                check_fits(files, self.base_model())
+            except AdapterError as e:
+                raise failed_precondition(f"adapter: {e}") from e
+            staged = directory = self.store.stage(files, stored.meta)
+        try:
+            def apply() -> None:
+                handle = self._load(directory)
+                self._swap(ServingAdapter(name=stored.name, version=stored.version,
+                                          handle=handle))
+
+            self.engine.call_between_batches(apply)
+        finally:
+            if staged is not None:
+                self.store.discard(staged)
+        return _Applied(self.engine.serving, time.perf_counter() - t)
+
+
+def _chain(first: rollout_pb2.PushAdapterRequest | None,
+           rest: Iterator[rollout_pb2.PushAdapterRequest]
+           ) -> Iterator[rollout_pb2.PushAdapterRequest]:
+    if first is not None:
+        yield first
+        yield from rest
+
+
+def _ref(adapter: ServingAdapter) -> common_pb2.AdapterRef:
+    return common_pb2.AdapterRef(name=adapter.name, version=adapter.version)

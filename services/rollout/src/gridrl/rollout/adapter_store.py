@@ -1,0 +1,204 @@
+"""Adapters on a node's disk, under its ``--adapter-root``.
+
+Layout::
+
+    <root>/pushed/<name>/v<version>/    a pushed adapter, in the node's own format, plus
+        .gridrl-adapter.json            {name, version, format, pushed_format, converted, manifest}
+    <root>/pushed/.staging-*/           a push being applied (removed on failure and at start)
+    <root>/<anything else>/             adapters placed by an operator (ReloadAdapter path)
+
+A push is written into a staging directory and renamed into place only once it is verified,
+converted and loaded, so ``pushed/`` never holds a half-written adapter. Paths given by clients
+are resolved inside the root (symlinks followed) and refused when they leave it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gridrl.common.errors import invalid_argument, not_found
+
+log = logging.getLogger(__name__)
+
+META = ".gridrl-adapter.json"
+PUSHED = "pushed"
+STAGING_PREFIX = ".staging-"
+
+
+@dataclass(frozen=True)
+class StoredAdapter:
+    """An adapter directory on the node.
+
+    Attributes:
+        name: adapter name ("" when unknown).
+        version: policy version (0 when unknown).
+        path: its directory.
+        meta: the contents of its ``.gridrl-adapter.json`` ({} when absent).
+    """
+
+    name: str
+    version: int
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def file_digests(self) -> dict[str, str]:
+        """path -> sha256 of the files as they were pushed (from the stored manifest)."""
+        files = self.meta.get("manifest", {}).get("files", [])
+        return {f["path"]: f["sha256"] for f in files}
+
+
+class AdapterStore:
+    """The adapter directories under ``root`` (created if missing).
+
+    Raises:
+        OSError: ``root`` cannot be created.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.pushed_root = self.root / PUSHED
+        self.pushed_root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.pushed_root.glob(f"{STAGING_PREFIX}*"):
+            log.warning("removing %s, left by an interrupted push", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- pushes ------------------------------------------------------------------------------
+
+    def stage(self, files: Mapping[str, bytes], meta: Mapping[str, Any]) -> Path:
+        """Write ``files`` (relative path -> bytes, paths already checked) and the metadata into
+        a fresh staging directory, fsynced. Returns it.
+
+        Raises:
+            OSError: the disk refused (the staging directory is removed).
+        """
+        staged = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.pushed_root))
+        try:
+            for rel, data in {**files, META: json.dumps(dict(meta), indent=2).encode()}.items():
+                target = staged / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return staged
+
+    def commit(self, staged: Path, name: str, version: int) -> StoredAdapter:
+        """Rename a staging directory to ``pushed/<name>/v<version>``.
+
+        Raises:
+            FileExistsError: that version is already stored.
+            OSError: the rename failed (the staging directory is left for the caller).
+        """
+        final = self.pushed_dir(name, version)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            raise FileExistsError(f"{final} already exists")
+        os.rename(staged, final)
+        _fsync_dir(final.parent)
+        return self.describe(final)
+
+    @staticmethod
+    def discard(staged: Path) -> None:
+        """Remove a staging directory (after a failed push)."""
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def pushed_dir(self, name: str, version: int) -> Path:
+        """Where ``name`` version ``version`` is (or would be) stored."""
+        return self.pushed_root / name / f"v{version}"
+
+    def get(self, name: str, version: int) -> StoredAdapter | None:
+        """The stored push ``name`` / ``version``, or None."""
+        path = self.pushed_dir(name, version)
+        return self.describe(path) if path.is_dir() else None
+
+    def pushed(self) -> list[StoredAdapter]:
+        """Every stored push, ordered by name then version."""
+        out = []
+        for name_dir in sorted(p for p in self.pushed_root.iterdir()
+                               if p.is_dir() and not p.name.startswith(".")):
+            for vdir in name_dir.iterdir():
+                if vdir.is_dir() and vdir.name[:1] == "v" and vdir.name[1:].isdigit():
+                    out.append(self.describe(vdir))
+        return sorted(out, key=lambda s: (s.name, s.version))
+
+    def by_version(self, version: int, prefer_name: str = "") -> StoredAdapter:
+        """The stored push with ``version``: of ``prefer_name`` when it has one, else the only
+        name that does.
+
+        Raises:
+            StatusError: NOT_FOUND when no push has that version; INVALID_ARGUMENT
+                (``version``) when several names do and none is ``prefer_name``.
+        """
+        matches = [s for s in self.pushed() if s.version == version]
+        for s in matches:
+            if s.name == prefer_name:
+                return s
+        if not matches:
+            raise not_found(f"version: no stored adapter has version {version} (see "
+                            "GetNodeInfo stored_adapters)")
+        if len(matches) > 1:
+            raise invalid_argument("version", f"version {version} is stored under several "
+                                              f"names ({', '.join(s.name for s in matches)})")
+        return matches[0]
+
+    # -- operator directories ----------------------------------------------------------------
+
+    def resolve(self, rel: str) -> Path:
+        """The directory ``rel`` (relative to the root), symlinks followed.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT (``path``) when empty, absolute or leaving the root;
+                NOT_FOUND when it is not a directory.
+        """
+        if not rel:
+            raise invalid_argument("path", "is empty")
+        if os.path.isabs(rel) or "\0" in rel:
+            raise invalid_argument("path", f"{rel!r} must be relative to the adapter root")
+        path = (self.root / rel).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise invalid_argument("path", f"{rel!r} leaves the adapter root")
+        if path.name.startswith(STAGING_PREFIX) or not path.is_dir():
+            raise not_found(f"path: {rel!r} is not an adapter directory under the adapter root")
+        return path
+
+    def describe(self, path: Path) -> StoredAdapter:
+        """Read a directory's name and version from its metadata; without metadata the name is
+        its path relative to the root and the version 0."""
+        meta: dict[str, Any] = {}
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            meta = {}
+        if not isinstance(meta, dict):
+            meta = {}
+        name = str(meta.get("name") or path.relative_to(self.root).as_posix())
+        try:
+            version = int(meta.get("version", 0))
+        except (TypeError, ValueError):
+            version = 0
+        return StoredAdapter(name=name, version=version, path=path, meta=meta)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

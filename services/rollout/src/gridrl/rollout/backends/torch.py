@@ -1,0 +1,540 @@
+"""The torch backend: transformers + peft on CPU (fp32), CUDA (bf16) or MPS.
+
+Decoding (``generate``), a lean loop over the model's forward (no ``model.generate``):
+
+1. Every distinct prompt is prefilled alone (batch 1, last-position logits only), so a
+   prompt's cache and first-token logits never depend on the rest of the batch; the ``n``
+   samples of a GRPO group share one prefill.
+2. The prefills are assembled into one left-padded, preallocated KV cache
+   (:class:`~gridrl.rollout.backends.torch_cache.SlabCache`) with per-row positions and an
+   additive padding mask.
+3. One forward per step for all live rows; each step applies
+   :func:`~gridrl.rollout.backends.torch_sampling.transform_logits` to float32 logits and draws
+   with each row's counter-based uniform (:mod:`gridrl.rollout.rng`). Finished rows are
+   dropped from the cache once enough of them have finished.
+
+``score`` runs one teacher-forced forward through the same transform, so the behaviour logprobs
+of ``generate`` equal ``score`` up to float rounding of the logits.
+
+Adapters are peft LoRA directories loaded next to the serving one with
+``PeftModel.load_adapter`` under their own name and selected per batch with ``set_adapter``;
+the base model is served with peft's ``disable_adapter``. The forward always runs through the
+underlying transformers model (peft injects its layers there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gridrl.models import ModelIdentity, model_identity
+from gridrl.rollout import rng
+from gridrl.rollout.backends.base import (
+    AdapterLoadError,
+    Backend,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+)
+from gridrl.rollout.backends.torch_cache import SlabCache, supports
+from gridrl.rollout.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class TorchAdapter:
+    """Handle of a peft adapter loaded into the backend's model.
+
+    Attributes:
+        key: the peft adapter name it is loaded under.
+        directory: where it was loaded from.
+        rank: LoRA rank r of its config.
+        modules: number of adapted modules.
+    """
+
+    key: str
+    directory: str
+    rank: int
+    modules: int
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """``"auto"``: CUDA if available, else MPS if available, else CPU; otherwise the named one.
+
+    Raises:
+        ValueError: a device this torch build cannot use.
+    """
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available in this torch build")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available")
+    return dev
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; otherwise the named dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """eos ids of the tokenizer, the model config and its generation config, together."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                add(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(model.config, "eos_token_id", None))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        add(getattr(gen, "eos_token_id", None))
+    return frozenset(ids)
+
+
+def _identity_of(model: Any, model_id: str) -> ModelIdentity:
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return ModelIdentity(
+        model_id=model_id, architecture=str(getattr(cfg, "model_type", "")),
+        hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+        vocab_size=int(text.vocab_size),
+        max_context=int(getattr(text, "max_position_embeddings", 2048) or 2048))
+
+
+class TorchBackend(Backend):
+    """A transformers causal LM that decodes batches with exact behaviour logprobs and holds
+    peft LoRA adapters.
+
+    Build it with :meth:`from_pretrained` (a node: it owns the model; ``adapter=None`` means
+    the base model) or :meth:`from_model` (in-process, e.g. the trainer's peft model;
+    ``adapter=None`` means the model exactly as it is, active adapter included). All calls must
+    come from one thread at a time.
+    """
+
+    name = "torch"
+    adapter_format = "peft"
+
+    def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
+                 owns_model: bool) -> None:
+        from peft import PeftModel
+
+        self._peft: Any | None = model if isinstance(model, PeftModel) else None
+        self._hf = model.get_base_model() if self._peft is not None else model
+        if not supports(self._hf.config):
+            raise ValueError(f"torch backend: {type(self._hf).__name__} has sliding-window or "
+                             "non-attention layers; only full-attention decoders are supported")
+        self._owns = owns_model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.eos_token_ids = _eos_ids(self._hf, tokenizer)
+        param = next(self._hf.parameters())
+        self._device = param.device
+        self._dtype = param.dtype
+        self.device = str(self._device) if self._device.type != "cuda" else f"cuda:{self._device.index or 0}"
+        self.dtype = str(self._dtype).removeprefix("torch.")
+        self.vocab_size = int(self._hf.get_output_embeddings().weight.shape[0])
+        params = inspect.signature(self._hf.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._loaded: dict[str, TorchAdapter] = {}
+        # Time from the start of the last generate() to its first sampled tokens.
+        self.last_first_token_s: float | None = None
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path | str, device: str = "auto", dtype: str = "auto",
+                        model_id: str | None = None) -> TorchBackend:
+        """Load a local Hugging Face directory with transformers.
+
+        Args:
+            model_dir: a resolved model directory (``gridrl.models.resolve_model``).
+            device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``.
+            dtype: ``"auto"`` (float32 on CPU/MPS, bfloat16 on CUDA), ``"float32"``,
+                ``"bfloat16"`` or ``"float16"``.
+            model_id: what to report as the model id (default: ``model_dir``).
+        Raises:
+            ValueError: unknown device or dtype, or an unsupported architecture.
+            OSError: the directory has no loadable model.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dev = pick_device(device)
+        torch_dtype = pick_dtype(dtype, dev)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+        model.to(dev).eval()
+        model.requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        identity = model_identity(model_dir, model_id=model_id or str(model_dir))
+        backend = cls(model, tokenizer, identity, owns_model=True)
+        log.info("torch backend: %s on %s (%s), %d layers", model_dir, backend.device,
+                 backend.dtype, identity.num_layers)
+        return backend
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, model_id: str = "") -> TorchBackend:
+        """Wrap a model already in memory (a transformers causal LM or a peft ``PeftModel``).
+
+        ``generate(batch, None)`` then decodes with the model as it is (its active adapter
+        included), in eval mode for the call; the caller's train/eval mode is restored after.
+        """
+        identity = _identity_of(model.get_base_model() if hasattr(model, "get_base_model")
+                                else model, model_id or str(getattr(model.config, "_name_or_path", "")))
+        return cls(model, tokenizer, identity, owns_model=False)
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def load_adapter(self, directory: Path, key: str) -> TorchAdapter:
+        """Load the peft LoRA adapter in ``directory`` next to the serving weights under
+        ``key``; the serving adapter and the active selection are untouched.
+
+        Returns:
+            a :class:`TorchAdapter` handle for :meth:`generate` / :meth:`score`.
+        Raises:
+            AdapterLoadError: not a peft adapter, a key already loaded, or tensors that do not
+                fit the base model (the message names the tensor, module or shape); nothing is
+                changed then.
+        """
+        directory = Path(directory)
+        if key in self._loaded:
+            raise AdapterLoadError(f"adapter key {key!r} is already loaded")
+        rank, modules = self._check_fits(directory)
+        from peft import PeftModel
+
+        start = time.perf_counter()
+        try:
+            if self._peft is None:
+                self._peft = PeftModel.from_pretrained(self._hf, str(directory), adapter_name=key,
+                                                       is_trainable=False)
+            else:
+                self._peft.load_adapter(str(directory), adapter_name=key, is_trainable=False)
+        except Exception as e:  # peft raises ValueError / RuntimeError / KeyError
+            self._forget(key)
+            raise AdapterLoadError(f"adapter does not load: {e}") from e
+        self._hf.requires_grad_(False)
+        handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
+        self._loaded[key] = handle
+        log.info("peft adapter %r loaded from %s: rank %d, %d modules, %.2fs", key, directory,
+                 rank, modules, time.perf_counter() - start)
+        return handle
+
+    def unload_adapter(self, adapter: Any) -> None:
+        """Delete ``adapter``'s weights from the model; the handle cannot be used afterwards.
+
+        Raises:
+            ValueError: ``adapter`` is not a handle of this backend.
+        """
+        if not isinstance(adapter, TorchAdapter) or self._loaded.get(adapter.key) is not adapter:
+            raise ValueError(f"not a loaded torch adapter handle: {adapter!r}")
+        del self._loaded[adapter.key]
+        self._forget(adapter.key)
+
+    def _forget(self, key: str) -> None:
+        """Remove every trace of peft adapter ``key`` (after an unload or a failed load)."""
+        if self._peft is None:
+            _strip_lora(self._hf)  # a failed first load may have injected layers
+            return
+        if key in self._peft.peft_config:
+            self._peft.delete_adapter(key)
+        if not self._peft.peft_config and self._owns:
+            # No adapter left: return to the plain model (peft's layers cost time per step).
+            self._peft = None
+            _strip_lora(self._hf)
+
+    def _check_fits(self, directory: Path) -> tuple[int, int]:
+        """Check a peft adapter against the model's modules before touching the model.
+
+        Returns ``(rank, number of adapted modules)``.
+
+        Raises:
+            AdapterLoadError: naming the file, tensor, module or shape that does not fit.
+        """
+        from safetensors import safe_open
+
+        cfg_path, weights = directory / PEFT_CONFIG, directory / PEFT_WEIGHTS
+        if not cfg_path.is_file() or not weights.is_file():
+            raise AdapterLoadError(f"{directory}: not a peft adapter (needs {PEFT_CONFIG} and "
+                                   f"{PEFT_WEIGHTS})")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except ValueError as e:
+            raise AdapterLoadError(f"{PEFT_CONFIG}: not JSON: {e}") from e
+        if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+            raise AdapterLoadError(f"{PEFT_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
+        modules = dict(self._hf.named_modules())
+        adapted: set[str] = set()
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    shape = tuple(f.get_slice(name).get_shape())
+                    self._check_tensor(name, shape, modules, adapted)
+        except AdapterLoadError:
+            raise
+        except Exception as e:  # a corrupt safetensors header
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+        if not adapted:
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: no LoRA tensors")
+        return int(cfg.get("r", 0)), len(adapted)
+
+    @staticmethod
+    def _check_tensor(name: str, shape: tuple[int, ...], modules: dict[str, Any],
+                      adapted: set[str]) -> None:
+        path = name.removeprefix("base_model.model.")
+        for suffix in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector",
+                       ".lora_embedding_A", ".lora_embedding_B", ".weight", ".bias"):
+            if path.endswith(suffix):
+                module_path, kind = path[:-len(suffix)], suffix
+                break
+        else:
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: tensor {name!r} is not a LoRA tensor")
+        if kind in (".weight", ".bias"):  # modules_to_save / trained biases: checked by peft
+            return
+        module = modules.get(module_path)
+        if module is None:
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: the base model has no module "
+                                   f"{module_path!r}")
+        module = getattr(module, "base_layer", module)
+        adapted.add(module_path)
+        if kind.startswith(".lora_embedding"):
+            return
+        fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if fan_in is None or fan_out is None:
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: module {module_path!r} is a "
+                                   f"{type(module).__name__}, not a linear layer")
+        if kind == ".lora_A.weight" and (len(shape) != 2 or shape[1] != fan_in):
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
+                                   f"{module_path} (in_features {fan_in}): expected [r, {fan_in}]")
+        if kind == ".lora_B.weight" and (len(shape) != 2 or shape[0] != fan_out):
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
+                                   f"{module_path} (out_features {fan_out}): expected [{fan_out}, r]")
+        if kind == ".lora_magnitude_vector" and shape not in ((fan_out,), (1, fan_out)):
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
+                                   f"{module_path} (out_features {fan_out})")
+
+    @contextlib.contextmanager
+    def _using(self, adapter: TorchAdapter | None) -> Iterator[None]:
+        """Run the model with ``adapter`` (None: base model for an owned model, the model as
+        it is otherwise), in eval mode and inference mode."""
+        model = self._peft if self._peft is not None else self._hf
+        was_training = model.training
+        if was_training:
+            model.eval()
+        try:
+            with torch.inference_mode(), self._adapter_selected(adapter):
+                yield
+        finally:
+            if was_training:
+                model.train()
+
+    @contextlib.contextmanager
+    def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
+        if adapter is None:
+            if self._owns and self._peft is not None:
+                with self._peft.disable_adapter():
+                    yield
+            else:
+                yield
+            return
+        if self._loaded.get(adapter.key) is not adapter or self._peft is None:
+            raise ValueError(f"adapter {adapter.key!r} is not loaded")
+        if self._peft.active_adapter != adapter.key:
+            self._peft.set_adapter(adapter.key)
+            self._hf.requires_grad_(False)
+        yield
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        cache = kwargs.pop("cache", None)
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        return self._hf(input_ids=input_ids, use_cache=cache is not None, **kwargs).logits
+
+    def _prefill(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                   torch.Tensor]:
+        """One batch-1 forward over ``prompt``. Returns per-layer (keys, values) of shape
+        (1, H, P, D) and the float32 logits (V,) of the token after the prompt."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
+        cache = DynamicCache()
+        logits = self._forward(ids, cache=cache, logits_to_keep=1)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return kv, logits[0, -1].float()
+
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following base.py's semantics.
+
+        Args:
+            batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
+            adapter: a :class:`TorchAdapter` from :meth:`load_adapter`, or None.
+        Returns:
+            one :class:`SequenceResult` per request, in order: token ids (stop token included
+            when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
+        Raises:
+            ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+        """
+        if not batch:
+            return []
+        for i, req in enumerate(batch):
+            if not req.prompt_ids:
+                raise ValueError(f"batch[{i}].prompt_ids is empty")
+            if req.sampling.max_tokens < 1:
+                raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        with self._using(adapter):
+            return self._generate(batch)
+
+    def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
+        start = time.perf_counter()
+        dev = self._device
+        n = len(batch)
+        # 1. prefill each distinct prompt alone.
+        prompt_index: dict[tuple[int, ...], int] = {}
+        row_prefill = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
+                       for r in batch]
+        prefills, first_logits = [], []
+        for prompt in prompt_index:
+            kv, logits = self._prefill(list(prompt))
+            prefills.append(kv)
+            first_logits.append(logits)
+        logits = torch.stack(first_logits).index_select(
+            0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
+        max_tokens = [r.sampling.max_tokens for r in batch]
+        cache = SlabCache.from_prefills(prefills, [len(p) for p in prompt_index], row_prefill,
+                                        max(max_tokens), self._dtype)
+        del prefills, first_logits
+
+        # 2. per-row state; `active` maps cache rows to batch indices.
+        sampling = RowSampling.from_configs([r.sampling for r in batch], logits.shape[-1], dev)
+        seeds = rng.seeds_array([r.seed for r in batch])
+        stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
+        stop_table = _stop_table(stops, dev)
+        limit = torch.tensor(max_tokens, dtype=torch.int64, device=dev)
+        out_tokens = torch.zeros((n, max(max_tokens)), dtype=torch.int64, device=dev)
+        out_logprobs = torch.zeros((n, max(max_tokens)), dtype=torch.float32, device=dev)
+        length = [0] * n
+        reason: list[str] = ["length"] * n
+        active = torch.arange(n, device=dev)
+        active_list = list(range(n))
+        rows = sampling
+        step = 0
+        self.last_first_token_s = None
+        while True:
+            logprobs = transform_logits(logits, rows)
+            u = torch.from_numpy(rng.step_uniforms(seeds[active_list], step)) \
+                if not rows.all_greedy else None
+            tokens, token_logprobs = draw_tokens(logits, logprobs, rows, u)
+            out_tokens[active, step] = tokens
+            out_logprobs[active, step] = token_logprobs
+            if self.last_first_token_s is None:
+                self.last_first_token_s = time.perf_counter() - start
+            hit_stop = (stop_table.index_select(0, active) == tokens[:, None]).any(dim=-1)
+            hit_len = limit.index_select(0, active) <= step + 1
+            done = hit_stop | hit_len
+            done_list = done.tolist()
+            if any(done_list):
+                stop_list = hit_stop.tolist()
+                for row, i in enumerate(active_list):
+                    if done_list[row]:
+                        length[i] = step + 1
+                        reason[i] = "stop" if stop_list[row] else "length"
+                if all(done_list):
+                    break
+                keep = [row for row, d in enumerate(done_list) if not d]
+                keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
+                cache.keep_rows(keep_t)
+                active = active.index_select(0, keep_t)
+                active_list = [active_list[row] for row in keep]
+                tokens = tokens.index_select(0, keep_t)
+                rows = rows.select(keep_t)
+            step += 1
+            positions = (cache.layers[0].length - cache.pad)[:, None]
+            logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
+                                   attention_mask=cache.attention_mask())[:, -1]
+        tokens_cpu = out_tokens.cpu()
+        logprobs_cpu = out_logprobs.cpu()
+        return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
+                               logprobs=logprobs_cpu[i, :length[i]].tolist(),
+                               finish_reason=reason[i])  # type: ignore[arg-type]
+                for i in range(n)]
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
+              adapter: Any | None) -> list[float]:
+        """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids``: one forward over
+        both (no cache), float32 logits at the positions that predict each completion token,
+        then the same transform as :meth:`generate` (base.py steps 1-3).
+
+        Returns:
+            one float per completion token (natural log), ``-inf`` for tokens outside the
+            top-k / top-p support; ``[]`` for an empty completion.
+        Raises:
+            ValueError: empty ``prompt_ids``, or an unloaded adapter handle.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if not completion_ids:
+            return []
+        with self._using(adapter):
+            ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64,
+                               device=self._device)
+            logits = self._forward(ids)[0, len(prompt_ids) - 1:-1].float()
+            rows = RowSampling.from_configs([sampling] * len(completion_ids), logits.shape[-1],
+                                            self._device)
+            logprobs = transform_logits(logits, rows)
+            target = torch.tensor(completion_ids, dtype=torch.int64, device=self._device)
+            return logprobs.gather(-1, target[:, None]).squeeze(-1).cpu().tolist()
+
+
+def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
+    """(N, S) int64 table of each row's stop ids, padded with -1 (never a token id)."""
+    width = max(1, max(len(s) for s in stops))
+    table = torch.full((len(stops), width), -1, dtype=torch.int64)
+    for i, s in enumerate(stops):
+        if s:
+            table[i, :len(s)] = torch.tensor(sorted(s), dtype=torch.int64)
+    return table.to(device)
+
+
+def _strip_lora(model: Any) -> None:
+    """Replace every peft LoRA layer inside ``model`` by the layer it wraps."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer) and hasattr(module, "get_base_layer"):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, module.get_base_layer())
+    if "peft_config" in vars(model):  # set by peft on the model it injects into
+        del model.peft_config

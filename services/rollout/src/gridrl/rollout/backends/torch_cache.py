@@ -1,0 +1,151 @@
+"""A preallocated, left-padded batch KV cache for transformers decoder models.
+
+``DynamicCache`` concatenates every step (O(length) copies per token per layer). A decode batch
+knows its final length up front (longest prompt + largest ``max_tokens``), so each layer here
+holds one buffer of that length, written in place; the model sees views of the filled prefix.
+
+Rows are left-padded: row ``r``'s prompt occupies the last ``P_r`` columns before
+``prompt_len`` (the longest prompt), and the padding columns are masked out by
+:meth:`SlabCache.attention_mask`. Finished rows are dropped with :meth:`SlabCache.keep_rows`.
+
+Only full-attention decoders are supported (no sliding-window or linear-attention layers);
+:func:`supports` checks a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+def supports(config: Any) -> bool:
+    """True when every layer of ``config`` (a transformers config) is full attention."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's keys and values in a preallocated (B, H, T, D) buffer; ``keys`` /
+    ``values`` are views of the first ``length`` columns (what ``DynamicLayer`` reads)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.kbuf, self.vbuf = keys, values
+        self.length = length
+        self.device = keys.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.kbuf[:, :, :self.length]
+        self.values = self.vbuf[:, :, :self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + key_states.shape[-2]
+        if end > self.kbuf.shape[2]:
+            raise RuntimeError(f"decode cache overflow: {end} > {self.kbuf.shape[2]} columns")
+        self.kbuf[:, :, self.length:end] = key_states
+        self.vbuf[:, :, self.length:end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.kbuf = self.kbuf.index_select(0, indices)
+        self.vbuf = self.vbuf.index_select(0, indices)
+        self._views()
+
+
+class SlabCache(Cache):
+    """The batch's KV cache: one :class:`_SlabLayer` per decoder layer.
+
+    Build with :meth:`from_prefills`. ``prompt_len`` is the padded prompt length; column ``j``
+    of row ``r`` is padding when ``j < prompt_len - P_r``.
+    """
+
+    def __init__(self, layers: list[_SlabLayer], pad: torch.Tensor, prompt_len: int,
+                 mask_dtype: torch.dtype) -> None:
+        super().__init__(layers=layers)
+        self.pad = pad  # int64 (B,), left padding of each row
+        self.prompt_len = prompt_len
+        self._mask_dtype = mask_dtype
+        self._mask: torch.Tensor | None = None
+
+    @classmethod
+    def from_prefills(cls, prefills: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                      lengths: list[int], row_prefill: list[int], max_new: int,
+                      mask_dtype: torch.dtype) -> SlabCache:
+        """Assemble the batch cache from per-prompt prefills.
+
+        Args:
+            prefills: for each distinct prompt, per layer ``(keys, values)`` of shape
+                (1, H, P, D) from a batch-1 forward over the whole prompt.
+            lengths: P of each distinct prompt.
+            row_prefill: for each batch row, the index of its prompt in ``prefills``.
+            max_new: columns to reserve after the longest prompt (tokens to decode).
+            mask_dtype: dtype of the additive attention mask (the model's compute dtype).
+        """
+        prompt_len = max(lengths)
+        rows = len(row_prefill)
+        total = prompt_len + max_new
+        device = prefills[0][0][0].device
+        index = torch.tensor(row_prefill, dtype=torch.int64, device=device)
+        pad = torch.tensor([prompt_len - lengths[i] for i in row_prefill], dtype=torch.int64,
+                           device=device)
+        layers = []
+        for layer in range(len(prefills[0])):
+            k0, v0 = prefills[0][layer]
+            kbuf = k0.new_zeros((rows, k0.shape[1], total, k0.shape[3]))
+            vbuf = v0.new_zeros((rows, v0.shape[1], total, v0.shape[3]))
+            if len(prefills) == 1:
+                kbuf[:, :, :prompt_len] = k0
+                vbuf[:, :, :prompt_len] = v0
+            else:
+                # Distinct prompts: stack them left-padded, then gather one row per sequence.
+                kp = k0.new_zeros((len(prefills), k0.shape[1], prompt_len, k0.shape[3]))
+                vp = v0.new_zeros((len(prefills), v0.shape[1], prompt_len, v0.shape[3]))
+                for j, kv in enumerate(prefills):
+                    p = lengths[j]
+                    kp[j, :, prompt_len - p:] = kv[layer][0][0]
+                    vp[j, :, prompt_len - p:] = kv[layer][1][0]
+                kbuf[:, :, :prompt_len] = kp.index_select(0, index)
+                vbuf[:, :, :prompt_len] = vp.index_select(0, index)
+            layers.append(_SlabLayer(kbuf, vbuf, prompt_len))
+        return cls(layers, pad, prompt_len, mask_dtype)
+
+    @property
+    def padded(self) -> bool:
+        """True when some row has left padding (a mask is needed)."""
+        return bool(self.pad.any())
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """Additive 4-D mask (B, 1, 1, length + 1) for the next one-token step: 0 where a row
+        may attend, the dtype's minimum on its padding; None when no row is padded."""
+        if not self.padded:
+            return None
+        layer = self.layers[0]
+        if self._mask is None:
+            total = layer.kbuf.shape[2]
+            cols = torch.arange(total, device=self.pad.device)[None, :]
+            blocked = cols < self.pad[:, None]
+            self._mask = torch.zeros(blocked.shape, dtype=self._mask_dtype,
+                                     device=self.pad.device).masked_fill_(
+                blocked, torch.finfo(self._mask_dtype).min)[:, None, None, :]
+        return self._mask[..., :layer.length + 1]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the current batch), in that order."""
+        for layer in self.layers:
+            layer.batch_select_indices(rows)
+        self.pad = self.pad.index_select(0, rows)
+        if self._mask is not None:
+            self._mask = self._mask.index_select(0, rows)

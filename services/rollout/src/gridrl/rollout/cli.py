@@ -1,0 +1,363 @@
+"""``gridrl-rollout``: serve a rollout node, or talk to one.
+
+    gridrl-rollout serve --backend torch --model smollm2-135m-instruct [--master m:50050]
+    gridrl-rollout generate --address 127.0.0.1:50051 --prompt "Hi" --n 4 --max-tokens 32
+    gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
+    gridrl-rollout reload-adapter --address 127.0.0.1:50051 (--version 3 | --path P | --base)
+    gridrl-rollout info --address 127.0.0.1:50051 [--json]
+
+Imports stay light (click, grpc, protobuf): torch and mlx are imported only inside ``serve``,
+so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+import click
+
+from gridrl.common.cli import (
+    auth_option,
+    env_option,
+    exit_on_rpc_error,
+    print_json,
+    server_options,
+    setup_logging,
+    write_ready_file,
+)
+
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_FINISH = {1: "stop", 2: "length"}
+
+
+def _address_option(command: str):
+    return env_option("--address", env="GRIDRL_ROLLOUT_ADDRESS", default="127.0.0.1:50051",
+                      help=f"host:port of the rollout node to {command}.")
+
+
+def _timeout_option(command: str, default: float):
+    return env_option("--timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT", default=default,
+                      type=click.FloatRange(min=0, min_open=True),
+                      help="Seconds to wait for the node.")
+
+
+def _json_option(command: str):
+    return env_option("--json", "as_json", env=f"GRIDRL_ROLLOUT_{command}_JSON", is_flag=True,
+                      default=False, help="Print the response as JSON.")
+
+
+def _check_device(ctx, param, value: str) -> str:
+    if not _DEVICE.match(value):
+        raise click.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    return value
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """gridrl rollout node: samples completions with behaviour logprobs, takes adapters."""
+
+
+@main.command()
+@server_options("rollout", listen="0.0.0.0:50051", metrics_port=9401)
+@env_option("--backend", env="GRIDRL_ROLLOUT_BACKEND", default="torch",
+            type=click.Choice(["torch", "mlx"]), help="Inference backend.")
+@env_option("--model", env="GRIDRL_ROLLOUT_MODEL", default="smollm2-135m-instruct",
+            help="Hub id, local directory, or alias (smollm2-135m-instruct works offline).")
+@env_option("--device", env="GRIDRL_ROLLOUT_DEVICE", default="auto", callback=_check_device,
+            help="auto, cpu, cuda, cuda:N or mps (mlx: auto, cpu, or mps for the Apple GPU).")
+@env_option("--dtype", env="GRIDRL_ROLLOUT_DTYPE", default="auto",
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA; mlx: as stored).")
+@env_option("--capacity", env="GRIDRL_ROLLOUT_CAPACITY", default=64,
+            type=click.IntRange(min=1), help="Most sequences decoded together in one batch.")
+@env_option("--max-queue", env="GRIDRL_ROLLOUT_MAX_QUEUE", default=128,
+            type=click.IntRange(min=1),
+            help="Most Generate requests waiting; past it they get RESOURCE_EXHAUSTED.")
+@env_option("--max-n", env="GRIDRL_ROLLOUT_MAX_N", default=64, type=click.IntRange(min=1),
+            help="Largest sampling.n a request may ask for.")
+@env_option("--max-tokens", env="GRIDRL_ROLLOUT_MAX_TOKENS", default=2048,
+            type=click.IntRange(min=1), help="Largest sampling.max_tokens a request may ask for.")
+@env_option("--max-adapter-bytes", env="GRIDRL_ROLLOUT_MAX_ADAPTER_BYTES", default=512 << 20,
+            type=click.IntRange(min=1), help="Largest adapter push accepted, in bytes.")
+@env_option("--adapter-root", env="GRIDRL_ROLLOUT_ADAPTER_ROOT", default=None,
+            show_default=False, type=click.Path(file_okay=False),
+            help="Directory of the node's adapters (pushed ones, and those ReloadAdapter may "
+                 "load by path) [default: <gridrl cache>/rollout/<name>/adapters].")
+@env_option("--master", env="GRIDRL_ROLLOUT_MASTER", default=None, show_default=False,
+            help="host:port of the master to register with and heartbeat.")
+@env_option("--advertise-address", env="GRIDRL_ROLLOUT_ADVERTISE_ADDRESS", default=None,
+            show_default=False,
+            help="host:port to register with the master [default: the bound address].")
+@env_option("--name", env="GRIDRL_ROLLOUT_NAME", default=None, show_default=False,
+            help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
+def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
+          ready_file: str | None, backend: str, model: str, device: str, dtype: str,
+          capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
+          adapter_root: str | None, master: str | None, advertise_address: str | None,
+          name: str | None) -> None:
+    """Serve RolloutService until SIGTERM/SIGINT."""
+    setup_logging(log_level)
+    from gridrl.common.address import parse_address, parse_listen
+    from gridrl.common.errors import StatusError
+
+    for flag, value, parse in (("--listen", listen, parse_listen), ("--master", master,
+                               parse_address), ("--advertise-address", advertise_address,
+                                                parse_address)):
+        if value is not None:
+            try:
+                parse(value, flag)
+            except StatusError as e:
+                raise click.BadParameter(e.message, param_hint=flag) from e
+    if backend == "mlx" and dtype != "auto":
+        raise click.BadParameter("the mlx backend computes in the stored dtype; use auto",
+                                 param_hint="--dtype")
+    if backend == "mlx" and device.startswith("cuda"):
+        raise click.BadParameter("the mlx backend runs on cpu or the Apple GPU (mps)",
+                                 param_hint="--device")
+    from gridrl.models import resolve_model
+
+    try:
+        model_dir = resolve_model(model)
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from e
+    try:
+        if backend == "torch":
+            from gridrl.rollout.backends.torch import TorchBackend
+
+            engine_backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype,
+                                                          model_id=model)
+        else:
+            from gridrl.rollout.backends.mlx import MlxBackend
+
+            engine_backend = MlxBackend.from_pretrained(
+                model_dir, device={"mps": "gpu"}.get(device, device))
+            engine_backend.identity = dataclasses.replace(engine_backend.identity, model_id=model)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device/--dtype/--model") from e
+    from gridrl.rollout.server import NodeConfig, RolloutNode
+
+    node = RolloutNode(engine_backend, NodeConfig(
+        listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,
+        max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
+        max_adapter_bytes=max_adapter_bytes, adapter_root=adapter_root,
+        advertise_address=advertise_address, master=master, name=name))
+    node.start()
+    write_ready_file(ready_file, node.address, node.port, node.metrics_port)
+    node.wait()
+
+
+def _parse_ids(value: str | None, flag: str) -> list[int]:
+    if not value:
+        return []
+    try:
+        return [int(x) for x in value.replace(" ", "").split(",") if x]
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r} is not comma-separated integers",
+                                 param_hint=flag) from e
+
+
+@main.command()
+@_address_option("sample from")
+@auth_option
+@env_option("--prompt", env="GRIDRL_ROLLOUT_GENERATE_PROMPT", default=None, show_default=False,
+            help="Prompt text (tokenized by the node).")
+@env_option("--prompt-ids", env="GRIDRL_ROLLOUT_GENERATE_PROMPT_IDS", default=None,
+            show_default=False, help="Prompt as comma-separated token ids, e.g. 1,2,3.")
+@env_option("--n", env="GRIDRL_ROLLOUT_GENERATE_N", default=1, type=click.IntRange(min=1),
+            help="Number of samples.")
+@env_option("--max-tokens", env="GRIDRL_ROLLOUT_GENERATE_MAX_TOKENS", default=64,
+            type=click.IntRange(min=1), help="Most new tokens per sample.")
+@env_option("--temperature", env="GRIDRL_ROLLOUT_GENERATE_TEMPERATURE", default=1.0,
+            type=float, help="Softmax temperature (0: greedy).")
+@env_option("--top-k", env="GRIDRL_ROLLOUT_GENERATE_TOP_K", default=0, type=int,
+            help="Keep the k most likely tokens (0: off).")
+@env_option("--top-p", env="GRIDRL_ROLLOUT_GENERATE_TOP_P", default=1.0, type=float,
+            help="Nucleus mass in (0, 1] (1: off).")
+@env_option("--seed", env="GRIDRL_ROLLOUT_GENERATE_SEED", default=None, type=int,
+            show_default=False, help="Sampler seed (same seed, same samples) [default: random].")
+@env_option("--stop-ids", env="GRIDRL_ROLLOUT_GENERATE_STOP_IDS", default=None,
+            show_default=False, help="Comma-separated token ids that end a sample (besides eos).")
+@env_option("--chat/--no-chat", env="GRIDRL_ROLLOUT_GENERATE_CHAT", default=True,
+            help="Wrap --prompt as a user message in the model's chat template.")
+@_json_option("GENERATE")
+@_timeout_option("GENERATE", 300.0)
+@exit_on_rpc_error
+def generate(address: str, auth_token: str | None, prompt: str | None, prompt_ids: str | None,
+             n: int, max_tokens: int, temperature: float, top_k: int, top_p: float,
+             seed: int | None, stop_ids: str | None, chat: bool, as_json: bool,
+             timeout: float) -> None:
+    """Sample completions of one prompt and print them with their behaviour logprobs."""
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-ids")
+    from gridrl.common.channel import dial
+    from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature,
+                                         top_k=top_k, stop_token_ids=_parse_ids(stop_ids,
+                                                                                "--stop-ids"))
+    if top_p != 1.0:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    request = rollout_pb2.GenerateRequest(sampling=sampling)
+    if prompt is not None:
+        request.prompt_text = prompt
+        request.apply_chat_template = chat
+    else:
+        request.prompt_token_ids.extend(_parse_ids(prompt_ids, "--prompt-ids"))
+    channel = dial(address, auth_token)
+    try:
+        response = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(request, timeout=timeout)
+    finally:
+        channel.close()
+    if as_json:
+        print_json(response)
+        return
+    for i, s in enumerate(response.samples):
+        mean = sum(s.logprobs) / len(s.logprobs) if s.logprobs else 0.0
+        click.echo(f"--- sample {i} ({len(s.token_ids)} tokens, {_FINISH.get(s.finish_reason, '?')}"
+                   f", mean logprob {mean:.3f}, adapter v{s.adapter_version})")
+        click.echo(s.text)
+    click.echo(f"({len(response.prompt_token_ids)} prompt tokens, {response.duration_s:.2f}s)")
+
+
+@main.command("push-adapter")
+@_address_option("push to")
+@auth_option
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@env_option("--name", env="GRIDRL_ROLLOUT_PUSH_NAME", default=None, show_default=False,
+            help="Adapter name [default: the directory's name].")
+@env_option("--version", "version", env="GRIDRL_ROLLOUT_PUSH_VERSION", default=None,
+            type=click.IntRange(min=1), show_default=False,
+            help="Policy version [default: one more than the node's newest of that name].")
+@env_option("--stage-only", env="GRIDRL_ROLLOUT_PUSH_STAGE_ONLY", is_flag=True, default=False,
+            help="Store and verify on the node but keep serving the current adapter.")
+@_json_option("PUSH")
+@_timeout_option("PUSH", 120.0)
+@exit_on_rpc_error
+def push_adapter(address: str, auth_token: str | None, directory: str, name: str | None,
+                 version: int | None, stage_only: bool, as_json: bool, timeout: float) -> None:
+    """Stream the peft or mlx-lm adapter in DIRECTORY to a node (PushAdapter)."""
+    from pathlib import Path
+
+    from gridrl.adapters import AdapterError, build_manifest, read_dir
+    from gridrl.common.channel import dial
+    from gridrl.common.transport import push_requests
+    from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    name = name or re.sub(r"[^A-Za-z0-9._-]", "-", Path(directory).resolve().name).lstrip(".")
+    channel = dial(address, auth_token)
+    try:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        if version is None:
+            info = stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=timeout).info
+            version = 1 + max((a.version for a in info.stored_adapters if a.name == name),
+                              default=0)
+        try:
+            files = read_dir(directory)
+            manifest = build_manifest(files, name=name, version=version)
+        except AdapterError as e:
+            raise click.BadParameter(str(e), param_hint="DIRECTORY") from e
+        response = stub.PushAdapter(push_requests(manifest.to_dict(), files,
+                                                  stage_only=stage_only), timeout=timeout)
+    finally:
+        channel.close()
+    if as_json:
+        print_json(response)
+        return
+    t = response.timings
+    click.echo(f"pushed {name} v{version} ({response.bytes_received} bytes"
+               f"{', converted' if response.converted else ''}); serving "
+               f"{_ref_text(response.serving)}; receive {t.receive_s:.3f}s verify "
+               f"{t.verify_s:.3f}s convert {t.convert_s:.3f}s apply {t.apply_s:.3f}s")
+
+
+@main.command("reload-adapter")
+@_address_option("switch")
+@auth_option
+@env_option("--version", "version", env="GRIDRL_ROLLOUT_RELOAD_VERSION", default=None,
+            type=click.IntRange(min=1), show_default=False, help="A version pushed earlier.")
+@env_option("--path", env="GRIDRL_ROLLOUT_RELOAD_PATH", default=None, show_default=False,
+            help="A directory relative to the node's --adapter-root.")
+@env_option("--base", env="GRIDRL_ROLLOUT_RELOAD_BASE", is_flag=True, default=False,
+            help="Serve the base model with no adapter.")
+@_json_option("RELOAD")
+@_timeout_option("RELOAD", 120.0)
+@exit_on_rpc_error
+def reload_adapter(address: str, auth_token: str | None, version: int | None, path: str | None,
+                   base: bool, as_json: bool, timeout: float) -> None:
+    """Switch a node to an adapter it already has, or to the base model (ReloadAdapter)."""
+    if sum((version is not None, path is not None, base)) != 1:
+        raise click.UsageError("give exactly one of --version, --path and --base")
+    from gridrl.common.channel import dial
+    from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    if version is not None:
+        request = rollout_pb2.ReloadAdapterRequest(version=version)
+    elif path is not None:
+        request = rollout_pb2.ReloadAdapterRequest(path=path)
+    else:
+        request = rollout_pb2.ReloadAdapterRequest(base_model=True)
+    channel = dial(address, auth_token)
+    try:
+        response = rollout_pb2_grpc.RolloutServiceStub(channel).ReloadAdapter(request,
+                                                                              timeout=timeout)
+    finally:
+        channel.close()
+    if as_json:
+        print_json(response)
+        return
+    click.echo(f"serving {_ref_text(response.serving)} (apply {response.apply_s:.3f}s)")
+
+
+@main.command()
+@_address_option("describe")
+@auth_option
+@_json_option("INFO")
+@_timeout_option("INFO", 10.0)
+@exit_on_rpc_error
+def info(address: str, auth_token: str | None, as_json: bool, timeout: float) -> None:
+    """Print what a node serves: model, backend, adapter, bounds, queue depth, uptime."""
+    from gridrl.common.channel import dial
+    from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    channel = dial(address, auth_token)
+    try:
+        response = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
+            rollout_pb2.GetNodeInfoRequest(), timeout=timeout)
+    finally:
+        channel.close()
+    if as_json:
+        print_json(response)
+        return
+    i = response.info
+    rows = [
+        ("address", i.address),
+        ("backend", common_pb2.Backend.Name(i.backend).removeprefix("BACKEND_").lower()),
+        ("model", i.base_model.model_id),
+        ("architecture", f"{i.base_model.architecture}, {i.base_model.num_layers} layers, hidden "
+                         f"{i.base_model.hidden_size}, vocab {i.base_model.vocab_size}"),
+        ("device", f"{i.device} ({i.dtype})"),
+        ("adapter format", common_pb2.AdapterFormat.Name(i.adapter_format)
+         .removeprefix("ADAPTER_FORMAT_").lower()),
+        ("adapter", _ref_text(i.adapter)),
+        ("stored adapters", ", ".join(f"{a.name} v{a.version}" for a in i.stored_adapters) or "-"),
+        ("capacity", f"{i.capacity} sequences per batch"),
+        ("bounds", f"n <= {i.max_n}, max_tokens <= {i.max_tokens}, context {i.max_context}"),
+        ("queue depth", str(i.queue_depth)),
+        ("uptime", f"{i.uptime_s:.0f}s"),
+        ("version", i.software_version),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key.ljust(width)}  {value}")
+
+
+def _ref_text(ref) -> str:
+    return f"{ref.name} v{ref.version}" if ref.name or ref.version else "the base model"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""The engine of a rollout node: a bounded queue, one scheduler thread, dynamic batching across
+concurrent requests, and adapter swaps between batches.
+
+    engine = Engine(backend, capacity=64, max_queue=256).start()
+    outcome = engine.generate(GenerateJob(prompt_ids, sampling, n=8, seed=1))
+    engine.call_between_batches(lambda: engine.set_serving(new_adapter))
+
+Batching: the scheduler takes waiting requests in arrival order and decodes up to ``capacity``
+sequences together in one backend call (the ``n`` samples of each request, across requests).
+A request whose samples do not all fit is split; its remaining samples go first into the next
+batch. When the scheduler was idle, it waits up to ``batch_window_s`` after the first arrival
+so that concurrent callers land in the same batch.
+
+Seeds: sample ``i`` of a request seeded ``s`` decodes with ``rng.sequence_seed(s, i)``, so its
+tokens do not depend on the batch it lands in (up to float rounding changing an argmax).
+
+Adapters: every backend call happens on the scheduler thread. Commands queued with
+:meth:`Engine.call_between_batches` run there too, between two batches and never while a
+request has samples both decoded and still waiting, so every sample of a request is produced by
+the same adapter: requests that started decoding finish on the adapter they started with, and
+requests started after a swap get the new one.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from gridrl.common.errors import StatusError, resource_exhausted
+from gridrl.rollout import metrics, rng
+from gridrl.rollout.backends.base import Backend, SamplingConfig, SequenceRequest, SequenceResult
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServingAdapter:
+    """The adapter the engine decodes with: ``handle`` from ``Backend.load_adapter``, or None
+    with name "" and version 0 for the base model."""
+
+    name: str = ""
+    version: int = 0
+    handle: Any = None
+
+
+BASE_MODEL = ServingAdapter()
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """A validated Generate request.
+
+    Attributes:
+        prompt_ids: prompt token ids (length >= 1).
+        sampling: how to sample each of the ``n`` sequences.
+        n: number of samples (>= 1).
+        seed: request seed; sample ``i`` uses ``rng.sequence_seed(seed, i)``.
+        request_id: caller's id, for logs.
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    n: int = 1
+    seed: int = 0
+    request_id: str = ""
+
+
+@dataclass
+class GenerateOutcome:
+    """The samples of one job and how long it took.
+
+    Attributes:
+        samples: ``n`` results in sample-index order.
+        adapter: the adapter that produced every sample.
+        queued_s: seconds from arrival to the start of its first batch.
+        first_token_s: seconds from arrival to its first sampled token (end of its first
+            batch when the backend does not report prefill timing).
+        duration_s: seconds from arrival to the end of its last batch.
+        batches: indices of the batches that decoded it.
+    """
+
+    samples: list[SequenceResult]
+    adapter: ServingAdapter
+    queued_s: float
+    first_token_s: float
+    duration_s: float
+    batches: list[int]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One backend call: its index, sequences decoded, the requests they came from (internal
+    ids, in order), the adapter version and wall-clock seconds."""
+
+    index: int
+    sequences: int
+    requests: tuple[int, ...]
+    adapter_version: int
+    seconds: float
+
+
+@dataclass
+class _Request:
+    id: int
+    job: GenerateJob
+    future: Future
+    arrival: float
+    next_sample: int = 0  # samples [0, next_sample) are scheduled
+    done_samples: int = 0
+    results: list[SequenceResult | None] = field(default_factory=list)
+    adapter: ServingAdapter | None = None
+    started: float = 0.0
+    first_token: float | None = None
+    batches: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: Future
+
+
+class Engine:
+    """Batches Generate jobs over one backend and swaps adapters between batches.
+
+    Args:
+        backend: the model (any :class:`~gridrl.rollout.backends.base.Backend`).
+        capacity: most sequences decoded together in one batch (>= 1).
+        max_queue: most requests waiting to start; past it, :meth:`submit` raises
+            RESOURCE_EXHAUSTED (>= 1).
+        batch_window_s: how long an idle scheduler waits after a first arrival for more.
+        history: how many :class:`BatchRecord` to keep for :meth:`recent_batches`.
+    """
+
+    def __init__(self, backend: Backend, capacity: int = 64, max_queue: int = 256,
+                 batch_window_s: float = 0.005, history: int = 256) -> None:
+        if capacity < 1 or max_queue < 1:
+            raise ValueError(f"capacity ({capacity}) and max_queue ({max_queue}) must be >= 1")
+        self.backend = backend
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.batch_window_s = batch_window_s
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._partial: collections.deque[_Request] = collections.deque()
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._serving = BASE_MODEL
+        self._ids = itertools.count(1)
+        self._batch_index = 0
+        self._active_sequences = 0
+        self._history: collections.deque[BatchRecord] = collections.deque(maxlen=history)
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.started_at = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Start the scheduler thread. Returns self."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rollout-scheduler",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, let the batch
+        in progress finish, and join the scheduler. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def serving(self) -> ServingAdapter:
+        """The adapter new batches decode with."""
+        return self._serving
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting to start decoding."""
+        return len(self._waiting)
+
+    @property
+    def active_sequences(self) -> int:
+        """Sequences in the batch being decoded now (0 when idle)."""
+        return self._active_sequences
+
+    def load(self) -> float:
+        """Busy fraction in [0, 1]: (sequences decoding + waiting) / capacity, capped."""
+        with self._cond:
+            waiting = sum(r.job.n - r.next_sample for r in (*self._waiting, *self._partial))
+        return min(1.0, (self._active_sequences + waiting) / self.capacity)
+
+    def recent_batches(self) -> list[BatchRecord]:
+        """The last batches decoded, oldest first."""
+        with self._cond:
+            return list(self._history)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, job: GenerateJob) -> Future:
+        """Queue ``job``; the future resolves to a :class:`GenerateOutcome`.
+
+        Cancelling the future before the job starts decoding drops it from the queue.
+
+        Raises:
+            StatusError: RESOURCE_EXHAUSTED when ``max_queue`` requests are already waiting;
+                UNAVAILABLE when the engine is closing.
+        """
+        future: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, "rollout node is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                metrics.REJECTED.inc()
+                raise resource_exhausted(
+                    f"queue full: {len(self._waiting)} requests waiting (--max-queue "
+                    f"{self.max_queue}); retry later or on another node")
+            req = _Request(id=next(self._ids), job=job, future=future,
+                           arrival=time.perf_counter(), results=[None] * job.n)
+            self._waiting.append(req)
+            metrics.QUEUE_DEPTH.set(len(self._waiting))
+            self._cond.notify_all()
+        return future
+
+    def generate(self, job: GenerateJob, timeout: float | None = None) -> GenerateOutcome:
+        """:meth:`submit` and wait for the outcome (re-raises the job's error)."""
+        return self.submit(job).result(timeout)
+
+    def call_between_batches(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run ``fn`` on the scheduler thread between two batches (no backend call overlaps
+        it, and no request is half-decoded), and return its result or raise its exception.
+        Commands run before any request that has not started yet.
+
+        Raises:
+            StatusError: UNAVAILABLE when the engine is closing.
+        """
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        with self._cond:
+            if self._closing:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, "rollout node is shutting down")
+            self._commands.append(_Command(fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
+
+    def set_serving(self, adapter: ServingAdapter) -> ServingAdapter:
+        """Make ``adapter`` the one new batches use; returns the previous one. Only from a
+        function run by :meth:`call_between_batches` (or before :meth:`start`).
+
+        Raises:
+            RuntimeError: called from another thread while the scheduler runs.
+        """
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("set_serving must run inside call_between_batches")
+        previous, self._serving = self._serving, adapter
+        metrics.ADAPTER_VERSION.set(adapter.version)
+        return previous
+
+    # -- scheduler ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closing or self._partial or self._commands or self._waiting):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                command = self._commands.popleft() if (self._commands and not self._partial) \
+                    else None
+                if command is None and not self._partial:
+                    self._wait_for_company()
+                items = [] if command is not None else self._take_batch()
+            if command is not None:
+                self._run_command(command)
+            elif items:
+                self._run_batch(items)
+        self._shutdown()
+
+    def _wait_for_company(self) -> None:
+        """With the lock held and the queue just non-empty: wait until ``batch_window_s``
+        after the oldest arrival, or until the waiting samples fill a batch."""
+        while not self._closing and not self._commands:
+            if sum(r.job.n for r in self._waiting) >= self.capacity or not self._waiting:
+                return
+            left = self._waiting[0].arrival + self.batch_window_s - time.perf_counter()
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _take_batch(self) -> list[tuple[_Request, int]]:
+        """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
+        started requests first, then waiting ones in arrival order."""
+        room = self.capacity
+        items: list[tuple[_Request, int]] = []
+        now = time.perf_counter()
+        for source in (self._partial, self._waiting):
+            while source and room > 0:
+                req = source[0]
+                if source is self._waiting:
+                    if not req.future.set_running_or_notify_cancel():
+                        source.popleft()  # cancelled while queued
+                        continue
+                    req.adapter = self._serving
+                    req.started = now
+                take = min(room, req.job.n - req.next_sample)
+                items.extend((req, i) for i in range(req.next_sample, req.next_sample + take))
+                req.next_sample += take
+                room -= take
+                source.popleft()
+                if req.next_sample < req.job.n:
+                    self._partial.append(req)
+        metrics.QUEUE_DEPTH.set(len(self._waiting))
+        return items
+
+    def _run_batch(self, items: list[tuple[_Request, int]]) -> None:
+        adapter = items[0][0].adapter or self._serving
+        batch = [SequenceRequest(prompt_ids=list(req.job.prompt_ids), sampling=req.job.sampling,
+                                 seed=rng.sequence_seed(req.job.seed, i)) for req, i in items]
+        index = self._batch_index
+        self._batch_index += 1
+        self._active_sequences = len(batch)
+        metrics.ACTIVE_SEQUENCES.set(len(batch))
+        metrics.BATCH_SIZE.observe(len(batch))
+        start = time.perf_counter()
+        try:
+            results = self.backend.generate(batch, adapter.handle)
+            if len(results) != len(batch):
+                raise RuntimeError(f"backend returned {len(results)} results for "
+                                   f"{len(batch)} sequences")
+        except Exception as e:
+            log.exception("batch %d of %d sequences failed", index, len(batch))
+            self._fail_batch(items, e)
+            return
+        finally:
+            self._active_sequences = 0
+            metrics.ACTIVE_SEQUENCES.set(0)
+        end = time.perf_counter()
+        first = getattr(self.backend, "last_first_token_s", None)
+        first_token = start + first if isinstance(first, float) else end
+        requests: list[int] = []
+        finished: list[_Request] = []
+        for (req, i), result in zip(items, results, strict=True):
+            if not requests or requests[-1] != req.id:
+                requests.append(req.id)
+                req.batches.append(index)
+            if req.first_token is None:
+                req.first_token = first_token
+            req.results[i] = result
+            req.done_samples += 1
+            if req.done_samples == req.job.n:
+                finished.append(req)
+        with self._cond:
+            self._history.append(BatchRecord(index, len(batch), tuple(requests),
+                                             adapter.version, end - start))
+        metrics.BATCHES.inc()
+        metrics.BATCH_DURATION.observe(end - start)
+        for req in finished:
+            self._finish(req, end)
+
+    def _finish(self, req: _Request, end: float) -> None:
+        samples = [r for r in req.results if r is not None]
+        tokens = sum(len(r.token_ids) for r in samples)
+        metrics.COMPLETION_TOKENS.inc(tokens)
+        metrics.PROMPT_TOKENS.inc(len(req.job.prompt_ids))
+        for r in samples:
+            metrics.SAMPLES.labels(r.finish_reason).inc()
+        first_token = (req.first_token or end) - req.arrival
+        metrics.TIME_TO_FIRST_TOKEN.observe(first_token)
+        metrics.QUEUE_WAIT.observe(req.started - req.arrival)
+        metrics.REQUEST_DURATION.observe(end - req.arrival)
+        req.future.set_result(GenerateOutcome(
+            samples=samples, adapter=req.adapter or BASE_MODEL, queued_s=req.started - req.arrival,
+            first_token_s=first_token, duration_s=end - req.arrival, batches=list(req.batches)))
+
+    def _fail_batch(self, items: list[tuple[_Request, int]], error: Exception) -> None:
+        failed = {req.id: req for req, _ in items}
+        with self._cond:
+            self._partial = collections.deque(r for r in self._partial if r.id not in failed)
+        status = error if isinstance(error, StatusError) else StatusError(
+            grpc.StatusCode.INTERNAL, f"decoding failed: {type(error).__name__}: {error}")
+        for req in failed.values():
+            if not req.future.done():
+                req.future.set_exception(status)
+
+    def _run_command(self, command: _Command) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = command.fn()
+        except BaseException as e:
+            command.future.set_exception(e)
+        else:
+            command.future.set_result(result)
+
+    def _shutdown(self) -> None:
+        unavailable = StatusError(grpc.StatusCode.UNAVAILABLE, "rollout node is shutting down")
+        with self._cond:
+            pending = [*self._waiting, *self._partial]
+            commands = list(self._commands)
+            self._waiting.clear()
+            self._partial.clear()
+            self._commands.clear()
+        for req in pending:
+            if req.future.running() or req.future.set_running_or_notify_cancel():
+                req.future.set_exception(unavailable)
+        for command in commands:
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(unavailable)
+        metrics.QUEUE_DEPTH.set(0)

@@ -1,0 +1,248 @@
+"""RolloutService over gRPC, and the wiring of a rollout node (backend, engine, adapter store,
+server, registration with the master).
+
+    node = RolloutNode(backend, NodeConfig(listen="0.0.0.0:50051", master="m:50050"))
+    node.start()   # binds; node.address / node.port
+    node.wait()    # until SIGTERM/SIGINT or node.stop()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.metadata
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gridrl.common.errors import StatusError
+from gridrl.common.server import GrpcServer
+from gridrl.common.transport import format_enum
+from gridrl.models import cache_root
+from gridrl.rollout.adapter_manager import AdapterManager
+from gridrl.rollout.adapter_store import AdapterStore
+from gridrl.rollout.backends.base import Backend
+from gridrl.rollout.engine import Engine, GenerateOutcome
+from gridrl.rollout.text import TextCodec
+from gridrl.rollout.validation import Limits, validate_generate
+from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+
+
+def software_version() -> str:
+    """Version of the installed gridrl-rollout distribution."""
+    try:
+        return importlib.metadata.version("gridrl-rollout")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class NodeConfig:
+    """How a node serves (the ``gridrl-rollout serve`` flags).
+
+    Attributes:
+        listen: host:port to bind (port 0: any free port).
+        metrics_port: Prometheus port (0: any free port, negative: off).
+        auth_token: bearer token required on every call, and sent to the master.
+        capacity: most sequences per batch.
+        max_queue: most requests waiting; past it RESOURCE_EXHAUSTED.
+        max_n: largest ``sampling.n``.
+        max_tokens: largest ``sampling.max_tokens``.
+        max_adapter_bytes: largest adapter push, bytes.
+        adapter_root: adapter directory (None: ``<gridrl cache>/rollout/<name>/adapters``).
+        advertise_address: address to register with the master (None: the bound address).
+        master: master host:port to register with (None: no registration).
+        name: node name, for logs and the default adapter root (None: ``<host>-<port>``).
+        batch_window_s: how long an idle scheduler waits for concurrent requests.
+        grace_s: seconds calls in flight get to finish on shutdown.
+    """
+
+    listen: str = "0.0.0.0:50051"
+    metrics_port: int = -1
+    auth_token: str | None = None
+    capacity: int = 64
+    max_queue: int = 128
+    max_n: int = 64
+    max_tokens: int = 2048
+    max_adapter_bytes: int = 512 << 20
+    adapter_root: Path | str | None = None
+    advertise_address: str | None = None
+    master: str | None = None
+    name: str | None = None
+    batch_window_s: float = 0.005
+    grace_s: float = 10.0
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """gRPC face of a :class:`RolloutNode`. Handlers raise ``StatusError``; the shared server
+    interceptor turns it into the status the client sees."""
+
+    def __init__(self, node: RolloutNode) -> None:
+        self._node = node
+
+    def Generate(self, request: rollout_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> rollout_pb2.GenerateResponse:
+        """Sample ``sampling.n`` completions of the prompt, batched with concurrent requests.
+
+        Returns the samples (token ids, one float32 behaviour logprob per token, text, finish
+        reason, adapter name and version), the prompt's token ids and the seconds from arrival
+        to the end of the request's last batch.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT naming the field (see
+                :func:`gridrl.rollout.validation.validate_generate`); RESOURCE_EXHAUSTED when
+                the queue is full; UNAVAILABLE while shutting down; CANCELLED when the client
+                went away before the request started.
+        """
+        node = self._node
+        job = validate_generate(request, node.limits, node.codec.encode)
+        future = node.engine.submit(job)
+        context.add_callback(future.cancel)  # drops it from the queue if the client leaves
+        try:
+            outcome: GenerateOutcome = future.result()
+        except concurrent.futures.CancelledError as e:
+            raise StatusError(grpc.StatusCode.CANCELLED, "request cancelled before it "
+                                                         "started") from e
+        adapter = outcome.adapter
+        samples = [common_pb2.Sample(
+            token_ids=r.token_ids, logprobs=r.logprobs, text=node.codec.decode(r.token_ids),
+            finish_reason=_FINISH[r.finish_reason], adapter_version=adapter.version,
+            adapter_name=adapter.name) for r in outcome.samples]
+        return rollout_pb2.GenerateResponse(samples=samples, prompt_token_ids=job.prompt_ids,
+                                            duration_s=outcome.duration_s)
+
+    def PushAdapter(self, request_iterator, context: grpc.ServicerContext
+                    ) -> rollout_pb2.PushAdapterResponse:
+        """Receive an adapter (header, then chunks), verify, convert, store and serve it.
+        See :meth:`gridrl.rollout.adapter_manager.AdapterManager.push` for the errors."""
+        return self._node.adapters.push(request_iterator)
+
+    def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
+                      context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
+        """Serve a stored version, a directory under the adapter root, or the base model.
+        See :meth:`gridrl.rollout.adapter_manager.AdapterManager.reload` for the errors."""
+        return self._node.adapters.reload(request)
+
+    def GetNodeInfo(self, request: rollout_pb2.GetNodeInfoRequest,
+                    context: grpc.ServicerContext) -> rollout_pb2.GetNodeInfoResponse:
+        """The node's model, backend, adapter, bounds, queue depth and uptime."""
+        return rollout_pb2.GetNodeInfoResponse(info=self._node.info())
+
+
+class RolloutNode:
+    """A rollout node process: engine over ``backend``, adapter store, gRPC server and the
+    optional registration with a master.
+
+    Raises:
+        OSError: the adapter root cannot be created.
+        ValueError: bad bounds (capacity, max_queue, max_n, max_tokens < 1).
+    """
+
+    def __init__(self, backend: Backend, config: NodeConfig) -> None:
+        for field_name in ("capacity", "max_queue", "max_n", "max_tokens", "max_adapter_bytes"):
+            if getattr(config, field_name) < 1:
+                raise ValueError(f"{field_name} must be >= 1, got {getattr(config, field_name)}")
+        self.config = config
+        self.backend = backend
+        self.started = time.monotonic()
+        identity = backend.identity
+        self.limits = Limits(max_n=config.max_n, max_tokens=config.max_tokens,
+                             vocab_size=getattr(backend, "vocab_size", identity.vocab_size),
+                             max_context=identity.max_context)
+        self.codec = TextCodec(backend.tokenizer)
+        self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
+                             batch_window_s=config.batch_window_s)
+        self.name = config.name or _default_name(config.listen)
+        root = Path(config.adapter_root) if config.adapter_root else \
+            cache_root() / "rollout" / self.name / "adapters"
+        self.adapters = AdapterManager(self.engine, AdapterStore(root), identity,
+                                       config.max_adapter_bytes)
+        workers = min(1024, config.max_queue + config.capacity + 16)
+        self.server = GrpcServer(config.listen, metrics_port=config.metrics_port,
+                                 auth_token=config.auth_token, max_workers=workers,
+                                 grace_s=config.grace_s)
+        self.server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                        RolloutServicer(self), SERVICE_NAME)
+        self.registrar = None
+        self.server.on_stopping(self._stop_registrar)
+        self.server.on_stop(self.engine.close)
+
+    @property
+    def address(self) -> str:
+        """The bound address (valid after :meth:`start`)."""
+        return self.server.address
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.server.metrics_port
+
+    @property
+    def advertise_address(self) -> str:
+        """What the node tells the master and GetNodeInfo callers to dial."""
+        return self.config.advertise_address or self.server.address
+
+    def start(self) -> RolloutNode:
+        """Start the engine, bind and serve, then register with the master (if any)."""
+        self.engine.start()
+        self.server.start()
+        if self.config.master:
+            from gridrl.common.registration import NodeRegistrar
+
+            self.registrar = NodeRegistrar(self.config.master, info_fn=self.info,
+                                           load_fn=self.engine.load,
+                                           auth_token=self.config.auth_token)
+            self.registrar.start()
+        log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
+                 self.backend.name, self.backend.identity.model_id, self.backend.device,
+                 self.backend.dtype, self.adapters.store.root)
+        return self
+
+    def _stop_registrar(self) -> None:
+        if self.registrar is not None:
+            self.registrar.stop(deregister=True)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Deregister, stop serving (calls in flight get ``grace_s``), close the engine."""
+        self.server.stop(grace_s)
+
+    def wait(self) -> None:
+        """Serve until SIGTERM/SIGINT or :meth:`stop`."""
+        self.server.wait()
+
+    def info(self) -> common_pb2.NodeInfo:
+        """What the node is and serves now (GetNodeInfo, and what the master is told)."""
+        b, i = self.backend, self.backend.identity
+        serving = self.engine.serving
+        return common_pb2.NodeInfo(
+            address=self.advertise_address, role=common_pb2.NODE_ROLE_ROLLOUT,
+            backend=_BACKENDS.get(b.name, common_pb2.BACKEND_UNSPECIFIED),
+            adapter_format=format_enum(b.adapter_format),
+            base_model=common_pb2.BaseModel(model_id=i.model_id, architecture=i.architecture,
+                                            hidden_size=i.hidden_size, num_layers=i.num_layers,
+                                            vocab_size=i.vocab_size),
+            adapter=common_pb2.AdapterRef(name=serving.name, version=serving.version),
+            capacity=self.config.capacity, queue_depth=self.engine.queue_depth,
+            uptime_s=time.monotonic() - self.started, device=b.device, dtype=b.dtype,
+            max_n=self.config.max_n, max_tokens=self.config.max_tokens,
+            max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
+            software_version=software_version())
+
+
+def _default_name(listen: str) -> str:
+    port = listen.rpartition(":")[2]
+    suffix = port if port not in ("", "0") else f"pid{os.getpid()}"
+    return f"{socket.gethostname()}-{suffix}"
