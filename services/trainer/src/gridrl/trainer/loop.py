@@ -110,10 +110,13 @@ class Trainer:
         status: the TrainerService's :class:`~gridrl.trainer.status.RunStatus` (rank 0), or
             None.
         console: a ``rich`` console for the progress lines (default: stdout).
+        source: a :class:`~gridrl.trainer.rollouts.RolloutSource` to sample from instead of the
+            configured ones, built from the policy once loaded: ``source(policy, version_fn)``
+            (embedding the trainer in another program; nothing is pushed to it).
     """
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, status: Any | None = None,
-                 console: Any | None = None) -> None:
+                 console: Any | None = None, source: Any | None = None) -> None:
         self.cfg = cfg
         self.resume = resume
         self.status = status
@@ -123,6 +126,7 @@ class Trainer:
             console = Console(highlight=False, soft_wrap=True)
         self.console = console
         self.state = TrainerState()
+        self._source_factory = source
         self.source: Any = None
         self.pool: Any = None
         self.sync: Any = None
@@ -249,7 +253,9 @@ class Trainer:
         local = LocalRollout(self.policy, lambda: self.state.version)
         self.evaluator = Evaluator(local, self.policy.tokenizer, self.task,
                                    max_tokens=cfg.max_tokens, rewards=self.rewards)
-        if cfg.local:
+        if self._source_factory is not None:
+            self.source = self._source_factory(self.policy, lambda: self.state.version)
+        elif cfg.local:
             self.source = local
         else:
             from gridrl.trainer.pool import NodePool
