@@ -1,0 +1,203 @@
+"""``gridrl-trainer run`` against real ``gridrl-rollout serve`` nodes on the tiny llama: a torch
+and an mlx node both take every sync and sample with the new version; a node killed mid-run
+leaves the run to the other; kill -9 of the trainer and ``--resume`` continue the same steps
+with the nodes on the resumed weights; ``--async-steps`` stays within the staleness bound."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("gridrl.rollout.cli") is None,
+                       reason="gridrl-rollout is not installed"),
+]
+
+
+def serve_node(service_factory, model_dir: Path, tmp_path: Path, name: str,
+               backend: str = "torch"):
+    return service_factory(["gridrl-rollout", "serve", "--backend", backend, "--model",
+                            str(model_dir), "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+                            "--adapter-root", str(tmp_path / f"{name}-adapters")], name)
+
+
+def trainer_args(model_dir: Path, run_dir: Path, nodes: list[str], steps: int,
+                 **extra) -> list[str]:
+    args = [str(BIN / "gridrl-trainer"), "run", "--model", str(model_dir), "--steps", str(steps),
+            "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
+            "--eval-every", "100", "--eval-tasks", "4", "--checkpoint-every", "100",
+            "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--run-dir", str(run_dir),
+            "--run-name", "nodes-run", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+            "--node-wait-s", "60", "--request-timeout-s", "60"]
+    for node in nodes:
+        args += ["--rollout", node]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "log.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("step"):
+            out.append(rec)
+    return out
+
+
+def node_adapter(address: str):
+    from gridrl.common.channel import dial
+    from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    with dial(address) as channel:
+        return rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
+            rollout_pb2.GetNodeInfoRequest(), timeout=10).info.adapter
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in step_records(run_dir)):
+            return
+        assert proc.poll() is None, "the trainer exited early"
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached in {timeout}s")
+
+
+def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+@pytest.mark.mlx
+def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_factory):
+    torch_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-torch")
+    mlx_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-mlx", backend="mlx")
+    run_dir = tmp_path / "run"
+    nodes = [torch_node.address, mlx_node.address]
+    run_trainer(trainer_args(tiny_llama_dir, run_dir, nodes, steps=4, min_nodes=2,
+                             sync_every=1, eval_every=4))
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    sampled_by = {n: 0 for n in nodes}
+    for r in steps:
+        assert r["nodes_synced"] == 2 and r["nodes_skipped"] == 0, r
+        assert sorted(r["synced_nodes"]) == sorted(nodes) and r["lagging_nodes"] == []
+        assert r["dropped_samples"] == 0 and r["staleness_mean"] == 0
+        assert r["flagged_nodes"] == {}
+        for node, stats in r["nodes"].items():
+            sampled_by[node] += stats["samples"]
+            # every sample was drawn with the version pushed at the end of the previous step
+            assert stats["versions"] == [r["policy_version"] - 1], (r["step"], node, stats)
+            assert stats["fresh_mismatch_kl"] < 1e-3, (node, stats)  # same weights on the node
+    assert all(sampled_by.values()), sampled_by  # both nodes sampled
+    mlx_steps = [r["step"] for r in steps if mlx_node.address in r["nodes"]]
+    assert any(s >= 2 for s in mlx_steps), mlx_steps  # the mlx node sampled a pushed adapter
+    for node in nodes:  # both serve the final adapter
+        ref = node_adapter(node)
+        assert (ref.name, ref.version) == ("nodes-run", 4)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_eval_policy_version"] == 4 and summary["flagged_nodes"] == {}
+
+
+def test_node_killed_mid_run_finishes_on_the_other(tiny_llama_dir, tmp_path, service_factory):
+    a = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-a")
+    b = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-b")
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "trainer.log").open("w")
+    proc = subprocess.Popen(trainer_args(tiny_llama_dir, run_dir, [a.address, b.address],
+                                         steps=8, min_nodes=2),
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_step(run_dir, 2, proc, timeout=120)
+        b.stop(signal.SIGKILL)
+        killed_after = max(r["step"] for r in step_records(run_dir))
+        assert proc.wait(240) == 0, (tmp_path / "trainer.log").read_text()[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    later = [r for r in steps if r["step"] > killed_after + 1]
+    assert later, "the kill came too late to test anything"
+    for r in later:  # the survivor alone samples, on the current version, and takes the syncs
+        assert list(r["nodes"]) == [a.address], r["nodes"]
+        assert r["nodes"][a.address]["versions"] == [r["policy_version"] - 1]
+        assert r["nodes"][a.address]["samples"] == 16 and r["dropped_samples"] == 0
+        assert a.address in r["synced_nodes"]
+    assert any(b.address in r.get("skipped_nodes", {}) for r in steps), \
+        "the dead node's sync failure must be reported"
+    assert (node_adapter(a.address).version) == 8
+
+
+def test_trainer_kill_9_and_resume_with_a_node(tiny_llama_dir, tmp_path, service_factory):
+    node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node")
+    run_dir = tmp_path / "run"
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(trainer_args(tiny_llama_dir, run_dir, [node.address], steps=40,
+                                         checkpoint_every=3),
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_step(run_dir, 4, proc, timeout=120)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = {r["step"]: r for r in step_records(run_dir)}
+    ckpt_step = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    assert 3 <= ckpt_step < max(before)
+    held = node_adapter(node.address)  # the node holds a version of the killed run
+    assert held.name == "nodes-run" and held.version == max(before)
+
+    done = run_trainer([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
+                        "--steps", "10", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+                        "--rollout", node.address])
+    assert f"resumed at step {ckpt_step}" in done.stdout
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 11))  # same numbering, none twice
+    first = next(r for r in steps if r["step"] == ckpt_step + 1)
+    resumed_version = first["policy_version"] - 1
+    assert resumed_version > held.version  # never a number the killed run pushed
+    # the node was given the resumed weights before the first resumed step
+    assert first["nodes"][node.address]["versions"] == [resumed_version]
+    assert first["dropped_samples"] == 0 and first["flagged_nodes"] == {}
+    # same weights and sampler seeds as before the kill: the same samples and rewards
+    assert first["reward_mean"] == pytest.approx(before[ckpt_step + 1]["reward_mean"], abs=1e-9)
+    assert first["sampled_tokens"] == before[ckpt_step + 1]["sampled_tokens"]
+    assert node_adapter(node.address).version == steps[-1]["policy_version"]
+
+
+def test_async_steps_stay_within_the_staleness_bound(tiny_llama_dir, tmp_path,
+                                                     service_factory):
+    node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node")
+    run_dir = tmp_path / "run"
+    run_trainer(trainer_args(tiny_llama_dir, run_dir, [node.address], steps=6, async_steps=1,
+                             sync_every=2))
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    bound = (2 - 1) + 1  # (sync_every - 1) + async_steps
+    for r in steps:
+        assert r["dropped_samples"] == 0 and r["flagged_nodes"] == {}
+        assert r["staleness_max"] <= bound
+        assert (r["nodes_synced"] == 1) == (r["step"] % 2 == 0)
+    assert max(r["staleness_max"] for r in steps) >= 1  # samples really were older
+    assert any(r["mismatch_kl"] > 1e-9 for r in steps if r["staleness_max"] > 0)
