@@ -317,10 +317,10 @@ print(json.dumps(sorted(names)))
 
 
 def _promql_metric_names(expr: str) -> set[str]:
-    """gridrl_* series names and Prometheus' own ``up`` in a PromQL expression (label values
-    in quotes are skipped; no label name starts with gridrl_)."""
+    """gridrl_* series names, gridrl:* recording-rule names and Prometheus' own ``up`` in a
+    PromQL expression (label values in quotes are skipped; no label name starts gridrl)."""
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    return set(re.findall(r"\b(gridrl_[a-z0-9_]+|up)\b", expr))
+    return set(re.findall(r"\b(gridrl[_:][a-z0-9_:]+|up)\b", expr))
 
 
 def _dashboard_exprs() -> list[tuple[str, str]]:
@@ -343,8 +343,9 @@ def _panels(dash: dict) -> list[dict]:
 def test_every_queried_metric_is_exported_by_a_service() -> None:
     exported = _exported_series_names()
     assert "gridrl_rpc_requests_total" in exported and "gridrl_master_nodes" in exported
-    queries = [(f"alert {r.get('alert') or r.get('record')}", r["expr"])
-               for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]]
+    rules = [r for g in yaml.safe_load(ALERTS_YML.read_text())["groups"] for r in g["rules"]]
+    exported |= {r["record"] for r in rules if "record" in r}
+    queries = [(f"rule {r.get('alert') or r.get('record')}", r["expr"]) for r in rules]
     queries += [(f"panel {title!r}", expr) for title, expr in _dashboard_exprs()]
     queries += [(f"variable {v['name']}", v["definition"])
                 for v in json.loads(DASHBOARD.read_text())["templating"]["list"]
@@ -361,9 +362,11 @@ def test_metric_name_extraction() -> None:
     """The PromQL scan above finds names in the shapes the dashboard uses, and no label."""
     expr = ('histogram_quantile(0.95, sum by (le, method) (rate(gridrl_rpc_duration_seconds_bucket'
             '{job="gridrl-rollout", instance=~"$node"}[$__rate_interval])))'
-            ' / on() group_left max(gridrl_trainer_policy_version) and up == 1')
+            ' / on() group_left max(gridrl_trainer_policy_version) and up == 1'
+            ' or gridrl:rpc_requests:rate5m{code!~"OK|gridrl_x"}')
     assert _promql_metric_names(expr) == {"gridrl_rpc_duration_seconds_bucket",
-                                          "gridrl_trainer_policy_version", "up"}
+                                          "gridrl_trainer_policy_version", "up",
+                                          "gridrl:rpc_requests:rate5m"}
 
 
 # ----------------------------------------------------------------------------- trainer unit
