@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ SAMPLING = {"group_size": 3, "max_tokens": 6, "temperature": 1.0}
 
 def serve_node(service_factory, model_dir: Path, name: str, backend: str = "torch",
                master: str | None = None):
+    root = model_dir.parent / f"adapters-{name}-{time.monotonic_ns()}"
     argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", str(model_dir),
-            "--listen", "127.0.0.1:0", "--metrics-port", "-1"]
+            "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--threads", "1",
+            "--capacity", "8", "--adapter-root", str(root), "--name", name]
     if master:
         argv += ["--master", master]
     return service_factory(argv, name)
