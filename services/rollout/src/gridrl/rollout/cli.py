@@ -70,6 +70,9 @@ def main() -> None:
 @env_option("--dtype", env="GRIDRL_ROLLOUT_DTYPE", default="auto",
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
             help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA; mlx: as stored).")
+@env_option("--threads", env="GRIDRL_ROLLOUT_THREADS", default=0, type=click.IntRange(min=0),
+            help="torch intra-op CPU threads (0: torch's default, one per core). On a shared "
+                 "or busy machine 1 can be much faster.")
 @env_option("--capacity", env="GRIDRL_ROLLOUT_CAPACITY", default=64,
             type=click.IntRange(min=1), help="Most sequences decoded together in one batch.")
 @env_option("--max-queue", env="GRIDRL_ROLLOUT_MAX_QUEUE", default=128,
@@ -94,7 +97,7 @@ def main() -> None:
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
 def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
-          capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
+          threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           adapter_root: str | None, master: str | None, advertise_address: str | None,
           name: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
@@ -124,7 +127,12 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
         raise click.BadParameter(str(e), param_hint="--model") from e
     try:
         if backend == "torch":
+            import torch
+
             from gridrl.rollout.backends.torch import TorchBackend
+
+            if threads:
+                torch.set_num_threads(threads)
 
             engine_backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype,
                                                           model_id=model)

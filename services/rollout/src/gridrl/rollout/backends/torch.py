@@ -29,6 +29,7 @@ import inspect
 import json
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,7 +268,9 @@ class TorchBackend(Backend):
             _strip_lora(self._hf)  # a failed first load may have injected layers
             return
         if key in self._peft.peft_config:
-            self._peft.delete_adapter(key)
+            with warnings.catch_warnings():  # "Adapter x was active which is now deleted"
+                warnings.simplefilter("ignore", UserWarning)
+                self._peft.delete_adapter(key)
         if not self._peft.peft_config and self._owns:
             # No adapter left: return to the plain model (peft's layers cost time per step).
             self._peft = None

@@ -1,0 +1,272 @@
+"""PushAdapter and ReloadAdapter over real channels on the tiny llama: a pushed peft (or mlx-lm)
+adapter makes the node produce exactly what peft gives locally; failed pushes change nothing
+and leave nothing half-written; in-flight requests finish on the old adapter; reloads by
+version, by path (never outside the root) and back to the base model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+from rollout_helpers import (
+    PROMPT,
+    GatedBackend,
+    make_peft_adapter,
+    peft_reference,
+    push_dir,
+    push_files,
+    reference_greedy,
+    rpc_error,
+    tree,
+    wait_until,
+)
+
+from gridrl.adapters import build_manifest, convert_files, read_dir, write_dir
+from gridrl.common.transport import push_requests
+from gridrl.v1 import rollout_pb2
+
+
+def _greedy(node, steps: int = 8):
+    return node.generate(max_tokens=steps, temperature=0).samples[0]
+
+
+def _assert_serves_like_peft(node, base_dir: Path, adapter_dir: Path | None, version: int,
+                             name: str = "a") -> None:
+    ref_tokens, ref_lps = reference_greedy(peft_reference(base_dir, adapter_dir), PROMPT, 8)
+    sample = _greedy(node)
+    assert list(sample.token_ids) == ref_tokens
+    assert list(sample.logprobs) == pytest.approx(ref_lps, abs=1e-4)
+    assert sample.adapter_version == version
+    assert sample.adapter_name == (name if version else "")
+
+
+def test_push_serves_exactly_what_peft_gives(live_node, tiny_llama_dir, tiny_adapters) -> None:
+    node = live_node()
+    base = _greedy(node)
+    response = push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    assert (response.serving.name, response.serving.version) == ("a", 1)
+    assert not response.converted
+    size = sum(len(b) for b in read_dir(tiny_adapters["a"]).values())
+    assert response.bytes_received == size
+    t = response.timings
+    assert t.receive_s >= 0 and t.verify_s > 0 and t.convert_s == 0 and t.apply_s > 0
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+    assert list(_greedy(node).token_ids) != list(base.token_ids)
+    # a second adapter replaces the first
+    push_dir(node.stub, tiny_adapters["b"], "a", 2)
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
+    info = node.info()
+    assert (info.adapter.name, info.adapter.version) == ("a", 2)
+    assert [(r.name, r.version) for r in info.stored_adapters] == [("a", 1), ("a", 2)]
+    root = node.node.adapters.store.pushed_root
+    assert tree(root) == ["a", "a/v1", *[f"a/v1/{p}" for p in sorted(
+        [".gridrl-adapter.json", *read_dir(tiny_adapters["a"])])], "a/v2", *[
+        f"a/v2/{p}" for p in sorted([".gridrl-adapter.json", *read_dir(tiny_adapters["b"])])]]
+    assert REGISTRY.get_sample_value("gridrl_rollout_adapter_version") == 2
+
+
+def test_mlx_push_is_converted(live_node, tiny_llama_dir, tiny_adapters) -> None:
+    node = live_node()
+    mlx_files = convert_files(read_dir(tiny_adapters["a"]), "mlx", num_layers=2)
+    manifest = build_manifest(mlx_files, name="m", version=3)
+    assert manifest.format == "mlx"
+    response = push_files(node.stub, mlx_files, manifest.to_dict())
+    assert response.converted and response.timings.convert_s > 0
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 3, name="m")
+
+
+def test_stage_only_and_idempotent_retry(live_node, tiny_llama_dir, tiny_adapters) -> None:
+    node = live_node()
+    response = push_dir(node.stub, tiny_adapters["a"], "a", 1, stage_only=True)
+    assert response.serving.version == 0
+    _assert_serves_like_peft(node, tiny_llama_dir, None, 0)
+    assert [r.version for r in node.info().stored_adapters] == [1]
+    # pushing the same version again serves what is stored
+    response = push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    assert response.serving.version == 1
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+    # ... but other files under a stored version are refused
+    e = rpc_error(lambda: push_dir(node.stub, tiny_adapters["b"], "a", 1))
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert e.details().startswith("header.manifest.version: ")
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+
+
+def _bad_shape_files(adapter: Path) -> dict[str, bytes]:
+    """The adapter with one lora_B one row too tall (hidden size unchanged)."""
+    import torch
+    from safetensors.torch import load, save
+
+    files = read_dir(adapter)
+    tensors = load(files["adapter_model.safetensors"])
+    key = next(k for k in sorted(tensors) if k.endswith("mlp.up_proj.lora_B.weight"))
+    tensors[key] = torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])
+    files["adapter_model.safetensors"] = save(tensors, metadata={"format": "pt"})
+    return files
+
+
+def _other_model_adapter(tmp_path: Path) -> Path:
+    from gridrl.models.testing import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "tiny96", hidden_size=96)
+    return make_peft_adapter(other, tmp_path / "a96")
+
+
+def test_failed_pushes_change_nothing(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> None:
+    node = live_node(max_adapter_bytes=200_000)
+    push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    root = node.node.adapters.store.pushed_root
+    stored = tree(root)
+    files = read_dir(tiny_adapters["b"])
+    good = build_manifest(files, name="a", version=2).to_dict()
+
+    def check(code: grpc.StatusCode, starts: str, call) -> None:
+        e = rpc_error(call)
+        assert e.code() == code, e.details()
+        assert e.details().startswith(starts), e.details()
+        assert tree(root) == stored  # nothing new, nothing half-written
+        _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+
+    # bad digest
+    bad = {**good, "files": [dict(f) for f in good["files"]]}
+    bad["files"][-1]["sha256"] = hashlib.sha256(b"other").hexdigest()
+    check(grpc.StatusCode.DATA_LOSS, "adapter_model.safetensors: sha256",
+          lambda: push_files(node.stub, files, bad))
+    # truncated stream: the last chunk never comes
+    requests = list(push_requests(good, files, chunk_size=4096))
+    check(grpc.StatusCode.DATA_LOSS, "adapter_model.safetensors: received",
+          lambda: node.stub.PushAdapter(iter(requests[:-1]), timeout=30))
+    # made for another base model (refused from the header)
+    other = build_manifest(files, name="a", version=2, base_model={"hidden_size": 96}).to_dict()
+    check(grpc.StatusCode.FAILED_PRECONDITION, "header.manifest.base_model: adapter does not "
+          "fit the base model: hidden_size: adapter 96, base model 64",
+          lambda: push_files(node.stub, files, other))
+    # tensors of another model under a manifest that claims this one
+    foreign = read_dir(_other_model_adapter(tmp_path))
+    claims = build_manifest(foreign, name="a", version=2,
+                            base_model=node.node.adapters.base_model()).to_dict()
+    check(grpc.StatusCode.FAILED_PRECONDITION, "adapter: adapter does not fit the base model",
+          lambda: push_files(node.stub, foreign, claims))
+    # shapes that do not fit one module
+    wrong = _bad_shape_files(tiny_adapters["a"])
+    check(grpc.StatusCode.FAILED_PRECONDITION, "adapter: adapter_model.safetensors: "
+          "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight: shape [129, 4] does not fit",
+          lambda: push_files(node.stub, wrong, build_manifest(wrong, name="a", version=2)
+                             .to_dict()))
+    # over the size limit
+    big = {**files, "README.md": b"x" * 200_000}
+    check(grpc.StatusCode.RESOURCE_EXHAUSTED, "header.manifest.files: adapter is",
+          lambda: push_files(node.stub, big, build_manifest(big, name="a", version=2).to_dict()))
+    # the format the files are not
+    fake = {**good, "format": "mlx"}
+    check(grpc.StatusCode.INVALID_ARGUMENT, "header.manifest.format: says mlx",
+          lambda: push_files(node.stub, files, fake))
+    # the next good push works
+    push_files(node.stub, files, good)
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
+
+
+def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters) -> None:
+    node = live_node()
+    push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    root = node.node.adapters.store.pushed_root
+    stored = tree(root)
+    files = read_dir(tiny_adapters["b"])
+    requests = list(push_requests(build_manifest(files, name="a", version=2).to_dict(), files,
+                                  chunk_size=4096))
+    release = threading.Event()
+    sent = threading.Event()
+
+    def stream():
+        yield from requests[:3]
+        sent.set()
+        release.wait(30)
+
+    def cancelled() -> float:
+        return REGISTRY.get_sample_value("gridrl_rpc_requests_total", {
+            "service": "gridrl.v1.RolloutService", "method": "PushAdapter",
+            "code": "CANCELLED"}) or 0.0
+
+    before = cancelled()
+    call = node.stub.PushAdapter.future(stream(), timeout=30)
+    assert sent.wait(10)
+    time.sleep(0.2)  # let the node read the first chunks
+    call.cancel()
+    release.set()
+    wait_until(lambda: cancelled() > before)  # the handler saw the cancellation and returned
+    assert tree(root) == stored
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+
+
+def test_in_flight_generate_finishes_on_the_old_adapter(live_node, tiny_llama_dir, tiny_backend,
+                                                        tiny_adapters) -> None:
+    gated = GatedBackend(tiny_backend)
+    node = live_node(gated, batch_window_s=0.0)
+    gated.gate.set()
+    push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    old_tokens, _ = reference_greedy(peft_reference(tiny_llama_dir, tiny_adapters["a"]), PROMPT,
+                                     8)
+    gated.gate.clear()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    in_flight = pool.submit(node.generate, max_tokens=8, temperature=0)
+    wait_until(lambda: gated.entered == 1)
+    push = pool.submit(push_dir, node.stub, tiny_adapters["b"], "a", 2)
+    time.sleep(0.3)
+    assert not push.done()  # the swap waits for the batch in flight
+    gated.gate.set()
+    sample = in_flight.result(30).samples[0]
+    assert sample.adapter_version == 1 and list(sample.token_ids) == old_tokens
+    assert push.result(30).serving.version == 2
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
+
+
+def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> None:
+    node = live_node()
+    push_dir(node.stub, tiny_adapters["a"], "a", 1)
+    push_dir(node.stub, tiny_adapters["b"], "a", 2)
+    root = node.node.adapters.store.root
+
+    def reload(**target) -> rollout_pb2.ReloadAdapterResponse:
+        return node.stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(**target), timeout=30)
+
+    response = reload(version=1)
+    assert (response.serving.name, response.serving.version) == ("a", 1)
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+    assert reload(base_model=True).serving.version == 0
+    _assert_serves_like_peft(node, tiny_llama_dir, None, 0)
+    # a directory an operator put under the root, in either format
+    write_dir(read_dir(tiny_adapters["b"]), root / "ops" / "b")
+    response = reload(path="ops/b")
+    assert (response.serving.name, response.serving.version) == ("ops/b", 0)
+    sample = _greedy(node)
+    ref_tokens, _ = reference_greedy(peft_reference(tiny_llama_dir, tiny_adapters["b"]), PROMPT, 8)
+    assert list(sample.token_ids) == ref_tokens and sample.adapter_name == "ops/b"
+    write_dir(convert_files(read_dir(tiny_adapters["a"]), "mlx", num_layers=2), root / "ops" / "m")
+    reload(path="ops/m")
+    assert list(_greedy(node).token_ids) == reference_greedy(
+        peft_reference(tiny_llama_dir, tiny_adapters["a"]), PROMPT, 8)[0]
+    assert reload(path="pushed/a/v2").serving.version == 2  # metadata names the push
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
+
+    # refused: escaping the root (directly or through a symlink), missing, unknown version
+    outside = tmp_path / "outside"
+    write_dir(read_dir(tiny_adapters["a"]), outside)
+    (root / "link").symlink_to(outside)
+    for target, code, starts in (
+            ({"path": "../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": str(outside)}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "link"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "nope"}, grpc.StatusCode.NOT_FOUND, "path: "),
+            ({"path": "pushed"}, grpc.StatusCode.FAILED_PRECONDITION, "path: "),
+            ({"version": 9}, grpc.StatusCode.NOT_FOUND, "version: "),
+            ({}, grpc.StatusCode.INVALID_ARGUMENT, "target: ")):
+        e = rpc_error(lambda t=target: reload(**t))
+        assert e.code() == code, (target, e.details())
+        assert e.details().startswith(starts), e.details()
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
