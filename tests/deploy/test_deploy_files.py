@@ -220,6 +220,34 @@ def _check_env(env: dict[str, str], script: str, sub: str, where: str,
     assert not problems, f"{where}:\n" + "\n".join(problems)
 
 
+def _all_cli_env_vars() -> set[str]:
+    """Every environment variable any flag of any gridrl command reads."""
+    names: set[str] = set()
+
+    def walk(cmd: click.Command) -> None:
+        names.update(p.envvar for p in cmd.params if isinstance(p.envvar, str))
+        if isinstance(cmd, click.Group):
+            for sub in cmd.commands.values():
+                walk(sub)
+
+    eps = {ep.name: ep for ep in entry_points(group="console_scripts")}
+    for script in SCRIPTS:
+        walk(eps[script].load())
+    return names
+
+
+def test_every_gridrl_variable_named_in_deploy_exists() -> None:
+    """Comments, README and examples in deploy/ name only variables the code reads
+    (``GRIDRL_<SERVICE>_*`` wildcards and the ``GRIDRL_`` prefix itself aside)."""
+    known = _all_cli_env_vars() | set(_process_env_readers())
+    unknown = []
+    for path in sorted(p for p in DEPLOY.rglob("*") if p.is_file()):
+        for name in set(re.findall(r"\bGRIDRL_[A-Z0-9_]*[A-Z0-9]\b(?!_?\*)", path.read_text())):
+            if name not in known:
+                unknown.append(f"{path.relative_to(REPO)}: {name}")
+    assert not unknown, "not read by any gridrl command:\n" + "\n".join(unknown)
+
+
 # ----------------------------------------------------------------------------- prometheus
 
 
