@@ -1,0 +1,112 @@
+"""``gridrl-rollout``: a real ``serve`` subprocess driven by the client commands."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rollout_helpers import PROMPT
+
+from gridrl.rollout.cli import main
+
+
+def test_cli_import_is_light() -> None:
+    code = ("import sys, gridrl.rollout.cli; "
+            "heavy = [m for m in ('torch', 'transformers', 'mlx', 'peft') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_every_flag_has_an_env_var() -> None:
+    runner = CliRunner()
+    for command in ("serve", "generate", "push-adapter", "reload-adapter", "info"):
+        cmd = main.commands[command]
+        for param in cmd.params:
+            if param.param_type_name == "option" and param.name != "help":
+                assert param.envvar and param.envvar.startswith("GRIDRL_"), (command, param.name)
+        result = runner.invoke(main, [command, "--help"])
+        assert result.exit_code == 0 and "GRIDRL_" in result.output
+
+
+@pytest.fixture
+def served(service_factory, tiny_llama_dir: Path, tmp_path: Path):
+    root = tmp_path / "adapters"
+    node = service_factory(["gridrl-rollout", "serve", "--model", str(tiny_llama_dir),
+                            "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--threads", "1",
+                            "--adapter-root", str(root), "--max-n", "8"], "rollout")
+    return node, root
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def test_client_commands(served, tiny_adapters) -> None:
+    node, root = served
+    address = ["--address", node.address]
+    code, out = _run("info", *address)
+    assert code == 0 and "torch" in out and "the base model" in out, out
+    code, out = _run("info", *address, "--json")
+    info = json.loads(out)["info"]
+    assert info["backend"] == "BACKEND_TORCH" and info["capacity"] == 64
+
+    ids = ",".join(map(str, PROMPT))
+    code, out = _run("generate", *address, "--prompt-ids", ids, "--n", "2", "--max-tokens", "4",
+                     "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--seed", "3",
+                     "--json")
+    assert code == 0, out
+    response = json.loads(out)
+    assert [int(i) for i in response["prompt_token_ids"]] == PROMPT
+    assert len(response["samples"]) == 2
+    assert all(len(s["logprobs"]) == len(s["token_ids"]) == 4 for s in response["samples"])
+    code, again = _run("generate", *address, "--prompt-ids", ids, "--n", "2", "--max-tokens",
+                       "4", "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--seed",
+                       "3", "--json")
+    assert json.loads(again)["samples"] == response["samples"]
+    code, out = _run("generate", *address, "--prompt", "the cat", "--max-tokens", "3")
+    assert code == 0 and "--- sample 0 (3 tokens, length" in out, out
+
+    code, out = _run("push-adapter", *address, str(tiny_adapters["a"]), "--name", "run")
+    assert code == 0 and "pushed run v1" in out and "serving run v1" in out, out
+    code, out = _run("push-adapter", *address, str(tiny_adapters["b"]), "--name", "run",
+                     "--stage-only")
+    assert code == 0 and "pushed run v2" in out and "serving run v1" in out, out
+    code, out = _run("reload-adapter", *address, "--version", "2")
+    assert code == 0 and "serving run v2" in out, out
+    code, out = _run("reload-adapter", *address, "--base")
+    assert code == 0 and "serving the base model" in out, out
+    code, out = _run("reload-adapter", *address, "--path", "pushed/run/v1", "--json")
+    assert code == 0 and json.loads(out)["serving"] == {"name": "run", "version": "1"}
+    code, out = _run("info", *address)
+    assert "run v1" in out and "run v1, run v2" in out, out
+    assert sorted(p.name for p in (root / "pushed" / "run").iterdir()) == ["v1", "v2"]
+
+    # errors: the status and the field, exit 1; usage errors exit 2
+    code, out = _run("generate", *address, "--prompt-ids", ids, "--n", "9")
+    assert code == 1 and "error: INVALID_ARGUMENT: sampling.n: must be in [1, 8]" in out, out
+    code, out = _run("reload-adapter", *address, "--path", "../x")
+    assert code == 1 and "error: INVALID_ARGUMENT: path: " in out, out
+    code, out = _run("reload-adapter", *address)
+    assert code == 2 and "exactly one of --version, --path and --base" in out
+    code, out = _run("generate", *address)
+    assert code == 2
+
+    assert node.stop(signal.SIGTERM) == 0
+    assert "serving gridrl.v1.RolloutService" in node.log()
+
+
+def test_serve_refuses_bad_flags(tmp_path: Path) -> None:
+    code, out = _run("serve", "--model", str(tmp_path / "missing"), "--listen", "127.0.0.1:0")
+    assert code == 2 and "--model" in out
+    code, out = _run("serve", "--device", "tpu")
+    assert code == 2 and "--device" in out
+    code, out = _run("serve", "--backend", "mlx", "--dtype", "bfloat16")
+    assert code == 2 and "--dtype" in out
+    code, out = _run("serve", "--master", "nohost")
+    assert code == 2 and "--master" in out

@@ -1,0 +1,78 @@
+"""``--master``: a node registers with a real master, heartbeats its adapter version, keeps
+serving while the master is down, registers again when it returns, deregisters on stop."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from rollout_helpers import push_dir, wait_until
+
+from gridrl.common.channel import dial
+from gridrl.master.server import Master
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S = 0.2, 0.6, 1.2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _master(port: int) -> Master:
+    return Master(f"127.0.0.1:{port}", heartbeat_interval_s=HEARTBEAT_S,
+                  unhealthy_after_s=UNHEALTHY_S, expire_after_s=EXPIRE_S, grace_s=0.5).start()
+
+
+def _nodes(address: str) -> list[registry_pb2.NodeRecord]:
+    channel = dial(address)
+    try:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        return list(stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=5).nodes)
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def master_port():
+    port = _free_port()
+    masters: list[Master] = []
+
+    def start() -> Master:
+        masters.append(_master(port))
+        return masters[-1]
+
+    yield port, start
+    for m in masters:
+        m.stop(0)
+
+
+def test_registers_heartbeats_and_survives_the_master(live_node, master_port,
+                                                      tiny_adapters) -> None:
+    port, start_master = master_port
+    master = start_master()
+    node = live_node(master=master.address, capacity=6)
+    wait_until(lambda: len(_nodes(master.address)) == 1)
+    record = _nodes(master.address)[0]
+    info = record.info
+    assert info.address == node.node.address and info.role == common_pb2.NODE_ROLE_ROLLOUT
+    assert info.backend == common_pb2.BACKEND_TORCH
+    assert info.adapter_format == common_pb2.ADAPTER_FORMAT_PEFT
+    assert info.base_model.architecture == "llama" and info.capacity == 6
+    assert record.status == common_pb2.NODE_STATUS_HEALTHY
+
+    push_dir(node.stub, tiny_adapters["a"], "run", 4)
+    wait_until(lambda: _nodes(master.address)[0].info.adapter.version == 4)
+
+    master.stop(0)  # the node keeps serving without its master
+    assert len(node.generate(max_tokens=2).samples) == 1
+    master = start_master()  # same port, empty registry
+    wait_until(lambda: len(_nodes(master.address)) == 1)
+    back = _nodes(master.address)[0]
+    assert back.info.address == node.node.address and back.info.adapter.version == 4
+    assert node.node.registrar.registered
+
+    node.close()  # deregisters on the way out
+    wait_until(lambda: not _nodes(master.address))
