@@ -93,3 +93,40 @@ def test_two_gloo_ranks_match_one_process(tiny_llama_dir, tmp_path):
         assert torch.allclose(ranks[0][key], want, atol=2e-6, rtol=1e-4), key
     # the adapter moved: B started at zero
     assert any(v.abs().max() > 0 for k, v in single.items() if "lora_B" in k)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_path):
+    """The whole ``gridrl-trainer run`` under ``torchrun --nproc-per-node 2`` (gloo): rank 0
+    samples and broadcasts, both ranks train their share; same steps, rewards and adapter as
+    one process."""
+    import subprocess
+
+    from safetensors.torch import load_file
+    from trainer_runs import BIN, records, run_args, write_task_files
+
+    data, reward = write_task_files(tmp_path)
+    single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
+    steps = 6
+    single = subprocess.run(run_args(tiny_llama_dir, data, reward, single_dir, steps),
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_free_port()),
+                          *run_args(tiny_llama_dir, data, reward, ddp_dir, steps)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
+    assert ddp.stdout.count("baseline eval") == 1  # rank 0 alone evaluates and prints
+    one = [r for r in records(single_dir) if r.get("step")]
+    two = [r for r in records(ddp_dir) if r.get("step")]
+    assert [r["step"] for r in two] == list(range(1, steps + 1))
+    for a, b in zip(one, two, strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-9), b["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["policy_version"] == a["policy_version"]
+    w1 = load_file(single_dir / "adapter" / "adapter_model.safetensors")
+    w2 = load_file(ddp_dir / "adapter" / "adapter_model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4), k

@@ -7,52 +7,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-BIN = Path(sys.executable).parent
-
-# Reward of the tiny llama's word-level vocabulary: the fraction of words "w<even number>".
-REWARD_FILE = '''
-def even_words(prompts, completions, **kwargs):
-    out = []
-    for c in completions:
-        words = c.split()
-        even = [w for w in words if w.startswith("w") and w[1:].isdigit() and int(w[1:]) % 2 == 0]
-        out.append(len(even) / max(len(words), 1))
-    return out
-'''
+from trainer_runs import BIN, run_args, write_task_files
+from trainer_runs import records as read_records
 
 
 @pytest.fixture
 def task_files(tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "cat dog red blue sky sea "
-                                        + " ".join(f"w{i * 7 + j}" for j in range(3))}) + "\n"
-                            for i in range(40)))
-    reward = tmp_path / "even.py"
-    reward.write_text(REWARD_FILE)
-    return data, reward
+    return write_task_files(tmp_path)
 
 
 def _args(model, data, reward, run_dir, steps, **extra):
-    args = ["gridrl-trainer", "run", "--model", str(model), "--task", str(data),
-            "--reward-file", str(reward), "--steps", str(steps), "--prompts-per-step", "2",
-            "--group-size", "8", "--max-tokens", "8", "--lr", "2e-2", "--lora-rank", "8",
-            "--lora-alpha", "16", "--eval-every", "6", "--eval-tasks", "8",
-            "--checkpoint-every", "6", "--run-dir", str(run_dir), "--rollout", "local",
-            "--listen", "127.0.0.1:0", "--metrics-port", "0"]
-    for k, v in extra.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+    args = run_args(model, data, reward, run_dir, steps, **extra)
+    args[0] = "gridrl-trainer"  # service_factory prefixes the venv's bin directory
     return args
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
-            if line.strip()]
 
 
 def _watch_all(address: str) -> list:
@@ -89,7 +60,7 @@ def test_local_run_learns_and_writes_the_run_directory(tiny_llama_dir, task_file
     assert all(r.eval_policy_version == r.policy_version for r in reports
                if r.HasField("eval_score"))
 
-    records = _records(run_dir)
+    records = read_records(run_dir)
     baseline = [r for r in records if r.get("event") == "baseline"]
     steps = [r for r in records if r.get("step")]
     assert len(baseline) == 1 and baseline[0]["eval_policy_version"] == 0
@@ -140,7 +111,7 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         log = run_dir / "log.jsonl"
-        if log.exists() and any(r.get("step", 0) >= step for r in _records(run_dir)):
+        if log.exists() and any(r.get("step", 0) >= step for r in read_records(run_dir)):
             return
         assert proc.poll() is None, "the run ended before it could be killed"
         time.sleep(0.02)
@@ -162,7 +133,7 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
     finally:
         if proc.poll() is None:
             proc.kill()
-    killed = {r["step"]: r for r in _records(run_dir) if r.get("step")}
+    killed = {r["step"]: r for r in read_records(run_dir) if r.get("step")}
     last_ckpt = (run_dir / "checkpoints" / "latest").read_text()
     ckpt_step = int(last_ckpt.split("-")[1])
     assert 3 <= ckpt_step < max(killed)  # steps after the checkpoint were lost with the kill
@@ -175,7 +146,7 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed at step {ckpt_step}" in resumed.stdout
 
-    records = _records(run_dir)
+    records = read_records(run_dir)
     steps = [r["step"] for r in records if r.get("step")]
     assert steps == list(range(1, 13))  # no step repeated or lost, same numbering
     assert sum(1 for r in records if r.get("event") == "baseline") == 1

@@ -1,0 +1,60 @@
+"""Helpers shared by the trainer's run tests: a tiny-llama task with a learnable reward, the
+``gridrl-trainer run`` command line for it, and reading ``log.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+# Reward of the tiny llama's word-level vocabulary: the fraction of words "w<even number>".
+REWARD_FILE = '''
+def even_words(prompts, completions, **kwargs):
+    out = []
+    for c in completions:
+        words = c.split()
+        even = [w for w in words if w.startswith("w") and w[1:].isdigit() and int(w[1:]) % 2 == 0]
+        out.append(len(even) / max(len(words), 1))
+    return out
+'''
+
+
+def write_task_files(directory: Path) -> tuple[Path, Path]:
+    """A 40-row JSONL task (prompt column only) and the reward file; returns their paths."""
+    data = directory / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "cat dog red blue sky sea "
+                                        + " ".join(f"w{i * 7 + j}" for j in range(3))}) + "\n"
+                            for i in range(40)))
+    reward = directory / "even.py"
+    reward.write_text(REWARD_FILE)
+    return data, reward
+
+
+def run_args(model: Path, data: Path, reward: Path, run_dir: Path, steps: int,
+             **extra) -> list[str]:
+    """``gridrl-trainer run`` on the tiny task, sampling locally (``extra``: more flags)."""
+    args = [str(BIN / "gridrl-trainer"), "run", "--model", str(model), "--task", str(data),
+            "--reward-file", str(reward), "--steps", str(steps), "--prompts-per-step", "2",
+            "--group-size", "8", "--max-tokens", "8", "--lr", "2e-2", "--lora-rank", "8",
+            "--lora-alpha", "16", "--eval-every", "6", "--eval-tasks", "8",
+            "--checkpoint-every", "6", "--run-dir", str(run_dir), "--rollout", "local",
+            "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def records(run_dir: Path) -> list[dict]:
+    """Every complete record of ``run_dir/log.jsonl`` (none when it does not exist)."""
+    path = run_dir / "log.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by kill -9
+            continue
+    return out
