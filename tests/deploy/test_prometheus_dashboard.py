@@ -206,6 +206,29 @@ def test_dashboard_model() -> None:
         assert metric in all_exprs, f"no panel queries {metric}"
 
 
+def _check_panels(prom: Prometheus, rate_interval: str) -> tuple[list[str], int]:
+    """Run every panel query; the problems found and the number of queries run."""
+    problems = []
+    checked = 0
+    for panel in _panels():
+        for target in panel["targets"]:
+            expr = substitute(target["expr"], rate_interval)
+            result = prom.query(expr)
+            checked += 1
+            where = f"panel {panel['title']!r} {target['refId']}: {expr}"
+            if not result:
+                problems.append(f"{where}: no series")
+                continue
+            values = [float(r["value"][1]) for r in result]
+            if not any(math.isfinite(v) for v in values):
+                problems.append(f"{where}: only NaN/Inf {values}")
+            for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
+                if not all(label in r["metric"] for r in result):
+                    problems.append(f"{where}: legend label {label!r} missing in "
+                                    f"{[r['metric'] for r in result]}")
+    return problems, checked
+
+
 # ----------------------------------------------------------------------------- live
 
 
@@ -222,7 +245,7 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
         node = service_factory(["gridrl-rollout", "serve", "--backend", "torch",
                                 "--model", str(tiny_llama_dir), "--device", "cpu",
                                 "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                                "--master", master.address,
+                                "--threads", "1", "--master", master.address,
                                 "--adapter-root", str(tmp_path / "adapters")], "rollout")
         services.append(node)
         prom.start()
@@ -248,9 +271,17 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
              "--steps", "1000", "--group-size", "2", "--max-tokens", "4",
              "--eval-every", "2", "--eval-tasks", "2", "--checkpoint-every", "1000",
              "--run-dir", str(tmp_path / "run"), "--device", "cpu",
-             "--listen", "127.0.0.1:0", "--metrics-port", "0"], "trainer")
+             "--listen", "127.0.0.1:0", "--metrics-port", "0"], "trainer",
+            env={"OMP_NUM_THREADS": "1"})  # 2 shared cores: one torch thread is faster
         services.append(trainer)
         prom.set_targets("gridrl-trainer", [f"127.0.0.1:{trainer.metrics_port}"])
+        # A second refused call, after Prometheus has seen the first: the error counter now
+        # moves inside the window, so the errors panel must show a rate above 0.
+        prom.wait_for('gridrl_rpc_requests_total{job="gridrl-rollout", code="INVALID_ARGUMENT"}',
+                      "first refused Generate scraped", 30, services)
+        bad = subprocess.run([*generate, "--top-p", "1.5"], capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr, bad.stderr
 
         # Enough for every panel: steps with syncs, an eval, a node serving a pushed adapter.
         prom.wait_for('gridrl_trainer_step{job="gridrl-trainer"} >= 3', "trainer steps", 240,
@@ -264,26 +295,22 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
         for job in JOB_OF_SERVICE.values():
             assert prom.query(f'up{{job="{job}"}} == 1'), f"{job} is not up"
 
-        rate_interval = f"{int(time.time() - t0) + 10}s"  # since the first call
-        problems = []
-        checked = 0
-        for panel in _panels():
-            for target in panel["targets"]:
-                expr = substitute(target["expr"], rate_interval)
-                result = prom.query(expr)
-                checked += 1
-                where = f"panel {panel['title']!r} {target['refId']}: {expr}"
-                if not result:
-                    problems.append(f"{where}: no series")
-                    continue
-                values = [float(r["value"][1]) for r in result]
-                if not any(math.isfinite(v) for v in values):
-                    problems.append(f"{where}: only NaN/Inf {values}")
-                for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
-                    if not all(label in r["metric"] for r in result):
-                        problems.append(f"{where}: legend label {label!r} missing in "
-                                        f"{[r['metric'] for r in result]}")
+        # rate()/increase() need two samples of a series in the window, and a series is born
+        # when its first event happens (the first push, the trainer's metrics module loading
+        # after the model): retry for a few scrapes before calling a panel empty.
+        deadline = time.monotonic() + 30
+        while True:
+            rate_interval = f"{int(time.time() - t0) + 10}s"  # since the first call
+            problems, checked = _check_panels(prom, rate_interval)
+            if not problems or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert checked >= 40, f"only {checked} queries in the dashboard"
+        [errors_panel] = [p for p in _panels() if p["title"] == "Errors by method and code"]
+        errors = prom.query(substitute(errors_panel["targets"][0]["expr"], rate_interval))
+        assert any(r["metric"] == {"job": "gridrl-rollout", "method": "Generate",
+                                   "code": "INVALID_ARGUMENT"} and float(r["value"][1]) > 0
+                   for r in errors), errors
 
         for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
             if variable["type"] != "query":

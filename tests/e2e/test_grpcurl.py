@@ -99,7 +99,7 @@ def test_master_through_grpcurl(service_factory) -> None:
 def test_rollout_node_through_grpcurl(service_factory, tiny_llama_dir: Path) -> None:
     node = service_factory(["gridrl-rollout", "serve", "--backend", "torch",
                             "--model", str(tiny_llama_dir), "--listen", "127.0.0.1:0",
-                            "--metrics-port", "-1"], "rollout")
+                            "--metrics-port", "-1", "--threads", "1"], "rollout")
     address = node.address
     check_reflection_and_health(address, "gridrl.v1.RolloutService",
                                 {"Generate", "PushAdapter", "ReloadAdapter", "GetNodeInfo"})
@@ -129,7 +129,7 @@ def test_trainer_through_grpcurl(service_factory, tiny_llama_dir: Path, tmp_path
          "--steps", "1000", "--group-size", "2", "--max-tokens", "4", "--eval-tasks", "1",
          "--eval-every", "1000", "--checkpoint-every", "1000", "--run-name", "grpcurl-e2e",
          "--run-dir", str(run_dir), "--device", "cpu", "--listen", "127.0.0.1:0",
-         "--metrics-port", "-1"], "trainer")
+         "--metrics-port", "-1"], "trainer", env={"OMP_NUM_THREADS": "1"})
     address = trainer.address
     check_reflection_and_health(address, "gridrl.v1.TrainerService", {"GetRunStatus", "WatchRun"})
     # Until the model is loaded the status is empty; then the run fills it in.
