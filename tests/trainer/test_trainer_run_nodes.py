@@ -26,10 +26,13 @@ pytestmark = [
 
 
 def serve_node(service_factory, model_dir: Path, tmp_path: Path, name: str,
-               backend: str = "torch"):
-    return service_factory(["gridrl-rollout", "serve", "--backend", backend, "--model",
-                            str(model_dir), "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-                            "--adapter-root", str(tmp_path / f"{name}-adapters")], name)
+               backend: str = "torch", master: str | None = None):
+    argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", str(model_dir),
+            "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+            "--adapter-root", str(tmp_path / f"{name}-adapters")]
+    if master:
+        argv += ["--master", master]
+    return service_factory(argv, name)
 
 
 def trainer_args(model_dir: Path, run_dir: Path, nodes: list[str], steps: int,
@@ -201,3 +204,18 @@ def test_async_steps_stay_within_the_staleness_bound(tiny_llama_dir, tmp_path,
         assert (r["nodes_synced"] == 1) == (r["step"] % 2 == 0)
     assert max(r["staleness_max"] for r in steps) >= 1  # samples really were older
     assert any(r["mismatch_kl"] > 1e-9 for r in steps if r["staleness_max"] > 0)
+
+
+def test_nodes_from_the_master(tiny_llama_dir, tmp_path, service_factory):
+    master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
+                              "--metrics-port", "-1", "--store", "",
+                              "--heartbeat-interval", "0.5"], "master")
+    node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-m", master=master.address)
+    run_dir = tmp_path / "run"
+    run_trainer(trainer_args(tiny_llama_dir, run_dir, [], steps=2, master=master.address))
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert list(r["nodes"]) == [node.address] and r["nodes_synced"] == 1
+        assert r["nodes"][node.address]["versions"] == [r["policy_version"] - 1]
+    assert node_adapter(node.address).version == 2
