@@ -19,8 +19,10 @@ import plistlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -442,3 +444,75 @@ def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path,
     steps = [json.loads(line).get("step") for line in (run_dir / "log.jsonl").read_text()
              .splitlines()]
     assert [s for s in steps if s is not None] == [1, 2], steps
+
+
+def _start_unit(unit: Path, tmp_path: Path, env_file: dict[str, str],
+                name: str) -> tuple[subprocess.Popen, dict, Path]:
+    """Run a unit's ExecStart with its Environment= (state and cache directories mapped into
+    ``tmp_path``) plus ``env_file`` (as /etc/gridrl/<x>.env would), until its ready file."""
+    env = {k: v.replace("/var/lib/gridrl", str(tmp_path / "state"))
+           .replace("/var/cache/gridrl", str(tmp_path / "cache"))
+           for k, v in _unit_environment(unit).items()}
+    ready = tmp_path / f"{name}.ready.json"
+    service = name.upper()
+    base = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    log = tmp_path / f"{name}.log"
+    proc = subprocess.Popen(_systemd_command(_unit_exec_start(unit)),
+                            env={**base, **env, **env_file,
+                                 f"GRIDRL_{service}_READY_FILE": str(ready)},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, f"{unit.name} exited {proc.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"{unit.name} not ready:\n{log.read_text()}"
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text()), log
+
+
+def _sigterm(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def test_master_and_rollout_units_serve_with_their_environment(tmp_path: Path,
+                                                              tiny_llama_dir: Path) -> None:
+    """The master and rollout units' own environment (store, adapter root, cache, backend)
+    gives working services: the node registers with the master, state lands in the unit's
+    StateDirectory, and SIGTERM (systemctl stop, launchctl bootout) exits 0, which is what
+    Restart=on-failure and KeepAlive.SuccessfulExit=false count as a clean stop."""
+    master, master_info, master_log = _start_unit(
+        DEPLOY / "systemd" / "gridrl-master.service", tmp_path,
+        {"GRIDRL_MASTER_LISTEN": "127.0.0.1:0", "GRIDRL_MASTER_METRICS_PORT": "0"}, "master")
+    node = None
+    try:
+        assert (tmp_path / "state" / "master.sqlite").is_file(), master_log.read_text()
+        node, node_info, node_log = _start_unit(
+            DEPLOY / "systemd" / "gridrl-rollout.service", tmp_path,
+            {"GRIDRL_ROLLOUT_MODEL": str(tiny_llama_dir), "GRIDRL_ROLLOUT_DEVICE": "cpu",
+             "GRIDRL_ROLLOUT_THREADS": "1", "GRIDRL_ROLLOUT_LISTEN": "127.0.0.1:0",
+             "GRIDRL_ROLLOUT_METRICS_PORT": "0",
+             "GRIDRL_ROLLOUT_MASTER": master_info["address"]}, "rollout")
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run([str(BIN / "gridrl-master"), "nodes", "--address",
+                                  master_info["address"], "--json"], capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            nodes = json.loads(out.stdout)["nodes"]
+            if nodes or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [n["info"]["address"] for n in nodes] == [node_info["address"]], nodes
+        assert (tmp_path / "state" / "adapters").is_dir(), node_log.read_text()
+        assert _sigterm(node) == 0, node_log.read_text()
+        node = None
+    finally:
+        if node is not None:
+            node.kill()
+        rc = _sigterm(master)
+    assert rc == 0, master_log.read_text()
