@@ -426,6 +426,7 @@ def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path,
                 "GRIDRL_TRAINER_EVAL_TASKS": "1", "GRIDRL_TRAINER_DEVICE": "cpu",
                 "GRIDRL_TRAINER_LISTEN": "127.0.0.1:0", "GRIDRL_TRAINER_METRICS_PORT": "-1"}
     base = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    base["OMP_NUM_THREADS"] = "1"  # tests share 2 cores: one torch thread is faster
     argv = _systemd_command(_unit_exec_start(unit))
     run_dir = Path(env["GRIDRL_TRAINER_RUN_DIR"])
     assert run_dir.is_relative_to(state), "the run directory must live in StateDirectory"
