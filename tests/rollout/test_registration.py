@@ -36,7 +36,8 @@ def _nodes(address: str) -> list[registry_pb2.NodeRecord]:
 
 
 @pytest.fixture
-def master_port():
+def start_master():
+    """``start_master()`` starts a master, always on the same port (a restart)."""
     port = _free_port()
     masters: list[Master] = []
 
@@ -44,14 +45,13 @@ def master_port():
         masters.append(_master(port))
         return masters[-1]
 
-    yield port, start
+    yield start
     for m in masters:
         m.stop(0)
 
 
-def test_registers_heartbeats_and_survives_the_master(live_node, master_port,
+def test_registers_heartbeats_and_survives_the_master(live_node, start_master,
                                                       tiny_adapters) -> None:
-    port, start_master = master_port
     master = start_master()
     node = live_node(master=master.address, capacity=6)
     wait_until(lambda: len(_nodes(master.address)) == 1)

@@ -197,7 +197,8 @@ def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
         tokens = tokens.clamp_(max=logprobs.shape[-1] - 1)
         # Rounding can only push the search past the last kept token: fall back to the mode.
         lost = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
-        tokens = torch.where(lost, torch.argmax(logprobs, dim=-1), tokens)
+        if bool(lost.any()):
+            tokens = torch.where(lost, torch.argmax(logprobs, dim=-1), tokens)
         if rows.any_greedy:
             tokens = torch.where(rows.greedy, torch.argmax(logits, dim=-1), tokens)
     token_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
