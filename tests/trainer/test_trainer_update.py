@@ -167,3 +167,24 @@ def test_lr_schedules():
             opt.step()
             sched.step()
         assert got == pytest.approx(want), schedule
+
+
+def test_mismatch_kl_uses_the_samplers_truncation(policy):
+    from gridrl.trainer.local import LocalRollout
+
+    pol = _fresh(policy)
+    prompts = [list(s.prompt_ids) for s in _sequences()[:2]]
+    groups = LocalRollout(pol, lambda: 0).generate_groups(
+        prompts, group_size=3, max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3)
+    seqs = [TrainSequence(tuple(g.prompt_ids), tuple(s.token_ids), tuple(s.logprobs),
+                          advantage=0.5 - j % 2, group=b)
+            for b, g in enumerate(groups) for j, s in enumerate(g.samples)]
+    cfg = UpdateConfig(temperature=0.8, max_tokens=6, top_k=5, top_p=0.9)
+    stats = grpo_update(pol, make_optimizer(pol.trainable_parameters(), lr=1e-3), None, seqs,
+                        cfg)
+    assert stats.mismatch_kl < 1e-6  # the sampler drew exactly what the trainer's would
+    # without the sampler's transform the renormalised behaviour logprobs look mismatched
+    plain = _fresh(policy)
+    untruncated = grpo_update(plain, make_optimizer(plain.trainable_parameters(), lr=1e-3), None,
+                              seqs, UpdateConfig(temperature=0.8, max_tokens=6))
+    assert untruncated.mismatch_kl > 1e-3

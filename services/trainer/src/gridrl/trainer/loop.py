@@ -169,7 +169,8 @@ class Trainer:
         self.update_cfg = UpdateConfig(
             temperature=cfg.temperature, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps_high,
             beta=cfg.kl_beta, aggregation=cfg.loss_aggregation, max_tokens=cfg.max_tokens,
-            micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm)
+            micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+            top_p=cfg.top_p, top_k=cfg.top_k)
         import torch.distributed as dist
 
         self.is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

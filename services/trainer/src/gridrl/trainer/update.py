@@ -51,6 +51,11 @@ class UpdateConfig:
         max_tokens: sampling ``max_tokens`` (the ``"constant"`` normaliser).
         micro_batch_size: sequences per forward/backward; 0 = the whole share at once.
         max_grad_norm: clip the LoRA gradient's global L2 norm to this; 0 = no clipping.
+        top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
+            ``softmax(logits / T)`` (as TRL does); the mismatch KL compares the behaviour
+            logprobs with the trainer's logprobs under the sampler's own transform
+            (``gridrl.rollout.backends.torch_sampling``), so truncation is not reported as a
+            node mismatch.
     """
 
     temperature: float = 1.0
@@ -61,6 +66,13 @@ class UpdateConfig:
     max_tokens: int = 256
     micro_batch_size: int = 0
     max_grad_norm: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        """True when the sampler drops tokens (top-k or top-p)."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclass
@@ -170,6 +182,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"], width,
                                               model=par.model)
             logp = grpo.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
+            seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
+                    if cfg.truncated else logp)
             del logits
             ref_logp = None
             if cfg.beta:
@@ -186,7 +200,7 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             part = (token_loss * coef[idx].to(device).unsqueeze(-1)).sum()
             (part * par.world_size).backward()
         with torch.no_grad():
-            _, per_seq_kl = grpo.mismatch_kl(logp, batch["behaviour"], mask)
+            _, per_seq_kl = grpo.mismatch_kl(seen, batch["behaviour"], mask)
             ntok = mask.sum(dim=1)
             totals[0] += float(part.detach())
             totals[1] += float((out.clipped & valid).sum())
@@ -212,6 +226,29 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         clip_fraction=float(totals[1]) / tokens,
         ref_kl=float(totals[4]) / tokens if cfg.beta else None,
         grad_norm=grad_norm, lr=lr, tokens=int(totals[2]))
+
+
+def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                     cfg: UpdateConfig) -> torch.Tensor:
+    """Logprobs of ``tokens`` under the rollout sampler's transform (temperature, then top-k,
+    then top-p, renormalised; ``gridrl.rollout.backends.torch_sampling.transform_logits``).
+
+    Args:
+        logits: (n, C, V) completion logits (no gradient needed).
+        tokens: (n, C) int64.
+    Returns:
+        (n, C) float32; tokens outside the kept support get -100 (a KL of ~100 nats: a node
+        that sampled a token the trainer's sampler never would is unmistakable).
+    """
+    from gridrl.rollout.backends.base import SamplingConfig
+    from gridrl.rollout.backends.torch_sampling import RowSampling, transform_logits
+
+    n, c, v = logits.shape
+    config = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                            top_p=cfg.top_p, top_k=cfg.top_k)
+    rows = RowSampling.from_configs([config] * (n * c), v, device=logits.device)
+    lp = transform_logits(logits.reshape(n * c, v), rows)
+    return lp.gather(-1, tokens.reshape(-1, 1)).reshape(n, c).clamp(min=-100.0)
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], *, lr: float, weight_decay: float = 0.0,
