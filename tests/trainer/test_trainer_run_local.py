@@ -165,3 +165,26 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
     assert summary["resumed_at"] == [ckpt_step] and summary["steps"] == 12
     config = json.loads((run_dir / "config.json").read_text())
     assert config["steps"] == 12 and config["lr"] == 2e-2
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_reverse_words_on_smollm2(smollm2_dir, tmp_path):
+    """Two steps of the built-in task on the bundled SmolLM2 (its own chat template): exact
+    behaviour logprobs from the local sampler, an eval stamped with the version it measured."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--model", str(smollm2_dir),
+                           "--steps", "2", "--group-size", "4", "--max-tokens", "12",
+                           "--min-words", "3", "--max-words", "4", "--eval-every", "2",
+                           "--eval-tasks", "4", "--run-dir", str(run_dir), "--rollout", "local",
+                           "--listen", "127.0.0.1:0", "--metrics-port", "-1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    recs = read_records(run_dir)
+    assert "Words:" in recs[0]["eval_examples"][0]["prompt"]
+    steps = [r for r in recs if r.get("step")]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["mismatch_kl"] < 1e-5 and r["train_tokens"] > 0 for r in steps)
+    assert steps[-1]["eval_policy_version"] == 2 and 0.0 <= steps[-1]["eval_score"] <= 1.0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["adapter_mlx_error"] is None
