@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -275,6 +276,7 @@ class Trainer:
                 for n in nodes if n.in_rotation))
             self.source = self.pool
         self._prompt_cache: dict[int, tuple[list[Any], list[list[int]]]] = {}
+        self._prompt_lock = threading.Lock()
         self.prefetcher = Prefetcher(self._generate_step, depth=cfg.async_steps,
                                      last_step=cfg.steps)
 
@@ -284,15 +286,18 @@ class Trainer:
         """The task items and prompt token ids of ``step`` (tokenized once)."""
         from gridrl.trainer.tasks import encode_chat
 
-        cached = self._prompt_cache.get(step)
-        if cached is None:
-            start = (step - 1) * self.cfg.prompts_per_step
-            items = [self.task.train_item(i) for i in range(start,
-                                                            start + self.cfg.prompts_per_step)]
-            ids = [encode_chat(self.policy.tokenizer, it.messages) for it in items]
-            cached = (items, ids)
-            self._prompt_cache[step] = cached
-        return cached
+        with self._prompt_lock:  # the prefetch thread and the loop both ask
+            for s in [s for s in self._prompt_cache if s < step - self.cfg.async_steps - 1]:
+                del self._prompt_cache[s]
+            cached = self._prompt_cache.get(step)
+            if cached is None:
+                start = (step - 1) * self.cfg.prompts_per_step
+                items = [self.task.train_item(i)
+                         for i in range(start, start + self.cfg.prompts_per_step)]
+                ids = [encode_chat(self.policy.tokenizer, it.messages) for it in items]
+                cached = (items, ids)
+                self._prompt_cache[step] = cached
+            return cached
 
     def _generate_step(self, step: int) -> list[Any]:
         cfg = self.cfg
@@ -305,8 +310,6 @@ class Trainer:
     def _collect(self, step: int) -> dict[str, Any]:
         """Rank 0: rollouts of ``step``, staleness filter, rewards, advantages."""
         cfg = self.cfg
-        for s in [s for s in self._prompt_cache if s < step]:
-            del self._prompt_cache[s]
         items, prompt_ids = self._step_prompts(step)
         rollouts = self.prefetcher.get(step)
         trainer_step = step - 1  # the weights being trained are those after step - 1
