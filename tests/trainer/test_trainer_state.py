@@ -105,6 +105,8 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
         TrainConfig(async_steps=1).finalize()
     with pytest.raises(StatusError, match="--rollout"):
         TrainConfig(rollout=["local", "h:1"]).finalize()
+    with pytest.raises(StatusError, match="--run-name"):
+        TrainConfig(run_name="my run/1").finalize()
     cfg = TrainConfig(auth_token="secret", run_dir=str(tmp_path)).finalize()
     cfg.save(tmp_path / "config.json")
     loaded = TrainConfig.load(tmp_path / "config.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,9 @@ class TrainConfig:
                                    "must be >= 0")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise invalid_argument("--max-staleness", "must be >= 0")
+        if self.run_name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
+            raise invalid_argument("--run-name", f"{self.run_name!r} must match [A-Za-z0-9._-]+ "
+                                                 "(it names the adapter on the nodes)")
         if "local" in self.rollout and (len(self.rollout) > 1 or self.master):
             raise invalid_argument("--rollout", "'local' cannot be mixed with remote nodes")
         if self.local and self.async_steps:

@@ -615,7 +615,8 @@ class Trainer:
         stale = f"stale {r['staleness_mean']:.1f}"
         if r["dropped_samples"]:
             stale += f" [red]dropped {r['dropped_samples']}[/]"
-        parts += [stale, f"kl {r['mismatch_kl']:.1e}", f"loss {r['loss']:+.4f}",
+        parts += [stale, f"kl {r['mismatch_kl']:.1e}", f"loss {r['loss']:+.4f}"
+                  + (f" gnorm {r['grad_norm']:.2f}" if r.get("grad_norm") is not None else ""),
                   f"v{r['policy_version']}"]
         if not cfg.local:
             if r.get("synced_nodes") is not None:
