@@ -188,18 +188,25 @@ def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters
         sent.set()
         release.wait(30)
 
-    def cancelled() -> float:
-        return REGISTRY.get_sample_value("gridrl_rpc_requests_total", {
-            "service": "gridrl.v1.RolloutService", "method": "PushAdapter",
-            "code": "CANCELLED"}) or 0.0
+    def push_calls() -> dict[str, float]:
+        """PushAdapter calls handled so far, by status code."""
+        return {s.labels["code"]: s.value for metric in REGISTRY.collect()
+                if metric.name == "gridrl_rpc_requests"
+                for s in metric.samples if s.name == "gridrl_rpc_requests_total"
+                and s.labels["method"] == "PushAdapter"}
 
-    before = cancelled()
+    before = push_calls()
     call = node.stub.PushAdapter.future(stream(), timeout=30)
     assert sent.wait(10)
     time.sleep(0.2)  # let the node read the first chunks
     call.cancel()
     release.set()
-    wait_until(lambda: cancelled() > before)  # the handler saw the cancellation and returned
+    wait_until(lambda: sum(push_calls().values()) > sum(before.values()))  # handler returned
+    after = push_calls()
+    ended = {code for code in after if after[code] > before.get(code, 0)}
+    # grpc ends the node's request iterator with an error (CANCELLED) or, when the call is
+    # already torn down, as a short stream (DATA_LOSS: received fewer bytes than declared)
+    assert ended <= {"CANCELLED", "DATA_LOSS"}, ended
     assert tree(root) == stored
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
 
@@ -270,3 +277,15 @@ def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> N
         assert e.code() == code, (target, e.details())
         assert e.details().startswith(starts), e.details()
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
+
+
+def test_old_versions_are_pruned(live_node, tiny_adapters) -> None:
+    node = live_node(keep_adapters=2)
+    for version in (1, 2, 3):
+        push_dir(node.stub, tiny_adapters["a" if version % 2 else "b"], "run", version)
+    assert [r.version for r in node.info().stored_adapters] == [2, 3]
+    node.stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(version=2), timeout=30)
+    push_dir(node.stub, tiny_adapters["b"], "run", 4, stage_only=True)
+    # the serving version is never deleted
+    assert [r.version for r in node.info().stored_adapters] == [2, 3, 4]
+    assert not [p for p in tree(node.node.adapters.store.pushed_root) if p.startswith(".")]

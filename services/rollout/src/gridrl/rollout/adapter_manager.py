@@ -56,11 +56,14 @@ class AdapterManager:
         store: where adapters live on disk.
         identity: the base model (what pushed adapters must fit).
         max_bytes: largest push accepted, in bytes.
+        keep: pushed versions kept per name, newest first (0: all); older ones are deleted
+            after each successful push, except the one serving.
     """
 
     def __init__(self, engine: Engine, store: AdapterStore, identity: ModelIdentity,
-                 max_bytes: int) -> None:
+                 max_bytes: int, keep: int = 8) -> None:
         self.engine = engine
+        self.keep = keep
         self.backend: Backend = engine.backend
         self.store = store
         self.identity = identity
@@ -188,6 +191,10 @@ class AdapterManager:
                 self.store.discard(staged)  # no-op once renamed into the store
             apply_s = time.perf_counter() - t
             metrics.ADAPTER_APPLY_DURATION.observe(apply_s)
+            current = self.engine.serving
+            pruned = self.store.prune(name, self.keep, protect=(current.name, current.version))
+            if pruned:
+                log.info("deleted %s versions %s (--keep-adapters %d)", name, pruned, self.keep)
             return _Applied(serving, apply_s)
 
     def _load_commit_swap(self, staged: Path, name: str, version: int,

@@ -5,6 +5,7 @@ Layout::
     <root>/pushed/<name>/v<version>/    a pushed adapter, in the node's own format, plus
         .gridrl-adapter.json            {name, version, format, pushed_format, converted, manifest}
     <root>/pushed/.staging-*/           a push being applied (removed on failure and at start)
+    <root>/pushed/.deleting-*/          an old version being pruned (--keep-adapters)
     <root>/<anything else>/             adapters placed by an operator (ReloadAdapter path)
 
 A push is written into a staging directory and renamed into place only once it is verified,
@@ -67,9 +68,10 @@ class AdapterStore:
         self.root = Path(root).expanduser().resolve()
         self.pushed_root = self.root / PUSHED
         self.pushed_root.mkdir(parents=True, exist_ok=True)
-        for leftover in self.pushed_root.glob(f"{STAGING_PREFIX}*"):
-            log.warning("removing %s, left by an interrupted push", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
+        for prefix in (STAGING_PREFIX, ".deleting-"):
+            for leftover in self.pushed_root.glob(f"{prefix}*"):
+                log.warning("removing %s, left by an interrupted push or prune", leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
 
     # -- pushes ------------------------------------------------------------------------------
 
@@ -152,6 +154,23 @@ class AdapterStore:
             raise invalid_argument("version", f"version {version} is stored under several "
                                               f"names ({', '.join(s.name for s in matches)})")
         return matches[0]
+
+    def prune(self, name: str, keep: int, protect: tuple[str, int] | None = None) -> list[int]:
+        """Delete all but the newest ``keep`` stored versions of ``name`` (``keep`` 0: keep
+        all), never ``protect`` (the serving one). A version is renamed to a hidden directory
+        before it is deleted, so it is never seen half-deleted. Returns the versions deleted."""
+        if keep < 1:
+            return []
+        versions = sorted((s.version for s in self.pushed() if s.name == name), reverse=True)
+        deleted = []
+        for version in versions[keep:]:
+            if protect == (name, version):
+                continue
+            doomed = Path(tempfile.mkdtemp(prefix=".deleting-", dir=self.pushed_root))
+            os.rename(self.pushed_dir(name, version), doomed / "d")
+            shutil.rmtree(doomed, ignore_errors=True)
+            deleted.append(version)
+        return deleted
 
     # -- operator directories ----------------------------------------------------------------
 

@@ -84,6 +84,9 @@ def main() -> None:
             type=click.IntRange(min=1), help="Largest sampling.max_tokens a request may ask for.")
 @env_option("--max-adapter-bytes", env="GRIDRL_ROLLOUT_MAX_ADAPTER_BYTES", default=512 << 20,
             type=click.IntRange(min=1), help="Largest adapter push accepted, in bytes.")
+@env_option("--keep-adapters", env="GRIDRL_ROLLOUT_KEEP_ADAPTERS", default=8,
+            type=click.IntRange(min=0),
+            help="Pushed versions kept on disk per adapter name, newest first (0: all).")
 @env_option("--adapter-root", env="GRIDRL_ROLLOUT_ADAPTER_ROOT", default=None,
             show_default=False, type=click.Path(file_okay=False),
             help="Directory of the node's adapters (pushed ones, and those ReloadAdapter may "
@@ -98,7 +101,7 @@ def main() -> None:
 def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
           threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
-          adapter_root: str | None, master: str | None, advertise_address: str | None,
+          keep_adapters: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
           name: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
     setup_logging(log_level)
@@ -149,7 +152,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     node = RolloutNode(engine_backend, NodeConfig(
         listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
-        max_adapter_bytes=max_adapter_bytes, adapter_root=adapter_root,
+        max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters,
+        adapter_root=adapter_root,
         advertise_address=advertise_address, master=master, name=name))
     node.start()
     write_ready_file(ready_file, node.address, node.port, node.metrics_port)

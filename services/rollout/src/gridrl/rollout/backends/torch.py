@@ -244,7 +244,8 @@ class TorchBackend(Backend):
         except Exception as e:  # peft raises ValueError / RuntimeError / KeyError
             self._forget(key)
             raise AdapterLoadError(f"adapter does not load: {e}") from e
-        self._hf.requires_grad_(False)
+        if self._owns:
+            self._hf.requires_grad_(False)
         handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
         self._loaded[key] = handle
         log.info("peft adapter %r loaded from %s: rank %d, %d modules, %.2fs", key, directory,
@@ -374,7 +375,8 @@ class TorchBackend(Backend):
             raise ValueError(f"adapter {adapter.key!r} is not loaded")
         if self._peft.active_adapter != adapter.key:
             self._peft.set_adapter(adapter.key)
-            self._hf.requires_grad_(False)
+            if self._owns:
+                self._hf.requires_grad_(False)
         yield
 
     # -- decoding ----------------------------------------------------------------------------
