@@ -1,0 +1,85 @@
+"""Helpers shared by the benchmarks: machine description, services as subprocesses, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def machine() -> str:
+    """One line: CPU model, cores, memory, torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB"
+    except (OSError, ValueError):
+        pass
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} cores{mem}, torch {torch.__version__}"
+
+
+def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
+    """Best-of-``repeats`` read bandwidth in GB/s: torch sum over a ``size_mb`` fp32 tensor."""
+    import torch
+
+    x = torch.ones(size_mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+class Proc:
+    """A gridrl service subprocess started with --ready-file; stopped with SIGTERM."""
+
+    def __init__(self, argv: list[str], name: str, timeout: float = 300, env: dict | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+        ready = self.dir / "ready.json"
+        self.log = self.dir / "log.txt"
+        self.proc = subprocess.Popen([str(BIN / argv[0]), *argv[1:], "--ready-file", str(ready)],
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        info = json.loads(ready.read_text())
+        self.address = info["address"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *map(line, rows)])

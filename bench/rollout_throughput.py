@@ -1,0 +1,126 @@
+"""Benchmark 1: rollout throughput, one group of 8 x 40 new tokens on the bundled model.
+
+Compares, in one run:
+- the baseline: a plain in-process batched decode loop over the transformers model with a KV
+  cache (fp32, the loop anyone would write first; ~72 tok/s on the reference 2-core machine);
+- the torch rollout node through gRPC (``gridrl-rollout serve``), fp32 and bf16;
+- the MLX rollout node through gRPC (Linux CPU through mlx[cpu] is slow; fewer tokens);
+and prints tok/s, the ratio to the baseline, and the memory-bandwidth bound for the batch size
+and precision used (every decode step reads all weights once: bound = batch * bandwidth /
+weight bytes, KV-cache reads added).
+
+    python bench/rollout_throughput.py [--repeats 3] [--skip-mlx]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from _common import Proc, machine, read_bandwidth_gbs, table
+
+PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
+N, MAX_TOKENS = 8, 40
+
+
+def baseline_loop(model_dir: str, repeats: int) -> tuple[float, int]:
+    """Plain HF loop: prefill the batch, then one forward per token with the KV cache,
+    multinomial sampling at temperature 1, stop rows at eos. Returns (best tok/s, params)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"].repeat(N, 1)
+    best = 0.0
+    for r in range(repeats):
+        torch.manual_seed(r)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model(ids, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            done = torch.zeros(N, dtype=torch.bool)
+            produced = 0
+            for _ in range(MAX_TOKENS):
+                nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+                produced += int((~done).sum())
+                done |= nxt.squeeze(1) == tok.eos_token_id
+                if done.all():
+                    break
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1]
+        best = max(best, produced / (time.perf_counter() - t))
+    return best, sum(p.numel() for p in model.parameters())
+
+
+def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N) -> tuple[float, float]:
+    """Generate through gRPC; returns (best tok/s, mean completion length)."""
+    from gridrl.common.channel import dial
+    from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    req = rollout_pb2.GenerateRequest(
+        prompt_text=PROMPT, apply_chat_template=True,
+        sampling=common_pb2.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
+    stub.Generate(req, timeout=600)  # warm-up
+    best, lengths = 0.0, []
+    for r in range(repeats):
+        req.sampling.seed = r + 1
+        t = time.perf_counter()
+        resp = stub.Generate(req, timeout=600)
+        dt = time.perf_counter() - t
+        tokens = sum(len(s.token_ids) for s in resp.samples)
+        lengths.append(tokens / n)
+        best = max(best, tokens / dt)
+    return best, statistics.mean(lengths)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-mlx", action="store_true")
+    ap.add_argument("--mlx-tokens", type=int, default=8, help="new tokens per MLX sample")
+    args = ap.parse_args()
+
+    from gridrl.models import resolve_model
+
+    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    bw = read_bandwidth_gbs()
+    base, params = baseline_loop(model_dir, args.repeats)
+    rows = [["plain HF loop (in-process)", "float32", f"{base:.1f}", "1.00x", "", ""]]
+
+    def bound(dtype_bytes: int) -> float:
+        return N * bw * 1e9 / (params * dtype_bytes)
+
+    for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
+        node = Proc(["gridrl-rollout", "serve", "--backend", "torch", "--model", model_dir,
+                     "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--dtype", dtype,
+                     "--capacity", "64"], f"torch-{dtype}")
+        try:
+            tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS)
+        finally:
+            node.stop()
+        b = bound(nbytes)
+        rows.append([f"torch node via gRPC (mean {mean_len:.0f} tok/sample)", dtype,
+                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{tps / b:.0%}"])
+    if not args.skip_mlx:
+        node = Proc(["gridrl-rollout", "serve", "--backend", "mlx", "--model", model_dir,
+                     "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "mlx")
+        try:
+            tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens)
+        finally:
+            node.stop()
+        rows.append([f"mlx node via gRPC ({args.mlx_tokens} tok/sample)", "float32",
+                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{bound(4):.0f}", f"{tps / bound(4):.0%}"])
+    print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; model {params / 1e6:.1f} M params")
+    print(f"workload: 1 group of n={N} x up to {MAX_TOKENS} new tokens, temperature 1; best of "
+          f"{args.repeats}")
+    print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
+                       "of bound"]))
+
+
+if __name__ == "__main__":
+    main()
