@@ -395,7 +395,10 @@ class TorchBackend(Backend):
 
         ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
         cache = DynamicCache()
-        logits = self._forward(ids, cache=cache, logits_to_keep=1)
+        # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
+        # is one matrix-vector product (a strided slice sends bf16 through a full weight copy).
+        last = torch.tensor([len(prompt) - 1], device=self._device)
+        logits = self._forward(ids, cache=cache, logits_to_keep=last)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return kv, logits[0, -1].float()
 
@@ -454,6 +457,7 @@ class TorchBackend(Backend):
         active = torch.arange(n, device=dev)
         active_list = list(range(n))
         rows = sampling
+        cpu = dev.type == "cpu"
         step = 0
         self.last_first_token_s = None
         while True:
@@ -487,7 +491,7 @@ class TorchBackend(Backend):
             step += 1
             positions = (cache.layers[0].length - cache.pad)[:, None]
             logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
-                                   attention_mask=cache.attention_mask())[:, -1]
+                                   attention_mask=cache.attention_mask(always=cpu))[:, -1]
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),

@@ -177,7 +177,7 @@ def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
     """Pick each row's token (base.py step 4) and its logprob under ``logprobs``.
 
     Greedy rows take ``argmax(logits)``. Other rows draw by inverse CDF: the first id whose
-    cumulative probability (float64, vocabulary order) exceeds ``u * total``.
+    cumulative probability (vocabulary order) exceeds ``u * total``.
 
     Args:
         logits: (N, V) raw logits (greedy rows).
@@ -191,8 +191,9 @@ def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
         tokens = torch.argmax(logits, dim=-1)
     else:
         probs = torch.exp(logprobs)
-        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-        target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+        # float32 values (on CPU accumulated in float64): each bound is within 6e-8 of exact.
+        cdf = torch.cumsum(probs, dim=-1)
+        target = (uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:].double()).float()
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
         tokens = tokens.clamp_(max=logprobs.shape[-1] - 1)
         # Rounding can only push the search past the last kept token: fall back to the mode.
