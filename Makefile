@@ -53,7 +53,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) -- $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

@@ -80,3 +80,4 @@ def test_parse_address_accepts() -> None:
     assert parse_address("127.0.0.1:80") == ("127.0.0.1", 80)
     assert parse_address("[::1]:50051") == ("::1", 50051)
     assert parse_address("node-a.local:1") == ("node-a.local", 1)
+

@@ -34,6 +34,15 @@ from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, star
 
 log = logging.getLogger(__name__)
 
+# Clients ping every 30 s (channel_options) so long streams (WatchNodes, WatchRun) notice dead
+# peers; grpc's server default (one ping per 5 min) would answer that with GOAWAY
+# "too_many_pings" and drop the stream. Accept pings every 10 s or slower.
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
 
 class _ServerInterceptor(grpc.ServerInterceptor):
     """Checks the bearer token, turns :class:`StatusError` into a status, and records
@@ -141,7 +150,7 @@ class GrpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[_ServerInterceptor(auth_token)],
-            options=channel_options(max_message_bytes),
+            options=[*channel_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS],
             maximum_concurrent_rpcs=max_workers * 4,
         )
         self._health = health.HealthServicer(experimental_non_blocking=True)
