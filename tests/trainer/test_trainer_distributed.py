@@ -53,6 +53,7 @@ def _train(model_dir: str, parallel_factory, micro_batch_size: int,
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)  # two ranks on shared cores
     from gridrl.trainer.distributed import DataParallel, init_process_group
 
     init_process_group(torch.device("cpu"), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -103,15 +104,15 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
     import subprocess
 
     from safetensors.torch import load_file
-    from trainer_runs import BIN, records, run_args, write_task_files
+    from trainer_runs import BIN, ENV, records, run_args, write_task_files
 
     data, reward = write_task_files(tmp_path)
     single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
     steps = 6
     single = subprocess.run(run_args(tiny_llama_dir, data, reward, single_dir, steps),
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=ENV)
     assert single.returncode == 0, single.stderr[-3000:]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
     ddp = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-addr",
                           "127.0.0.1", "--master-port", str(_free_port()),
                           *run_args(tiny_llama_dir, data, reward, ddp_dir, steps)],

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import BIN, run_args, write_task_files
+from trainer_runs import BIN, ENV, ONE_THREAD, run_args, write_task_files
 from trainer_runs import records as read_records
 
 
@@ -44,7 +44,8 @@ def test_local_run_learns_and_writes_the_run_directory(tiny_llama_dir, task_file
 
     data, reward = task_files
     run_dir = tmp_path / "run"
-    svc = service_factory(_args(tiny_llama_dir, data, reward, run_dir, steps=12), "trainer")
+    svc = service_factory(_args(tiny_llama_dir, data, reward, run_dir, steps=12), "trainer",
+                          env=ONE_THREAD)
     cli = subprocess.run([str(BIN / "gridrl-trainer"), "status", "--address", svc.address,
                           "--json"], capture_output=True, text=True, timeout=30)
     assert cli.returncode == 0, cli.stderr
@@ -125,7 +126,7 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
                  eval_every=20)
     args[0] = str(BIN / args[0])
     log1 = (tmp_path / "first.log").open("w")
-    proc = subprocess.Popen(args, stdout=log1, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, stdout=log1, stderr=subprocess.STDOUT, env=ENV)
     try:
         _wait_for_step(run_dir, 4, proc, timeout=120)
         os.kill(proc.pid, signal.SIGKILL)
@@ -142,7 +143,7 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
 
     resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
                               "--steps", "12", "--listen", "127.0.0.1:0", "--metrics-port",
-                              "-1"], capture_output=True, text=True, timeout=300)
+                              "-1"], capture_output=True, text=True, timeout=300, env=ENV)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed at step {ckpt_step}" in resumed.stdout
 
@@ -178,7 +179,7 @@ def test_reverse_words_on_smollm2(smollm2_dir, tmp_path):
                            "--min-words", "3", "--max-words", "4", "--eval-every", "2",
                            "--eval-tasks", "4", "--run-dir", str(run_dir), "--rollout", "local",
                            "--listen", "127.0.0.1:0", "--metrics-port", "-1"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=ENV)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     recs = read_records(run_dir)
     assert "Words:" in recs[0]["eval_examples"][0]["prompt"]

@@ -10,13 +10,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-BIN = Path(sys.executable).parent
+from trainer_runs import BIN, ENV, ONE_THREAD
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,7 +30,7 @@ def serve_node(service_factory, model_dir: Path, tmp_path: Path, name: str,
             "--adapter-root", str(tmp_path / f"{name}-adapters")]
     if master:
         argv += ["--master", master]
-    return service_factory(argv, name)
+    return service_factory(argv, name, env=ONE_THREAD)
 
 
 def trainer_args(model_dir: Path, run_dir: Path, nodes: list[str], steps: int,
@@ -85,7 +83,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
@@ -128,7 +126,7 @@ def test_node_killed_mid_run_finishes_on_the_other(tiny_llama_dir, tmp_path, ser
     log = (tmp_path / "trainer.log").open("w")
     proc = subprocess.Popen(trainer_args(tiny_llama_dir, run_dir, [a.address, b.address],
                                          steps=8, min_nodes=2),
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
         wait_for_step(run_dir, 2, proc, timeout=120)
         b.stop(signal.SIGKILL)
@@ -157,7 +155,7 @@ def test_trainer_kill_9_and_resume_with_a_node(tiny_llama_dir, tmp_path, service
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(trainer_args(tiny_llama_dir, run_dir, [node.address], steps=40,
                                          checkpoint_every=3),
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
         wait_for_step(run_dir, 4, proc, timeout=120)
         os.kill(proc.pid, signal.SIGKILL)
@@ -209,7 +207,7 @@ def test_async_steps_stay_within_the_staleness_bound(tiny_llama_dir, tmp_path,
 def test_nodes_from_the_master(tiny_llama_dir, tmp_path, service_factory):
     master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
                               "--metrics-port", "-1", "--store", "",
-                              "--heartbeat-interval", "0.5"], "master")
+                              "--heartbeat-interval", "0.5"], "master", env=ONE_THREAD)
     node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-m", master=master.address)
     run_dir = tmp_path / "run"
     run_trainer(trainer_args(tiny_llama_dir, run_dir, [], steps=2, master=master.address))

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+# One intra-op thread per process: tests run a trainer and nodes side by side on a few shared
+# cores, where torch's default (a spinning thread per core in every process) thrashes.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, **ONE_THREAD}
 
 # Reward of the tiny llama's word-level vocabulary: the fraction of words "w<even number>".
 REWARD_FILE = '''

@@ -23,7 +23,7 @@ from gridrl.common.errors import invalid_argument
 RESUME_OVERRIDABLE = frozenset({
     "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
     "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "log_level",
+    "keep_checkpoints", "device", "threads", "log_level",
 })
 
 
@@ -92,6 +92,7 @@ class TrainConfig:
     run_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    threads: int = 0
     listen: str = "0.0.0.0:50052"
     metrics_port: int = 9402
     log_level: str = "info"

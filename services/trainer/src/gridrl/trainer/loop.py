@@ -151,6 +151,8 @@ class Trainer:
         from gridrl.trainer.update import make_optimizer, make_scheduler
 
         cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         if launched_by_torchrun():
             init_process_group(pick_device(cfg.device))
         seed_everything(cfg.seed)
