@@ -188,3 +188,39 @@ def test_mismatch_kl_uses_the_samplers_truncation(policy):
     untruncated = grpo_update(plain, make_optimizer(plain.trainable_parameters(), lr=1e-3), None,
                               seqs, UpdateConfig(temperature=0.8, max_tokens=6))
     assert untruncated.mismatch_kl > 1e-3
+
+
+def test_shared_prefix_logits_and_gradient_equal_the_padded_path(policy):
+    """One prompt forward per group (KV cache repeated for the group) == padded per-sequence."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [tuple(torch.randint(7, 512, (p,), generator=g).tolist()) for p in (6, 11)]
+    seqs = [TrainSequence(prompts[i % 2], tuple(torch.randint(7, 512, (c,), generator=g).tolist()),
+                          tuple([-3.0] * c), advantage=1.0, group=i % 2)
+            for i, c in enumerate([1, 4, 6, 2, 5, 3])]  # interleaved groups, ragged completions
+    batch = collate(seqs, policy.pad_id, policy.device)
+    width = batch["completion_mask"].shape[1]
+    with torch.no_grad():  # a non-zero adapter, so the gradient reaches both A and B
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    results = []
+    for path in ("padded", "shared"):
+        policy.model.zero_grad(set_to_none=True)
+        if path == "padded":
+            logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"], width)
+        else:
+            logits = policy.shared_prefix_logits([s.prompt_ids for s in seqs],
+                                                 batch["completion_ids"])
+        lp = grpo.completion_logprobs(logits, batch["completion_ids"], 0.9)
+        (lp * batch["completion_mask"]).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
+        results.append((lp.detach() * batch["completion_mask"], grads))
+    (lp_a, g_a), (lp_b, g_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=1e-5)
+    assert g_a.abs().sum() > 0
+    assert torch.allclose(g_a, g_b, rtol=1e-4, atol=1e-6)
+    policy.model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()

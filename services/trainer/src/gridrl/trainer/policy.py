@@ -8,8 +8,9 @@ Base weights load in float32 on CPU and bfloat16 on CUDA; LoRA weights stay floa
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,8 @@ class Policy:
         self.device = p.device
         self.dtype = next(iter(model.get_base_model().parameters())).dtype
         self.pad_id = pad_token_id(tokenizer)
+        forward = inspect.signature(model.get_base_model().forward).parameters
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"
 
     # ---------------------------------------------------------------- parameters and files
 
@@ -164,6 +167,50 @@ class Policy:
                                     position_ids=position_ids,
                                     logits_to_keep=completion_width + 1, use_cache=False)
         return out.logits[:, :-1]
+
+    def shared_prefix_logits(self, prompts: Sequence[Sequence[int]],
+                             completion_ids: torch.Tensor, *, model: Any | None = None
+                             ) -> torch.Tensor:
+        """:meth:`completion_logits` computed once per distinct prompt instead of per sequence.
+
+        The G completions of a GRPO group share their prompt, so the prompt is run once (batch 1,
+        with gradient) and its KV cache is repeated G times for the completions' forward; the
+        gradient flows into the prompt's activations through the cache. Same logits and
+        gradient as the padded path up to float rounding, for ``P + G * C`` tokens of compute
+        instead of ``G * (P + C)`` (about 4x less for reverse-words: P ~ 95, C ~ 15, G = 8).
+
+        Args:
+            prompts: n prompts (token ids); equal prompts are grouped.
+            completion_ids: (n, C) int64, completions right-padded (padding is never attended
+                to by a real token: it comes after them).
+            model: the module to call; default :attr:`model`.
+        Returns:
+            (n, C, V) logits in the model's dtype; ``[:, t]`` predicts completion token ``t``.
+        """
+        run = model or self.model
+        n, width = completion_ids.shape
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        for prompt, rows in groups.items():
+            ids = torch.tensor([prompt], dtype=torch.long, device=completion_ids.device)
+            out = run(input_ids=ids, use_cache=True, logits_to_keep=1)
+            first = out.logits[:, -1:].expand(len(rows), -1, -1)
+            if width > 1:
+                cache = out.past_key_values
+                cache.batch_repeat_interleave(len(rows))
+                rest = run(input_ids=completion_ids[rows, :width - 1],
+                           **{self._cache_kw: cache}, use_cache=True).logits
+                parts.append(torch.cat([first, rest], dim=1))
+            else:
+                parts.append(first)
+            order.extend(rows)
+        logits = torch.cat(parts, dim=0)
+        inverse = torch.empty(n, dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(n)
+        return logits[inverse.to(logits.device)]
 
     @torch.no_grad()
     def reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

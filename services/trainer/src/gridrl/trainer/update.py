@@ -179,8 +179,12 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"], width,
-                                              model=par.model)
+            if par.world_size == 1:  # one prompt forward per group (DDP keeps one forward)
+                logits = policy.shared_prefix_logits([seqs[i].prompt_ids for i in idx],
+                                                     batch["completion_ids"])
+            else:
+                logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"],
+                                                  width, model=par.model)
             logp = grpo.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
             seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
                     if cfg.truncated else logp)
