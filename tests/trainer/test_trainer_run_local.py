@@ -189,3 +189,32 @@ def test_reverse_words_on_smollm2(smollm2_dir, tmp_path):
     assert steps[-1]["eval_policy_version"] == 2 and 0.0 <= steps[-1]["eval_score"] <= 1.0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["adapter_mlx_error"] is None
+
+
+def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_files, tmp_path):
+    data, reward = task_files
+    run_dir = tmp_path / "run"
+    args = _args(tiny_llama_dir, data, reward, run_dir, steps=40, checkpoint_every=100,
+                 eval_every=100)
+    args[0] = str(BIN / args[0])
+    out = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        _wait_for_step(run_dir, 2, proc, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [r["step"] for r in read_records(run_dir) if r.get("step")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 40
+    # the step in progress was finished and checkpointed (--checkpoint-every 100 never would)
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{steps[-1]:06d}"
+    assert "continue with: gridrl-trainer run --resume" in (tmp_path / "first.log").read_text()
+    resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
+                              "--steps", str(len(steps) + 2), "--listen", "127.0.0.1:0",
+                              "--metrics-port", "-1"], capture_output=True, text=True,
+                             timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = [r["step"] for r in read_records(run_dir) if r.get("step")]
+    assert after == list(range(1, len(steps) + 3))

@@ -7,6 +7,7 @@ Every flag has a ``GRIDRL_TRAINER_<FLAG>`` environment variable. torch is import
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,8 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         log_level: str, ready_file: str | None, **params: Any) -> None:
     """Train: rollouts -> rewards -> GRPO update -> adapter sync, with held-out evals,
     checkpoints and a run directory. Serves TrainerService (GetRunStatus, WatchRun) and
-    Prometheus metrics while it runs."""
+    Prometheus metrics while it runs. SIGTERM / Ctrl-C: finish the step, checkpoint it, exit
+    143 (continue with --resume); a second signal exits at once."""
     from gridrl.common.errors import StatusError
 
     setup_logging(log_level)
@@ -213,8 +215,18 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
+    trainer = Trainer(cfg, resume=resume, status=status)
+
+    def stop(signum: int, _frame: Any) -> None:  # first signal: finish the step, checkpoint
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        trainer.request_stop(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     try:
-        Trainer(cfg, resume=resume, status=status).run()
+        trainer.run()
+        if trainer.stopped_at is not None:
+            sys.exit(143)
     except StatusError as e:
         click.echo(f"error: {e.message}", err=True)
         sys.exit(2)

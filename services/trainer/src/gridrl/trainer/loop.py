@@ -136,6 +136,13 @@ class Trainer:
         self.run_dir: RunDir | None = None
         self._last_eval: dict[str, Any] | None = None
         self._flagged_ever: dict[str, str] = {}
+        self._stop_reason: str | None = None
+        self.stopped_at: int | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after the step in progress: checkpoint it and return (safe from a signal
+        handler). The run can be continued with ``--resume``."""
+        self._stop_reason = reason
 
     # ================================================================== setup
 
@@ -530,12 +537,29 @@ class Trainer:
             self.run_dir.append_log(record)
             self._report(record)
             self._print_step(record)
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            stopping = self._stop_reason is not None and step < cfg.steps
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
                 self._checkpoint(step)
                 self._plot()
+            if stopping:
+                return self._stop(step)
         if self.parallel.world_size > 1:
             self.parallel.broadcast({"stop": True})
         return self._finish()
+
+    def _stop(self, step: int) -> dict[str, Any]:
+        """End a run asked to stop: the checkpoint of ``step`` is written."""
+        assert self.run_dir is not None
+        if self.parallel.world_size > 1:
+            self.parallel.broadcast({"stop": True})
+        self.stopped_at = step
+        message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
+                   f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        log.warning("%s", message)
+        self.console.print(f"[bold yellow]{message}[/]")
+        if self.status is not None:
+            self.status.fail(message)
+        return {"stopped_at": step, "run_dir": str(self.run_dir.path)}
 
     def _account_nodes(self, step: int, collected: dict[str, Any],
                        stats: UpdateStats | None) -> dict[str, str]:
