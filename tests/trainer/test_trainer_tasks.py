@@ -168,3 +168,18 @@ def test_default_rewards_are_the_task_score():
     total, per = rs(["p"], ["c b a"], {"answer": ["c b a"]})
     assert per == {"reverse-words:score": [1.0]}
     assert total == [1.0] and rs.names == ["reverse-words:score"]
+
+
+def test_jsonl_eval_file_is_held_out_from_training(tmp_path):
+    train = tmp_path / "train.jsonl"
+    evals = tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": f"a{i}"}) + "\n"
+                             for i in range(6)))
+    evals.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": f"a{i}"}) + "\n"
+                             for i in (0, 7)))
+    t = tasks.make_task(str(train), seed=0, eval_size=1, eval_file=str(evals),
+                        system_prompt="be brief")
+    assert [e.prompt for e in t.eval_items()] == ["q0", "q7"]
+    seen = {t.train_item(i).prompt for i in range(5)}
+    assert seen == {"q1", "q2", "q3", "q4", "q5"}  # q0 is in the eval file: never trained on
+    assert t.train_item(0).messages[0] == {"role": "system", "content": "be brief"}
