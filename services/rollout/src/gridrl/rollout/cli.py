@@ -13,6 +13,7 @@ so ``--help`` is instant.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 
@@ -71,8 +72,9 @@ def main() -> None:
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
             help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA; mlx: as stored).")
 @env_option("--threads", env="GRIDRL_ROLLOUT_THREADS", default=0, type=click.IntRange(min=0),
-            help="torch intra-op CPU threads (0: torch's default, one per core). On a shared "
-                 "or busy machine 1 can be much faster.")
+            help="torch intra-op CPU threads (0: torch's default, one per core). Idle OpenMP "
+                 "threads sleep (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine does not "
+                 "stall every step; on a shared machine 1 thread can still be faster.")
 @env_option("--capacity", env="GRIDRL_ROLLOUT_CAPACITY", default=64,
             type=click.IntRange(min=1), help="Most sequences decoded together in one batch.")
 @env_option("--max-queue", env="GRIDRL_ROLLOUT_MAX_QUEUE", default=128,
@@ -130,6 +132,9 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
         raise click.BadParameter(str(e), param_hint="--model") from e
     try:
         if backend == "torch":
+            # Before torch loads OpenMP: spinning waiters stall every parallel region (up to
+            # 100x) when another process holds a core; sleeping ones cost a few percent.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             import torch
 
             from gridrl.rollout.backends.torch import TorchBackend
