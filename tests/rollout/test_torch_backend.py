@@ -59,6 +59,20 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_backend) -> None:
     assert len({tuple(r.token_ids) for r in other}) > 1
 
 
+def test_cache_growth_does_not_change_samples(tiny_backend, monkeypatch) -> None:
+    """The KV buffers start small and double; samples are the same as with room for all."""
+    from gridrl.rollout.backends import torch_cache
+
+    batch = [SequenceRequest(PROMPTS[i % 3], list(CONFIGS.values())[i % 5], seed=60 + i)
+             for i in range(8)]
+    roomy = tiny_backend.generate(batch, None)
+    monkeypatch.setattr(torch_cache, "FIRST_BLOCK", 1)
+    tight = tiny_backend.generate(batch, None)
+    for a, b in zip(roomy, tight, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_greedy_matches_a_plain_forward_loop(tiny_backend, tiny_llama_dir: Path) -> None:
     ref_tokens, ref_lps = reference_greedy(peft_reference(tiny_llama_dir, None), PROMPT, 10)
     res = tiny_backend.generate([SequenceRequest(PROMPT, CONFIGS["greedy"], seed=0)], None)[0]

@@ -491,7 +491,7 @@ class TorchBackend(Backend):
             step += 1
             positions = (cache.layers[0].length - cache.pad)[:, None]
             logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
-                                   attention_mask=cache.attention_mask(always=cpu))[:, -1]
+                                   attention_mask=cache.next_step(always=cpu))[:, -1]
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),

@@ -1,12 +1,14 @@
 """A preallocated, left-padded batch KV cache for transformers decoder models.
 
-``DynamicCache`` concatenates every step (O(length) copies per token per layer). A decode batch
-knows its final length up front (longest prompt + largest ``max_tokens``), so each layer here
-holds one buffer of that length, written in place; the model sees views of the filled prefix.
+``DynamicCache`` concatenates every step (O(length) copies per token per layer). Here each
+layer holds one buffer written in place, and the model sees views of the filled prefix. The
+buffer starts at the prompt plus :data:`FIRST_BLOCK` tokens and doubles when full, up to the
+batch's final length (longest prompt + largest ``max_tokens``), so a batch that may decode
+thousands of tokens but stops early never holds memory for all of them.
 
 Rows are left-padded: row ``r``'s prompt occupies the last ``P_r`` columns before
 ``prompt_len`` (the longest prompt), and the padding columns are masked out by
-:meth:`SlabCache.attention_mask`. Finished rows are dropped with :meth:`SlabCache.keep_rows`.
+:meth:`SlabCache.next_step`. Finished rows are dropped with :meth:`SlabCache.keep_rows`.
 
 Only full-attention decoders are supported (no sliding-window or linear-attention layers);
 :func:`supports` checks a config.
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+FIRST_BLOCK = 128  # decode columns allocated at first
 
 
 def supports(config: Any) -> bool:
@@ -45,11 +49,23 @@ class _SlabLayer(DynamicLayer):
         self.keys = self.kbuf[:, :, :self.length]
         self.values = self.vbuf[:, :, :self.length]
 
+    def reserve(self, columns: int) -> None:
+        """Make the buffers at least ``columns`` wide (the filled prefix is kept)."""
+        if columns <= self.kbuf.shape[2]:
+            return
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], old.shape[1], columns, old.shape[3]))
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+        self._views()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key_states.shape[-2]
         if end > self.kbuf.shape[2]:
-            raise RuntimeError(f"decode cache overflow: {end} > {self.kbuf.shape[2]} columns")
+            raise RuntimeError(f"decode cache overflow: {end} > {self.kbuf.shape[2]} columns "
+                               "(SlabCache.next_step makes room before each step)")
         self.kbuf[:, :, self.length:end] = key_states
         self.vbuf[:, :, self.length:end] = value_states
         self.length = end
@@ -73,10 +89,11 @@ class SlabCache(Cache):
     """
 
     def __init__(self, layers: list[_SlabLayer], pad: torch.Tensor, prompt_len: int,
-                 mask_dtype: torch.dtype) -> None:
+                 total: int, mask_dtype: torch.dtype) -> None:
         super().__init__(layers=layers)
         self.pad = pad  # int64 (B,), left padding of each row
         self.prompt_len = prompt_len
+        self.total = total  # the most columns the batch can need
         self._mask_dtype = mask_dtype
         self._mask: torch.Tensor | None = None
 
@@ -97,6 +114,7 @@ class SlabCache(Cache):
         prompt_len = max(lengths)
         rows = len(row_prefill)
         total = prompt_len + max_new
+        width = min(total, prompt_len + FIRST_BLOCK)
         device = prefills[0][0][0].device
         index = torch.tensor(row_prefill, dtype=torch.int64, device=device)
         pad = torch.tensor([prompt_len - lengths[i] for i in row_prefill], dtype=torch.int64,
@@ -104,8 +122,8 @@ class SlabCache(Cache):
         layers = []
         for layer in range(len(prefills[0])):
             k0, v0 = prefills[0][layer]
-            kbuf = k0.new_zeros((rows, k0.shape[1], total, k0.shape[3]))
-            vbuf = v0.new_zeros((rows, v0.shape[1], total, v0.shape[3]))
+            kbuf = k0.new_zeros((rows, k0.shape[1], width, k0.shape[3]))
+            vbuf = v0.new_zeros((rows, v0.shape[1], width, v0.shape[3]))
             if len(prefills) == 1:
                 kbuf[:, :, :prompt_len] = k0
                 vbuf[:, :, :prompt_len] = v0
@@ -120,20 +138,26 @@ class SlabCache(Cache):
                 kbuf[:, :, :prompt_len] = kp.index_select(0, index)
                 vbuf[:, :, :prompt_len] = vp.index_select(0, index)
             layers.append(_SlabLayer(kbuf, vbuf, prompt_len))
-        return cls(layers, pad, prompt_len, mask_dtype)
+        return cls(layers, pad, prompt_len, total, mask_dtype)
 
-    def attention_mask(self, always: bool = False) -> torch.Tensor | None:
-        """Additive 4-D mask (B, 1, 1, length + 1) for the next one-token step: 0 where a row
-        may attend, the dtype's minimum on its padding; None when no row is padded, unless
-        ``always``.
+    def next_step(self, always: bool = False) -> torch.Tensor | None:
+        """Make room for one more token in every layer (doubling the buffers when full, up to
+        the batch's total) and return the attention mask for that step: additive, 4-D
+        (B, 1, 1, length + 1), 0 where a row may attend and the dtype's minimum on its
+        padding; None when no row is padded, unless ``always``.
 
         (On CPU a mask is worth giving even without padding: with one, transformers' SDPA
         path packs the query heads of each key/value head together instead of using
         ``enable_gqa``, as fast in float32 and about 4x faster in bfloat16.)
         """
+        layer = self.layers[0]
+        if layer.length + 1 > layer.kbuf.shape[2]:
+            width = min(self.total, max(layer.length + 1, 2 * layer.kbuf.shape[2]))
+            for each in self.layers:
+                each.reserve(width)
+            self._mask = None
         if not always and not bool(self.pad.any()):
             return None
-        layer = self.layers[0]
         if self._mask is None:
             total = layer.kbuf.shape[2]
             cols = torch.arange(total, device=self.pad.device)[None, :]
