@@ -69,7 +69,7 @@ def test_seed_determinism_across_batch_compositions(live_node, tiny_backend) -> 
 def test_concurrent_callers_are_batched_together(live_node) -> None:
     """Callers arriving together are decoded in one batch (the batch-size metric and the engine
     history both show it), not one at a time."""
-    node = live_node(batch_window_s=0.5)
+    node = live_node(batch_window_s=1.0)
     pool = concurrent.futures.ThreadPoolExecutor(2)
     futures = [pool.submit(node.generate, n=2, max_tokens=4, seed=i) for i in range(2)]
     for f in futures:

@@ -286,6 +286,8 @@ class Engine:
                     else None
                 if command is None and not self._partial:
                     self._wait_for_company()
+                    if self._commands or self._closing:
+                        continue  # a swap arrived while waiting: it goes first
                 items = [] if command is not None else self._take_batch()
             if command is not None:
                 self._run_command(command)

@@ -204,6 +204,11 @@ class RolloutNode:
         if self.config.master:
             from gridrl.common.registration import NodeRegistrar
 
+            if _loopback(self.advertise_address) and not _loopback(self.config.master):
+                log.warning("registering %s with master %s: other machines cannot dial a "
+                            "loopback address; set --advertise-address", self.advertise_address,
+                            self.config.master)
+
             self.registrar = NodeRegistrar(self.config.master, info_fn=self.info,
                                            load_fn=self.engine.load,
                                            auth_token=self.config.auth_token)
@@ -242,6 +247,11 @@ class RolloutNode:
             max_n=self.config.max_n, max_tokens=self.config.max_tokens,
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
             software_version=software_version())
+
+
+def _loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _default_name(listen: str) -> str:
