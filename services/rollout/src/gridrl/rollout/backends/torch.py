@@ -16,9 +16,11 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
 ``score`` runs one teacher-forced forward through the same transform, so the behaviour logprobs
 of ``generate`` equal ``score`` up to float rounding of the logits.
 
-Adapters are peft LoRA directories loaded next to the serving one with
-``PeftModel.load_adapter`` under their own name and selected per batch with ``set_adapter``;
-the base model is served with peft's ``disable_adapter``. The forward always runs through the
+Adapters are peft LoRA directories. A node (a model it owns) folds each one into merged copies
+of the adapted weights next to the serving ones (:mod:`~gridrl.rollout.backends.torch_merge`)
+and swaps weight pointers between batches: no per-token LoRA cost. DoRA adapters, and models
+wrapped with :meth:`TorchBackend.from_model`, go through peft instead: ``PeftModel.load_adapter``
+under their own name, ``set_adapter`` per batch, the base model via ``disable_adapter``. The forward always runs through the
 underlying transformers model (peft injects its layers there).
 """
 
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gridrl.models import ModelIdentity, model_identity
+from gridrl.models import ModelIdentity
 from gridrl.rollout import rng
 from gridrl.rollout.backends.base import (
     AdapterLoadError,
@@ -47,6 +49,12 @@ from gridrl.rollout.backends.base import (
     SequenceResult,
 )
 from gridrl.rollout.backends.torch_cache import SlabCache, supports
+from gridrl.rollout.backends.torch_merge import (
+    MergedAdapter,
+    WeightSwitcher,
+    merge_adapter,
+    mergeable,
+)
 from gridrl.rollout.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
 
 log = logging.getLogger(__name__)
@@ -170,6 +178,9 @@ class TorchBackend(Backend):
         params = inspect.signature(self._hf.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._loaded: dict[str, TorchAdapter] = {}
+        # An owned model serves LoRA adapters as merged weights (torch_merge): no per-token cost.
+        self._switcher = WeightSwitcher(self._hf) if owns_model and self._peft is None else None
+        self._merged: dict[str, MergedAdapter] = {}
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
 
@@ -198,7 +209,7 @@ class TorchBackend(Backend):
         model.to(dev).eval()
         model.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        identity = model_identity(model_dir, model_id=model_id or str(model_dir))
+        identity = _identity_of(model, model_id or str(model_dir))
         backend = cls(model, tokenizer, identity, owns_model=True)
         log.info("torch backend: %s on %s (%s), %d layers", model_dir, backend.device,
                  backend.dtype, identity.num_layers)
@@ -232,9 +243,20 @@ class TorchBackend(Backend):
         if key in self._loaded:
             raise AdapterLoadError(f"adapter key {key!r} is already loaded")
         rank, modules = self._check_fits(directory)
+        start = time.perf_counter()
+        if self._switcher is not None and self._peft is None and mergeable(directory):
+            try:
+                self._merged[key] = merge_adapter(self._hf, directory, self._switcher.base)
+            except (KeyError, ValueError, AttributeError) as e:
+                raise AdapterLoadError(f"adapter does not load: {e}") from e
+            handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
+            self._loaded[key] = handle
+            log.info("LoRA adapter %r merged from %s: rank %d, %d modules, %.0f MB, %.2fs", key,
+                     directory, rank, modules, self._merged[key].nbytes / 1e6,
+                     time.perf_counter() - start)
+            return handle
         from peft import PeftModel
 
-        start = time.perf_counter()
         try:
             if self._peft is None:
                 self._peft = PeftModel.from_pretrained(self._hf, str(directory), adapter_name=key,
@@ -261,6 +283,11 @@ class TorchBackend(Backend):
         if not isinstance(adapter, TorchAdapter) or self._loaded.get(adapter.key) is not adapter:
             raise ValueError(f"not a loaded torch adapter handle: {adapter!r}")
         del self._loaded[adapter.key]
+        merged = self._merged.pop(adapter.key, None)
+        if merged is not None:
+            assert self._switcher is not None
+            self._switcher.release(merged)
+            return
         self._forget(adapter.key)
 
     def _forget(self, key: str) -> None:
@@ -364,6 +391,13 @@ class TorchBackend(Backend):
 
     @contextlib.contextmanager
     def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
+        if self._switcher is not None and (adapter is None or adapter.key in self._merged):
+            if adapter is not None and self._loaded.get(adapter.key) is not adapter:
+                raise ValueError(f"adapter {adapter.key!r} is not loaded")
+            self._switcher.activate(None if adapter is None else self._merged[adapter.key])
+            if self._peft is None or adapter is not None:
+                yield
+                return
         if adapter is None:
             if self._owns and self._peft is not None:
                 with self._peft.disable_adapter():
