@@ -1,3 +1,6 @@
 """gridrl rollout node: samples completions with their behaviour logprobs and takes new LoRA
-adapters over gRPC. Read top-down: ``cli.py`` -> ``server.py`` -> ``engine.py`` (batching,
-adapter swaps) -> ``backends/`` (torch, mlx) -> ``sampling`` semantics in ``backends/base.py``."""
+adapters over gRPC. Read top-down: ``cli.py`` -> ``server.py`` (RolloutService, node wiring,
+registration) -> ``engine.py`` (bounded queue, batching, adapter swaps between batches) ->
+``validation.py`` (Generate requests -> jobs) and ``adapter_manager.py`` / ``adapter_store.py``
+(push, reload, adapters on disk) -> ``backends/`` (torch, mlx) -> ``sampling`` semantics in
+``backends/base.py``; ``rng.py`` holds the per-sequence random streams."""
