@@ -210,3 +210,16 @@ def test_metrics(live_node) -> None:
     assert ('gridrl_rpc_requests_total{code="OK",method="Generate",'
             'service="gridrl.v1.RolloutService"}') in body
     assert 'gridrl_rollout_samples_total{finish_reason="length"}' in body
+
+
+def test_auth_token_is_required(live_node) -> None:
+    from gridrl.common.channel import dial
+    from gridrl.v1 import rollout_pb2_grpc
+
+    node = live_node(auth_token="s3cret")
+    request = rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT,
+                                          sampling=common_pb2.SamplingParams(max_tokens=2))
+    e = rpc_error(lambda: node.stub.Generate(request, timeout=30))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address, auth_token="s3cret"))
+    assert len(stub.Generate(request, timeout=30).samples) == 1
