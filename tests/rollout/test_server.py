@@ -148,6 +148,7 @@ BAD_REQUESTS = [
      "exceeds the model's context of 512"),
     ({"sampling": {"temperature": -0.5}}, "sampling.temperature", ">= 0"),
     ({"sampling": {"temperature": float("nan")}}, "sampling.temperature", "finite"),
+    ({"sampling": {"temperature": 1e-30}}, "sampling.temperature", "overflow"),
     ({"sampling": {"top_p": 1.5}}, "sampling.top_p", "must be in (0, 1], got 1.5"),
     ({"sampling": {"top_p": 0.0}}, "sampling.top_p", "(0, 1]"),
     ({"sampling": {"top_k": -1}}, "sampling.top_k", ">= 0"),

@@ -17,6 +17,8 @@ from gridrl.rollout.backends.base import SamplingConfig
 from gridrl.rollout.engine import GenerateJob
 from gridrl.v1 import rollout_pb2
 
+# Smallest non-zero temperature: logits / T must stay far from float32 overflow.
+MIN_TEMPERATURE = 1e-4
 # (text, apply_chat_template) -> token ids; raises StatusError for text it cannot encode.
 Tokenize = Callable[[str, bool], list[int]]
 
@@ -47,7 +49,8 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
             an id outside the vocabulary), ``prompt_text`` (both prompts set, tokenizes to
             nothing), ``apply_chat_template`` (with token ids), ``sampling.n``,
             ``sampling.max_tokens`` (out of bounds, or prompt + max_tokens beyond the
-            context), ``sampling.temperature`` (< 0 or not finite), ``sampling.top_p``
+            context), ``sampling.temperature`` (< 0, not finite, or positive but below
+            :data:`MIN_TEMPERATURE`), ``sampling.top_p``
             (outside (0, 1]), ``sampling.top_k`` (< 0), ``sampling.stop_token_ids[i]``
             (outside the vocabulary).
     """
@@ -69,6 +72,10 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise invalid_argument("sampling.temperature",
                                f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        raise invalid_argument("sampling.temperature",
+                               f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (logits / T would "
+                               f"overflow), got {s.temperature}")
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise invalid_argument("sampling.top_p", f"must be in (0, 1], got {top_p}")
