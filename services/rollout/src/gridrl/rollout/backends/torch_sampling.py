@@ -194,7 +194,7 @@ def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
         # float32 (on CPU accumulated in float64): each bound is within 6e-8 of exact. No
         # float64 on the device (MPS has none).
         cdf = torch.cumsum(probs, dim=-1)
-        target = uniforms.to(cdf.device, torch.float32)[:, None] * cdf[:, -1:]
+        target = uniforms.float().to(cdf.device)[:, None] * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
         tokens = tokens.clamp_(max=logprobs.shape[-1] - 1)
         # Rounding can only push the search past the last kept token: fall back to the mode.
