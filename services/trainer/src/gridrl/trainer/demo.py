@@ -41,6 +41,10 @@ DEMO_FLAGS: list[str] = [
 ]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 class Service:
     """A child process started with ``--ready-file``; ``address`` is read back from it."""
 
@@ -76,6 +80,8 @@ class Service:
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--model", default="smollm2-135m-instruct", show_default=True,
+              help="Base model: the embedded default, or a local directory (tests use a tiny one).")
 @click.option("--nodes", default="torch", show_default=True,
               help="Comma-separated rollout nodes to start: torch, mlx.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
@@ -83,16 +89,21 @@ class Service:
 @click.option("--node-threads", type=int, default=0, show_default=True,
               help="torch threads per rollout node (0: torch's default).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-def main(nodes: str, run_dir: str | None, node_threads: int, trainer_args: tuple[str, ...]) -> None:
+def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
+         trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
     from gridrl.models import resolve_model
 
+    # SIGTERM (kill, a supervisor) cleans up like Ctrl-C: the children run in their own
+    # sessions, so nothing else would stop them.
+    signal.signal(signal.SIGTERM, _interrupt)
     backends = [b.strip() for b in nodes.split(",") if b.strip()]
     for b in backends:
         if b not in ("torch", "mlx"):
             raise click.BadParameter(f"unknown backend {b!r}", param_hint="--nodes")
-    click.echo("gridrl demo: resolving smollm2-135m-instruct (converted once, then cached)")
-    model_dir = str(resolve_model("smollm2-135m-instruct", progress=True))
+    click.echo(f"gridrl demo: resolving {model} (the embedded default is converted once, then "
+               "cached)")
+    model_dir = str(resolve_model(model, progress=True))
     run = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gridrl-demo-"))
