@@ -80,6 +80,9 @@ class Proc:
 def table(rows: list[list[str]], header: list[str]) -> str:
     """A plain-text table (also valid Markdown)."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
                       *map(line, rows)])
