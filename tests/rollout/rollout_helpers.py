@@ -155,6 +155,13 @@ def reference_logprobs(model: Any, prompt: list[int], completion: list[int]) -> 
     return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].tolist()
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user message in the tokenizer's chat template."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
     """Call ``fn`` and return the RpcError it raises (AssertionError if none)."""
     try:

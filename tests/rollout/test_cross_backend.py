@@ -8,8 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rollout_helpers import LiveNode, make_peft_adapter, peft_reference, push_dir, reference_greedy
-from test_real_model import chat_ids
+from rollout_helpers import (
+    LiveNode,
+    chat_ids,
+    make_peft_adapter,
+    peft_reference,
+    push_dir,
+    reference_greedy,
+)
 
 from gridrl.rollout.backends.base import SamplingConfig, SequenceRequest
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rollout_helpers import (
     LiveNode,
+    chat_ids,
     make_peft_adapter,
     peft_reference,
     push_dir,
@@ -24,12 +25,6 @@ CONFIGS = [SamplingConfig(max_tokens=6, temperature=1.0),
            SamplingConfig(max_tokens=6, temperature=0.7, top_k=50),
            SamplingConfig(max_tokens=6, temperature=1.0, top_p=0.9),
            SamplingConfig(max_tokens=6, temperature=0.0)]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
