@@ -51,6 +51,10 @@ class UpdateConfig:
         max_tokens: sampling ``max_tokens`` (the ``"constant"`` normaliser).
         micro_batch_size: sequences per forward/backward; 0 = the whole share at once.
         max_grad_norm: clip the LoRA gradient's global L2 norm to this; 0 = no clipping.
+        shared_prefix: run each group's prompt once and repeat its KV cache for the group's
+            completions (:meth:`~gridrl.trainer.policy.Policy.shared_prefix_logits`); False:
+            one padded forward over prompt + completion per sequence. Same maths, different
+            float rounding.
         top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
             ``softmax(logits / T)`` (as TRL does); the mismatch KL compares the behaviour
             logprobs with the trainer's logprobs under the sampler's own transform
@@ -68,6 +72,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    shared_prefix: bool = True
 
     @property
     def truncated(self) -> bool:
@@ -179,9 +184,9 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            if par.world_size == 1:  # one prompt forward per group (DDP keeps one forward)
+            if cfg.shared_prefix:  # one prompt forward per group, its cache repeated
                 logits = policy.shared_prefix_logits([seqs[i].prompt_ids for i in idx],
-                                                     batch["completion_ids"])
+                                                     batch["completion_ids"], model=par.model)
             else:
                 logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"],
                                                   width, model=par.model)
