@@ -68,7 +68,7 @@ class Service:
         self.address: str = info["address"]
         self.metrics_port: int = info["metrics_port"]
 
-    def stop(self, timeout_s: float = 30) -> None:
+    def stop(self, timeout_s: float = 15) -> None:
         """SIGTERM (graceful: health NOT_SERVING, in-flight calls finish), then SIGKILL."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
