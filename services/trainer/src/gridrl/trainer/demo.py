@@ -103,7 +103,8 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
             raise click.BadParameter(f"unknown backend {b!r}", param_hint="--nodes")
     click.echo(f"gridrl demo: resolving {model} (the embedded default is converted once, then "
                "cached)")
-    model_dir = str(resolve_model(model, progress=True))
+    resolve_model(model, progress=True)  # convert once here, with a progress bar; the
+    # services resolve the same name from the cache, so logs and manifests carry the name
     run = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gridrl-demo-"))
@@ -117,7 +118,7 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
         services.append(master)
         click.echo(f"master        {master.address}  (metrics :{master.metrics_port})")
         for i, backend in enumerate(backends):
-            argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", model_dir,
+            argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", model,
                     "--listen", "127.0.0.1:0", "--metrics-port", "0", "--master", master.address,
                     "--adapter-root", str(work / f"adapters-{i}-{backend}"),
                     "--name", f"demo-{backend}-{i}"]
@@ -127,7 +128,7 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
             services.append(node)
             click.echo(f"rollout node  {node.address}  backend={backend}  "
                        f"(metrics :{node.metrics_port}, log {node.log_path})")
-        argv = [str(BIN / "gridrl-trainer"), "run", "--model", model_dir,
+        argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--master", master.address, "--min-nodes", str(len(backends)),
                 "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
                 *DEMO_FLAGS, *trainer_args]
