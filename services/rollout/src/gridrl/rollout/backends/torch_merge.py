@@ -96,8 +96,12 @@ def merge_adapter(model: torch.nn.Module, directory: Path,
             module = model.get_submodule(path)
             w = base.setdefault(path, module.weight.data)
             a, b = ab["lora_A"].float(), ab["lora_B"].float()
-            delta = (b @ a).mul_(peft_scale(cfg, path, a.shape[0]))
-            merged.weights[path] = (w.float().to("cpu") + delta).to(w.dtype).to(w.device)
+            scale = peft_scale(cfg, path, a.shape[0])
+            if w.dtype == torch.float32:  # one fused pass: W + s * B @ A, no temporary delta
+                merged.weights[path] = torch.addmm(w, b.to(w.device), a.to(w.device), alpha=scale)
+            else:  # compute in float32, store in the model's dtype
+                full = torch.addmm(w.float(), b.to(w.device), a.to(w.device), alpha=scale)
+                merged.weights[path] = full.to(w.dtype)
     return merged
 
 
