@@ -80,7 +80,7 @@ def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
             if old is not None:
                 os.replace(old / "d", dst)  # put the previous adapter back
             raise
-        _fsync_dir(dst.parent)
+        fsync_dir(dst.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
@@ -88,7 +88,9 @@ def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
     return dst
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it survives a crash (best effort: no-op where
+    directories cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gridrl.adapters.io import fsync_dir
 from gridrl.common.errors import invalid_argument, not_found
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class AdapterStore:
         if final.exists():
             raise FileExistsError(f"{final} already exists")
         os.rename(staged, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         return self.describe(final)
 
     @staticmethod
@@ -209,15 +210,3 @@ class AdapterStore:
             version = 0
         return StoredAdapter(name=name, version=version, path=path, meta=meta)
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
