@@ -4,9 +4,7 @@ exact samples, seeds that give the same groups on any node, adapters pushed over
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,11 +14,6 @@ from scripted_nodes import peft_files, peft_manifest
 from gridrl.models import model_identity
 from gridrl.trainer.pool import NodePool
 from gridrl.trainer.sync import AdapterSync
-
-pytestmark = pytest.mark.skipif(
-    not (Path(sys.executable).parent / "gridrl-rollout").exists()
-    or importlib.util.find_spec("gridrl.rollout.cli") is None,
-    reason="gridrl-rollout serve is not there yet")
 
 NAME = "run-1"
 PROMPTS = [[10 + i, 20, 30 + i] for i in range(6)]

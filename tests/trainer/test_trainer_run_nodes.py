@@ -5,7 +5,6 @@ with the nodes on the resumed weights; ``--async-steps`` stays within the stalen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,11 +15,7 @@ from pathlib import Path
 import pytest
 from trainer_runs import BIN, ENV, ONE_THREAD
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("gridrl.rollout.cli") is None,
-                       reason="gridrl-rollout is not installed"),
-]
+pytestmark = pytest.mark.slow
 
 
 def serve_node(service_factory, model_dir: Path, tmp_path: Path, name: str,
