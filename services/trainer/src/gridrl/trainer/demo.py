@@ -94,8 +94,10 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
     from gridrl.models import resolve_model
 
-    # SIGTERM (kill, a supervisor) cleans up like Ctrl-C: the children run in their own
-    # sessions, so nothing else would stop them.
+    # Ctrl-C and SIGTERM (kill, a supervisor) both clean up: the children run in their own
+    # sessions, so nothing else would stop them. SIGINT is installed explicitly because a
+    # non-interactive shell starts background jobs with SIGINT ignored, which Python inherits.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     backends = [b.strip() for b in nodes.split(",") if b.strip()]
     for b in backends:
