@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import BIN, ENV, ONE_THREAD
+from trainer_runs import BIN, ENV, ONE_THREAD, records
 
 pytestmark = pytest.mark.slow
 
@@ -44,18 +44,8 @@ def trainer_args(model_dir: Path, run_dir: Path, nodes: list[str], steps: int,
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "log.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("step"):
-            out.append(rec)
-    return out
+    """The step records of ``run_dir/log.jsonl`` (torn lines skipped)."""
+    return [r for r in records(run_dir) if r.get("step")]
 
 
 def node_adapter(address: str):

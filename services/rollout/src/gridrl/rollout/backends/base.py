@@ -77,6 +77,19 @@ class SequenceResult:
     finish_reason: FinishReason = "length"
 
 
+def check_batch(batch: list[SequenceRequest]) -> None:
+    """The preconditions of :meth:`Backend.generate` shared by every backend.
+
+    Raises:
+        ValueError: ``batch[i].prompt_ids`` is empty or ``batch[i].sampling.max_tokens < 1``.
+    """
+    for i, req in enumerate(batch):
+        if not req.prompt_ids:
+            raise ValueError(f"batch[{i}].prompt_ids is empty")
+        if req.sampling.max_tokens < 1:
+            raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+
+
 class AdapterLoadError(ValueError):
     """An adapter directory does not fit this backend's base model (shapes, modules, layers).
     The message names what does not fit; nothing was changed."""

@@ -36,6 +36,7 @@ from gridrl.rollout.backends.base import (
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
+    check_batch,
 )
 from gridrl.rollout.backends.mlx_lora import LoRAManager, MlxAdapter
 from gridrl.rollout.backends.mlx_sampling import draw_tokens, sequence_keys, transform_logits
@@ -214,11 +215,7 @@ class MlxBackend(Backend):
         """
         if not batch:
             return []
-        for i, req in enumerate(batch):
-            if not req.prompt_ids:
-                raise ValueError(f"batch[{i}].prompt_ids is empty")
-            if req.sampling.max_tokens < 1:
-                raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        check_batch(batch)
         with mx.stream(self._device):
             self._lora.activate(adapter)
             try:

@@ -47,6 +47,7 @@ from gridrl.rollout.backends.base import (
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
+    check_batch,
 )
 from gridrl.rollout.backends.torch_cache import SlabCache, supports
 from gridrl.rollout.backends.torch_merge import (
@@ -450,11 +451,7 @@ class TorchBackend(Backend):
         """
         if not batch:
             return []
-        for i, req in enumerate(batch):
-            if not req.prompt_ids:
-                raise ValueError(f"batch[{i}].prompt_ids is empty")
-            if req.sampling.max_tokens < 1:
-                raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        check_batch(batch)
         with self._using(adapter):
             return self._generate(batch)
 
