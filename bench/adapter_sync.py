@@ -2,9 +2,10 @@
 
 Measures, in one run, the time from the trainer's LoRA weights in memory to the rollout node
 serving the new version:
-- gridrl's path: serialize in memory (safetensors bytes) -> manifest -> ``PushAdapter`` stream
-  (1 MiB chunks) -> node verifies sizes and sha256, stores, folds the adapter into merged
-  weights, swaps between batches -> reply (the reply is sent once the new version serves);
+- gridrl's path: serialize in memory (safetensors bytes) -> manifest (sha256) -> ``PushAdapter``
+  stream (1 MiB chunks) -> node hashes while receiving, checks the fit, loads the LoRA factors
+  from memory, swaps between batches -> reply (sent once the new version serves; the node
+  stores the files after the reply);
 - beside it: peft ``save_pretrained`` to disk and a ``ReloadAdapter`` of that directory on the
   node (the shared-filesystem way, 120-350 ms on the reference machine);
 - and the floor: the same bytes over a raw loopback TCP socket (14 ms there).
@@ -71,6 +72,9 @@ def main() -> None:
 
     model_dir = str(resolve_model("smollm2-135m-instruct"))
     policy = load_policy(model_dir, lora=LoraSettings(rank=16, alpha=32), seed=0)
+    from gridrl.common.server import freeze_long_lived
+
+    freeze_long_lived()  # as the trainer CLI does once its policy is loaded
     params = policy.trainable_parameters()
     n_params = sum(p.numel() for p in params)
     base_model = {"model_id": model_dir, "architecture": policy.identity.architecture,
@@ -83,6 +87,7 @@ def main() -> None:
                  "--adapter-root", str(adapter_root)], "node")
     stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.address))
     grpc_ms, phases, disk_ms, sizes = [], [], [], 0
+    files_ms, manifest_ms = [], []
     try:
         for v in range(1, args.repeats + 2):
             with torch.no_grad():  # a new policy version: every LoRA weight changes
@@ -90,7 +95,9 @@ def main() -> None:
                     p.add_(torch.randn_like(p) * 1e-3)
             start = time.perf_counter()
             files = policy.adapter_files()
+            t_files = time.perf_counter()
             manifest = build_manifest(files, name="bench", version=v, base_model=base_model)
+            t_manifest = time.perf_counter()
             reply = stub.PushAdapter(push_requests(manifest.to_dict(), files), timeout=60)
             elapsed = (time.perf_counter() - start) * 1e3
             assert reply.serving.version == v, reply
@@ -98,6 +105,8 @@ def main() -> None:
             if v > 1:  # the first push warms up allocators and the channel
                 grpc_ms.append(elapsed)
                 phases.append(reply.timings)
+                files_ms.append((t_files - start) * 1e3)
+                manifest_ms.append((t_manifest - t_files) * 1e3)
         for v in range(args.repeats):
             with torch.no_grad():
                 for p in params:
@@ -120,9 +129,11 @@ def main() -> None:
           f"over the wire; {args.repeats} repeats, median (min, max) in ms")
     rows = [
         ["PushAdapter: trainer memory -> node serving", ms(grpc_ms), f"{statistics.median(grpc_ms) / statistics.median(tcp):.1f}x"],
+        ["  of which trainer serialize (safetensors bytes)", ms(files_ms), ""],
+        ["  of which trainer manifest (sha256)", ms(manifest_ms), ""],
         ["  of which node receive", ms([p.receive_s * 1e3 for p in phases]), ""],
-        ["  of which node verify (sha256)", ms([p.verify_s * 1e3 for p in phases]), ""],
-        ["  of which node apply (merge + swap)", ms([p.apply_s * 1e3 for p in phases]), ""],
+        ["  of which node verify (sha256 while receiving, fit)", ms([p.verify_s * 1e3 for p in phases]), ""],
+        ["  of which node apply (load LoRA factors, swap)", ms([p.apply_s * 1e3 for p in phases]), ""],
         ["save_pretrained + ReloadAdapter(path)", ms(disk_ms), f"{statistics.median(disk_ms) / statistics.median(tcp):.1f}x"],
         ["raw loopback TCP, same bytes", ms(tcp), "1.0x"],
     ]

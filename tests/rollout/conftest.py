@@ -21,12 +21,16 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def tiny_backend(tiny_llama_dir: Path):
-    """A fresh TorchBackend on the tiny llama (about 50 ms to load)."""
+@pytest.fixture(params=["lean", "transformers"])
+def tiny_backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
+    """A fresh TorchBackend on the tiny llama (about 50 ms to load), once with each forward:
+    the lean llama forward (adapters as LoRA factors) and the transformers forward (adapters
+    merged into weight copies)."""
     from gridrl.rollout.backends.torch import TorchBackend
 
-    return TorchBackend.from_pretrained(tiny_llama_dir)
+    backend = TorchBackend.from_pretrained(tiny_llama_dir, lean=request.param == "lean")
+    assert backend.forward_kind == request.param
+    return backend
 
 
 @pytest.fixture

@@ -122,7 +122,9 @@ def test_failed_pushes_change_nothing(live_node, tiny_llama_dir, tiny_adapters, 
     node = live_node(max_adapter_bytes=200_000)
     push_dir(node.stub, tiny_adapters["a"], "a", 1)
     root = node.node.adapters.store.pushed_root
+    assert node.node.adapters.flush(timeout=30)  # the push is stored after its reply
     stored = tree(root)
+    assert "a/v1/adapter_model.safetensors" in stored
     files = read_dir(tiny_adapters["b"])
     good = build_manifest(files, name="a", version=2).to_dict()
 
@@ -176,7 +178,9 @@ def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters
     node = live_node()
     push_dir(node.stub, tiny_adapters["a"], "a", 1)
     root = node.node.adapters.store.pushed_root
+    assert node.node.adapters.flush(timeout=30)  # the push is stored after its reply
     stored = tree(root)
+    assert "a/v1/adapter_model.safetensors" in stored
     files = read_dir(tiny_adapters["b"])
     requests = list(push_requests(build_manifest(files, name="a", version=2).to_dict(), files,
                                   chunk_size=4096))

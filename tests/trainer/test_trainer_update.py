@@ -131,6 +131,31 @@ def test_adapter_files_round_trip_and_load_with_peft(policy, tmp_path, tiny_llam
                               atol=1e-5)
 
 
+def test_adapter_state_follows_updates_and_loads(policy):
+    """adapter_state() maps peft's keys to the parameters once; later calls must still give
+    what peft's own state dict gives after optimizer steps and after load_adapter_files."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    def assert_matches_peft() -> None:
+        want = get_peft_model_state_dict(pol.model, save_embedding_layers=False)
+        got = pol.adapter_state()
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+
+    pol = _fresh(policy)
+    before = {k: v.clone() for k, v in pol.adapter_state().items()}  # builds the mapping
+    opt = make_optimizer(pol.trainable_parameters(), lr=1e-2)
+    grpo_update(pol, opt, None, _sequences(), UpdateConfig(max_tokens=8))
+    assert_matches_peft()
+    assert any(not torch.equal(pol.adapter_state()[k], v) for k, v in before.items())
+    pol.load_adapter_files({**pol.adapter_files(), "adapter_model.safetensors": save(before)})
+    assert_matches_peft()
+    for k, v in before.items():
+        assert torch.equal(pol.adapter_state()[k], v), k
+
+
 def test_reference_logits_are_the_base_model(policy, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

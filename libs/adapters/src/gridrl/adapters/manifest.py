@@ -130,7 +130,7 @@ def _infer_base(adapter, infer_local: bool) -> BaseModelInfo:
 
 def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", version: int = 0,
                    base_model: Mapping[str, Any] | Any | None = None,
-                   infer_local: bool = True) -> AdapterManifest:
+                   infer_local: bool = True, hash_files: bool = True) -> AdapterManifest:
     """The manifest of an adapter (file name -> bytes, or a directory).
 
     ``base_model`` (dict with the fields of :class:`BaseModelInfo`, or a ``ModelIdentity``)
@@ -138,6 +138,8 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
     ``base_model_name_or_path/config.json`` (mlx: ``model``) when ``infer_local`` and it exists,
     the hidden size from tensor shapes, the block count where the config implies it (mlx-lm
     adapts the last N blocks, so its last adapted block is the model's last).
+    ``hash_files=False`` leaves each file's sha256 empty (sizes only): for checks that only
+    read the model fields, without hashing every byte.
 
     Raises:
         AdapterError: not a readable peft / mlx adapter, or an unsafe file path.
@@ -160,7 +162,8 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
         rank=rank if rank is not None else adapter.rank,
         scale=scale if scale is not None else adapter.scale,
         target_modules=adapter.target_modules(), layers=adapter.layers(),
-        files=[AdapterFile.of(p, bytes(files[p])) for p in sorted(files)],
+        files=[AdapterFile.of(p, bytes(files[p])) if hash_files
+               else AdapterFile(p, len(files[p]), "") for p in sorted(files)],
     )
 
 
@@ -204,7 +207,7 @@ def check_fits(manifest_or_files: AdapterManifest | Mapping[str, bytes] | Path |
     if isinstance(manifest_or_files, AdapterManifest):
         manifest = manifest_or_files
     else:
-        manifest = build_manifest(manifest_or_files, infer_local=False)
+        manifest = build_manifest(manifest_or_files, infer_local=False, hash_files=False)
     base = BaseModelInfo.from_any(base_model)
     have = manifest.base_model
     problems = [

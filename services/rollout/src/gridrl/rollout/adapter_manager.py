@@ -1,13 +1,16 @@
-"""PushAdapter and ReloadAdapter: receive -> verify -> convert -> stage -> load -> swap.
+"""PushAdapter and ReloadAdapter: receive -> verify -> convert -> load -> swap -> store.
 
 A push is checked against the node's base model as soon as its header arrives, received into
-memory and verified (sizes, sha256: ``gridrl.common.transport.receive_push``), checked again
-against the base model by what its tensors say (``gridrl.adapters.check_fits``), converted to
-the backend's format when needed (``gridrl.adapters.convert_files``), written to a staging
-directory, loaded by the backend next to the serving adapter, renamed into the store and made
-the serving adapter, all of the last three between two batches on the engine's scheduler thread.
-Any failure changes nothing: the previous adapter keeps serving and the staging directory is
-removed.
+memory and verified (sizes, sha256 while receiving: ``gridrl.common.transport.receive_push``),
+checked again against the base model by what its tensors say (``gridrl.adapters.check_fits``),
+converted to the backend's format when needed (``gridrl.adapters.convert_files``), loaded by
+the backend from memory next to the serving adapter and made the serving adapter between two
+batches on the engine's scheduler thread; then the reply goes out. Storing the files
+(``pushed/<name>/v<version>``, for ReloadAdapter and retries) happens after the reply, in the
+background, still holding the manager's lock, so the next push, reload or stored-adapter listing
+waits for it and always sees a complete store; writing 20 MB costs ~50 ms on a VM's page cache,
+half the sync budget. A ``stage_only`` push is stored before its reply. Any failure before the
+swap changes nothing: the previous adapter keeps serving and nothing is written.
 """
 
 from __future__ import annotations
@@ -79,8 +82,18 @@ class AdapterManager:
                 "vocab_size": i.vocab_size}
 
     def stored_refs(self) -> list[common_pb2.AdapterRef]:
-        """Every stored push as an AdapterRef, by name then version."""
-        return [common_pb2.AdapterRef(name=s.name, version=s.version) for s in self.store.pushed()]
+        """Every stored push as an AdapterRef, by name then version (after any push being
+        stored in the background)."""
+        with self._lock:
+            return [common_pb2.AdapterRef(name=s.name, version=s.version)
+                    for s in self.store.pushed()]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every push is stored on disk; False if ``timeout`` (s) passed first."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
 
     # -- PushAdapter -------------------------------------------------------------------------
 
@@ -170,7 +183,9 @@ class AdapterManager:
 
     def _store_and_apply(self, files: dict[str, bytes], meta: dict, stage_only: bool) -> _Applied:
         name, version = meta["name"], meta["version"]
-        with self._lock:
+        self._lock.acquire()
+        storing = False  # True once a background thread owns the lock
+        try:
             existing = self.store.get(name, version)
             if existing is not None:
                 if existing.file_digests != {f["path"]: f["sha256"]
@@ -183,34 +198,63 @@ class AdapterManager:
                     return _Applied(self.engine.serving, 0.0)
                 return self._switch(existing)
             t = time.perf_counter()
-            staged = self.store.stage(files, meta)
-            try:
+            if stage_only:  # check that it loads, store it, keep serving what serves
+                self.engine.call_between_batches(
+                    lambda: self.backend.unload_adapter(self._load_files(files)))
+                self._store(files, meta)
+                serving = self.engine.serving
+            else:
                 serving = self.engine.call_between_batches(
-                    lambda: self._load_commit_swap(staged, name, version, stage_only))
-            finally:
-                self.store.discard(staged)  # no-op once renamed into the store
+                    lambda: self._load_swap(files, name, version))
+                threading.Thread(target=self._store_in_background, args=(files, meta),
+                                 name=f"store-{name}-v{version}", daemon=True).start()
+                storing = True
             apply_s = time.perf_counter() - t
             metrics.ADAPTER_APPLY_DURATION.observe(apply_s)
-            current = self.engine.serving
-            pruned = self.store.prune(name, self.keep, protect=(current.name, current.version))
-            if pruned:
-                log.info("deleted %s versions %s (--keep-adapters %d)", name, pruned, self.keep)
             return _Applied(serving, apply_s)
+        finally:
+            if not storing:
+                self._lock.release()
 
-    def _load_commit_swap(self, staged: Path, name: str, version: int,
-                          stage_only: bool) -> ServingAdapter:
-        """On the scheduler thread: load ``staged``, rename it into the store, swap."""
-        handle = self._load(staged)
-        try:
-            self.store.commit(staged, name, version)
-        except BaseException:
-            self.backend.unload_adapter(handle)
-            raise
-        if stage_only:
-            self.backend.unload_adapter(handle)
-            return self.engine.serving
+    def _load_swap(self, files: dict[str, bytes], name: str, version: int) -> ServingAdapter:
+        """On the scheduler thread: load ``files`` from memory and serve them."""
+        handle = self._load_files(files)
         self._swap(ServingAdapter(name=name, version=version, handle=handle))
         return self.engine.serving
+
+    def _load_files(self, files: dict[str, bytes]):
+        try:
+            return self.backend.load_adapter_files(files, f"adapter{next(self._keys)}")
+        except AdapterLoadError as e:
+            raise failed_precondition(f"adapter: {e}") from e
+
+    def _store(self, files: dict[str, bytes], meta: dict) -> None:
+        """Write a push into the store (staging directory, then renamed) and prune old
+        versions. Caller holds the lock.
+
+        Raises:
+            OSError: the disk refused (nothing is left behind).
+        """
+        name, version = meta["name"], meta["version"]
+        staged = self.store.stage(files, meta)
+        try:
+            self.store.commit(staged, name, version)
+        finally:
+            self.store.discard(staged)  # no-op once renamed into the store
+        current = self.engine.serving
+        pruned = self.store.prune(name, self.keep, protect=(current.name, current.version))
+        if pruned:
+            log.info("deleted %s versions %s (--keep-adapters %d)", name, pruned, self.keep)
+
+    def _store_in_background(self, files: dict[str, bytes], meta: dict) -> None:
+        """:meth:`_store` after the reply, then release the lock the push acquired."""
+        try:
+            self._store(files, meta)
+        except Exception:
+            log.exception("storing %s v%d failed: it serves, but ReloadAdapter and retries "
+                          "cannot find it on disk", meta["name"], meta["version"])
+        finally:
+            self._lock.release()
 
     def _load(self, directory: Path):
         try:

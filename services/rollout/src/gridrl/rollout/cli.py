@@ -71,6 +71,12 @@ def main() -> None:
 @env_option("--dtype", env="GRIDRL_ROLLOUT_DTYPE", default="auto",
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
             help="Compute dtype (auto: float32 on CPU, bfloat16 on CUDA; mlx: as stored).")
+@env_option("--forward", env="GRIDRL_ROLLOUT_FORWARD", default="lean",
+            type=click.Choice(["lean", "transformers"]),
+            help="torch: lean runs llama-family models through gridrl's fused forward "
+                 "(prepacked weights on CPU, adapters as LoRA factors); transformers runs the "
+                 "model's own forward with adapters merged. Other architectures always use "
+                 "transformers.")
 @env_option("--threads", env="GRIDRL_ROLLOUT_THREADS", default=0, type=click.IntRange(min=0),
             help="torch intra-op CPU threads (0: torch's default, one per core). Idle OpenMP "
                  "threads sleep (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine does not "
@@ -102,7 +108,7 @@ def main() -> None:
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
 def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
-          threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
+          forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           keep_adapters: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
           name: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
@@ -143,7 +149,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
                 torch.set_num_threads(threads)
 
             engine_backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype,
-                                                          model_id=model)
+                                                          model_id=model,
+                                                          lean=forward == "lean")
         else:
             from gridrl.rollout.backends.mlx import MlxBackend
 
@@ -152,7 +159,10 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
             engine_backend.identity = dataclasses.replace(engine_backend.identity, model_id=model)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--device/--dtype/--model") from e
+    from gridrl.common.server import freeze_long_lived
     from gridrl.rollout.server import NodeConfig, RolloutNode
+
+    freeze_long_lived()  # the model lives as long as the node
 
     node = RolloutNode(engine_backend, NodeConfig(
         listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,

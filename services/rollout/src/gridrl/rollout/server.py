@@ -178,6 +178,7 @@ class RolloutNode:
         self.registrar = None
         self.server.on_stopping(self._stop_registrar)
         self.server.on_stop(self.engine.close)
+        self.server.on_stop(self._flush_adapters)
 
     @property
     def address(self) -> str:
@@ -217,6 +218,11 @@ class RolloutNode:
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
         return self
+
+    def _flush_adapters(self) -> None:
+        """On stop: let a push being stored in the background finish writing."""
+        if not self.adapters.flush(timeout=30):
+            log.warning("stopping while a pushed adapter is still being stored")
 
     def _stop_registrar(self) -> None:
         if self.registrar is not None:

@@ -215,7 +215,7 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
-    trainer = Trainer(cfg, resume=resume, status=status)
+    trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
 
     def stop(signum: int, _frame: Any) -> None:  # first signal: finish the step, checkpoint
         signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once

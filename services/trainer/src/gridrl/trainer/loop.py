@@ -114,11 +114,15 @@ class Trainer:
         source: a :class:`~gridrl.trainer.rollouts.RolloutSource` to sample from instead of the
             configured ones, built from the policy once loaded: ``source(policy, version_fn)``
             (embedding the trainer in another program; nothing is pushed to it).
+        freeze_gc: ``gc.freeze()`` once set up (the CLI's choice for a whole process; see
+            :func:`gridrl.common.server.freeze_long_lived`).
     """
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, status: Any | None = None,
-                 console: Any | None = None, source: Any | None = None) -> None:
+                 console: Any | None = None, source: Any | None = None,
+                 freeze_gc: bool = False) -> None:
         self.cfg = cfg
+        self.freeze_gc = freeze_gc  # the CLI: gc.freeze() once the policy is loaded
         self.resume = resume
         self.status = status
         if console is None:
@@ -203,6 +207,10 @@ class Trainer:
             assert self.run_dir is not None
             cfg.save(self.run_dir.config)
             self._setup_rollouts()
+        if self.freeze_gc:
+            from gridrl.common.server import freeze_long_lived
+
+            freeze_long_lived()  # the policy lives as long as the run: no 200 ms collections
 
     def _load_resume_checkpoint(self) -> Any | None:
         """Rank 0 reads the latest checkpoint and broadcasts it; every rank loads it."""

@@ -88,6 +88,7 @@ class Policy:
         self.pad_id = pad_token_id(tokenizer)
         forward = inspect.signature(model.get_base_model().forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
+        self._state_params: dict[str, torch.nn.Parameter] | None = None
 
     # ---------------------------------------------------------------- parameters and files
 
@@ -96,11 +97,30 @@ class Policy:
         return [p for _, p in sorted(self.model.named_parameters()) if p.requires_grad]
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The LoRA state dict with peft's on-disk key names (``...lora_A.weight``), on CPU."""
+        """The LoRA state dict with peft's on-disk key names (``...lora_A.weight``), on CPU
+        (views of the parameters when they live on the CPU, copies otherwise)."""
+        if self._state_params is None:
+            self._state_params = self._map_state_to_parameters()
+        if self._state_params:
+            return {k: p.detach().to("cpu").contiguous() for k, p in self._state_params.items()}
         from peft import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+    def _map_state_to_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """peft's state-dict key -> the Parameter it reads, so each sync skips peft's walk over
+        the whole model's state dict (~20 ms for SmolLM2-135M). Parameters are updated in place
+        by the optimizer and by :meth:`load_adapter_files`, so the mapping stays valid; {} when
+        some entry is not a parameter (then peft is asked every time)."""
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        by_storage = {(p.data_ptr(), tuple(p.shape)): p for p in self.model.parameters()}
+        mapping = {k: by_storage.get((v.data_ptr(), tuple(v.shape))) for k, v in state.items()}
+        if any(p is None for p in mapping.values()):
+            return {}
+        return mapping  # type: ignore[return-value]
 
     def adapter_config_json(self) -> bytes:
         """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (sets as lists,

@@ -26,6 +26,8 @@ tokens regardless of what else is in the batch (up to float rounding changing an
 from __future__ import annotations
 
 import abc
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -135,6 +137,19 @@ class Backend(abc.ABC):
         """Load the adapter in ``directory`` (this backend's format) next to the weights already
         serving, under ``key``, and return a handle for :meth:`generate`. The serving adapter is
         untouched. Raises :class:`AdapterLoadError` when it does not fit the base model."""
+
+    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> Any:
+        """:meth:`load_adapter` from files in memory (relative path -> bytes, this backend's
+        format), as a push delivers them. This default writes them into a temporary directory
+        (removed afterwards: :meth:`load_adapter` must read everything it keeps); backends that
+        parse bytes directly override it. Raises :class:`AdapterLoadError` like
+        :meth:`load_adapter`."""
+        with tempfile.TemporaryDirectory(prefix="gridrl-adapter-") as tmp:
+            for rel, data in files.items():
+                target = Path(tmp) / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            return self.load_adapter(Path(tmp), key)
 
     @abc.abstractmethod
     def unload_adapter(self, adapter: Any) -> None:

@@ -16,11 +16,15 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
 ``score`` runs one teacher-forced forward through the same transform, so the behaviour logprobs
 of ``generate`` equal ``score`` up to float rounding of the logits.
 
-Adapters are peft LoRA directories. A node (a model it owns) folds each one into merged copies
-of the adapted weights next to the serving ones (:mod:`~gridrl.rollout.backends.torch_merge`)
-and swaps weight pointers between batches: no per-token LoRA cost. DoRA adapters, and models
-wrapped with :meth:`TorchBackend.from_model`, go through peft instead: ``PeftModel.load_adapter``
-under their own name, ``set_adapter`` per batch, the base model via ``disable_adapter``. The forward always runs through the
+The forward of a model the backend owns (a node) is, for llama-family architectures,
+:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections with weights prepacked
+for oneDNN on CPU (~3x faster than the transformers forward at batch 8 on a 2-core CPU), and
+LoRA adapters held as low-rank factors beside the untouched base weights, so loading an adapter
+costs reading its factors and switching is a pointer swap. Other architectures run the
+transformers forward and fold each adapter into merged copies of the adapted weights
+(:mod:`~gridrl.rollout.backends.torch_merge`). DoRA adapters, and models wrapped with
+:meth:`TorchBackend.from_model`, go through peft: ``PeftModel.load_adapter`` under their own
+name, ``set_adapter`` per batch, the base model via ``disable_adapter``, always through the
 underlying transformers model (peft injects its layers there).
 """
 
@@ -32,7 +36,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +54,14 @@ from gridrl.rollout.backends.base import (
     check_batch,
 )
 from gridrl.rollout.backends.torch_cache import SlabCache, supports
+from gridrl.rollout.backends.torch_llama import LeanLlama, LoraFactors, unsupported_reason
 from gridrl.rollout.backends.torch_merge import (
     MergedAdapter,
     WeightSwitcher,
+    lora_pairs,
     merge_adapter,
     mergeable,
+    read_lora,
 )
 from gridrl.rollout.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
 
@@ -71,7 +78,7 @@ class TorchAdapter:
 
     Attributes:
         key: the peft adapter name it is loaded under.
-        directory: where it was loaded from.
+        directory: where it was loaded from ("" for files loaded from memory).
         rank: LoRA rank r of its config.
         modules: number of adapted modules.
     """
@@ -158,7 +165,7 @@ class TorchBackend(Backend):
     adapter_format = "peft"
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
-                 owns_model: bool) -> None:
+                 owns_model: bool, lean: bool = True) -> None:
         from peft import PeftModel
 
         self._peft: Any | None = model if isinstance(model, PeftModel) else None
@@ -179,8 +186,20 @@ class TorchBackend(Backend):
         params = inspect.signature(self._hf.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._loaded: dict[str, TorchAdapter] = {}
-        # An owned model serves LoRA adapters as merged weights (torch_merge): no per-token cost.
-        self._switcher = WeightSwitcher(self._hf) if owns_model and self._peft is None else None
+        # An owned llama-family model runs the lean forward, adapters as LoRA factors.
+        self._lean: LeanLlama | None = None
+        if owns_model and self._peft is None and lean:
+            reason = unsupported_reason(self._hf)
+            if reason is None:
+                self._lean = LeanLlama(self._hf)
+            else:
+                log.info("torch backend: transformers forward (lean forward: %s)", reason)
+        self.forward_kind = "lean" if self._lean is not None else "transformers"
+        self._factors: dict[str, LoraFactors] = {}
+        self._lean_on = False  # True while a call runs the lean forward
+        # Other owned models serve LoRA adapters as merged weights (torch_merge).
+        self._switcher = (WeightSwitcher(self._hf)
+                          if owns_model and self._peft is None and self._lean is None else None)
         self._merged: dict[str, MergedAdapter] = {}
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
@@ -189,7 +208,7 @@ class TorchBackend(Backend):
 
     @classmethod
     def from_pretrained(cls, model_dir: Path | str, device: str = "auto", dtype: str = "auto",
-                        model_id: str | None = None) -> TorchBackend:
+                        model_id: str | None = None, lean: bool = True) -> TorchBackend:
         """Load a local Hugging Face directory with transformers.
 
         Args:
@@ -198,6 +217,8 @@ class TorchBackend(Backend):
             dtype: ``"auto"`` (float32 on CPU/MPS, bfloat16 on CUDA), ``"float32"``,
                 ``"bfloat16"`` or ``"float16"``.
             model_id: what to report as the model id (default: ``model_dir``).
+            lean: run llama-family models through :class:`LeanLlama` (False: always the
+                transformers forward, adapters merged).
         Raises:
             ValueError: unknown device or dtype, or an unsupported architecture.
             OSError: the directory has no loadable model.
@@ -211,9 +232,9 @@ class TorchBackend(Backend):
         model.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         identity = _identity_of(model, model_id or str(model_dir))
-        backend = cls(model, tokenizer, identity, owns_model=True)
-        log.info("torch backend: %s on %s (%s), %d layers", model_dir, backend.device,
-                 backend.dtype, identity.num_layers)
+        backend = cls(model, tokenizer, identity, owns_model=True, lean=lean)
+        log.info("torch backend: %s on %s (%s), %d layers, %s forward", model_dir, backend.device,
+                 backend.dtype, identity.num_layers, backend.forward_kind)
         return backend
 
     @classmethod
@@ -245,6 +266,17 @@ class TorchBackend(Backend):
             raise AdapterLoadError(f"adapter key {key!r} is already loaded")
         rank, modules = self._check_fits(directory)
         start = time.perf_counter()
+        if self._lean is not None and mergeable(directory):
+            try:
+                self._factors[key] = self._lean.lora_factors(read_lora(directory))
+            except (KeyError, ValueError) as e:
+                raise AdapterLoadError(f"adapter does not load: {e}") from e
+            handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
+            self._loaded[key] = handle
+            log.info("LoRA adapter %r loaded as factors from %s: rank %d, %d modules, %.1f MB, "
+                     "%.3fs", key, directory, rank, modules, self._factors[key].nbytes / 1e6,
+                     time.perf_counter() - start)
+            return handle
         if self._switcher is not None and self._peft is None and mergeable(directory):
             try:
                 self._merged[key] = merge_adapter(self._hf, directory, self._switcher.base)
@@ -284,6 +316,11 @@ class TorchBackend(Backend):
         if not isinstance(adapter, TorchAdapter) or self._loaded.get(adapter.key) is not adapter:
             raise ValueError(f"not a loaded torch adapter handle: {adapter!r}")
         del self._loaded[adapter.key]
+        factors = self._factors.pop(adapter.key, None)
+        if factors is not None:
+            assert self._lean is not None
+            self._lean.release(factors)
+            return
         merged = self._merged.pop(adapter.key, None)
         if merged is not None:
             assert self._switcher is not None
@@ -319,26 +356,57 @@ class TorchBackend(Backend):
         if not cfg_path.is_file() or not weights.is_file():
             raise AdapterLoadError(f"{directory}: not a peft adapter (needs {PEFT_CONFIG} and "
                                    f"{PEFT_WEIGHTS})")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except ValueError as e:
-            raise AdapterLoadError(f"{PEFT_CONFIG}: not JSON: {e}") from e
-        if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-            raise AdapterLoadError(f"{PEFT_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
-        modules = dict(self._hf.named_modules())
-        adapted: set[str] = set()
+        cfg = _lora_config(cfg_path.read_bytes())
         try:
             with safe_open(str(weights), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    shape = tuple(f.get_slice(name).get_shape())
-                    self._check_tensor(name, shape, modules, adapted)
-        except AdapterLoadError:
-            raise
+                shapes = {name: tuple(f.get_slice(name).get_shape())
+                          for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         except Exception as e:  # a corrupt safetensors header
             raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+        return self._check_shapes(cfg, shapes)
+
+    def _check_shapes(self, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+                      ) -> tuple[int, int]:
+        """:meth:`_check_fits` on a parsed config and the tensors' shapes."""
+        modules = dict(self._hf.named_modules())
+        adapted: set[str] = set()
+        for name, shape in shapes.items():
+            self._check_tensor(name, shape, modules, adapted)
         if not adapted:
             raise AdapterLoadError(f"{PEFT_WEIGHTS}: no LoRA tensors")
         return int(cfg.get("r", 0)), len(adapted)
+
+    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> TorchAdapter:
+        """:meth:`load_adapter` from a push's files in memory: plain LoRA on the lean forward
+        is parsed from the bytes (no disk); anything else goes through a temporary directory.
+
+        Raises:
+            AdapterLoadError: as :meth:`load_adapter`; nothing is changed then.
+        """
+        from safetensors.torch import load
+
+        if (self._lean is None or key in self._loaded or PEFT_CONFIG not in files
+                or PEFT_WEIGHTS not in files):
+            return super().load_adapter_files(files, key)
+        cfg = _lora_config(files[PEFT_CONFIG])
+        if not mergeable(cfg):
+            return super().load_adapter_files(files, key)
+        start = time.perf_counter()
+        try:
+            tensors = load(bytes(files[PEFT_WEIGHTS]))
+        except Exception as e:  # a corrupt safetensors file
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+        rank, modules = self._check_shapes(cfg, {n: tuple(t.shape) for n, t in tensors.items()})
+        try:
+            factors = self._lean.lora_factors(lora_pairs(cfg, tensors))
+        except (KeyError, ValueError) as e:
+            raise AdapterLoadError(f"adapter does not load: {e}") from e
+        self._factors[key] = factors
+        handle = TorchAdapter(key=key, directory="", rank=rank, modules=modules)
+        self._loaded[key] = handle
+        log.info("LoRA adapter %r loaded as factors from memory: rank %d, %d modules, %.1f MB, "
+                 "%.3fs", key, rank, modules, factors.nbytes / 1e6, time.perf_counter() - start)
+        return handle
 
     @staticmethod
     def _check_tensor(name: str, shape: tuple[int, ...], modules: dict[str, Any],
@@ -392,6 +460,16 @@ class TorchBackend(Backend):
 
     @contextlib.contextmanager
     def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
+        if self._lean is not None and (adapter is None or adapter.key in self._factors):
+            if adapter is not None and self._loaded.get(adapter.key) is not adapter:
+                raise ValueError(f"adapter {adapter.key!r} is not loaded")
+            self._lean.activate(None if adapter is None else self._factors[adapter.key])
+            self._lean_on = True
+            try:
+                yield
+            finally:
+                self._lean_on = False
+            return
         if self._switcher is not None and (adapter is None or adapter.key in self._merged):
             if adapter is not None and self._loaded.get(adapter.key) is not adapter:
                 raise ValueError(f"adapter {adapter.key!r} is not loaded")
@@ -429,10 +507,16 @@ class TorchBackend(Backend):
         from transformers import DynamicCache
 
         ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
+        last = torch.tensor([len(prompt) - 1], device=self._device)
+        if self._lean_on:
+            assert self._lean is not None
+            layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+            positions = torch.arange(len(prompt), device=self._device)[None]
+            logits = self._lean.forward(ids, positions, cache=layers, logits_at=last)
+            return layers, logits[0, -1].float()
         cache = DynamicCache()
         # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
         # is one matrix-vector product (a strided slice sends bf16 through a full weight copy).
-        last = torch.tensor([len(prompt) - 1], device=self._device)
         logits = self._forward(ids, cache=cache, logits_to_keep=last)
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return kv, logits[0, -1].float()
@@ -521,8 +605,13 @@ class TorchBackend(Backend):
                 rows = rows.select(keep_t)
             step += 1
             positions = (cache.layers[0].length - cache.pad)[:, None]
-            logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
-                                   attention_mask=cache.next_step(always=cpu))[:, -1]
+            mask = cache.next_step(always=cpu)
+            if self._lean is not None and self._lean_on:
+                logits = self._lean.forward(tokens[:, None], positions, cache=cache,
+                                            attention_mask=mask)[:, -1]
+            else:
+                logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
+                                       attention_mask=mask)[:, -1]
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
@@ -549,12 +638,34 @@ class TorchBackend(Backend):
         with self._using(adapter):
             ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64,
                                device=self._device)
-            logits = self._forward(ids)[0, len(prompt_ids) - 1:-1].float()
+            if self._lean is not None and self._lean_on:
+                positions = torch.arange(ids.shape[1], device=self._device)[None]
+                logits = self._lean.forward(ids, positions)
+            else:
+                logits = self._forward(ids)
+            logits = logits[0, len(prompt_ids) - 1:-1].float()
             rows = RowSampling.from_configs([sampling] * len(completion_ids), logits.shape[-1],
                                             self._device)
             logprobs = transform_logits(logits, rows)
             target = torch.tensor(completion_ids, dtype=torch.int64, device=self._device)
             return logprobs.gather(-1, target[:, None]).squeeze(-1).cpu().tolist()
+
+
+def _lora_config(data: bytes) -> dict[str, Any]:
+    """Parse ``adapter_config.json`` of a LoRA adapter.
+
+    Raises:
+        AdapterLoadError: not JSON, or a peft_type other than LORA.
+    """
+    try:
+        cfg = json.loads(data)
+    except ValueError as e:
+        raise AdapterLoadError(f"{PEFT_CONFIG}: not JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise AdapterLoadError(f"{PEFT_CONFIG}: not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterLoadError(f"{PEFT_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    return cfg
 
 
 def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:

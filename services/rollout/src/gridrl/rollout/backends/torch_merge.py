@@ -31,9 +31,11 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
 
-def mergeable(directory: Path) -> bool:
-    """True for plain LoRA (no DoRA) with a uniform or per-module scale this module computes."""
-    cfg = json.loads((Path(directory) / PEFT_CONFIG).read_text())
+def mergeable(directory_or_config: Path | dict[str, Any]) -> bool:
+    """True for plain LoRA (no DoRA): an adapter directory or its parsed adapter_config.json."""
+    cfg = directory_or_config
+    if not isinstance(cfg, dict):
+        cfg = json.loads((Path(cfg) / PEFT_CONFIG).read_text())
     return not cfg.get("use_dora") and str(cfg.get("peft_type", "LORA")).upper() == "LORA"
 
 
@@ -59,6 +61,49 @@ class MergedAdapter:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
 
+def read_lora(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """The LoRA factors of the peft adapter in ``directory``, per adapted module
+    (:func:`lora_pairs` of its config and tensors)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg = json.loads((directory / PEFT_CONFIG).read_text())
+    return lora_pairs(cfg, load_file(str(directory / PEFT_WEIGHTS), device="cpu"))
+
+
+def lora_pairs(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Pair a peft adapter's tensors per adapted module.
+
+    Args:
+        cfg: its parsed ``adapter_config.json``.
+        tensors: its ``adapter_model.safetensors`` (peft key names).
+    Returns:
+        module path (``model.layers.0.self_attn.q_proj``) -> ``(A (r, in), B (out, r), scale)``,
+        tensors on the CPU as stored, ``scale`` as peft computes it (:func:`peft_scale`).
+    Raises:
+        ValueError: a tensor that is not a ``lora_A`` / ``lora_B`` weight (embedding LoRA,
+            ``modules_to_save``, DoRA magnitudes), or A/B unpaired.
+    """
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        path = name.removeprefix(_PREFIX)
+        for kind in ("lora_A", "lora_B"):
+            suffix = f".{kind}.weight"
+            if path.endswith(suffix):
+                pairs.setdefault(path[: -len(suffix)], {})[kind] = t
+                break
+        else:
+            raise ValueError(f"{PEFT_WEIGHTS}: {name}: not a LoRA A/B tensor")
+    out = {}
+    for path, ab in pairs.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{PEFT_WEIGHTS}: {path}: lora_A and lora_B must come in pairs")
+        a, b = ab["lora_A"], ab["lora_B"]
+        out[path] = (a, b, peft_scale(cfg, path, a.shape[0]))
+    return out
+
+
 def merge_adapter(model: torch.nn.Module, directory: Path,
                   base: dict[str, torch.Tensor]) -> MergedAdapter:
     """Fold the peft adapter in ``directory`` into copies of ``model``'s weights.
@@ -71,37 +116,19 @@ def merge_adapter(model: torch.nn.Module, directory: Path,
     Returns:
         the merged weights, one tensor per adapted module.
     Raises:
-        KeyError / ValueError: a tensor names a module the model lacks, or A/B come unpaired.
+        KeyError / ValueError: a tensor names a module the model lacks, or is not a LoRA A/B
+            weight, or A/B come unpaired (:func:`read_lora`).
     """
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    cfg = json.loads((directory / PEFT_CONFIG).read_text())
-    tensors = load_file(str(directory / PEFT_WEIGHTS), device="cpu")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        path = name.removeprefix(_PREFIX)
-        for kind in ("lora_A", "lora_B"):
-            suffix = f".{kind}.weight"
-            if path.endswith(suffix):
-                pairs.setdefault(path[: -len(suffix)], {})[kind] = t
-                break
-        else:
-            raise ValueError(f"{PEFT_WEIGHTS}: {name}: not a LoRA A/B tensor, cannot merge")
     merged = MergedAdapter()
     with torch.no_grad():
-        for path, ab in pairs.items():
-            if set(ab) != {"lora_A", "lora_B"}:
-                raise ValueError(f"{PEFT_WEIGHTS}: {path}: lora_A and lora_B must come in pairs")
+        for path, (a, b, scale) in read_lora(directory).items():
             module = model.get_submodule(path)
             w = base.setdefault(path, module.weight.data)
-            a, b = ab["lora_A"].float(), ab["lora_B"].float()
-            scale = peft_scale(cfg, path, a.shape[0])
+            a, b = a.float().to(w.device), b.float().to(w.device)
             if w.dtype == torch.float32:  # one fused pass: W + s * B @ A, no temporary delta
-                merged.weights[path] = torch.addmm(w, b.to(w.device), a.to(w.device), alpha=scale)
+                merged.weights[path] = torch.addmm(w, b, a, alpha=scale)
             else:  # compute in float32, store in the model's dtype
-                full = torch.addmm(w.float(), b.to(w.device), a.to(w.device), alpha=scale)
-                merged.weights[path] = full.to(w.dtype)
+                merged.weights[path] = torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
     return merged
 
 

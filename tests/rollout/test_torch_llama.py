@@ -1,0 +1,134 @@
+"""The lean llama-family forward (backends/torch_llama.py) against transformers and peft:
+same logits for scoring, prefill and padded batch decode, qkv biases (qwen2), every peft
+LoRA scaling (rank/alpha patterns, rsLoRA, lm_head), and the architectures it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gridrl.rollout.backends.torch_cache import SlabCache
+from gridrl.rollout.backends.torch_llama import LeanLlama, unsupported_reason
+from gridrl.rollout.backends.torch_merge import read_lora
+
+
+def _tiny(kind: str = "llama", **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    fields.update(overrides)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **fields)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def _decode_reference(model, prompts: list[list[int]], steps: list[list[int]]) -> torch.Tensor:
+    """transformers logits after each prompt + its step tokens, full forward per row."""
+    out = []
+    for prompt, extra in zip(prompts, steps, strict=True):
+        ids = torch.tensor([prompt + extra])
+        out.append(model(ids).logits[0, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lean_forward_matches_transformers(kind: str) -> None:
+    model = _tiny(kind)
+    lean = LeanLlama(model)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    with torch.inference_mode():
+        # scoring: causal forward over the whole sequence, every position
+        ids = torch.tensor([prompts[0]])
+        got = lean.forward(ids, torch.arange(7)[None])
+        assert torch.allclose(got, model(ids).logits, atol=1e-5, rtol=1e-5)
+        # prefill each prompt alone, then decode both rows together from a left-padded cache
+        kvs, firsts = [], []
+        for p in prompts:
+            layers: list = []
+            logits = lean.forward(torch.tensor([p]), torch.arange(len(p))[None], cache=layers,
+                                  logits_at=torch.tensor([len(p) - 1]))
+            assert torch.allclose(logits[0, -1], model(torch.tensor([p])).logits[0, -1],
+                                  atol=1e-5, rtol=1e-5)
+            kvs.append(layers)
+            firsts.append(logits[0, -1])
+        cache = SlabCache.from_prefills(kvs, [len(p) for p in prompts], [0, 1], 5, torch.float32)
+        steps: list[list[int]] = [[], []]
+        for t in range(3):
+            tokens = torch.tensor([[30 + t], [40 + t]])
+            for row in range(2):
+                steps[row].append(int(tokens[row, 0]))
+            positions = (cache.layers[0].length - cache.pad)[:, None]
+            got = lean.forward(tokens, positions, cache=cache,
+                               attention_mask=cache.next_step(always=True))[:, -1]
+            want = _decode_reference(model, prompts, steps)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_bfloat16_follows_transformers() -> None:
+    model = _tiny().to(torch.bfloat16)
+    lean = LeanLlama(model)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        got = lean.forward(ids, torch.arange(8)[None]).float()
+        want = model(ids).logits.float()
+    # bf16 has 8 bits of mantissa: logits of size ~10 round at ~0.06
+    assert (got - want).abs().max() < 0.25
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+def test_lora_factors_equal_peft(tmp_path: Path) -> None:
+    """Per-module ranks and alphas, rsLoRA, partial q/k/v coverage and lm_head: the factors
+    give the peft model's logits."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _tiny()
+    lean = LeanLlama(model)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_rslora=True,
+                        target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj",
+                                        "lm_head"],
+                        rank_pattern={"v_proj": 2, "layers.1.mlp.up_proj": 6},
+                        alpha_pattern={"o_proj": 3.0})
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, config).eval()
+    peft_model.save_pretrained(str(tmp_path), save_embedding_layers=False)
+    factors = lean.lora_factors(read_lora(tmp_path))
+    assert {name for _, name in factors.factors} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    ids = torch.tensor([[7, 8, 9, 10, 11, 12]])
+    with torch.inference_mode():
+        want = peft_model(ids).logits
+        lean.activate(factors)
+        got = lean.forward(ids, torch.arange(6)[None])
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+        with peft_model.disable_adapter():
+            base = peft_model(ids).logits
+        lean.activate(None)
+        assert torch.allclose(lean.forward(ids, torch.arange(6)[None]), base, atol=1e-5,
+                              rtol=1e-5)
+        assert (want - base).abs().max() > 1e-2  # the adapter does change the model
+        lean.release(factors)
+        assert not factors.factors
+
+
+def test_lora_factors_name_what_does_not_fit() -> None:
+    lean = LeanLlama(_tiny())
+    a, b = torch.zeros(4, 64), torch.zeros(128, 4)
+    with pytest.raises(ValueError, match=r"model\.embed_tokens"):
+        lean.lora_factors({"model.embed_tokens": (a, b, 1.0)})
+    with pytest.raises(ValueError, match=r"layer 0 qkv\[0\].*do not fit"):
+        lean.lora_factors({"model.layers.0.self_attn.q_proj": (a, b, 1.0)})
+
+
+def test_unsupported_architectures_use_transformers(tmp_path: Path) -> None:
+    assert unsupported_reason(_tiny()) is None
+    assert "hidden_act" in unsupported_reason(_tiny(hidden_act="gelu"))
+    assert "MLP biases" in unsupported_reason(_tiny(mlp_bias=True))
+    gpt2 = _tiny("gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=300)
+    assert "model_type 'gpt2'" in unsupported_reason(gpt2)
+    with pytest.raises(ValueError, match="lean llama forward: hidden_act"):
+        LeanLlama(_tiny(hidden_act="gelu"))
