@@ -3,7 +3,9 @@
 Compares, in one run:
 - the baseline: a plain in-process batched decode loop over the transformers model with a KV
   cache (fp32, the loop anyone would write first; ~72 tok/s on the reference 2-core machine);
-- the torch rollout node through gRPC (``gridrl-rollout serve``), fp32 and bf16;
+- the torch rollout node through gRPC (``gridrl-rollout serve``): the lean llama forward in fp32
+  (also with a rank-16 all-linear LoRA adapter serving) and bf16, and the transformers forward
+  (``--forward transformers``) in fp32 for comparison;
 - the MLX rollout node through gRPC (Linux CPU through mlx[cpu] is slow; fewer tokens);
 and prints tok/s, the ratio to the baseline, and the memory-bandwidth bound for the batch size
 and precision used (every decode step reads all weights once: bound = batch * bandwidth /
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from _common import Proc, machine, read_bandwidth_gbs, table
 
@@ -54,6 +58,29 @@ def baseline_loop(model_dir: str, repeats: int) -> tuple[float, int]:
                 cache, logits = out.past_key_values, out.logits[:, -1]
         best = max(best, produced / (time.perf_counter() - t))
     return best, sum(p.numel() for p in model.parameters())
+
+
+def save_random_adapter(model_dir: str, out: Path) -> None:
+    """A rank-16 LoRA on every linear layer with non-zero B (as after training), peft files."""
+    import torch
+
+    from gridrl.trainer.policy import LoraSettings, load_policy
+
+    policy = load_policy(model_dir, lora=LoraSettings(rank=16, alpha=32), seed=0)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    policy.save_adapter(out)
+
+
+def serve_adapter(address: str, path: str) -> None:
+    """ReloadAdapter(path) on the node: it serves that adapter from then on."""
+    from gridrl.common.channel import dial
+    from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    reply = stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(path=path), timeout=120)
+    assert reply.serving.name, reply
 
 
 def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N) -> tuple[float, float]:
@@ -95,16 +122,25 @@ def main() -> None:
     def bound(dtype_bytes: int) -> float:
         return N * bw * 1e9 / (params * dtype_bytes)
 
-    for dtype, nbytes in (("float32", 4), ("bfloat16", 2)):
+    adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    save_random_adapter(model_dir, adapter_root / "r16")
+    for forward, dtype, nbytes, adapter in (("lean", "float32", 4, False),
+                                            ("lean", "float32", 4, True),
+                                            ("lean", "bfloat16", 2, False),
+                                            ("transformers", "float32", 4, False)):
         node = Proc(["gridrl-rollout", "serve", "--backend", "torch", "--model", model_dir,
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--dtype", dtype,
-                     "--capacity", "64"], f"torch-{dtype}")
+                     "--forward", forward, "--capacity", "64",
+                     "--adapter-root", str(adapter_root)], f"torch-{forward}-{dtype}")
         try:
+            if adapter:
+                serve_adapter(node.address, "r16")
             tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS)
         finally:
             node.stop()
         b = bound(nbytes)
-        rows.append([f"torch node via gRPC (mean {mean_len:.0f} tok/sample)", dtype,
+        label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
+        rows.append([f"{label} (mean {mean_len:.0f} tok/sample)", dtype,
                      f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{tps / b:.0%}"])
     if not args.skip_mlx:
         node = Proc(["gridrl-rollout", "serve", "--backend", "mlx", "--model", model_dir,

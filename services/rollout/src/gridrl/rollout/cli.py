@@ -79,8 +79,8 @@ def main() -> None:
                  "transformers.")
 @env_option("--threads", env="GRIDRL_ROLLOUT_THREADS", default=0, type=click.IntRange(min=0),
             help="torch intra-op CPU threads (0: torch's default, one per core). Idle OpenMP "
-                 "threads sleep (OMP_WAIT_POLICY=PASSIVE unless set), so a busy machine does not "
-                 "stall every step; on a shared machine 1 thread can still be faster.")
+                 "threads spin briefly, then sleep (GOMP_SPINCOUNT=10000 unless set); on a "
+                 "machine shared with other jobs 1 thread can still be faster.")
 @env_option("--capacity", env="GRIDRL_ROLLOUT_CAPACITY", default=64,
             type=click.IntRange(min=1), help="Most sequences decoded together in one batch.")
 @env_option("--max-queue", env="GRIDRL_ROLLOUT_MAX_QUEUE", default=128,
@@ -130,46 +130,55 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     if backend == "mlx" and device.startswith("cuda"):
         raise click.BadParameter("the mlx backend runs on cpu or the Apple GPU (mps)",
                                  param_hint="--device")
+    from gridrl.common.server import freeze_long_lived
     from gridrl.models import resolve_model
+    from gridrl.rollout.server import NodeConfig, RolloutNode, run_on_engine_thread
 
     try:
         model_dir = resolve_model(model)
     except FileNotFoundError as e:
         raise click.BadParameter(str(e), param_hint="--model") from e
-    try:
-        if backend == "torch":
-            # Before torch loads OpenMP: spinning waiters stall every parallel region (up to
-            # 100x) when another process holds a core; sleeping ones cost a few percent.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            import torch
-
-            from gridrl.rollout.backends.torch import TorchBackend
-
-            if threads:
-                torch.set_num_threads(threads)
-
-            engine_backend = TorchBackend.from_pretrained(model_dir, device=device, dtype=dtype,
-                                                          model_id=model,
-                                                          lean=forward == "lean")
-        else:
-            from gridrl.rollout.backends.mlx import MlxBackend
-
-            engine_backend = MlxBackend.from_pretrained(
-                model_dir, device={"mps": "gpu"}.get(device, device))
-            engine_backend.identity = dataclasses.replace(engine_backend.identity, model_id=model)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--device/--dtype/--model") from e
-    from gridrl.common.server import freeze_long_lived
-    from gridrl.rollout.server import NodeConfig, RolloutNode
-
-    freeze_long_lived()  # the model lives as long as the node
-
-    node = RolloutNode(engine_backend, NodeConfig(
+    config = NodeConfig(
         listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
         max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters,
         adapter_root=adapter_root,
-        advertise_address=advertise_address, master=master, name=name))
+        advertise_address=advertise_address, master=master, name=name)
+
+    def load() -> RolloutNode:
+        try:
+            if backend == "torch":
+                # Before torch loads OpenMP: idle workers spin ~10k iterations (tens of us)
+                # before sleeping. Enough to catch the next parallel region of a decode step
+                # (sleeping at once, OMP_WAIT_POLICY=PASSIVE, cost ~20% of fp32 decode speed
+                # here), short enough not to steal a core from a trainer on the same machine.
+                os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+                import torch
+
+                from gridrl.rollout.backends.torch import TorchBackend
+
+                if threads:
+                    torch.set_num_threads(threads)
+                engine_backend = TorchBackend.from_pretrained(
+                    model_dir, device=device, dtype=dtype, model_id=model,
+                    lean=forward == "lean")
+            else:
+                from gridrl.rollout.backends.mlx import MlxBackend
+
+                engine_backend = MlxBackend.from_pretrained(
+                    model_dir, device={"mps": "gpu"}.get(device, device))
+                engine_backend.identity = dataclasses.replace(engine_backend.identity,
+                                                              model_id=model)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--device/--dtype/--model") from e
+        return RolloutNode(engine_backend, config)
+
+    # The model is loaded on the thread that then runs the engine's scheduler: every torch
+    # parallel region of the process starts from that one thread. An OpenMP thread team
+    # left behind by another thread makes libgomp throttle its spin-waits, costing ~20% of
+    # the decode speed on 2 cores (docs/benchmarks.md).
+    node = run_on_engine_thread(load)
+    freeze_long_lived()  # the model lives as long as the node
     node.start()
     write_ready_file(ready_file, node.address, node.port, node.metrics_port)
     node.wait()

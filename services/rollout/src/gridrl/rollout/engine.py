@@ -174,6 +174,26 @@ class Engine:
                 self._thread.start()
         return self
 
+    def claim_thread(self) -> None:
+        """Make the calling thread the scheduler thread; :meth:`run` must follow on it, and
+        :meth:`start` then starts nothing.
+
+        Raises:
+            RuntimeError: the engine already has a scheduler thread.
+        """
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the engine's scheduler thread is already running")
+            self._thread = threading.current_thread()
+
+    def run(self) -> None:
+        """Run the scheduler loop on the calling thread until :meth:`close` (instead of
+        :meth:`start`): for a process that loaded its model on this thread, so that all of
+        torch's parallel work starts from one thread (see ``server.run_on_engine_thread``)."""
+        if self._thread is not threading.current_thread():
+            self.claim_thread()
+        self._run()
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new work, fail waiting requests and commands with UNAVAILABLE, let the batch
         in progress finish, and join the scheduler. Idempotent."""
