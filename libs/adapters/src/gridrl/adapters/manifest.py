@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,13 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
         files = read_dir(files)
     for path in files:
         check_relpath(path)
-    adapter = read_adapter(files)
+    with ThreadPoolExecutor(1) as pool:
+        # hashlib releases the GIL: the digests are computed while the tensors are parsed.
+        hashed = pool.submit(lambda: [AdapterFile.of(p, bytes(files[p])) for p in sorted(files)]) \
+            if hash_files else None
+        adapter = read_adapter(files)
+        listed = hashed.result() if hashed is not None else [
+            AdapterFile(p, len(files[p]), "") for p in sorted(files)]
     base = _infer_base(adapter, infer_local)
     if base_model is not None:
         given = BaseModelInfo.from_any(base_model)
@@ -162,8 +169,7 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
         rank=rank if rank is not None else adapter.rank,
         scale=scale if scale is not None else adapter.scale,
         target_modules=adapter.target_modules(), layers=adapter.layers(),
-        files=[AdapterFile.of(p, bytes(files[p])) if hash_files
-               else AdapterFile(p, len(files[p]), "") for p in sorted(files)],
+        files=listed,
     )
 
 

@@ -197,23 +197,24 @@ class LeanLlama:
         for (layer, name), slots in groups.items():
             proj = self.head if layer < 0 else getattr(self.layers[layer], name)
             sizes = self._slot_sizes(name, proj)
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            rank = sum(a.shape[0] for a, _, _ in slots.values())
-            a_all = torch.zeros((rank, proj.in_features), dtype=torch.float32, device=dev)
-            bs_t = torch.zeros((rank, proj.out_features), dtype=torch.float32, device=dev)
-            r0 = 0
-            for slot in sorted(slots):
+            a_parts, b_blocks = [], []
+            for slot, size in enumerate(sizes):
+                if slot not in slots:  # not adapted: zero columns in the block diagonal
+                    b_blocks.append(torch.zeros((0, size), dtype=torch.float32, device=dev))
+                    continue
                 a, b, scale = slots[slot]
                 r = a.shape[0]
-                if a.shape[1] != proj.in_features or b.shape != (sizes[slot], r):
+                if a.dim() != 2 or a.shape[1] != proj.in_features or tuple(b.shape) != (size, r):
                     raise ValueError(f"LoRA of layer {layer} {name}[{slot}]: A {list(a.shape)} / "
-                                     f"B {list(b.shape)} do not fit ({sizes[slot]} x "
+                                     f"B {list(b.shape)} do not fit ({size} x "
                                      f"{proj.in_features})")
-                a_all[r0:r0 + r] = a.to(dev, torch.float32)
-                bs_t[r0:r0 + r, offsets[slot]:offsets[slot] + sizes[slot]] = \
-                    (b.to(dev, torch.float32) * scale).t()
-                r0 += r
-            out.factors[(layer, name)] = (a_all.to(self.dtype), bs_t.to(self.dtype))
+                a_parts.append(a.to(dev, torch.float32))
+                b_blocks.append(b.to(dev, torch.float32).t() * scale)
+            a_all = torch.cat(a_parts) if len(a_parts) > 1 else a_parts[0]
+            # (R, out): row block i holds (s_i B_i)^T under output columns of slot i.
+            bs_t = torch.block_diag(*b_blocks) if len(b_blocks) > 1 else b_blocks[0]
+            out.factors[(layer, name)] = (a_all.to(self.dtype).contiguous(),
+                                          bs_t.to(self.dtype).contiguous())
         return out
 
     def _slot_sizes(self, name: str, proj: Projection) -> list[int]:
