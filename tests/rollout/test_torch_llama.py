@@ -132,3 +132,56 @@ def test_unsupported_architectures_use_transformers(tmp_path: Path) -> None:
     assert "model_type 'gpt2'" in unsupported_reason(gpt2)
     with pytest.raises(ValueError, match="lean llama forward: hidden_act"):
         LeanLlama(_tiny(hidden_act="gelu"))
+
+
+def test_in_process_peft_model_runs_lean_with_its_live_lora(tiny_llama_dir: Path) -> None:
+    """The trainer's use (TorchBackend.from_model over its peft model, base frozen, LoRA
+    training): the lean forward reads the LoRA weights at every call, so an optimizer step
+    between calls is served, and it agrees with the transformers/peft forward."""
+    from peft import LoraConfig, get_peft_model
+    from rollout_helpers import PROMPT
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gridrl.rollout.backends.base import SamplingConfig, SequenceRequest
+    from gridrl.rollout.backends.torch import TorchBackend
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                      init_lora_weights=False))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    model.train()
+    lean = TorchBackend.from_model(model, tokenizer)
+    plain = TorchBackend.from_model(model, tokenizer, lean=False)
+    assert (lean.forward_kind, plain.forward_kind) == ("lean", "transformers")
+    batch = [SequenceRequest(PROMPT, SamplingConfig(max_tokens=8, temperature=1.0), seed=s)
+             for s in range(4)]
+
+    def agree() -> list:
+        got, want = lean.generate(batch, None), plain.generate(batch, None)
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        return got
+
+    before = agree()
+    with torch.no_grad():  # an optimizer step on the LoRA weights only
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    after = agree()
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert model.training  # left as found
+
+
+def test_in_process_model_with_trainable_base_is_not_lean(tiny_llama_dir: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from gridrl.rollout.backends.torch import TorchBackend
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    assert TorchBackend.from_model(model, None).forward_kind == "transformers"
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    peft_model.base_model.model.lm_head.weight.requires_grad_(True)
+    assert TorchBackend.from_model(peft_model, None).forward_kind == "transformers"

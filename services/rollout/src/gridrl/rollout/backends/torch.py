@@ -165,7 +165,7 @@ class TorchBackend(Backend):
     adapter_format = "peft"
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
-                 owns_model: bool, lean: bool = True) -> None:
+                 owns_model: bool, lean: bool | None = None) -> None:
         from peft import PeftModel
 
         self._peft: Any | None = model if isinstance(model, PeftModel) else None
@@ -186,14 +186,18 @@ class TorchBackend(Backend):
         params = inspect.signature(self._hf.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._loaded: dict[str, TorchAdapter] = {}
-        # An owned llama-family model runs the lean forward, adapters as LoRA factors.
+        # A llama-family model runs the lean forward, adapters as LoRA factors: an owned model
+        # (a node), or a peft model wrapped in-process whose base weights are frozen (the
+        # trainer's eval and local rollouts; on CPU by default, as the lean forward keeps
+        # fused copies of the base weights).
         self._lean: LeanLlama | None = None
-        if owns_model and self._peft is None and lean:
-            reason = unsupported_reason(self._hf)
-            if reason is None:
-                self._lean = LeanLlama(self._hf)
-            else:
-                log.info("torch backend: transformers forward (lean forward: %s)", reason)
+        if lean is None:
+            lean = owns_model or self._device.type == "cpu"
+        reason = self._lean_refusal(owns_model) if lean else "disabled"
+        if reason is None:
+            self._lean = LeanLlama(self._hf)
+        elif lean:
+            log.info("torch backend: transformers forward (lean forward: %s)", reason)
         self.forward_kind = "lean" if self._lean is not None else "transformers"
         self._factors: dict[str, LoraFactors] = {}
         self._lean_on = False  # True while a call runs the lean forward
@@ -238,15 +242,62 @@ class TorchBackend(Backend):
         return backend
 
     @classmethod
-    def from_model(cls, model: Any, tokenizer: Any, model_id: str = "") -> TorchBackend:
+    def from_model(cls, model: Any, tokenizer: Any, model_id: str = "",
+                   lean: bool | None = None) -> TorchBackend:
         """Wrap a model already in memory (a transformers causal LM or a peft ``PeftModel``).
 
         ``generate(batch, None)`` then decodes with the model as it is (its active adapter
         included), in eval mode for the call; the caller's train/eval mode is restored after.
+
+        Args:
+            lean: run a peft LoRA model with frozen base weights through :class:`LeanLlama`,
+                its current LoRA weights read at every call (None: on CPU only; the lean
+                forward keeps fused copies of the base weights).
         """
         identity = _identity_of(model.get_base_model() if hasattr(model, "get_base_model")
                                 else model, model_id or str(getattr(model.config, "_name_or_path", "")))
-        return cls(model, tokenizer, identity, owns_model=False)
+        return cls(model, tokenizer, identity, owns_model=False, lean=lean)
+
+    def _lean_refusal(self, owns_model: bool) -> str | None:
+        """Why the lean forward cannot stand in for this model (None: it can)."""
+        reason = unsupported_reason(self._hf)
+        if reason is not None:
+            return reason
+        if owns_model:
+            return None if self._peft is None else "a peft model"
+        if self._peft is None:
+            return "a model owned by the caller without peft (its weights may change)"
+        if any(p.requires_grad for n, p in self._hf.named_parameters() if "lora_" not in n):
+            return "base weights are trainable"
+        return None
+
+    def _live_lora(self) -> LoraFactors | None:
+        """The peft model's active LoRA as factors, read now (None: not expressible)."""
+        from peft.tuners.lora import LoraLayer
+
+        assert self._lean is not None and self._peft is not None
+        active = list(getattr(self._peft, "active_adapters", [self._peft.active_adapter]))
+        cfg = self._peft.peft_config.get(active[0]) if len(active) == 1 else None
+        if cfg is None or getattr(cfg, "modules_to_save", None) or getattr(cfg, "lora_bias",
+                                                                            False):
+            return None
+        name = active[0]
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        for path, module in self._hf.named_modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            if name in getattr(module, "lora_embedding_A", {}) or \
+                    getattr(module, "use_dora", {}).get(name, False):
+                return None
+            if name in module.lora_A:
+                pairs[path] = (module.lora_A[name].weight.detach(),
+                               module.lora_B[name].weight.detach(), float(module.scaling[name]))
+        try:
+            return self._lean.lora_factors(pairs)
+        except ValueError as e:
+            log.info("torch backend: transformers forward from now on (lean forward: %s)", e)
+            self._lean = None
+            return None
 
     # -- adapters ----------------------------------------------------------------------------
 
@@ -266,7 +317,7 @@ class TorchBackend(Backend):
             raise AdapterLoadError(f"adapter key {key!r} is already loaded")
         rank, modules = self._check_fits(directory)
         start = time.perf_counter()
-        if self._lean is not None and mergeable(directory):
+        if self._lean is not None and self._owns and mergeable(directory):
             try:
                 self._factors[key] = self._lean.lora_factors(read_lora(directory))
             except (KeyError, ValueError) as e:
@@ -385,8 +436,8 @@ class TorchBackend(Backend):
         """
         from safetensors.torch import load
 
-        if (self._lean is None or key in self._loaded or PEFT_CONFIG not in files
-                or PEFT_WEIGHTS not in files):
+        if (self._lean is None or not self._owns or key in self._loaded
+                or PEFT_CONFIG not in files or PEFT_WEIGHTS not in files):
             return super().load_adapter_files(files, key)
         cfg = _lora_config(files[PEFT_CONFIG])
         if not mergeable(cfg):
@@ -460,7 +511,19 @@ class TorchBackend(Backend):
 
     @contextlib.contextmanager
     def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
-        if self._lean is not None and (adapter is None or adapter.key in self._factors):
+        if self._lean is not None and not self._owns and adapter is None:
+            live = self._live_lora()  # the wrapped peft model's LoRA as it is now
+            if live is not None and self._lean is not None:
+                self._lean.activate(live)
+                self._lean_on = True
+                try:
+                    yield
+                finally:
+                    self._lean_on = False
+                    self._lean.release(live)
+                return
+        if self._lean is not None and self._owns and (adapter is None or
+                                                      adapter.key in self._factors):
             if adapter is not None and self._loaded.get(adapter.key) is not adapter:
                 raise ValueError(f"adapter {adapter.key!r} is not loaded")
             self._lean.activate(None if adapter is None else self._factors[adapter.key])
