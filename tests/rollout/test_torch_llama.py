@@ -37,10 +37,16 @@ def _decode_reference(model, prompts: list[list[int]], steps: list[list[int]]) -
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["prepacked", "plain-weights"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lean_forward_matches_transformers(kind: str) -> None:
+def test_lean_forward_matches_transformers(kind: str, packed: bool, monkeypatch) -> None:
+    from gridrl.rollout.backends import torch_llama
+
+    if not packed:  # what GPUs, MPS and non-x86 CPUs run
+        monkeypatch.setattr(torch_llama, "_packable", lambda weight: False)
     model = _tiny(kind)
     lean = LeanLlama(model)
+    assert all(layer.qkv.packed == packed for layer in lean.layers)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
     with torch.inference_mode():
         # scoring: causal forward over the whole sequence, every position

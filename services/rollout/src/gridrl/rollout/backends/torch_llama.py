@@ -10,7 +10,7 @@ streams it at ~9 GB/s of a ~30 GB/s memory. This module runs the same maths as t
 2. **Prepacked weights on CPU**: each weight is reordered once into oneDNN's blocked layout
    (``torch.ops.mkldnn._reorder_linear_weight``, the packing ``torch.compile``'s CPU freezing
    pass uses) and multiplied with ``torch.ops.mkldnn._linear_pointwise``: ~2.4x faster than
-   ``F.linear`` in float32 at batch 8 here. Other devices keep plain weights.
+   ``F.linear`` in float32 at batch 8 here. Other devices and non-x86 CPUs keep plain weights.
 3. **Unmerged LoRA at rank-r cost**: an adapter is held as low-rank factors per fused product,
    ``y = x W^T + (x A^T) (s B)^T`` with ``A`` the adapted modules' ``lora_A`` stacked and
    ``s B`` their scaled ``lora_B`` placed block-diagonally (Hu et al., LoRA, arXiv:2106.09685,
@@ -30,6 +30,7 @@ is used as is.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +67,9 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """oneDNN prepacking: x86 CPUs (where it was measured), float32 / bfloat16 weights."""
+    return (weight.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available()
             and weight.dtype in (torch.float32, torch.bfloat16))
 
 
