@@ -200,7 +200,7 @@ class TorchBackend(Backend):
             log.info("torch backend: transformers forward (lean forward: %s)", reason)
         self.forward_kind = "lean" if self._lean is not None else "transformers"
         self._factors: dict[str, LoraFactors] = {}
-        self._lean_on = False  # True while a call runs the lean forward
+        self._running: LeanLlama | None = None  # the lean forward while a call runs it
         # Other owned models serve LoRA adapters as merged weights (torch_merge).
         self._switcher = (WeightSwitcher(self._hf)
                           if owns_model and self._peft is None and self._lean is None else None)
@@ -511,27 +511,27 @@ class TorchBackend(Backend):
 
     @contextlib.contextmanager
     def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
-        if self._lean is not None and not self._owns and adapter is None:
+        lean = self._lean
+        if lean is not None and not self._owns and adapter is None:
             live = self._live_lora()  # the wrapped peft model's LoRA as it is now
-            if live is not None and self._lean is not None:
-                self._lean.activate(live)
-                self._lean_on = True
+            if live is not None:
+                lean.activate(live)
+                self._running = lean
                 try:
                     yield
                 finally:
-                    self._lean_on = False
-                    self._lean.release(live)
+                    self._running = None
+                    lean.release(live)
                 return
-        if self._lean is not None and self._owns and (adapter is None or
-                                                      adapter.key in self._factors):
+        if lean is not None and self._owns and (adapter is None or adapter.key in self._factors):
             if adapter is not None and self._loaded.get(adapter.key) is not adapter:
                 raise ValueError(f"adapter {adapter.key!r} is not loaded")
-            self._lean.activate(None if adapter is None else self._factors[adapter.key])
-            self._lean_on = True
+            lean.activate(None if adapter is None else self._factors[adapter.key])
+            self._running = lean
             try:
                 yield
             finally:
-                self._lean_on = False
+                self._running = None
             return
         if self._switcher is not None and (adapter is None or adapter.key in self._merged):
             if adapter is not None and self._loaded.get(adapter.key) is not adapter:
@@ -571,11 +571,10 @@ class TorchBackend(Backend):
 
         ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
         last = torch.tensor([len(prompt) - 1], device=self._device)
-        if self._lean_on:
-            assert self._lean is not None
+        if self._running is not None:
             layers: list[tuple[torch.Tensor, torch.Tensor]] = []
             positions = torch.arange(len(prompt), device=self._device)[None]
-            logits = self._lean.forward(ids, positions, cache=layers, logits_at=last)
+            logits = self._running.forward(ids, positions, cache=layers, logits_at=last)
             return layers, logits[0, -1].float()
         cache = DynamicCache()
         # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
@@ -669,9 +668,9 @@ class TorchBackend(Backend):
             step += 1
             positions = (cache.layers[0].length - cache.pad)[:, None]
             mask = cache.next_step(always=cpu)
-            if self._lean is not None and self._lean_on:
-                logits = self._lean.forward(tokens[:, None], positions, cache=cache,
-                                            attention_mask=mask)[:, -1]
+            if self._running is not None:
+                logits = self._running.forward(tokens[:, None], positions, cache=cache,
+                                               attention_mask=mask)[:, -1]
             else:
                 logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
                                        attention_mask=mask)[:, -1]
@@ -701,9 +700,9 @@ class TorchBackend(Backend):
         with self._using(adapter):
             ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64,
                                device=self._device)
-            if self._lean is not None and self._lean_on:
+            if self._running is not None:
                 positions = torch.arange(ids.shape[1], device=self._device)[None]
-                logits = self._lean.forward(ids, positions)
+                logits = self._running.forward(ids, positions)
             else:
                 logits = self._forward(ids)
             logits = logits[0, len(prompt_ids) - 1:-1].float()

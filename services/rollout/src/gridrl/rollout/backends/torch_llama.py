@@ -293,7 +293,6 @@ class LeanLlama:
         x = F.embedding(input_ids, self.embed).view(b * t, -1)
         cos, sin = self.rotary(x, position_ids)  # (B, T, D) each
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        decode = isinstance(cache, SlabCache)
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.input_norm)
             qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d)
@@ -302,8 +301,7 @@ class LeanLlama:
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rotated * sin
             q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
-            if decode:
-                assert isinstance(cache, SlabCache)
+            if isinstance(cache, SlabCache):
                 keys, values = cache.layers[i].update(k.transpose(1, 2), v.transpose(1, 2))
                 # t == 1: the G query heads of each kv head attend as G query rows.
                 attn = F.scaled_dot_product_attention(
