@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,20 @@ class Prometheus:
                 logs = "\n".join(f"--- {s.log_path.name}\n{s.log()[-3000:]}" for s in services)
                 raise AssertionError(f"{what}: {expr!r} still empty after {timeout} s\n{logs}")
             time.sleep(0.5)
+
+    def wait_for_rule_evaluation(self, timeout: float = 30) -> None:
+        """Until every rule group has been evaluated after this call: rules run on their own
+        1 s clock, so alerts read right after a scrape may still describe older samples."""
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while True:
+            groups = self.api("rules")["groups"]
+            stamps = [datetime.fromisoformat(g["lastEvaluation"][:26].rstrip("Z") + "+00:00")
+                      .timestamp() for g in groups]
+            if groups and min(stamps) > since:
+                return
+            assert time.monotonic() < deadline, f"no rule evaluation in {timeout} s: {groups}"
+            time.sleep(0.2)
 
     def stop(self) -> int:
         if self.proc is None:
@@ -286,6 +301,8 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
         # Enough for every panel: steps with syncs, an eval, a node serving a pushed adapter.
         prom.wait_for('gridrl_trainer_step{job="gridrl-trainer"} >= 3', "trainer steps", 240,
                       services)
+        prom.wait_for('time() - gridrl_trainer_last_progress_timestamp_seconds{job="gridrl-trainer"}'
+                      ' < 30', "the stalled-trainer clock follows the steps", 30, services)
         prom.wait_for('gridrl_rollout_adapter_version{job="gridrl-rollout"} >= 1',
                       "adapter pushed to the node", 60, services)
         prom.wait_for('gridrl_master_nodes{job="gridrl-master", role="rollout", '
@@ -324,6 +341,7 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
 
         # Alert rules: loaded, every one evaluated without error; nothing fires on a healthy
         # cluster and no availability/stale alert is even pending.
+        prom.wait_for_rule_evaluation()
         groups = prom.api("rules")["groups"]
         loaded = {r["name"]: r for g in groups for r in g["rules"]}
         expected = {r.get("alert") or r.get("record")

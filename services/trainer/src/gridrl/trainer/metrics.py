@@ -15,6 +15,9 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 STEP = Gauge("gridrl_trainer_step", "Last finished GRPO step.")
+LAST_PROGRESS = Gauge("gridrl_trainer_last_progress_timestamp_seconds",
+                      "Unix time (s) the last GRPO step finished; before the first step of this "
+                      "process, the time its server started (so a stalled start shows too).")
 POLICY_VERSION = Gauge("gridrl_trainer_policy_version", "Trainer policy version after the last step.")
 REWARD_MEAN = Gauge("gridrl_trainer_reward_mean", "Mean reward over the last step's samples.")
 REWARD_STD = Gauge("gridrl_trainer_reward_std", "Std of the reward over the last step's samples.")
@@ -66,6 +69,7 @@ def record_step(report: Mapping[str, Any]) -> None:
     Raises:
         ValueError: naming the key, when a value is not a number.
     """
+    LAST_PROGRESS.set_to_current_time()
     for key, gauge in _GAUGES.items():
         if report.get(key) is not None:
             gauge.set(_number(report, key))
@@ -76,6 +80,12 @@ def record_step(report: Mapping[str, Any]) -> None:
     for key, phase in _PHASES.items():
         if report.get(key):
             PHASE_SECONDS.labels(phase).inc(_number(report, key))
+
+
+def mark_started() -> None:
+    """Start the stalled-trainer clock (``gridrl_trainer_last_progress_timestamp_seconds``):
+    called when the trainer's server starts, before the model loads."""
+    LAST_PROGRESS.set_to_current_time()
 
 
 def record_node(address: str, *, in_rotation: bool, adapter_version: int,

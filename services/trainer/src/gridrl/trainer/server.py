@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import grpc
 
 from gridrl.common.server import GrpcServer
+from gridrl.trainer import metrics
 from gridrl.trainer.status import RunStatus
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -74,6 +75,7 @@ def serve_trainer(status: RunStatus, listen: str, metrics_port: int,
         StatusError: INVALID_ARGUMENT ``listen: ...`` for a malformed address.
         OSError: when the port cannot be bound.
     """
+    metrics.mark_started()  # the trainer's gauges exist (step 0) from the first scrape
     servicer = TrainerServicer(status)
     server = GrpcServer(listen, metrics_port=metrics_port, auth_token=auth_token, grace_s=5.0)
     server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)
