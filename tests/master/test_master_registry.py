@@ -253,6 +253,17 @@ def test_blocked_get_wakes_on_event_and_on_close(registry) -> None:
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_stopping_master_delivers_what_was_queued_then_ends(registry) -> None:
+    registry.register(info("a:1"))
+    sub = registry.subscribe()
+    registry.register(info("b:1"))  # queued behind the snapshot
+    registry.close_watchers()
+    registry.register(info("c:1"))  # after the end: not delivered
+    assert sub.closed
+    assert [e.type for e in drain(sub)] == [SNAPSHOT, SNAPSHOT_END, JOINED]
+    assert sub.get(0.1) is None  # drained: the stream ends at once, no wait
+
+
 def test_restore_keeps_records_and_restarts_liveness(clock) -> None:
     store = MemoryStore()
     old = Registry(1, 3, 10, store=store, clock=clock.time, monotonic=clock.monotonic)

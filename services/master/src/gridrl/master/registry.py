@@ -109,9 +109,10 @@ class RecordStore(Protocol):
 class Subscription:
     """A watcher's queue of :class:`NodeEvent`, fed by the registry in sequence order.
 
-    Read with :meth:`get`; :meth:`close` (idempotent, any thread) wakes a blocked reader and
-    detaches the queue from the registry. A reader more than ``max_pending`` events behind is
-    dropped: its next :meth:`get` raises RESOURCE_EXHAUSTED.
+    Read with :meth:`get`; :meth:`close` (idempotent, any thread) wakes a blocked reader, drops
+    what is queued and detaches the queue from the registry; :meth:`end` (the master stopping)
+    takes no new event but lets the reader drain what is queued first. A reader more than
+    ``max_pending`` events behind is dropped: its next :meth:`get` raises RESOURCE_EXHAUSTED.
     """
 
     def __init__(self, node_filter: NodeFilter, max_pending: int,
@@ -122,30 +123,41 @@ class Subscription:
         self._cond = threading.Condition()
         self._events: deque[NodeEvent] = deque()
         self._closed = False
+        self._ended = False  # no new events; get() drains the queue, then returns None
         self._overflowed = False
 
     @property
     def closed(self) -> bool:
-        """True once closed by the reader, the registry, or an overflow."""
-        return self._closed
+        """True once closed by the reader or an overflow, or ended by the registry (its queued
+        events may still be read)."""
+        return self._closed or self._ended
 
     def get(self, timeout: float | None = None) -> NodeEvent | None:
         """The next event, blocking up to ``timeout`` seconds (None: until one comes).
 
-        Returns None when the subscription is closed (check :attr:`closed`) or on timeout.
+        Returns None when the subscription is closed (check :attr:`closed`), when it was
+        ended and its queue is drained, or on timeout.
 
         Raises:
             StatusError: RESOURCE_EXHAUSTED when the reader fell ``max_pending`` events behind.
         """
         with self._cond:
-            if not self._events and not self._closed:
-                self._cond.wait_for(lambda: self._events or self._closed, timeout)
+            if not self._events and not self._closed and not self._ended:
+                self._cond.wait_for(lambda: self._events or self._closed or self._ended, timeout)
             if self._overflowed:
                 raise resource_exhausted(
                     f"watch fell more than {self._max_pending} events behind; watch again")
             if self._closed or not self._events:
                 return None
             return self._events.popleft()
+
+    def end(self) -> None:
+        """Take no new event and wake a blocked :meth:`get`; events already queued are still
+        returned, then None (a clean end of the stream). Idempotent, thread-safe."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+        self._on_close(self)
 
     def close(self) -> None:
         """Stop the subscription and wake a blocked :meth:`get`. Idempotent, thread-safe."""
@@ -160,7 +172,7 @@ class Subscription:
     def _push(self, event: NodeEvent, bounded: bool = True) -> bool:
         """Queue ``event`` (registry lock held). False when closed or just overflowed."""
         with self._cond:
-            if self._closed:
+            if self._closed or self._ended:
                 return False
             if bounded and len(self._events) >= self._max_pending:
                 self._overflowed = self._closed = True
@@ -399,12 +411,13 @@ class Registry:
             return len(self._subs)
 
     def close_watchers(self) -> None:
-        """End every subscription and refuse new ones (the server is stopping)."""
+        """End every subscription and refuse new ones (the server is stopping): each watcher
+        still gets what was queued for it, then its stream ends."""
         with self._lock:
             self._closed = True
             subs = list(self._subs)
         for sub in subs:
-            sub.close()
+            sub.end()
 
     def close(self) -> None:
         """:meth:`close_watchers`, then flush pending heartbeat updates to the store."""
