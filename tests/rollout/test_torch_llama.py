@@ -37,14 +37,23 @@ def _decode_reference(model, prompts: list[list[int]], steps: list[list[int]]) -
     return torch.stack(out)
 
 
+#: head_dim 16 (attention scaling 1/4, a power of two) and head_dim 24 with llama3 rope scaling.
+SHAPES = {"d16": {}, "d24-llama3-rope": dict(
+    hidden_size=96, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64})}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("packed", [True, False], ids=["prepacked", "plain-weights"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lean_forward_matches_transformers(kind: str, packed: bool, monkeypatch) -> None:
+def test_lean_forward_matches_transformers(kind: str, packed: bool, shape: str,
+                                           monkeypatch) -> None:
     from gridrl.rollout.backends import torch_llama
 
     if not packed:  # what GPUs, MPS and non-x86 CPUs run
         monkeypatch.setattr(torch_llama, "_packable", lambda weight: False)
-    model = _tiny(kind)
+    model = _tiny(kind, **SHAPES[shape])
     lean = LeanLlama(model)
     assert all(layer.qkv.packed == packed for layer in lean.layers)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
@@ -76,9 +85,12 @@ def test_lean_forward_matches_transformers(kind: str, packed: bool, monkeypatch)
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
-def test_bfloat16_follows_transformers() -> None:
-    model = _tiny().to(torch.bfloat16)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bfloat16_follows_transformers(shape: str) -> None:
+    model = _tiny(**SHAPES[shape]).to(torch.bfloat16)
     lean = LeanLlama(model)
+    # the scaling goes into bf16 q weights only when that rounds nothing (a power of two)
+    assert lean._attn_scale == (1.0 if shape == "d16" else 24 ** -0.5)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         got = lean.forward(ids, torch.arange(8)[None]).float()

@@ -667,7 +667,8 @@ class TorchBackend(Backend):
                 rows = rows.select(keep_t)
             step += 1
             positions = (cache.layers[0].length - cache.pad)[:, None]
-            mask = cache.next_step(always=cpu)
+            # (the lean forward needs a mask only for padded rows; see next_step for the other)
+            mask = cache.next_step(always=cpu and self._running is None)
             if self._running is not None:
                 logits = self._running.forward(tokens[:, None], positions, cache=cache,
                                                attention_mask=mask)[:, -1]

@@ -3,7 +3,7 @@
 Where the time goes in a decode step of a small model (SmolLM2-135M, batch 8, 2-core CPU):
 almost all of it is the ~210 matrix products, and ``F.linear`` on a plain row-major weight
 streams it at ~9 GB/s of a ~30 GB/s memory. This module runs the same maths as transformers'
-``LlamaForCausalLM`` with three changes that do not alter the function computed:
+``LlamaForCausalLM`` with changes that do not alter the function computed:
 
 1. **Fused projections**: q/k/v is one product against the concatenated weight, gate/up another
    (4 products per layer instead of 7).
@@ -18,9 +18,17 @@ streams it at ~9 GB/s of a ~30 GB/s memory. This module runs the same maths as t
    switching an adapter never touches the base weights, so a new adapter serves in the time it
    takes to read its factors.
 
+4. **Fewer kernels per layer** (each small op costs ~20-30 us right after a product has
+   streamed megabytes of weights through the caches, ~3x its cost alone): q/k rows reordered
+   so rotary is one complex product, the attention scaling folded into the q weights (see
+   :meth:`LeanLlama._qkv_layout`), residual adds done inside the o/down products' kernels,
+   and on CPU a decode token's attention as two batched products instead of SDPA's flash
+   kernel (~60 vs ~130 us a layer at a few hundred cached keys).
+
 Numerics: float32 results match transformers' to float rounding (~1e-6 relative); bfloat16
 follows its upcasts (RMSNorm and softmax in float32). Attention for one decode token packs the
-``G`` query heads that share a key/value head as ``G`` query rows (no key/value repeat).
+``G`` query heads that share a key/value head as ``G`` query rows (no key/value repeat). The
+KV cache holds keys in the reordered layout, so it is only read by this forward.
 
 Supported: ``model_type`` llama / mistral / qwen2 with full attention, SiLU MLP, no MLP bias,
 ``pretraining_tp == 1`` (:func:`unsupported_reason` says why not otherwise). Rotary embeddings
@@ -30,7 +38,9 @@ is used as is.
 
 from __future__ import annotations
 
+import math
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +73,13 @@ def unsupported_reason(model: Any) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return f"{type(model).__name__} has no .model.layers / .model.rotary_emb"
+    with torch.no_grad():  # rotary as pairs (dim j with j + D/2) needs equal cos/sin halves
+        probe = torch.zeros(1, 1, dtype=torch.float32, device=inner.embed_tokens.weight.device)
+        cos, sin = inner.rotary_emb(probe, torch.tensor([[1, 7, 100]], device=probe.device))
+        half = cos.shape[-1] // 2
+        if not (torch.equal(cos[..., :half], cos[..., half:])
+                and torch.equal(sin[..., :half], sin[..., half:])):
+            return "a rotary embedding whose two halves differ"
     return None
 
 
@@ -90,11 +107,21 @@ class Projection:
                        if self.packed else weight)
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``y`` as above, plus ``residual`` (N, out) when given (added inside the product's
+        kernel when prepacked: one memory pass fewer a residual connection)."""
         if self.packed:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            if residual is None:
+                y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            else:
+                y = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight,
+                                                              self.bias, "add")
+        elif residual is not None and self.bias is None:
+            y = torch.addmm(residual, x, self.weight.t())
         else:
             y = F.linear(x, self.weight, self.bias)
+            if residual is not None:
+                y += residual
         if self.lora is not None:
             a, bs_t = self.lora
             y.addmm_(x @ a.t(), bs_t)
@@ -159,23 +186,57 @@ class LeanLlama:
         self.norm = inner.norm.weight
         self.rotary = inner.rotary_emb
         self.dtype = self.embed.dtype
+        self.scaling = self.head_dim ** -0.5
+        # The scaling goes into the q weights where that rounds nothing that matters (float32,
+        # or a power of two); else attention applies it.
+        fold = self.dtype == torch.float32 or math.log2(self.scaling).is_integer()
+        self._attn_scale = 1.0 if fold else self.scaling
+        self._qkv_rows, self._qkv_scale = self._qkv_layout(self.scaling if fold else 1.0)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_bias = None
             if attn.q_proj.bias is not None:
-                qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+                qkv_bias = self._to_qkv_layout(
+                    torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])[:, None])[:, 0]
             self.layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight,
                 post_norm=layer.post_attention_layernorm.weight,
-                qkv=Projection(torch.cat([attn.q_proj.weight, attn.k_proj.weight,
-                                          attn.v_proj.weight]), qkv_bias),
+                qkv=Projection(self._to_qkv_layout(torch.cat(
+                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])), qkv_bias),
                 o=Projection(attn.o_proj.weight, attn.o_proj.bias),
                 gate_up=Projection(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                 down=Projection(mlp.down_proj.weight)))
         self.head = Projection(model.get_output_embeddings().weight)
-        self.scaling = self.head_dim ** -0.5
+        # Decode attention on CPU as two batched products: SDPA's flash kernel costs ~100 us
+        # a call at one query row over <~1k cached keys, the products ~50 (measured, 2 cores).
+        self._product_attention = self.embed.device.type == "cpu"
         self._active: LoraFactors | None = None
+
+    def _qkv_layout(self, q_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused q/k/v product's output layout: (rows, scale), both (out,).
+
+        ``rows`` reorders each q and k head's ``D`` dims from rotate-half order (dim ``j``
+        pairs with ``j + D/2`` in rotary) to interleaved pairs (``2j``, ``2j + 1``), so rotary
+        is one complex product; ``scale`` is ``q_scale`` (the attention scaling ``D**-0.5``,
+        or 1 when attention applies it) on the q rows and 1 elsewhere. Neither changes what attention
+        computes: a q.k dot product is the same in any common order of the dims, and
+        ``(s q).k = s (q.k)``. v keeps its order.
+        """
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        pairs = torch.arange(d).view(2, d // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
+        heads = torch.arange(hq + hkv)[:, None] * d
+        rows = torch.cat([(heads + pairs).reshape(-1),
+                          torch.arange((hq + hkv) * d, (hq + 2 * hkv) * d)])
+        scale = torch.ones(rows.numel(), dtype=torch.float64)
+        scale[:hq * d] = q_scale
+        return rows, scale
+
+    def _to_qkv_layout(self, w: torch.Tensor) -> torch.Tensor:
+        """Rows of ``w`` (out, ...) in the fused q/k/v product's layout (see _qkv_layout)."""
+        rows = self._qkv_rows.to(w.device)
+        scale = self._qkv_scale.to(w.device, torch.float32)
+        return (w.detach().index_select(0, rows).float() * scale[:, None]).to(w.dtype)
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -216,6 +277,8 @@ class LeanLlama:
             a_all = torch.cat(a_parts) if len(a_parts) > 1 else a_parts[0]
             # (R, out): row block i holds (s_i B_i)^T under output columns of slot i.
             bs_t = torch.block_diag(*b_blocks) if len(b_blocks) > 1 else b_blocks[0]
+            if name == "qkv":
+                bs_t = self._to_qkv_layout(bs_t.t()).t()
             out.factors[(layer, name)] = (a_all.to(self.dtype).contiguous(),
                                           bs_t.to(self.dtype).contiguous())
         return out
@@ -268,6 +331,31 @@ class LeanLlama:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
+    def _rotary(self, x: torch.Tensor, position_ids: torch.Tensor
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Rotary embedding for ``position_ids`` (B, T) as a function of (B, T, H, D) heads in
+        the interleaved-pair layout (see :meth:`_qkv_layout`). cos/sin come from the model's
+        own rotary module (every rope scaling it implements), whose two halves are equal:
+        pair (2j, 2j+1) turns by angle j. float32: one complex product; other dtypes: the
+        same products as transformers' rotate-half, in that dtype."""
+        cos, sin = self.rotary(x, position_ids)  # (B, T, D) each, halves equal
+        half = self.head_dim // 2
+        if x.dtype == torch.float32:
+            turn = torch.complex(cos[..., :half], sin[..., :half])[:, :, None, :]
+
+            def rotate(heads: torch.Tensor) -> torch.Tensor:
+                pairs = torch.view_as_complex(heads.unflatten(-1, (half, 2)))
+                return torch.view_as_real(pairs * turn).flatten(-2)
+            return rotate
+        cos = cos[..., :half].repeat_interleave(2, dim=-1)[:, :, None, :]
+        sin = sin[..., :half].repeat_interleave(2, dim=-1)[:, :, None, :]
+
+        def rotate_pairs(heads: torch.Tensor) -> torch.Tensor:
+            pairs = heads.unflatten(-1, (half, 2))
+            turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+            return heads * cos + turned * sin
+        return rotate_pairs
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -291,34 +379,39 @@ class LeanLlama:
         b, t = input_ids.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(input_ids, self.embed).view(b * t, -1)
-        cos, sin = self.rotary(x, position_ids)  # (B, T, D) each
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        rotate = self._rotary(x, position_ids)
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.input_norm)
             qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d)
-            qk = qkv[:, :, :hq + hkv]
-            half = d // 2
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
+            qk = rotate(qkv[:, :, :hq + hkv])
             q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
             if isinstance(cache, SlabCache):
                 keys, values = cache.layers[i].update(k.transpose(1, 2), v.transpose(1, 2))
                 # t == 1: the G query heads of each kv head attend as G query rows.
-                attn = F.scaled_dot_product_attention(
-                    q.reshape(b, hkv, hq // hkv, d), keys, values, attn_mask=attention_mask,
-                    scale=self.scaling)
+                q = q.reshape(b, hkv, hq // hkv, d)
+                if self._product_attention:
+                    scores = torch.matmul(q, keys.transpose(-1, -2))
+                    if self._attn_scale != 1.0:
+                        scores.mul_(self._attn_scale)
+                    if attention_mask is not None:
+                        scores.add_(attention_mask)
+                    attn = torch.matmul(scores.softmax(-1), values)
+                else:
+                    attn = F.scaled_dot_product_attention(q, keys, values,
+                                                          attn_mask=attention_mask,
+                                                          scale=self._attn_scale)
             else:
                 keys, values = k.transpose(1, 2), v.transpose(1, 2)
                 if cache is not None:
                     cache.append((keys.contiguous(), values.contiguous()))
                 attn = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self.scaling,
+                    q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self._attn_scale,
                     enable_gqa=hq != hkv).transpose(1, 2)
-            x = x + layer.o(attn.reshape(b * t, hq * d))
+            x = layer.o(attn.reshape(b * t, hq * d), residual=x)
             h = self._rms(x, layer.post_norm)
             gate_up = layer.gate_up(h)
             inter = gate_up.shape[-1] // 2
-            x = x + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+            x = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], residual=x)
         x = x.view(b, t, -1)
         if logits_at is not None:
             x = x.index_select(1, logits_at)
