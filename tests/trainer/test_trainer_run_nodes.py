@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 def serve_node(service_factory, model_dir: Path, tmp_path: Path, name: str,
-               backend: str = "torch", master: str | None = None):
+               backend: str = "torch", master: str | None = None, extra: tuple[str, ...] = ()):
     argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", str(model_dir),
             "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-            "--adapter-root", str(tmp_path / f"{name}-adapters")]
+            "--adapter-root", str(tmp_path / f"{name}-adapters"), *extra]
     if master:
         argv += ["--master", master]
     return service_factory(argv, name, env=ONE_THREAD)
@@ -202,3 +202,26 @@ def test_nodes_from_the_master(tiny_llama_dir, tmp_path, service_factory):
         assert list(r["nodes"]) == [node.address] and r["nodes_synced"] == 1
         assert r["nodes"][node.address]["versions"] == [r["policy_version"] - 1]
     assert node_adapter(node.address).version == 2
+
+
+def test_bfloat16_node_is_held_to_the_16_bit_mismatch_bound(tiny_llama_dir, tmp_path,
+                                                             service_factory):
+    """A healthy bf16 node disagrees with the fp32 trainer by its rounding: it is judged by
+    --mismatch-kl-max-16bit, not by the fp32 bound (here set below any rounding)."""
+    node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-bf16",
+                      extra=("--dtype", "bfloat16"))
+    for low_bound, flagged in ((0.1, False), (1e-9, True)):
+        run_dir = tmp_path / f"run-{low_bound}"
+        args = trainer_args(tiny_llama_dir, run_dir, [node.address], steps=3, sync_every=1,
+                            flag_after=1, mismatch_kl_max=1e-9,
+                            mismatch_kl_max_16bit=low_bound)
+        args[args.index("nodes-run")] = f"bf16-run-{int(flagged)}"  # another run: reset first
+        run_trainer(args)
+        steps = step_records(run_dir)
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        for r in steps:
+            kl = r["nodes"][node.address]["fresh_mismatch_kl"]
+            assert 1e-9 < kl < 0.1, r["nodes"]  # bf16 rounding: visible, far below 0.1
+            assert (node.address in r["flagged_nodes"]) == flagged, r["flagged_nodes"]
+        if flagged:
+            assert "16-bit bound" in steps[0]["flagged_nodes"][node.address]

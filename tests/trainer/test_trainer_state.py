@@ -131,6 +131,24 @@ def test_node_monitor_flags_after_consecutive_bad_steps_and_recovers():
     assert "outside this run's lineage" in mon.problem(unknown)
 
 
+def test_node_monitor_holds_16_bit_steps_to_their_own_bound():
+    mon = NodeMonitor(max_staleness=0, mismatch_kl_max=0.01, flag_after=1,
+                      mismatch_kl_max_16bit=0.1)
+    rounding = dict(samples=8, fresh_kl_sum=0.02 * 80, fresh_tokens=80, versions={5})
+    assert mon.problem(NodeStepStats(**rounding, low_precision=True)) == ""
+    assert "(> 0.01)" in mon.problem(NodeStepStats(**rounding))
+    wrong = NodeStepStats(samples=8, fresh_kl_sum=0.5 * 80, fresh_tokens=80, versions={5},
+                          low_precision=True)
+    assert "(> 0.1, 16-bit bound)" in mon.problem(wrong)
+    assert mon.bound({"a": NodeStepStats(**rounding)}) == 0.01
+    assert mon.bound({"a": NodeStepStats(**rounding),
+                      "b": NodeStepStats(**rounding, low_precision=True)}) == 0.1
+    assert mon.bound({}) == 0.01
+    # without a 16-bit bound every step is held to mismatch_kl_max
+    strict = NodeMonitor(max_staleness=0, mismatch_kl_max=0.01, flag_after=1)
+    assert "(> 0.01, 16-bit bound)" in strict.problem(NodeStepStats(**rounding, low_precision=True))
+
+
 def test_prefetcher_runs_ahead_by_depth_and_no_further():
     calls: list[int] = []
     lock = threading.Lock()

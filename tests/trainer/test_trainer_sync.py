@@ -3,6 +3,8 @@ deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import REGISTRY
 from scripted_nodes import IDENTITY, NodeFarm, peft_files, peft_manifest, wait_until
@@ -25,12 +27,13 @@ def farm():
 def make_sync():
     made: list[tuple[NodePool, AdapterSync]] = []
 
-    def make(nodes, deadline_s: float = 5.0, **kw) -> tuple[NodePool, AdapterSync]:
+    def make(nodes, deadline_s: float = 5.0, known_versions=None,
+             **kw) -> tuple[NodePool, AdapterSync]:
         kw.setdefault("probe_interval_s", 0.2)
         pool = NodePool(master=None, addresses=[n.address for n in nodes],
                         model_identity=IDENTITY, **kw)
         sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"],
-                           deadline_s=deadline_s)
+                           deadline_s=deadline_s, known_versions=known_versions)
         made.append((pool, sync))
         pool.start()
         return pool, sync
@@ -138,6 +141,23 @@ def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> Non
     wait_until(lambda: node.reloads == 1, 5, "the node switched to the base model")
     assert node.adapter == ("", 0)
     wait_until(lambda: pool.node(node.address).adapter_version == 0, 5, "version 0 recorded")
+
+
+def test_same_name_adapter_of_an_earlier_run_reset_to_base(farm, make_sync) -> None:
+    """A fresh run reusing a run name: v7 of that name is not in this run's lineage."""
+    node = farm.start(adapter=(NAME, 7))
+    pool, _sync = make_sync([node])
+    pool.wait_for_nodes(1, timeout_s=10)
+    wait_until(lambda: node.reloads == 1, 5, "the node switched to the base model")
+    assert node.adapter == ("", 0)
+
+
+def test_resumed_run_keeps_a_node_on_its_own_lineage(farm, make_sync) -> None:
+    node = farm.start(adapter=(NAME, 7))
+    pool, _sync = make_sync([node], known_versions=lambda: {0: 0, 6: 3, 7: 4})
+    pool.wait_for_nodes(1, timeout_s=10)
+    time.sleep(0.5)  # the listener has run (the node is in the pool); no reset followed
+    assert node.reloads == 0 and node.adapter == (NAME, 7)
 
 
 def test_push_refuses_inconsistent_input(farm, make_sync) -> None:

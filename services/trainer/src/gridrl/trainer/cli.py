@@ -107,6 +107,8 @@ _ALL_OPTIONS = [
     _opt("--mismatch-kl-max", type=float, default=0.01,
          help="Flag a node whose samples of the trainer's own version disagree with the "
               "trainer's logprobs by more than this KL (nats/token)."),
+    _opt("--mismatch-kl-max-16bit", type=float, default=0.1,
+         help="--mismatch-kl-max for a bf16/fp16 node or trainer (its rounding: ~1e-2)."),
     _opt("--flag-after", type=int, default=2,
          help="Consecutive stale or mismatched steps that flag a node."),
     _opt("--min-nodes", type=int, default=1, help="Rollout nodes to wait for before step 1."),

@@ -76,6 +76,7 @@ class TrainConfig:
     max_staleness: int | None = None
     async_steps: int = 0
     mismatch_kl_max: float = 0.01
+    mismatch_kl_max_16bit: float = 0.1
     flag_after: int = 2
     min_nodes: int = 1
     node_wait_s: float = 120.0

@@ -199,8 +199,10 @@ class Trainer:
 
             raise invalid_argument("--prompts-per-step", f"{cfg.prompts_per_step} groups cannot "
                                    f"be shared by {self.parallel.world_size} ranks")
-        self.monitor = NodeMonitor(max_staleness=cfg.staleness_bound,
-                                   mismatch_kl_max=cfg.mismatch_kl_max, flag_after=cfg.flag_after)
+        self.monitor = NodeMonitor(
+            max_staleness=cfg.staleness_bound, mismatch_kl_max=cfg.mismatch_kl_max,
+            mismatch_kl_max_16bit=cfg.mismatch_kl_max_16bit,
+            flag_after=cfg.flag_after)
         if ckpt is not None:
             self._begin_resumed(ckpt)
         if self.is_main:
@@ -286,7 +288,8 @@ class Trainer:
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=self.policy.identity.num_layers,
-                                    deadline_s=cfg.sync_deadline_s)
+                                    deadline_s=cfg.sync_deadline_s,
+                                    known_versions=lambda: self.state.lineage)
             nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
             self.console.print("rollout nodes: " + ", ".join(
                 f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
@@ -400,7 +403,8 @@ class Trainer:
     def _sync(self, step: int, *, force: bool = False) -> dict[str, Any]:
         """Push the adapter to every node (rank 0, remote nodes, every --sync-every steps, or
         now when ``force``)."""
-        if self.sync is None or (step % self.cfg.sync_every and not force):
+        if (self.sync is None or (step % self.cfg.sync_every and not force)
+                or self.state.version == 0):  # nothing trained yet: the nodes serve the base
             return {"sync_s": 0.0, "nodes_synced": 0, "nodes_skipped": 0, "synced": False}
         from gridrl.adapters import build_manifest
 
@@ -579,6 +583,12 @@ class Trainer:
                     ns = per_node[s.node]
                     ns.fresh_kl_sum += kl * len(s.token_ids)
                     ns.fresh_tokens += len(s.token_ids)
+        for node, ns in per_node.items():
+            ns.low_precision = self._low_precision(node)
+        if self.status is not None:  # a served run: Prometheus shows the bound beside the KL
+            from gridrl.trainer import metrics
+
+            metrics.MISMATCH_KL_BOUND.set(self.monitor.bound(per_node))
         newly = self.monitor.observe(step, per_node)
         for node, why in newly.items():
             self._flagged_ever[node] = why
@@ -586,6 +596,13 @@ class Trainer:
             self.console.print(f"[bold white on red] NODE FLAGGED [/] [bold red]{node}[/] at step "
                                f"{step}: {why}")
         return dict(self.monitor.flagged)
+
+    def _low_precision(self, node: str) -> bool:
+        """Whether the trainer or rollout node ``node`` computes in a 16-bit float dtype."""
+        if self.policy.dtype in (torch.bfloat16, torch.float16):
+            return True
+        state = self.pool.node(node) if self.pool is not None else None
+        return state is not None and state.dtype in ("bfloat16", "float16")
 
     def _record(self, step: int, c: dict[str, Any], stats: UpdateStats | None,
                 sync: dict[str, Any], evaluation: dict[str, Any] | None,

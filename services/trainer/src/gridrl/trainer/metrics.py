@@ -25,6 +25,11 @@ EVAL_SCORE = Gauge("gridrl_trainer_eval_score", "Last held-out eval score in [0,
 LOSS = Gauge("gridrl_trainer_loss", "Loss of the last step.")
 MISMATCH_KL = Gauge("gridrl_trainer_mismatch_kl",
                     "Trainer-vs-behaviour logprob KL estimate of the last step, nats per token.")
+MISMATCH_KL_BOUND = Gauge(
+    "gridrl_trainer_mismatch_kl_bound",
+    "Mismatch KL a node may reach before it is flagged, at the last step, nats per token: "
+    "--mismatch-kl-max, or --mismatch-kl-max-16bit when a node that sampled the step "
+    "or the trainer computes in bfloat16/float16.")
 STALENESS_MEAN = Gauge("gridrl_trainer_staleness_mean",
                        "Mean staleness (trainer version - sample version) of the last step.")
 DROPPED_SAMPLES = Counter("gridrl_trainer_dropped_samples_total",

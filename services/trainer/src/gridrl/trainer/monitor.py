@@ -8,7 +8,11 @@ Two silent failures of distributed RL show up here and are flagged loudly:
 - a node that claims the trainer's version but samples with other weights (a failed swap, a
   wrong conversion, a different base): its samples of staleness 0 disagree with the trainer's
   own logprobs. The k3 KL(behaviour || trainer) of such samples is ~1e-6 nats/token for a
-  healthy fp32 node, ~1e-3 for bf16; above ``mismatch_kl_max`` the step counts as mismatched.
+  healthy fp32 node; above ``mismatch_kl_max`` the step counts as mismatched. When the node or
+  the trainer computes in bfloat16/float16, rounding alone gives 4e-3 to 2e-2 (SmolLM2-135M,
+  a bf16 CPU node against the fp32 trainer, 2026-12-01), so those steps are held to
+  ``mismatch_kl_max_16bit`` instead: it still catches a wrong base or conversion, not
+  a one-version slip.
 
 A node is flagged after ``flag_after`` consecutive bad steps and unflagged after a good one.
 """
@@ -33,6 +37,7 @@ class NodeStepStats:
         fresh_kl_sum: sum over kept samples of staleness 0 of (per-token mismatch KL * tokens).
         fresh_tokens: tokens of those samples.
         versions: the policy versions seen.
+        low_precision: the node or the trainer computes in a 16-bit float dtype.
     """
 
     samples: int = 0
@@ -42,6 +47,7 @@ class NodeStepStats:
     fresh_kl_sum: float = 0.0
     fresh_tokens: int = 0
     versions: set[int] | None = None
+    low_precision: bool = False
 
     @property
     def fresh_kl(self) -> float | None:
@@ -55,12 +61,17 @@ class NodeMonitor:
     Args:
         max_staleness: the staleness bound samples are dropped beyond.
         mismatch_kl_max: nats/token above which staleness-0 samples count as mismatched.
+        mismatch_kl_max_16bit: the same bound for steps whose ``low_precision`` is
+            set (default: ``mismatch_kl_max``).
         flag_after: consecutive bad steps that flag a node.
     """
 
-    def __init__(self, *, max_staleness: int, mismatch_kl_max: float, flag_after: int) -> None:
+    def __init__(self, *, max_staleness: int, mismatch_kl_max: float, flag_after: int,
+                 mismatch_kl_max_16bit: float | None = None) -> None:
         self.max_staleness = max_staleness
         self.mismatch_kl_max = mismatch_kl_max
+        self.mismatch_kl_max_16bit = (mismatch_kl_max if mismatch_kl_max_16bit is None
+                                      else mismatch_kl_max_16bit)
         self.flag_after = flag_after
         self._bad_steps: dict[str, int] = {}
         self.flagged: dict[str, str] = {}
@@ -74,11 +85,20 @@ class NodeMonitor:
             return (f"stale: {stats.dropped}/{stats.samples} samples dropped ({what}; sampled "
                     f"with policy version(s) {versions})")
         kl = stats.fresh_kl
-        if kl is not None and kl > self.mismatch_kl_max:
+        bound = (self.mismatch_kl_max_16bit if stats.low_precision
+                 else self.mismatch_kl_max)
+        if kl is not None and kl > bound:
+            precision = ", 16-bit bound" if stats.low_precision else ""
             return (f"mismatched: KL(behaviour || trainer) {kl:.2e} nats/token on samples of the "
-                    f"trainer's own version (> {self.mismatch_kl_max:g}): the node samples with "
+                    f"trainer's own version (> {bound:g}{precision}): the node samples with "
                     "other weights than it claims")
         return ""
+
+    def bound(self, per_node: dict[str, NodeStepStats]) -> float:
+        """The loosest mismatch bound applied to any of these nodes (nats/token)."""
+        return max((self.mismatch_kl_max_16bit if stats.low_precision
+                    else self.mismatch_kl_max for stats in per_node.values()),
+                   default=self.mismatch_kl_max)
 
     def observe(self, step: int, per_node: dict[str, NodeStepStats]) -> dict[str, str]:
         """Account one step; returns the nodes newly flagged at this step (address -> reason).

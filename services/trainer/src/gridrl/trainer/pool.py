@@ -83,6 +83,7 @@ class NodeState:
         benched: why it left rotation (failures, failed push); "" when not benched.
         last_error: the last failure seen on it.
         max_n, max_tokens, max_context: the node's request bounds (0 = unknown).
+        dtype: the node's compute dtype, e.g. ``"float32"``, ``"bfloat16"`` ("" = unknown).
         in_flight: groups being sampled on it now.
     """
 
@@ -90,6 +91,7 @@ class NodeState:
     backend: str = ""
     adapter_format: str = "peft"
     capacity: int = 1
+    dtype: str = ""
     healthy: bool = False
     in_rotation: bool = False
     adapter_version: int = 0
@@ -581,6 +583,7 @@ class NodePool:
         s.backend = _BACKENDS.get(info.backend, "")
         s.adapter_format = _FORMATS.get(info.adapter_format, "peft")
         s.capacity = max(1, int(info.capacity))
+        s.dtype = info.dtype
         s.max_n, s.max_tokens, s.max_context = int(info.max_n), int(info.max_tokens), int(
             info.max_context)
         problem = self._identity_problem(info.base_model)

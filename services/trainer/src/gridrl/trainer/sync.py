@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,10 +72,15 @@ class AdapterSync:
         deadline_s: seconds one node's push may take (per node; nodes run concurrently).
         auth_token: unused beyond the pool's channels (which carry the pool's token); kept for
             symmetry with the other clients.
+        known_versions: returns the versions of this run's weights (its lineage; version 0 is
+            the base model). Before the first push, a node serving ``name`` at a version
+            outside them (an earlier run under the same name) is reset like another run's
+            adapter. Default: only version 0.
     """
 
     def __init__(self, pool: NodePool, *, name: str, num_layers: int, deadline_s: float = 30.0,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None,
+                 known_versions: Callable[[], Container[int]] | None = None) -> None:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
         self.pool = pool
@@ -83,6 +88,7 @@ class AdapterSync:
         self.num_layers = num_layers
         self.deadline_s = deadline_s
         self.auth_token = auth_token
+        self._known_versions = known_versions or (lambda: (0,))
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
         self._newest: _Adapter | None = None
@@ -249,6 +255,10 @@ class AdapterSync:
         if adapter is None:
             if node.adapter_name not in ("", self.name):
                 self._submit(self._reset_to_base, node.address, node.adapter_name)
+            elif (node.adapter_name == self.name
+                  and node.adapter_version not in self._known_versions()):
+                self._submit(self._reset_to_base, node.address,
+                             f"{node.adapter_name} v{node.adapter_version}")
             return
         if node.synced_version >= adapter.version and node.adapter_version >= adapter.version:
             return
@@ -262,8 +272,8 @@ class AdapterSync:
 
     def _reset_to_base(self, address: str, foreign: str) -> None:
         """Make a node that serves another run's adapter serve the base model (version 0)."""
-        log.warning("node %s serves adapter %r, not this run's %r; switching it to the base "
-                    "model until the first sync", address, foreign, self.name)
+        log.warning("node %s serves adapter %r, not this run's weights (%r); switching it to "
+                    "the base model until the first sync", address, foreign, self.name)
         try:
             response = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).ReloadAdapter(
                 rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=self.deadline_s)
