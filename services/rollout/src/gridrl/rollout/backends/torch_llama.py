@@ -218,24 +218,24 @@ class LeanLlama:
 
         ``rows`` reorders each q and k head's ``D`` dims from rotate-half order (dim ``j``
         pairs with ``j + D/2`` in rotary) to interleaved pairs (``2j``, ``2j + 1``), so rotary
-        is one complex product; ``scale`` is ``q_scale`` (the attention scaling ``D**-0.5``,
-        or 1 when attention applies it) on the q rows and 1 elsewhere. Neither changes what attention
-        computes: a q.k dot product is the same in any common order of the dims, and
-        ``(s q).k = s (q.k)``. v keeps its order.
+        is one complex product; ``scale`` (float32) is ``q_scale`` (the attention scaling
+        ``D**-0.5``, or 1 when attention applies it) on the q rows and 1 elsewhere. Neither
+        changes what attention computes: a q.k dot product is the same in any common order of
+        the dims, and ``(s q).k = s (q.k)``. v keeps its order.
         """
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         pairs = torch.arange(d).view(2, d // 2).t().reshape(-1)  # 0, D/2, 1, D/2 + 1, ...
         heads = torch.arange(hq + hkv)[:, None] * d
         rows = torch.cat([(heads + pairs).reshape(-1),
                           torch.arange((hq + hkv) * d, (hq + 2 * hkv) * d)])
-        scale = torch.ones(rows.numel(), dtype=torch.float64)
+        scale = torch.ones(rows.numel(), dtype=torch.float32)
         scale[:hq * d] = q_scale
         return rows, scale
 
     def _to_qkv_layout(self, w: torch.Tensor) -> torch.Tensor:
         """Rows of ``w`` (out, ...) in the fused q/k/v product's layout (see _qkv_layout)."""
         rows = self._qkv_rows.to(w.device)
-        scale = self._qkv_scale.to(w.device, torch.float32)
+        scale = self._qkv_scale.to(w.device)
         return (w.detach().index_select(0, rows).float() * scale[:, None]).to(w.dtype)
 
     # -- adapters ------------------------------------------------------------------------------
