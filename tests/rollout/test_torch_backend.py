@@ -152,6 +152,35 @@ def test_adapter_that_does_not_fit_changes_nothing(tiny_backend, tiny_adapters, 
     assert tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], a)[0] == before
 
 
+def test_adapter_files_in_memory_load_like_the_directory(tiny_backend, tiny_adapters,
+                                                        tmp_path) -> None:
+    """load_adapter_files (a push's path) serves what load_adapter of the same directory
+    serves, from read-only bytes and from a push's writable bytearray, with the weights stored
+    in bf16 too; a file that does not parse is refused and changes nothing."""
+    from safetensors.torch import load_file, save
+
+    greedy = CONFIGS["greedy"]
+    files = {p.name: p.read_bytes() for p in tiny_adapters["a"].iterdir() if p.is_file()}
+    from_dir = tiny_backend.load_adapter(tiny_adapters["a"], "dir")
+    want = tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], from_dir)[0]
+    for key, data in (("bytes", files), ("bytearray",
+                                         {k: bytearray(v) for k, v in files.items()})):
+        handle = tiny_backend.load_adapter_files(data, key)
+        assert tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], handle)[0] == want
+        tiny_backend.unload_adapter(handle)
+    bf16 = {k: v.bfloat16() for k, v in
+            load_file(tiny_adapters["a"] / "adapter_model.safetensors").items()}
+    handle = tiny_backend.load_adapter_files(
+        {**files, "adapter_model.safetensors": save(bf16, metadata={"format": "pt"})}, "bf16")
+    got = tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], handle)[0]
+    assert got.token_ids == want.token_ids  # LoRA weights rounded to bf16: same greedy path
+    assert got.logprobs == pytest.approx(want.logprobs, abs=5e-2)
+    with pytest.raises(AdapterLoadError, match="adapter_model.safetensors"):
+        tiny_backend.load_adapter_files({**files, "adapter_model.safetensors": b"\x10" * 16},
+                                        "corrupt")
+    assert tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], from_dir)[0] == want
+
+
 def test_from_model_uses_the_peft_model_as_it_is(tiny_llama_dir: Path,
                                                  tiny_adapters: dict[str, Path]) -> None:
     """The trainer's in-process use: adapter=None decodes with the model's active adapter, in

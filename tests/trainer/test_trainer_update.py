@@ -117,6 +117,9 @@ def test_adapter_files_round_trip_and_load_with_peft(policy, tmp_path, tiny_llam
     grpo_update(pol, opt, None, _sequences(), UpdateConfig(max_tokens=8))
     files = pol.adapter_files()
     assert set(files) == {"adapter_config.json", "adapter_model.safetensors"}
+    from safetensors.torch import save  # the bytes peft's save_pretrained writes
+    assert files["adapter_model.safetensors"] == save(pol.adapter_state(),
+                                                      metadata={"format": "pt"})
     other = _fresh(policy)
     other.load_adapter_files(files)
     for k, v in pol.adapter_state().items():
@@ -249,3 +252,30 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(policy):
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.zero_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_stored_tensor_dumps_what_safetensors_writes(dtype):
+    """stored_tensor + gridrl.adapters.tensors.dump == safetensors.torch.save, byte for byte,
+    for every dtype a LoRA state can hold, mixed in one file, scalars included."""
+    from safetensors.torch import save
+
+    from gridrl.adapters.tensors import dump
+    from gridrl.trainer.policy import stored_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    state = {f"base_model.model.layers.{i}.q_proj.lora_A.weight":
+             torch.randn(4, 8 + i, generator=gen).to(dtype) for i in range(3)}
+    state["scale"] = torch.tensor(2.5, dtype=dtype)
+    state["other"] = torch.randn(5, generator=gen).to(torch.float32)
+    want = save(state, metadata={"format": "pt"})
+    assert dump({k: stored_tensor(v) for k, v in state.items()}, {"format": "pt"}) == want
+
+
+def test_stored_tensor_refuses_what_it_cannot_store():
+    from gridrl.trainer.policy import stored_tensor
+
+    with pytest.raises(ValueError, match="int64"):
+        stored_tensor(torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        stored_tensor(torch.zeros(3, 4).t())

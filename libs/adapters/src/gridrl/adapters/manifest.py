@@ -151,7 +151,7 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
         check_relpath(path)
     with ThreadPoolExecutor(1) as pool:
         # hashlib releases the GIL: the digests are computed while the tensors are parsed.
-        hashed = pool.submit(lambda: [AdapterFile.of(p, bytes(files[p])) for p in sorted(files)]) \
+        hashed = pool.submit(lambda: [AdapterFile.of(p, files[p]) for p in sorted(files)]) \
             if hash_files else None
         adapter = read_adapter(files)
         listed = hashed.result() if hashed is not None else [
@@ -188,7 +188,7 @@ def verify_files(manifest: AdapterManifest, files: Mapping[str, bytes]) -> None:
     for path in sorted(files):
         if path not in listed:
             raise AdapterError(f"{path}: unexpected file (not in the manifest)")
-        data, want = bytes(files[path]), listed[path]
+        data, want = files[path], listed[path]
         if len(data) != want.size_bytes:
             raise AdapterError(f"{path}: {len(data)} bytes, the manifest says {want.size_bytes}")
         digest = hashlib.sha256(data).hexdigest()

@@ -78,7 +78,7 @@ def read(files: Mapping[str, bytes],
     dora = fine_tune_type == "dora"
 
     if tensors is None:
-        data = bytes(files[WEIGHTS])
+        data = files[WEIGHTS]  # parsed in place (tensors view it)
         parsed = st.load(data, WEIGHTS)
         layout = st.detect_writer(data, parsed)
     else:

@@ -121,7 +121,7 @@ def read(files: Mapping[str, bytes],
     use_dora = bool(cfg.get("use_dora", False))
 
     if tensors is None:
-        data = bytes(files[WEIGHTS])
+        data = files[WEIGHTS]  # parsed in place (tensors view it)
         parsed = st.load(data, WEIGHTS)
         layout = st.detect_writer(data, parsed)
     else:

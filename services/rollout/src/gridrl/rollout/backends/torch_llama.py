@@ -261,26 +261,32 @@ class LeanLlama:
         for (layer, name), slots in groups.items():
             proj = self.head if layer < 0 else getattr(self.layers[layer], name)
             sizes = self._slot_sizes(name, proj)
-            a_parts, b_blocks = [], []
-            for slot, size in enumerate(sizes):
-                if slot not in slots:  # not adapted: zero columns in the block diagonal
-                    b_blocks.append(torch.zeros((0, size), dtype=torch.float32, device=dev))
-                    continue
-                a, b, scale = slots[slot]
-                r = a.shape[0]
-                if a.dim() != 2 or a.shape[1] != proj.in_features or tuple(b.shape) != (size, r):
+            for slot, (a, b, _) in slots.items():
+                size = sizes[slot]
+                if a.dim() != 2 or a.shape[1] != proj.in_features or tuple(b.shape) != (
+                        size, a.shape[0]):
                     raise ValueError(f"LoRA of layer {layer} {name}[{slot}]: A {list(a.shape)} / "
                                      f"B {list(b.shape)} do not fit ({size} x "
                                      f"{proj.in_features})")
-                a_parts.append(a.to(dev, torch.float32))
-                b_blocks.append(b.to(dev, torch.float32).t() * scale)
-            a_all = torch.cat(a_parts) if len(a_parts) > 1 else a_parts[0]
-            # (R, out): row block i holds (s_i B_i)^T under output columns of slot i.
-            bs_t = torch.block_diag(*b_blocks) if len(b_blocks) > 1 else b_blocks[0]
-            if name == "qkv":
-                bs_t = self._to_qkv_layout(bs_t.t()).t()
-            out.factors[(layer, name)] = (a_all.to(self.dtype).contiguous(),
-                                          bs_t.to(self.dtype).contiguous())
+            # A (R, in): the slots' A stacked; Bs_t (R, out): row block i holds (s_i B_i)^T
+            # under the output columns of slot i, zero elsewhere (a block diagonal; a slot
+            # not adapted is zero columns). Filled in place: one copy of each weight.
+            total_rank = sum(a.shape[0] for a, _, _ in slots.values())
+            a_all = torch.empty((total_rank, proj.in_features), dtype=torch.float32, device=dev)
+            bs_t = torch.zeros((total_rank, sum(sizes)), dtype=torch.float32, device=dev)
+            row = col = 0
+            for slot, size in enumerate(sizes):
+                if slot in slots:
+                    a, b, scale = slots[slot]
+                    r = a.shape[0]
+                    a_all[row:row + r].copy_(a)
+                    torch.mul(b.t().to(dev, torch.float32), scale,
+                              out=bs_t[row:row + r, col:col + size])
+                    row += r
+                col += size
+            if name == "qkv":  # output columns in the fused product's layout (_qkv_layout)
+                bs_t = bs_t.index_select(1, self._qkv_rows.to(dev)) * self._qkv_scale.to(dev)
+            out.factors[(layer, name)] = (a_all.to(self.dtype), bs_t.to(self.dtype))
         return out
 
     def _slot_sizes(self, name: str, proj: Projection) -> list[int]:
