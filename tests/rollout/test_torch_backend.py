@@ -175,7 +175,7 @@ def test_adapter_files_in_memory_load_like_the_directory(tiny_backend, tiny_adap
     got = tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], handle)[0]
     assert got.token_ids == want.token_ids  # LoRA weights rounded to bf16: same greedy path
     assert got.logprobs == pytest.approx(want.logprobs, abs=5e-2)
-    with pytest.raises(AdapterLoadError, match="adapter_model.safetensors"):
+    with pytest.raises(AdapterLoadError, match=r"adapter_model\.safetensors"):
         tiny_backend.load_adapter_files({**files, "adapter_model.safetensors": b"\x10" * 16},
                                         "corrupt")
     assert tiny_backend.generate([SequenceRequest(PROMPT, greedy, 0)], from_dir)[0] == want
