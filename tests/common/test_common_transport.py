@@ -70,3 +70,63 @@ def test_refusals() -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("header.manifest.files[0].path")
     code, msg = _code([good[0], good[2], good[1]])  # out of order
     assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("chunk.")
+
+
+def _undigested(files=FILES):
+    m = manifest(files)
+    for f in m["files"]:
+        f["sha256"] = ""
+    return m
+
+
+def test_digests_in_the_trailer() -> None:
+    """A manifest without digests: the sender hashes while streaming and ends with a trailer;
+    the receiver checks it and returns the manifest with the digests filled in."""
+    reqs = list(push_requests(_undigested(), FILES, chunk_size=1000))
+    assert [r.WhichOneof("payload") for r in (reqs[0], reqs[-1])] == ["header", "trailer"]
+    assert len(reqs) == 1 + 1 + 11 + 1
+    assert list(reqs[-1].trailer.file_sha256) == [hashlib.sha256(FILES[p]).hexdigest()
+                                                  for p in sorted(FILES)]
+    got = receive_push(reqs, max_bytes=1 << 20)
+    assert got.files == FILES
+    assert manifest_to_dict(got.manifest) == manifest()  # digests filled in from the trailer
+    # a manifest with digests sends no trailer
+    assert all(r.WhichOneof("payload") != "trailer" for r in push_requests(manifest(), FILES))
+
+
+def test_trailer_refusals() -> None:
+    good = list(push_requests(_undigested(), FILES, chunk_size=4096))
+    header, chunks, trailer = good[0], good[1:-1], good[-1]
+    code, msg = _code([header, *chunks])  # every byte, no trailer
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: missing")
+    code, msg = _code([header, *chunks[:-1]])  # truncated: the size check comes first
+    assert code == grpc.StatusCode.DATA_LOSS and "truncated" in msg
+    code, msg = _code([header, *chunks[:-1], trailer, chunks[-1]])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
+    code, msg = _code([header, *chunks, trailer, trailer])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
+    wrong = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
+        file_sha256=[trailer.trailer.file_sha256[0], "0" * 64]))
+    code, msg = _code([header, *chunks, wrong])
+    assert code == grpc.StatusCode.DATA_LOSS and "does not match the trailer's" in msg
+    short = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
+        file_sha256=[trailer.trailer.file_sha256[0]]))
+    code, msg = _code([header, *chunks, short])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256:")
+    upper = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
+        file_sha256=[d.upper() for d in trailer.trailer.file_sha256]))
+    code, msg = _code([header, *chunks, upper])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256[0]")
+    # a header with digests takes no trailer
+    with_digests = list(push_requests(manifest(), FILES, chunk_size=4096))
+    code, msg = _code([*with_digests, trailer])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: unexpected")
+    # some digests but not all: refused by both ends
+    mixed = manifest()
+    mixed["files"][1]["sha256"] = ""
+    with pytest.raises(ValueError, match="every file or of none"):
+        list(push_requests(mixed, FILES))
+    code, msg = _code([rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(
+        manifest=manifest_to_proto(mixed)))])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith(
+        "header.manifest.files[1].sha256")

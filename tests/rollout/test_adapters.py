@@ -98,6 +98,30 @@ def test_stage_only_and_idempotent_retry(live_node, tiny_llama_dir, tiny_adapter
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
 
 
+def test_digests_in_the_trailer(live_node, tiny_llama_dir, tiny_adapters) -> None:
+    """The trainer's push: a manifest without digests, the sha256 of each file after its bytes.
+    The node serves it, stores the digests (a retry with them in the header is the same push),
+    and refuses a trailer that does not match the bytes, keeping the previous adapter."""
+    node = live_node()
+    files = read_dir(tiny_adapters["a"])
+    undigested = build_manifest(files, name="a", version=1, hash_files=False).to_dict()
+    assert all(f["sha256"] == "" for f in undigested["files"])
+    assert push_files(node.stub, files, undigested).serving.version == 1
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+    assert push_dir(node.stub, tiny_adapters["a"], "a", 1).serving.version == 1
+    other = read_dir(tiny_adapters["b"])
+    e = rpc_error(lambda: push_files(node.stub, other, build_manifest(
+        other, name="a", version=1, hash_files=False).to_dict()))
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS
+    requests = list(push_requests(build_manifest(other, name="a", version=2,
+                                                 hash_files=False).to_dict(), other))
+    requests[-1].trailer.file_sha256[0] = "0" * 64
+    e = rpc_error(lambda: node.stub.PushAdapter(iter(requests), timeout=30))
+    assert e.code() == grpc.StatusCode.DATA_LOSS and "trailer's" in e.details()
+    _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
+    assert [r.version for r in node.info().stored_adapters] == [1]
+
+
 def _bad_shape_files(adapter: Path) -> dict[str, bytes]:
     """The adapter with one lora_B one row too tall (hidden size unchanged)."""
     import torch

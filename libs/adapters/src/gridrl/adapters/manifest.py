@@ -140,7 +140,8 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
     the hidden size from tensor shapes, the block count where the config implies it (mlx-lm
     adapts the last N blocks, so its last adapted block is the model's last).
     ``hash_files=False`` leaves each file's sha256 empty (sizes only): for checks that only
-    read the model fields, without hashing every byte.
+    read the model fields, and for a push that sends the digests after the bytes
+    (``gridrl.common.transport.push_requests`` hashes while it streams).
 
     Raises:
         AdapterError: not a readable peft / mlx adapter, or an unsafe file path.

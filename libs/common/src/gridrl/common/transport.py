@@ -13,6 +13,13 @@ the files' bytes in manifest order, each file split into pieces of at most ``chu
 bytes, offsets contiguous from 0. 1 MiB chunks stream 19.6 MB in ~30 ms on loopback (64 KiB:
 ~70 ms), so 1 MiB is the default.
 
+Digests go in the header's manifest (every file's ``sha256`` set) or, when the manifest leaves
+every ``sha256`` empty, in a ``trailer`` after the last chunk: the sender then hashes each chunk
+as it sends it, and the receiver hashes it as it arrives, both overlapping the transfer,
+instead of the sender hashing everything before its first byte goes out (~14 ms for 19.6 MB
+here). A trainer pushing a fresh version uses the trailer; a stored adapter with a known
+manifest uses the header.
+
 The receiver checks as bytes arrive (declared sizes, order, offsets, total against
 ``max_bytes``) and at the end (sizes, sha256). Nothing is written to disk here: the result is
 in memory, and the caller stores it atomically only once it is complete and verified.
@@ -72,24 +79,50 @@ def format_enum(name: str) -> int:
 def push_requests(manifest: Mapping[str, Any] | common_pb2.AdapterManifest,
                   files: Mapping[str, bytes], *, stage_only: bool = False,
                   chunk_size: int = CHUNK_SIZE) -> Iterator[rollout_pb2.PushAdapterRequest]:
-    """Yield the PushAdapter stream: the header, then every file of ``manifest.files`` in order.
+    """Yield the PushAdapter stream: the header, then every file of ``manifest.files`` in
+    order, then, when the manifest gives no digests, the trailer with the sha256 of each file
+    computed while its chunks were yielded.
 
     Args:
         manifest: the adapter's manifest (dict schema of ``gridrl.adapters`` or the message);
-            its ``files`` must describe ``files`` (path, size_bytes, sha256).
-        files: file path -> bytes, as listed in the manifest.
+            its ``files`` must describe ``files`` (path, size_bytes) and give every sha256 or
+            none (``build_manifest(..., hash_files=False)``).
+        files: file path -> bytes (any bytes-like object), as listed in the manifest.
         chunk_size: bytes per chunk message (> 0).
     Raises:
         KeyError: a manifest file is missing from ``files``.
+        ValueError: the manifest gives the sha256 of some files but not of others.
     """
     msg = manifest if isinstance(manifest, common_pb2.AdapterManifest) else manifest_to_proto(manifest)
+    deferred = _digests_deferred(msg)
+    if deferred is None:
+        raise ValueError("manifest.files: give the sha256 of every file or of none")
     yield rollout_pb2.PushAdapterRequest(
         header=rollout_pb2.PushAdapterHeader(manifest=msg, stage_only=stage_only))
+    digests = []
     for entry in msg.files:
-        data = memoryview(files[entry.path])
+        data = memoryview(files[entry.path]).cast("B")
+        hasher = hashlib.sha256() if deferred else None
         for offset in range(0, len(data), chunk_size):
+            piece = bytes(data[offset:offset + chunk_size])
+            if hasher is not None:
+                hasher.update(piece)  # releases the GIL: gRPC keeps sending meanwhile
             yield rollout_pb2.PushAdapterRequest(chunk=rollout_pb2.AdapterChunk(
-                path=entry.path, offset=offset, data=bytes(data[offset:offset + chunk_size])))
+                path=entry.path, offset=offset, data=piece))
+        if hasher is not None:
+            digests.append(hasher.hexdigest())
+    if deferred:
+        yield rollout_pb2.PushAdapterRequest(
+            trailer=rollout_pb2.PushAdapterTrailer(file_sha256=digests))
+
+
+def _digests_deferred(m: common_pb2.AdapterManifest) -> bool | None:
+    """False: every file has a sha256 (or there are no files); True: none has (they come in
+    the trailer); None: some have, some not."""
+    given = [bool(f.sha256) for f in m.files]
+    if all(given):
+        return False
+    return True if not any(given) else None
 
 
 @dataclass
@@ -97,7 +130,8 @@ class ReceivedAdapter:
     """A complete, verified push.
 
     Attributes:
-        manifest: the header's manifest.
+        manifest: the header's manifest, every file's sha256 filled in (from the trailer when
+            the header left them out).
         stage_only: the header's flag.
         files: path -> contents (``bytearray``: writable, so tensors can be viewed in place),
             every manifest file, sizes and sha256 checked.
@@ -137,12 +171,17 @@ def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
     if not m.files:
         raise invalid_argument(f"{prefix}.files", "is empty")
     seen: set[str] = set()
+    deferred = _digests_deferred(m)
     for i, f in enumerate(m.files):
         _check_path(f.path, f"{prefix}.files[{i}].path")
         if f.path in seen:
             raise invalid_argument(f"{prefix}.files[{i}].path", f"{f.path!r} is listed twice")
         seen.add(f.path)
-        if len(f.sha256) != 64 or any(c not in "0123456789abcdef" for c in f.sha256):
+        if deferred is None and not f.sha256:
+            raise invalid_argument(f"{prefix}.files[{i}].sha256",
+                                   "is empty while other files give theirs: give every "
+                                   "file's sha256, or none (then the trailer gives them)")
+        if not deferred and not _is_sha256(f.sha256):
             raise invalid_argument(f"{prefix}.files[{i}].sha256", "must be 64 lower-case hex digits")
     total = sum(f.size_bytes for f in m.files)
     if total > max_bytes:
@@ -151,14 +190,19 @@ def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
                           f"{max_bytes} bytes")
 
 
+def _is_sha256(digest: str) -> bool:
+    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+
+
 def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
                  max_bytes: int) -> ReceivedAdapter:
     """Read and verify a whole PushAdapter stream into memory.
 
     Raises:
         StatusError: INVALID_ARGUMENT (missing or repeated header, chunk for an unknown file,
-            out-of-order offset, more bytes than declared, manifest problems), DATA_LOSS (a file
-            shorter than declared, i.e. a truncated stream, or a sha256 mismatch),
+            out-of-order offset, more bytes than declared, manifest problems, a trailer that is
+            missing, unexpected, not last or malformed), DATA_LOSS (a file shorter than
+            declared, i.e. a truncated stream, or a sha256 mismatch),
             RESOURCE_EXHAUSTED (over ``max_bytes``). A cancelled stream surfaces as the
             ``grpc.RpcError`` / iterator error of the caller's request iterator.
     """
@@ -167,7 +211,8 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
     if first is None or first.WhichOneof("payload") != "header":
         raise invalid_argument("header", "the first PushAdapter message must be the header")
     start = time.perf_counter()
-    manifest = first.header.manifest
+    manifest = common_pb2.AdapterManifest()
+    manifest.CopyFrom(first.header.manifest)  # its digests get filled in; the caller's stay
     validate_manifest(manifest, max_bytes)
     expected = {f.path: f for f in manifest.files}
     order = [f.path for f in manifest.files]
@@ -181,8 +226,16 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
     hash_s = 0.0
     current = 0  # index into order of the file being received
     total = 0
+    deferred = _digests_deferred(manifest)
+    trailer: list[str] | None = None
     for msg in it:
-        if msg.WhichOneof("payload") != "chunk":
+        kind = msg.WhichOneof("payload")
+        if trailer is not None:
+            raise invalid_argument("trailer", "must be the last message of the stream")
+        if kind == "trailer":
+            trailer = _check_trailer(msg.trailer, len(order), deferred)
+            continue
+        if kind != "chunk":
             raise invalid_argument("header", "only the first message may be a header")
         chunk = msg.chunk
         if chunk.path not in expected:
@@ -218,10 +271,35 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
             raise StatusError(grpc.StatusCode.DATA_LOSS,
                               f"{path}: received {sizes[path]} of {want.size_bytes} bytes "
                               "(truncated stream)")
+    if deferred and trailer is None:
+        raise invalid_argument("trailer", "missing: the header's manifest left every sha256 "
+                                          "empty, so the stream must end with a trailer giving "
+                                          "them")
+    for i, path in enumerate(order):
+        want = expected[path]
+        claimed, source = (trailer[i], "trailer's") if trailer is not None else (
+            want.sha256, "manifest's")
         digest = hashers[path].hexdigest()
-        if digest != want.sha256:
+        if digest != claimed:
             raise StatusError(grpc.StatusCode.DATA_LOSS,
-                              f"{path}: sha256 {digest} does not match the manifest's {want.sha256}")
+                              f"{path}: sha256 {digest} does not match the {source} {claimed}")
+        want.sha256 = digest
     return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only, files=buffers,
                            bytes_received=total, receive_s=receive_s,
                            verify_s=hash_s + time.perf_counter() - t)
+
+
+def _check_trailer(trailer: rollout_pb2.PushAdapterTrailer, n_files: int,
+                   deferred: bool | None) -> list[str]:
+    """The trailer's digests, checked against the header (``deferred``: it left them out)."""
+    if not deferred:
+        raise invalid_argument("trailer", "unexpected: the header's manifest already gave every "
+                                          "file's sha256")
+    digests = list(trailer.file_sha256)
+    if len(digests) != n_files:
+        raise invalid_argument("trailer.file_sha256", f"has {len(digests)} digests for the "
+                                                      f"manifest's {n_files} files")
+    for i, digest in enumerate(digests):
+        if not _is_sha256(digest):
+            raise invalid_argument(f"trailer.file_sha256[{i}]", "must be 64 lower-case hex digits")
+    return digests

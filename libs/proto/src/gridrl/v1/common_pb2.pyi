@@ -292,7 +292,9 @@ class AdapterFile(_message.Message):
     size_bytes: _builtins.int
     """Size in bytes."""
     sha256: _builtins.str
-    """Lower-case hex sha256 of the file's bytes."""
+    """Lower-case hex sha256 of the file's bytes. In a PushAdapter header it may be empty for
+    every file, the digests then following the bytes in the stream's trailer.
+    """
     def __init__(
         self,
         *,

@@ -154,6 +154,32 @@ class AdapterChunk(_message.Message):
 Global___AdapterChunk: _TypeAlias = AdapterChunk  # noqa: Y015
 
 @_typing.final
+class PushAdapterTrailer(_message.Message):
+    """The digests of a push whose header left them out: the sender hashed each file while
+    streaming it instead of before the header.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILE_SHA256_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def file_sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lower-case hex sha256 of each file, in the manifest's order (one per manifest file)."""
+
+    def __init__(
+        self,
+        *,
+        file_sha256: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_sha256", b"file_sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushAdapterTrailer: _TypeAlias = PushAdapterTrailer  # noqa: Y015
+
+@_typing.final
 class PushAdapterRequest(_message.Message):
     """One message of the PushAdapter stream."""
 
@@ -161,25 +187,31 @@ class PushAdapterRequest(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    TRAILER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___PushAdapterHeader:
         """First message."""
 
     @_builtins.property
     def chunk(self) -> Global___AdapterChunk:
-        """Every later message."""
+        """The files' bytes."""
+
+    @_builtins.property
+    def trailer(self) -> Global___PushAdapterTrailer:
+        """Last message, when the digests were not in the header."""
 
     def __init__(
         self,
         *,
         header: Global___PushAdapterHeader | None = ...,
         chunk: Global___AdapterChunk | None = ...,
+        trailer: Global___PushAdapterTrailer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "payload", b"payload", "trailer", b"trailer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk", "trailer"]  # noqa: Y015
     _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 

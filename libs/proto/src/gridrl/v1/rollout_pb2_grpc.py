@@ -74,8 +74,10 @@ class RolloutServiceServicer:
 
     def PushAdapter(self, request_iterator, context):
         """Client-streaming: first message a header with the manifest, then the files' bytes in
-        manifest order. The node verifies sizes and sha256, converts the format when needed and swaps
-        atomically between batches. Any failure leaves the previous adapter serving.
+        manifest order, then (only when the manifest left every sha256 empty) a trailer with the
+        digests, so a sender can hash while it streams. The node verifies sizes and sha256,
+        converts the format when needed and swaps atomically between batches. Any failure leaves
+        the previous adapter serving.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

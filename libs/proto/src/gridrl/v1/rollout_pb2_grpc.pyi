@@ -42,8 +42,10 @@ class RolloutServiceStub:
     """
     PushAdapter: _grpc.StreamUnaryMultiCallable[_rollout_pb2.PushAdapterRequest, _rollout_pb2.PushAdapterResponse]
     """Client-streaming: first message a header with the manifest, then the files' bytes in
-    manifest order. The node verifies sizes and sha256, converts the format when needed and swaps
-    atomically between batches. Any failure leaves the previous adapter serving.
+    manifest order, then (only when the manifest left every sha256 empty) a trailer with the
+    digests, so a sender can hash while it streams. The node verifies sizes and sha256,
+    converts the format when needed and swaps atomically between batches. Any failure leaves
+    the previous adapter serving.
     """
     ReloadAdapter: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ReloadAdapterRequest, _rollout_pb2.ReloadAdapterResponse]
     """Switch to an adapter already on the node, or back to the base model."""
@@ -64,8 +66,10 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """
     PushAdapter: _aio.StreamUnaryMultiCallable[_rollout_pb2.PushAdapterRequest, _rollout_pb2.PushAdapterResponse]  # type: ignore[assignment]
     """Client-streaming: first message a header with the manifest, then the files' bytes in
-    manifest order. The node verifies sizes and sha256, converts the format when needed and swaps
-    atomically between batches. Any failure leaves the previous adapter serving.
+    manifest order, then (only when the manifest left every sha256 empty) a trailer with the
+    digests, so a sender can hash while it streams. The node verifies sizes and sha256,
+    converts the format when needed and swaps atomically between batches. Any failure leaves
+    the previous adapter serving.
     """
     ReloadAdapter: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ReloadAdapterRequest, _rollout_pb2.ReloadAdapterResponse]  # type: ignore[assignment]
     """Switch to an adapter already on the node, or back to the base model."""
@@ -95,8 +99,10 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.PushAdapterResponse, _abc.Awaitable[_rollout_pb2.PushAdapterResponse]]:
         """Client-streaming: first message a header with the manifest, then the files' bytes in
-        manifest order. The node verifies sizes and sha256, converts the format when needed and swaps
-        atomically between batches. Any failure leaves the previous adapter serving.
+        manifest order, then (only when the manifest left every sha256 empty) a trailer with the
+        digests, so a sender can hash while it streams. The node verifies sizes and sha256,
+        converts the format when needed and swaps atomically between batches. Any failure leaves
+        the previous adapter serving.
         """
 
     @_abc_1.abstractmethod

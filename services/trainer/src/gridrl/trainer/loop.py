@@ -410,8 +410,9 @@ class Trainer:
 
         start = time.perf_counter()
         files = self.policy.adapter_files()
+        # No digests in the header: each push hashes its bytes while they stream (trailer).
         manifest = build_manifest(files, name=self.sync.name, version=self.state.version,
-                                  base_model=self.policy.identity).to_dict()
+                                  base_model=self.policy.identity, hash_files=False).to_dict()
         report = self.sync.push(self.state.version, files, manifest)
         lagging = self.sync.lagging_nodes(self.state.version)
         if report.skipped or lagging:

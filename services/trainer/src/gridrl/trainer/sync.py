@@ -105,7 +105,9 @@ class AdapterSync:
         Args:
             version: the policy version (>= 1, not older than the last push).
             files: the peft adapter files in memory, path -> bytes.
-            manifest: the ``gridrl.adapters`` manifest dict of ``files`` (format "peft").
+            manifest: the ``gridrl.adapters`` manifest dict of ``files`` (format "peft"),
+                with every file's sha256 or none (then each push hashes its bytes as they
+                stream and sends the digests last: ``build_manifest(hash_files=False)``).
         Returns:
             who took it and who was skipped, and why.
         Raises:
@@ -235,7 +237,8 @@ class AdapterSync:
                 peft_manifest, peft_files = adapter.payloads["peft"]
                 mlx_files = convert_files(peft_files, "mlx", self.num_layers)
                 mlx_manifest = build_manifest(mlx_files, name=self.name, version=adapter.version,
-                                              base_model=peft_manifest["base_model"]).to_dict()
+                                              base_model=peft_manifest["base_model"],
+                                              hash_files=False).to_dict()
                 adapter.payloads["mlx"] = (mlx_manifest, mlx_files)
             return adapter.payloads[fmt]
 
