@@ -58,6 +58,12 @@ _POLL_S = 0.1
 # Seconds a node missing from the snapshot of a reconnected master stays in the pool (a master
 # restarted without its store learns the nodes again as they re-register, within a heartbeat).
 ORPHAN_GRACE_S = 30.0
+# A node given no group for REEXPLORE_AFTER times its group latency (and at least
+# REEXPLORE_MIN_S) is tried again as if unmeasured: a slow node is not starved forever.
+REEXPLORE_AFTER = 20.0
+REEXPLORE_MIN_S = 120.0
+# Weight of the newest call in a node's moving-average group latency.
+LATENCY_EWMA = 0.3
 # Most seconds between probes of a node benched again and again (answers GetNodeInfo but keeps
 # failing Generate): the probe interval doubles at each benching, up to this.
 MAX_PROBE_BACKOFF_S = 60.0
@@ -85,6 +91,9 @@ class NodeState:
         max_n, max_tokens, max_context: the node's request bounds (0 = unknown).
         dtype: the node's compute dtype, e.g. ``"float32"``, ``"bfloat16"`` ("" = unknown).
         in_flight: groups being sampled on it now.
+        group_s: moving average of its Generate calls' seconds (a group's latency there,
+            queueing included; 0 = not measured yet). Groups go where they are expected to
+            finish first (see :meth:`NodePool.generate_groups`).
     """
 
     address: str
@@ -106,6 +115,7 @@ class NodeState:
     max_tokens: int = 0
     max_context: int = 0
     in_flight: int = 0
+    group_s: float = 0.0
 
 
 @dataclass
@@ -143,6 +153,7 @@ class _Node:
         self.orphan_since: float | None = None  # missing from the master's last snapshot
         self.strikes = 0  # benchings since its last successful Generate
         self.probe_after = 0.0  # monotonic time before which it is not probed
+        self.last_call_at = 0.0  # monotonic time the last Generate on it was started
 
 
 class NodePool:
@@ -281,6 +292,17 @@ class NodePool:
         Group ``i`` is one ``Generate(prompt_token_ids=prompts[i], sampling.n=group_size,
         sampling.seed=group_seed(seed, i))`` on one node; the groups run concurrently.
 
+        Each group goes to the node where it is expected to finish first (earliest finish
+        time, as list schedulers such as HEFT do, Topcuoglu et al. 2002): a node with a free
+        slot (``capacity // group_size`` groups at a time) finishes it in its measured group
+        latency (``NodeState.group_s``); a full node in ``1 + in_flight // slots`` times that
+        (a full node not measured yet is not waited for).
+        So a node several times slower than another (an MLX node on a Linux CPU beside a torch
+        one) gets groups only while the fast node is that far behind, instead of holding every
+        step back by its own latency. A node not measured yet counts as instant (it is tried),
+        and one left idle for ``REEXPLORE_AFTER`` latencies (at least ``REEXPLORE_MIN_S``) is
+        tried again, in case it got faster.
+
         Returns:
             one :class:`Group` per prompt, in the order of ``prompts``.
         Raises:
@@ -351,21 +373,33 @@ class NodePool:
 
     def _assign(self, prompt_len: int, group_size: int, max_tokens: int, tried: list[str],
                 rejected: Mapping[str, str]) -> str | None:
-        """Pick the node for a group and count it in flight, or None when none is free now."""
+        """Pick the node for a group and count it in flight, or None to wait: no node is free,
+        or a busy one is still expected to finish the group before any free one would (see
+        :meth:`generate_groups`)."""
         with self._lock:
             usable = [n for n in self._nodes.values() if n.state.in_rotation
                       and n.state.address not in rejected
                       and _fits(n.state, prompt_len, group_size, max_tokens)]
-            fresh = [n for n in usable if n.state.address not in tried]
-            free = [n for n in (fresh or usable)
-                    if n.state.in_flight < _slots(n.state, group_size)]
+            candidates = [n for n in usable if n.state.address not in tried] or usable
+            now = time.monotonic()
+            free = [n for n in candidates if n.state.in_flight < _slots(n.state, group_size)]
             if not free:
                 return None
-            node = min(free, key=lambda n: (n.state.in_flight / _slots(n.state, group_size),
+
+            def expected_s(n: _Node) -> float:
+                return _expected_finish_s(n.state, group_size, now - n.last_call_at)
+
+            node = min(free, key=lambda n: (expected_s(n),
+                                            n.state.in_flight / _slots(n.state, group_size),
                                             tried.count(n.state.address),
                                             -_slots(n.state, group_size), n.last_assigned))
+            best_busy = min((expected_s(n) for n in candidates  # measured busy nodes only
+                             if n not in free and n.state.group_s), default=float("inf"))
+            if best_busy < expected_s(node):
+                return None  # queueing on a faster busy node beats this free one
             self._tick += 1
             node.last_assigned = self._tick
+            node.last_call_at = now
             node.state.in_flight += 1
             return node.state.address
 
@@ -401,6 +435,8 @@ class NodePool:
                 if node is not None:
                     node.state.failures = 0
                     node.strikes = 0
+                    node.state.group_s = seconds if not node.state.group_s else (
+                        (1 - LATENCY_EWMA) * node.state.group_s + LATENCY_EWMA * seconds)
                     notify = self._observe_served(node, name, served, started)
                     self._changed.notify_all()
             self._notify(notify)
@@ -732,6 +768,16 @@ def _close_retired(node: _Node) -> None:
 def _slots(state: NodeState, group_size: int) -> int:
     """Groups a node may hold at once: about its capacity worth of sequences, at least 1."""
     return max(1, state.capacity // group_size)
+
+
+def _expected_finish_s(state: NodeState, group_size: int, idle_s: float) -> float:
+    """Seconds until a group given to the node now would be done: its measured latency, times
+    the batches queued ahead when its slots are full; 0 when not measured yet or when it sat
+    idle long enough to be worth trying again."""
+    if not state.group_s or (not state.in_flight
+                             and idle_s > max(REEXPLORE_MIN_S, REEXPLORE_AFTER * state.group_s)):
+        return 0.0
+    return state.group_s * (1 + state.in_flight // _slots(state, group_size))
 
 
 def _fits(state: NodeState, prompt_len: int, group_size: int, max_tokens: int) -> bool:
