@@ -75,7 +75,11 @@ def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedPr
 
 @pytest.mark.mlx
 def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_factory):
-    torch_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-torch")
+    # The torch node is the faster one: it holds one group at a time (--capacity 4 = the group
+    # size), so with 4 groups a step the pool, giving each group to the node expected to
+    # finish it first, sends some to the mlx node rather than queueing them all on torch.
+    torch_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-torch",
+                            extra=("--capacity", "4"))
     mlx_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-mlx", backend="mlx")
     run_dir = tmp_path / "run"
     nodes = [torch_node.address, mlx_node.address]

@@ -295,8 +295,9 @@ class NodePool:
         Each group goes to the node where it is expected to finish first (earliest finish
         time, as list schedulers such as HEFT do, Topcuoglu et al. 2002): a node with a free
         slot (``capacity // group_size`` groups at a time) finishes it in its measured group
-        latency (``NodeState.group_s``); a full node in ``1 + in_flight // slots`` times that
-        (a full node not measured yet is not waited for).
+        latency (``NodeState.group_s``); a full node in ``1 + (in_flight + waiting) // slots``
+        times that, ``waiting`` being the groups of this batch already waiting ahead (a full
+        node not measured yet is not waited for).
         So a node several times slower than another (an MLX node on a Linux CPU beside a torch
         one) gets groups only while the fast node is that far behind, instead of holding every
         step back by its own latency. A node not measured yet counts as instant (it is tried),
@@ -335,10 +336,12 @@ class NodePool:
         pending, in_flight = batch.pending, batch.in_flight
         group_size, max_tokens = batch.sampling.n, batch.sampling.max_tokens
         while pending or in_flight:
+            waiting = 0  # groups ahead of the next one that wait for a node this round
             for i in list(pending):
                 address = self._assign(len(prompts[i]), group_size, max_tokens, tried[i],
-                                       rejected[i])
+                                       rejected[i], ahead=waiting)
                 if address is None:
+                    waiting += 1
                     continue
                 pending.remove(i)
                 request = rollout_pb2.GenerateRequest(
@@ -372,10 +375,11 @@ class NodePool:
                 pending.appendleft(i)
 
     def _assign(self, prompt_len: int, group_size: int, max_tokens: int, tried: list[str],
-                rejected: Mapping[str, str]) -> str | None:
+                rejected: Mapping[str, str], ahead: int = 0) -> str | None:
         """Pick the node for a group and count it in flight, or None to wait: no node is free,
         or a busy one is still expected to finish the group before any free one would (see
-        :meth:`generate_groups`)."""
+        :meth:`generate_groups`), counting the ``ahead`` groups of this batch already waiting
+        for a node as queued before it."""
         with self._lock:
             usable = [n for n in self._nodes.values() if n.state.in_rotation
                       and n.state.address not in rejected
@@ -386,14 +390,14 @@ class NodePool:
             if not free:
                 return None
 
-            def expected_s(n: _Node) -> float:
-                return _expected_finish_s(n.state, group_size, now - n.last_call_at)
+            def expected_s(n: _Node, queued: int = 0) -> float:
+                return _expected_finish_s(n.state, group_size, now - n.last_call_at, queued)
 
             node = min(free, key=lambda n: (expected_s(n),
                                             n.state.in_flight / _slots(n.state, group_size),
                                             tried.count(n.state.address),
                                             -_slots(n.state, group_size), n.last_assigned))
-            best_busy = min((expected_s(n) for n in candidates  # measured busy nodes only
+            best_busy = min((expected_s(n, ahead) for n in candidates  # measured busy only
                              if n not in free and n.state.group_s), default=float("inf"))
             if best_busy < expected_s(node):
                 return None  # queueing on a faster busy node beats this free one
@@ -770,14 +774,15 @@ def _slots(state: NodeState, group_size: int) -> int:
     return max(1, state.capacity // group_size)
 
 
-def _expected_finish_s(state: NodeState, group_size: int, idle_s: float) -> float:
-    """Seconds until a group given to the node now would be done: its measured latency, times
-    the batches queued ahead when its slots are full; 0 when not measured yet or when it sat
-    idle long enough to be worth trying again."""
+def _expected_finish_s(state: NodeState, group_size: int, idle_s: float,
+                       queued: int = 0) -> float:
+    """Seconds until a group given to the node now, behind ``queued`` other groups, would be
+    done: its measured latency, times the batches ahead of it when its slots are full; 0 when
+    not measured yet or when it sat idle long enough to be worth trying again."""
     if not state.group_s or (not state.in_flight
                              and idle_s > max(REEXPLORE_MIN_S, REEXPLORE_AFTER * state.group_s)):
         return 0.0
-    return state.group_s * (1 + state.in_flight // _slots(state, group_size))
+    return state.group_s * (1 + (state.in_flight + queued) // _slots(state, group_size))
 
 
 def _fits(state: NodeState, prompt_len: int, group_size: int, max_tokens: int) -> bool:
