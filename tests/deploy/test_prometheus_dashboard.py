@@ -212,6 +212,7 @@ def test_dashboard_model() -> None:
         "gridrl_trainer_train_seconds", "gridrl_trainer_sync_seconds",
         "gridrl_trainer_tokens_per_second", "gridrl_trainer_nodes_synced",
         "gridrl_trainer_nodes_skipped", "gridrl_rollout_completion_tokens_total",
+        "gridrl_trainer_node_group_seconds",
         "gridrl_rpc_requests_total", "gridrl_rpc_duration_seconds_bucket",
         "gridrl_rollout_time_to_first_token_seconds_bucket", "gridrl_rollout_batch_size",
         "gridrl_rollout_queue_depth", "gridrl_rollout_adapter_version",

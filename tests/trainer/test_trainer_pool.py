@@ -88,6 +88,10 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     assert {g.node for g in first} == {fast.address, slow.address}
     states = {s.address: s for s in pool.nodes()}
     assert states[fast.address].group_s >= 0.05 and states[slow.address].group_s >= 0.5
+    from prometheus_client import REGISTRY  # exported for the dashboard
+
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_group_seconds",
+                                     {"node": slow.address}) == states[slow.address].group_s
     slow_calls = len(slow.generates)
     for _ in range(3):  # 3 batches of 2 on the fast node (~0.15 s) beat 0.5 s on the slow one
         groups = pool.generate_groups(prompts(6), **SAMPLING)

@@ -52,6 +52,10 @@ NODE_ADAPTER_VERSION = Gauge("gridrl_trainer_node_adapter_version",
                              "Policy version the node last reported serving.", ["node"])
 NODE_SYNCED_VERSION = Gauge("gridrl_trainer_node_synced_version",
                             "Policy version last pushed to the node successfully.", ["node"])
+NODE_GROUP_SECONDS = Gauge("gridrl_trainer_node_group_seconds",
+                           "Moving average of a node's Generate call seconds (a group's latency "
+                           "there, queueing included), which the pool schedules by; 0 until "
+                           "measured.", ["node"])
 GENERATE_FAILURES = Counter("gridrl_trainer_generate_failures_total",
                             "Generate calls that failed or timed out, by node and status code.",
                             ["node", "code"])
@@ -94,16 +98,18 @@ def mark_started() -> None:
 
 
 def record_node(address: str, *, in_rotation: bool, adapter_version: int,
-                synced_version: int) -> None:
-    """Publish a node's rotation flag and served / synced policy versions."""
+                synced_version: int, group_s: float) -> None:
+    """Publish a node's rotation flag, served / synced policy versions and group latency (s)."""
     NODE_IN_ROTATION.labels(address).set(1 if in_rotation else 0)
     NODE_ADAPTER_VERSION.labels(address).set(adapter_version)
     NODE_SYNCED_VERSION.labels(address).set(synced_version)
+    NODE_GROUP_SECONDS.labels(address).set(group_s)
 
 
 def forget_node(address: str) -> None:
     """Drop the per-node gauges of a node that left the registry."""
-    for gauge in (NODE_IN_ROTATION, NODE_ADAPTER_VERSION, NODE_SYNCED_VERSION):
+    for gauge in (NODE_IN_ROTATION, NODE_ADAPTER_VERSION, NODE_SYNCED_VERSION,
+                  NODE_GROUP_SECONDS):
         try:
             gauge.remove(address)
         except KeyError:

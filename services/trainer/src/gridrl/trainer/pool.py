@@ -441,6 +441,7 @@ class NodePool:
                     node.strikes = 0
                     node.state.group_s = seconds if not node.state.group_s else (
                         (1 - LATENCY_EWMA) * node.state.group_s + LATENCY_EWMA * seconds)
+                    metrics.NODE_GROUP_SECONDS.labels(address).set(node.state.group_s)
                     notify = self._observe_served(node, name, served, started)
                     self._changed.notify_all()
             self._notify(notify)
@@ -703,7 +704,8 @@ class NodePool:
         was = s.in_rotation
         s.in_rotation = s.healthy and not s.excluded and not s.benched
         metrics.record_node(s.address, in_rotation=s.in_rotation,
-                            adapter_version=s.adapter_version, synced_version=s.synced_version)
+                            adapter_version=s.adapter_version, synced_version=s.synced_version,
+                            group_s=s.group_s)
         self._changed.notify_all()
         if s.in_rotation and not was:
             log.info("node %s in rotation (%s, %s adapters, capacity %d, serving policy "
