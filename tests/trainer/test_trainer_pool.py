@@ -3,10 +3,12 @@ mismatch, and discovery through a real ``gridrl-master serve``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
+from concurrent import futures
 
 import pytest
 from scripted_nodes import IDENTITY, NodeFarm, wait_until
@@ -39,6 +41,15 @@ def make_pool():
     yield make
     for pool in pools:
         pool.close()
+
+
+@contextlib.contextmanager
+def concurrent_call(fn):
+    """Run ``fn`` on another thread for the duration of the block; yields its future."""
+    with futures.ThreadPoolExecutor(1) as executor:
+        future = executor.submit(fn)
+        yield future
+        future.result(timeout=30)
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -104,6 +115,21 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     time.sleep(0.3)
     groups = pool.generate_groups(prompts(6), **SAMPLING)
     assert slow.address in {g.node for g in groups}
+
+
+def test_batch_waits_for_a_node_busy_with_another_batch(farm, make_pool) -> None:
+    """Two generate_groups calls at once (the pool is shared): a group whose best node is busy
+    with the other call's group waits for it instead of failing with "no node can serve"."""
+    fast = farm.start(capacity=2, generate_s=0.3)  # one group at a time
+    slow = farm.start(capacity=2, generate_s=3.0)
+    pool = make_pool([fast.address, slow.address])
+    pool.wait_for_nodes(2, timeout_s=10)
+    pool.generate_groups(prompts(2), **SAMPLING)  # measures both latencies
+    with concurrent_call(lambda: pool.generate_groups(prompts(1), **SAMPLING)) as other:
+        wait_until(lambda: fast.active == 1, 5, "the other batch's group on the fast node")
+        groups = pool.generate_groups(prompts(1), **SAMPLING)  # waits ~0.3 s for the fast node
+    assert [g.node for g in groups] == [fast.address]
+    assert [g.node for g in other.result()] == [fast.address]
 
 
 @pytest.mark.parametrize("failure", ["error", "deadline"])

@@ -352,6 +352,8 @@ class NodePool:
                 future.add_done_callback(functools.partial(self._call_done, address))
                 in_flight[future] = (i, address)
             if pending and not in_flight:
+                if self._wait_for_busy_node():  # busy with calls of another batch
+                    continue
                 i = pending[0]
                 raise self._cannot_serve(i, len(prompts[i]), group_size, max_tokens, rejected[i])
             done, _ = futures.wait(in_flight, timeout=_POLL_S,
@@ -406,6 +408,16 @@ class NodePool:
             node.last_call_at = now
             node.state.in_flight += 1
             return node.state.address
+
+    def _wait_for_busy_node(self) -> bool:
+        """When a node in rotation has calls in flight that are not this batch's (another
+        ``generate_groups`` call's, or calls left running by one that raised), wait up to a
+        poll interval for one to end and return True; False when none is busy."""
+        with self._lock:
+            if not any(n.state.in_rotation and n.state.in_flight for n in self._nodes.values()):
+                return False
+            self._changed.wait(_POLL_S)
+            return True
 
     def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest):
         started = time.monotonic()
