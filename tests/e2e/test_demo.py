@@ -39,12 +39,14 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
+    scratch = tmp_path / "tmp"  # where the demo's scratch directory goes (TMPDIR)
+    scratch.mkdir()
     proc = subprocess.Popen(
         [*DEMO, "--model", str(tiny_llama_dir), "--run-dir", str(run), "--",
          "--steps", "3", "--eval-every", "3", "--eval-tasks", "4", "--max-tokens", "8",
          "--threads", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)})
     children: set[int] = set()
     while proc.poll() is None:
         children.update(_children_of(proc.pid))
@@ -58,14 +60,24 @@ def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_pat
     assert (run / "plot.png").stat().st_size > 0
     assert len(children) >= 3  # master, rollout node, trainer
     assert not [c for c in children if _alive(c)], "demo left processes running"
+    # the nodes' adapter stores are removed; the service logs stay only when it failed
+    left = [p for p in scratch.rglob("*") if p.is_file()]
+    if proc.returncode == 0:
+        assert left == [], left
+    else:
+        assert "service logs kept in" in out and left
+        assert all(p.suffix == ".log" and p.parent.parent == scratch for p in left), left
 
 
 @pytest.mark.slow
 def test_demo_interrupted_stops_every_process(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen(
         [*DEMO, "--model", str(tiny_llama_dir), "--run-dir", str(tmp_path / "run"), "--",
          "--steps", "500", "--eval-every", "100", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(scratch)})
     children: set[int] = set()
     deadline = time.monotonic() + 180
     while len(children) < 3 and time.monotonic() < deadline:
@@ -78,3 +90,4 @@ def test_demo_interrupted_stops_every_process(tiny_llama_dir: Path, tmp_path: Pa
     assert proc.returncode == 130, proc.stdout.read()
     time.sleep(0.5)
     assert not [c for c in children if _alive(c)], "Ctrl-C left processes running"
+    assert list(scratch.iterdir()) == []  # nothing left in its scratch directory

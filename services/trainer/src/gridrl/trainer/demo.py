@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,7 +170,22 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
                 trainer.wait()
         for s in reversed(services):
             s.stop()
+        _clean_work_dir(work, keep_logs=code not in (0, 130))
     sys.exit(code)
+
+
+def _clean_work_dir(work: Path, keep_logs: bool) -> None:
+    """Remove the demo's scratch directory (the nodes' adapter stores: ~150 MB a run); when
+    the demo failed, keep the service logs it pointed to."""
+    if not keep_logs:
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    for path in work.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.suffix != ".log":
+            path.unlink(missing_ok=True)
+    click.echo(f"service logs kept in {work}", err=True)
 
 
 if __name__ == "__main__":
