@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -59,6 +60,28 @@ def test_status_error_auth_and_metrics(server: GrpcServer) -> None:
             'service="gridrl.v1.TrainerService"}') in body
     assert 'code="UNAUTHENTICATED",method="GetRunStatus"' in body
     assert 'code="OK",method="WatchRun"' in body
+
+
+def _listening_hosts(port: int) -> set[str]:
+    """Local IPv4 addresses with a socket listening on ``port`` (from /proc/net/tcp)."""
+    hosts = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            hosts.add(".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return hosts
+
+
+def test_metrics_bind_the_listen_host(server: GrpcServer) -> None:
+    """A service listening on loopback serves /metrics on loopback too, not on every
+    interface; one listening on 0.0.0.0 serves both on every interface."""
+    assert _listening_hosts(server.metrics_port) == {"127.0.0.1"}
+    wide = GrpcServer("0.0.0.0:0", metrics_port=0, grace_s=0).start()
+    try:
+        assert _listening_hosts(wide.metrics_port) == {"0.0.0.0"}
+    finally:
+        wide.stop(0)
 
 
 def test_stop_flips_health(server: GrpcServer) -> None:

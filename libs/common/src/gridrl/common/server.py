@@ -148,7 +148,8 @@ class GrpcServer:
 
     Args:
         listen: ``host:port`` to bind; port 0 picks a free port (read it back from ``.port``).
-        metrics_port: Prometheus ``/metrics`` port; 0 picks a free one, negative disables.
+        metrics_port: Prometheus ``/metrics`` port, on the host ``listen`` binds; 0 picks a
+            free one, negative disables.
         auth_token: when set, every call but health/reflection needs ``Bearer <token>``.
         max_workers: threads serving calls; streams hold one each for their duration.
         max_message_bytes: explicit send/receive message size limit.
@@ -209,9 +210,11 @@ class GrpcServer:
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         for name in self._service_names:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.metrics_port = start_metrics_server(self._metrics_port_requested)
-        log.info("serving %s on %s (metrics port %s)", ", ".join(self._service_names),
-                 self.address, self.metrics_port)
+        # /metrics binds the gRPC listen host: a loopback service is not scraped from afar.
+        self.metrics_port = start_metrics_server(self._metrics_port_requested,
+                                                 host=self._host.strip("[]") or "0.0.0.0")
+        log.info("serving %s on %s (%s)", ", ".join(self._service_names), self.address,
+                 f"metrics port {self.metrics_port}" if self.metrics_port >= 0 else "metrics off")
         return self
 
     def stop(self, grace_s: float | None = None) -> None:
