@@ -70,7 +70,7 @@ def test_nodes_table_and_json(service_factory) -> None:
     assert "3 node(s)" in out
 
     runner = CliRunner()
-    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"])
+    result = runner.invoke(main, ["nodes", "--master", master.address, "--json"])
     assert result.exit_code == 0, result.output
     nodes = json.loads(result.output)["nodes"]
     assert [n["info"]["address"] for n in nodes] == ["10.0.0.1:6000", "10.0.0.2:6000",

@@ -1,7 +1,7 @@
 """``gridrl-master``: serve the registry, or print it.
 
     gridrl-master serve --listen 0.0.0.0:50050 --store ~/.local/state/gridrl/master.sqlite
-    gridrl-master nodes --address 127.0.0.1:50050 [--json] [--role rollout]
+    gridrl-master nodes --master 127.0.0.1:50050 [--json] [--role rollout]
 
 Imports stay light (click, grpc, protobuf): ``--help`` is instant and the master never loads
 torch, mlx or numpy.
@@ -69,8 +69,9 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
 
 
 @main.command()
-@env_option("--address", env="GRIDRL_MASTER_ADDRESS", default="127.0.0.1:50050",
-            help="host:port of the master.")
+@env_option("--master", "--address", "address", env="GRIDRL_MASTER_ADDRESS",
+            default="127.0.0.1:50050",
+            help="host:port of the master (--master, as the other services call it).")
 @auth_option
 @env_option("--json", "as_json", env="GRIDRL_MASTER_NODES_JSON", is_flag=True, default=False,
             help="Print {\"nodes\": [...]} as JSON instead of a table.")

@@ -142,7 +142,7 @@ def _options(f: Any) -> Any:
     return f
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """gridrl trainer: GRPO on a LoRA adapter with rollouts from a pool of nodes."""
 
