@@ -307,6 +307,30 @@ def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> N
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
 
 
+def test_older_runs_are_pruned(live_node, tiny_adapters) -> None:
+    """Across runs (adapter names) the store stays bounded: names other than the one pushed
+    keep their newest version only, and at most --keep-runs names stay; the serving adapter
+    is never deleted."""
+    node = live_node(keep_adapters=3, keep_runs=2)
+
+    def stored() -> list[tuple[str, int]]:
+        return [(r.name, r.version) for r in node.info().stored_adapters]
+
+    for name, versions in (("run-a", (1, 2)), ("run-b", (1, 2, 3))):
+        for version in versions:
+            push_dir(node.stub, tiny_adapters["a" if version % 2 else "b"], name, version)
+    assert stored() == [("run-a", 2), ("run-b", 1), ("run-b", 2), ("run-b", 3)]
+    node.stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(path="pushed/run-a/v2"),
+                            timeout=30)  # serving run-a v2 now
+    push_dir(node.stub, tiny_adapters["a"], "run-c", 1, stage_only=True)
+    # run-b: the newest of the other names, trimmed to its newest version; run-a: beyond
+    # --keep-runs 2, but serving
+    assert stored() == [("run-a", 2), ("run-b", 3), ("run-c", 1)]
+    push_dir(node.stub, tiny_adapters["b"], "run-c", 2)  # serving run-c v2: run-a goes
+    assert stored() == [("run-b", 3), ("run-c", 1), ("run-c", 2)]
+    assert not [p for p in tree(node.node.adapters.store.pushed_root) if p.startswith(".")]
+
+
 def test_old_versions_are_pruned(live_node, tiny_adapters) -> None:
     node = live_node(keep_adapters=2)
     for version in (1, 2, 3):

@@ -61,12 +61,17 @@ class AdapterManager:
         max_bytes: largest push accepted, in bytes.
         keep: pushed versions kept per name, newest first (0: all); older ones are deleted
             after each successful push, except the one serving.
+        keep_names: adapter names (runs) kept on disk, by latest push (0: all); after each
+            push, other names keep only their newest version and names beyond this many are
+            deleted, except the one serving. Disk use stays under
+            ``(keep + keep_names - 1)`` adapters.
     """
 
     def __init__(self, engine: Engine, store: AdapterStore, identity: ModelIdentity,
-                 max_bytes: int, keep: int = 8) -> None:
+                 max_bytes: int, keep: int = 8, keep_names: int = 4) -> None:
         self.engine = engine
         self.keep = keep
+        self.keep_names = keep_names
         self.backend: Backend = engine.backend
         self.store = store
         self.identity = identity
@@ -245,6 +250,11 @@ class AdapterManager:
         pruned = self.store.prune(name, self.keep, protect=(current.name, current.version))
         if pruned:
             log.info("deleted %s versions %s (--keep-adapters %d)", name, pruned, self.keep)
+        pruned_names = self.store.prune_names(name, self.keep_names,
+                                              protect=(current.name, current.version))
+        if pruned_names:
+            log.info("deleted %s (older runs: their newest version kept, %s names at most; "
+                     "--keep-runs)", ", ".join(pruned_names), self.keep_names or "all")
 
     def _store_in_background(self, files: dict[str, bytes], meta: dict) -> None:
         """:meth:`_store` after the reply, then release the lock the push acquired."""

@@ -168,11 +168,41 @@ class AdapterStore:
         for version in versions[keep:]:
             if protect == (name, version):
                 continue
-            doomed = Path(tempfile.mkdtemp(prefix=".deleting-", dir=self.pushed_root))
-            os.rename(self.pushed_dir(name, version), doomed / "d")
-            shutil.rmtree(doomed, ignore_errors=True)
+            self._delete(self.pushed_dir(name, version))
             deleted.append(version)
         return deleted
+
+    def prune_names(self, current: str, keep_names: int,
+                    protect: tuple[str, int] | None = None) -> list[str]:
+        """Bound the store across runs: every name but ``current`` keeps only its newest
+        version, and only the ``keep_names`` names pushed to most recently (``current``
+        included) are kept at all (``keep_names`` 0: every name, each still trimmed to its
+        newest version). ``protect`` (the serving one) is never deleted. Returns the deleted
+        entries as ``"name/vN"``."""
+        by_name: dict[str, list[StoredAdapter]] = {}
+        for stored in self.pushed():
+            by_name.setdefault(stored.name, []).append(stored)
+        others = sorted((n for n in by_name if n != current),
+                        key=lambda n: max(s.path.stat().st_mtime for s in by_name[n]),
+                        reverse=True)
+        keep_whole = others if keep_names < 1 else others[:max(0, keep_names - 1)]
+        deleted = []
+        for name in others:
+            versions = sorted(by_name[name], key=lambda s: s.version, reverse=True)
+            doomed = versions[1:] if name in keep_whole else versions
+            for stored in doomed:
+                if protect == (name, stored.version):
+                    continue
+                self._delete(stored.path)
+                deleted.append(f"{name}/v{stored.version}")
+        return deleted
+
+    def _delete(self, path: Path) -> None:
+        """Remove a stored directory, renamed to a hidden one first so it is never seen
+        half-deleted."""
+        doomed = Path(tempfile.mkdtemp(prefix=".deleting-", dir=self.pushed_root))
+        os.rename(path, doomed / "d")
+        shutil.rmtree(doomed, ignore_errors=True)
 
     # -- operator directories ----------------------------------------------------------------
 

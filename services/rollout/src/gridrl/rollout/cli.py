@@ -95,6 +95,10 @@ def main() -> None:
 @env_option("--keep-adapters", env="GRIDRL_ROLLOUT_KEEP_ADAPTERS", default=8,
             type=click.IntRange(min=0),
             help="Pushed versions kept on disk per adapter name, newest first (0: all).")
+@env_option("--keep-runs", env="GRIDRL_ROLLOUT_KEEP_RUNS", default=4,
+            type=click.IntRange(min=0),
+            help="Adapter names (runs) kept on disk, by latest push (0: all); names other "
+                 "than the one pushed keep only their newest version.")
 @env_option("--adapter-root", env="GRIDRL_ROLLOUT_ADAPTER_ROOT", default=None,
             show_default=False, type=click.Path(file_okay=False),
             help="Directory of the node's adapters (pushed ones, and those ReloadAdapter may "
@@ -109,7 +113,7 @@ def main() -> None:
 def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
           forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
-          keep_adapters: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
+          keep_adapters: int, keep_runs: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
           name: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
     setup_logging(log_level)
@@ -141,7 +145,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     config = NodeConfig(
         listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
-        max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters,
+        max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters, keep_runs=keep_runs,
         adapter_root=adapter_root,
         advertise_address=advertise_address, master=master, name=name)
 

@@ -63,6 +63,8 @@ class NodeConfig:
         max_tokens: largest ``sampling.max_tokens``.
         max_adapter_bytes: largest adapter push, bytes.
         keep_adapters: pushed versions kept on disk per adapter name (0: all).
+        keep_runs: adapter names kept on disk, by latest push (0: all); names other than the
+            one pushed keep only their newest version.
         adapter_root: adapter directory (None: ``<gridrl cache>/rollout/<name>/adapters``).
         advertise_address: address to register with the master (None: the bound address).
         master: master host:port to register with (None: no registration).
@@ -80,6 +82,7 @@ class NodeConfig:
     max_tokens: int = 2048
     max_adapter_bytes: int = 512 << 20
     keep_adapters: int = 8
+    keep_runs: int = 4
     adapter_root: Path | str | None = None
     advertise_address: str | None = None
     master: str | None = None
@@ -171,7 +174,8 @@ class RolloutNode:
         root = Path(config.adapter_root) if config.adapter_root else \
             cache_root() / "rollout" / self.name / "adapters"
         self.adapters = AdapterManager(self.engine, AdapterStore(root), identity,
-                                       config.max_adapter_bytes, keep=config.keep_adapters)
+                                       config.max_adapter_bytes, keep=config.keep_adapters,
+                                       keep_names=config.keep_runs)
         workers = min(1024, config.max_queue + config.capacity + 16)
         self.server = GrpcServer(config.listen, metrics_port=config.metrics_port,
                                  auth_token=config.auth_token, max_workers=workers,
