@@ -185,6 +185,12 @@ def test_failed_pushes_change_nothing(live_node, tiny_llama_dir, tiny_adapters, 
           "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight: shape [129, 4] does not fit",
           lambda: push_files(node.stub, wrong, build_manifest(wrong, name="a", version=2)
                              .to_dict()))
+    # files that do not parse (digests right): the caller's error
+    garbled = {**files, "adapter_model.safetensors": b"\x10" * 64}
+    garbled_manifest = {**good, "files": [
+        {"path": p, "size_bytes": len(garbled[p]), "sha256": ""} for p in sorted(garbled)]}
+    check(grpc.StatusCode.INVALID_ARGUMENT, "adapter: adapter_model.safetensors",
+          lambda: push_files(node.stub, garbled, garbled_manifest))
     # over the size limit
     big = {**files, "README.md": b"x" * 200_000}
     check(grpc.StatusCode.RESOURCE_EXHAUSTED, "header.manifest.files: adapter is",

@@ -28,6 +28,7 @@ import grpc
 from gridrl.adapters import (
     AdapterError,
     AdapterManifest,
+    build_manifest,
     check_fits,
     convert_files,
     detect_format,
@@ -111,7 +112,7 @@ class AdapterManager:
             and the phase timings (seconds).
         Raises:
             StatusError: INVALID_ARGUMENT (malformed stream or manifest, files that are not the
-                declared format, an adapter that cannot be converted), DATA_LOSS (truncated
+                declared format or do not parse, an adapter that cannot be converted), DATA_LOSS (truncated
                 stream, sha256 mismatch), RESOURCE_EXHAUSTED (over ``max_bytes``),
                 FAILED_PRECONDITION (made for another base model, or tensors that do not fit
                 it), ALREADY_EXISTS (that name and version is stored with other contents),
@@ -141,8 +142,12 @@ class AdapterManager:
         if found != pushed_format:
             raise invalid_argument("header.manifest.format",
                                    f"says {pushed_format} but the files are a {found} adapter")
-        try:
-            check_fits(files, self.base_model())
+        try:  # what the tensors say: unreadable files are the caller's error ...
+            described = build_manifest(files, infer_local=False, hash_files=False)
+        except AdapterError as e:
+            raise invalid_argument("adapter", str(e)) from e
+        try:  # ... a well-formed adapter for another model is a precondition failure
+            check_fits(described, self.base_model())
         except AdapterError as e:
             raise failed_precondition(f"adapter: {e}") from e
         verify_s = received.verify_s + time.perf_counter() - t
