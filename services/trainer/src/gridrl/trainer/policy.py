@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,7 +229,7 @@ class Policy:
             out = run(input_ids=ids, use_cache=True, logits_to_keep=1)
             first = out.logits[:, -1:].expand(len(rows), -1, -1)
             if width > 1:
-                cache = out.past_key_values
+                cache = getattr(out, self._cache_kw)  # "cache" (transformers 5) or the old name
                 cache.batch_repeat_interleave(len(rows))
                 rest = run(input_ids=completion_ids[rows, :width - 1],
                            **{self._cache_kw: cache}, use_cache=True).logits
@@ -292,7 +293,12 @@ def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: 
     base.config.use_cache = False
     torch.manual_seed(seed)
     try:
-        peft_model = get_peft_model(base, lora.peft_config())
+        with warnings.catch_warnings():  # peft reads transformers' deprecated
+            # is_gradient_checkpointing while wrapping: a FutureWarning on every start that is
+            # not the user's to act on.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            peft_model = get_peft_model(base, lora.peft_config())
     except ValueError as e:
         raise invalid_argument("--lora-target-modules", str(e)) from e
     identity = model_identity(path, model_id=model) if Path(str(path)).is_dir() else None
