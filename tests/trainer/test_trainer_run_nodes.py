@@ -229,3 +229,26 @@ def test_bfloat16_node_is_held_to_the_16_bit_mismatch_bound(tiny_llama_dir, tmp_
             assert (node.address in r["flagged_nodes"]) == flagged, r["flagged_nodes"]
         if flagged:
             assert "16-bit bound" in steps[0]["flagged_nodes"][node.address]
+
+
+def test_failed_start_leaves_no_run_directory(tiny_llama_dir, tmp_path):
+    """No node answers within --node-wait-s: a clear error, exit 1, and no half-made run
+    directory; --resume of a directory without a checkpoint: exit 2 naming the flag."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    run_dir = tmp_path / "run"
+    args = trainer_args(tiny_llama_dir, run_dir, [nobody], steps=2)
+    args[args.index("--node-wait-s") + 1] = "2"
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "run failed" in done.stderr and nobody in done.stderr
+    assert not run_dir.exists()
+    run_dir.mkdir()
+    done = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir)],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "--resume" in done.stderr
+    assert run_dir.exists()  # a resumed directory is never removed

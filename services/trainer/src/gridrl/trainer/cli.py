@@ -217,27 +217,40 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
-    trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
-
-    def stop(signum: int, _frame: Any) -> None:  # first signal: finish the step, checkpoint
-        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
-        trainer.request_stop(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
     try:
+        trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
+
+        def stop(signum: int, _frame: Any) -> None:  # first signal: finish the step, checkpoint
+            signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+            trainer.request_stop(signal.Signals(signum).name)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stop)
         trainer.run()
         if trainer.stopped_at is not None:
             sys.exit(143)
     except StatusError as e:
         click.echo(f"error: {e.message}", err=True)
+        _discard_unstarted_run_dir(cfg.run_dir, resume)
         sys.exit(2)
     except (RuntimeError, TimeoutError) as e:
         log.error("run failed: %s", e)
+        _discard_unstarted_run_dir(cfg.run_dir, resume)
         sys.exit(1)
     finally:
         if server is not None:
             server.stop(grace_s=1.0)
+
+
+def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
+    """Remove the directory of a new run that failed before recording anything (it holds only
+    its config.json), so failed starts do not litter ``runs/``."""
+    if resume or not run_dir:
+        return
+    path = Path(run_dir)
+    if path.is_dir() and {p.name for p in path.iterdir()} <= {"config.json"}:
+        (path / "config.json").unlink(missing_ok=True)
+        path.rmdir()
 
 
 @main.command()
