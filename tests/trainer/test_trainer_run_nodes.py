@@ -1,7 +1,8 @@
 """``gridrl-trainer run`` against real ``gridrl-rollout serve`` nodes on the tiny llama: a torch
 and an mlx node both take every sync and sample with the new version; a node killed mid-run
 leaves the run to the other; kill -9 of the trainer and ``--resume`` continue the same steps
-with the nodes on the resumed weights; ``--async-steps`` stays within the staleness bound."""
+with the nodes on the resumed weights; ``--async-steps`` stays within the staleness bound; a
+failed start leaves no run directory."""
 
 from __future__ import annotations
 
