@@ -43,8 +43,11 @@ _RUST_DTYPE_ORDER = [
 ]
 _RUST_RANK = {d: i for i, d in enumerate(_RUST_DTYPE_ORDER)}
 WRITERS = ("safetensors", "mlx")
+# Floating dtype names (torch's and numpy's spelling) -> safetensors dtype codes: every
+# floating dtype this codec decodes (:func:`to_float64`) and writes from a framework tensor.
+FLOAT_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 # User-facing dtype names -> safetensors dtype codes, for casts.
-DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+DTYPE_CODES = {k: v for k, v in FLOAT_CODES.items() if k != "float64"}
 
 
 @dataclass(frozen=True)

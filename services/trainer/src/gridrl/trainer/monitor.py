@@ -85,8 +85,7 @@ class NodeMonitor:
             return (f"stale: {stats.dropped}/{stats.samples} samples dropped ({what}; sampled "
                     f"with policy version(s) {versions})")
         kl = stats.fresh_kl
-        bound = (self.mismatch_kl_max_16bit if stats.low_precision
-                 else self.mismatch_kl_max)
+        bound = self._bound_for(stats)
         if kl is not None and kl > bound:
             precision = ", 16-bit bound" if stats.low_precision else ""
             return (f"mismatched: KL(behaviour || trainer) {kl:.2e} nats/token on samples of the "
@@ -94,10 +93,12 @@ class NodeMonitor:
                     "other weights than it claims")
         return ""
 
+    def _bound_for(self, stats: NodeStepStats) -> float:
+        return self.mismatch_kl_max_16bit if stats.low_precision else self.mismatch_kl_max
+
     def bound(self, per_node: dict[str, NodeStepStats]) -> float:
         """The loosest mismatch bound applied to any of these nodes (nats/token)."""
-        return max((self.mismatch_kl_max_16bit if stats.low_precision
-                    else self.mismatch_kl_max for stats in per_node.values()),
+        return max((self._bound_for(stats) for stats in per_node.values()),
                    default=self.mismatch_kl_max)
 
     def observe(self, step: int, per_node: dict[str, NodeStepStats]) -> dict[str, str]:

@@ -311,10 +311,6 @@ def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: 
     return Policy(peft_model, tokenizer, identity, model)
 
 
-# torch dtype -> safetensors dtype code, for the dtypes a LoRA state dict can hold.
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.float64: "F64"}
-
 
 def stored_tensor(t: torch.Tensor):
     """A CPU tensor as a :class:`gridrl.adapters.tensors.Tensor` whose ``data`` is a view of
@@ -325,14 +321,14 @@ def stored_tensor(t: torch.Tensor):
     Raises:
         ValueError: another dtype, a non-contiguous or non-CPU tensor, or a big-endian host.
     """
-    from gridrl.adapters.tensors import Tensor
+    from gridrl.adapters.tensors import FLOAT_CODES, Tensor
 
     if sys.byteorder != "little":
         raise ValueError("safetensors data is little-endian; this host is big-endian")
-    code = _SAFETENSORS_DTYPES.get(t.dtype)
+    code = FLOAT_CODES.get(str(t.dtype).removeprefix("torch."))
     if code is None:
         raise ValueError(f"cannot store a {t.dtype} tensor (expected one of "
-                         f"{sorted(_SAFETENSORS_DTYPES.values())})")
+                         f"{sorted(FLOAT_CODES)})")
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("expected a contiguous CPU tensor")
     data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())

@@ -750,10 +750,6 @@ def _strip_lora(model: Any) -> None:
         del model.peft_config
 
 
-# safetensors dtype code -> torch dtype, for the dtypes a LoRA adapter is stored in.
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "F64": torch.float64}
-
 
 def _view_tensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file in memory, as CPU tensors viewing ``data`` (copied
@@ -771,12 +767,14 @@ def _view_tensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
         parsed = safetensors_codec.load(data, PEFT_WEIGHTS)
     except AdapterError as e:
         raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
+    torch_dtypes = {code: getattr(torch, dtype_name)
+                    for dtype_name, code in safetensors_codec.FLOAT_CODES.items()}
     out = {}
     for name, t in parsed.tensors.items():
-        dtype = _TORCH_DTYPES.get(t.dtype)
+        dtype = torch_dtypes.get(t.dtype)
         if dtype is None:
             raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: dtype {t.dtype} is not a LoRA "
-                                   f"weight dtype ({', '.join(_TORCH_DTYPES)})")
+                                   f"weight dtype ({', '.join(torch_dtypes)})")
         flat = torch.frombuffer(t.data, dtype=dtype) if len(t.data) else torch.empty(0, dtype=dtype)
         out[name] = flat.view(t.shape)
     return out
