@@ -45,17 +45,22 @@ SHAPES = {"d16": {}, "d24-llama3-rope": dict(
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("packed", [True, False], ids=["prepacked", "plain-weights"])
+@pytest.mark.parametrize("products", ["kernel", "onednn", "plain"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lean_forward_matches_transformers(kind: str, packed: bool, shape: str,
+def test_lean_forward_matches_transformers(kind: str, products: str, shape: str,
                                            monkeypatch) -> None:
+    """Each way of running the products: the fused C kernels (float32 CPU, the default where
+    they build), oneDNN-prepacked weights (16-bit, or no compiler), plain weights (GPUs, MPS,
+    non-x86 CPUs)."""
     from gridrl.rollout.backends import torch_llama
 
-    if not packed:  # what GPUs, MPS and non-x86 CPUs run
+    if products != "kernel":
+        monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
+    if products == "plain":
         monkeypatch.setattr(torch_llama, "_packable", lambda weight: False)
     model = _tiny(kind, **SHAPES[shape])
     lean = LeanLlama(model)
-    assert all(layer.qkv.packed == packed for layer in lean.layers)
+    assert {layer.qkv.kind for layer in lean.layers} == {products}
     prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
     with torch.inference_mode():
         # scoring: causal forward over the whole sequence, every position
@@ -100,13 +105,20 @@ def test_bfloat16_follows_transformers(shape: str) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
 
 
-def test_lora_factors_equal_peft(tmp_path: Path) -> None:
+@pytest.mark.parametrize("products", ["kernel", "onednn"])
+def test_lora_factors_equal_peft(tmp_path: Path, products: str, monkeypatch) -> None:
     """Per-module ranks and alphas, rsLoRA, partial q/k/v coverage and lm_head: the factors
-    give the peft model's logits."""
+    give the peft model's logits (with the fused kernels, the LoRA term inside the product
+    and the norm weight folded into A; with oneDNN, two small products after it)."""
     from peft import LoraConfig, get_peft_model
 
+    from gridrl.rollout.backends import torch_llama
+
+    if products == "onednn":
+        monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
     model = _tiny()
     lean = LeanLlama(model)
+    assert lean.head.kind == products
     config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_rslora=True,
                         target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj",
                                         "lm_head"],

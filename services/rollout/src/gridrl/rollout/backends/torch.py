@@ -17,8 +17,9 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
 of ``generate`` equal ``score`` up to float rounding of the logits.
 
 The forward of a model the backend owns (a node) is, for llama-family architectures,
-:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections with weights prepacked
-for oneDNN on CPU (~3x faster than the transformers forward at batch 8 on a 2-core CPU), and
+:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections run by our own fused
+float32 CPU kernels, or with weights prepacked for oneDNN (~3x faster than the transformers
+forward at batch 8 on a 2-core CPU), and
 LoRA adapters held as low-rank factors beside the untouched base weights, so loading an adapter
 costs reading its factors and switching is a pointer swap. Other architectures run the
 transformers forward and fold each adapter into merged copies of the adapted weights
@@ -196,6 +197,7 @@ class TorchBackend(Backend):
         reason = self._lean_refusal(owns_model) if lean else "disabled"
         if reason is None:
             self._lean = LeanLlama(self._hf)
+            log.info("torch backend: lean forward, %s products", self._lean.products)
         elif lean:
             log.info("torch backend: transformers forward (lean forward: %s)", reason)
         self.forward_kind = "lean" if self._lean is not None else "transformers"
