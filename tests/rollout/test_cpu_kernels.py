@@ -33,19 +33,19 @@ def test_every_term_matches_float64(kernels, rows: int, n: int, k: int) -> None:
     bias, add = torch.randn(n), torch.randn(rows, n)
     h = F.rms_norm(x.double(), (k,), g.double(), 1e-5)
     pre = h @ w.double().t() + (h @ a.double().t()) @ b.double().t()
-    u = (x @ (a * g).t()).contiguous()  # the LoRA input is the raw x, norm weight folded in A
+    a_folded = (a * g).contiguous()  # the LoRA input is the raw x: norm weight folded into A
 
     plain = kernels.linear(x, cpu_kernels.pack_weight(w), n)
     assert _rel(plain, x.double() @ w.double().t()) < 1e-5
 
     full = kernels.linear(x, cpu_kernels.pack_weight(w, in_scale=g), n,
-                          lora=(u, cpu_kernels.pack_weight(b)), eps=1e-5, bias=bias, add=add)
+                          lora=(a_folded, cpu_kernels.pack_weight(b)), eps=1e-5, bias=bias, add=add)
     assert full.shape == (rows, n)
     assert _rel(full, pre + bias.double() + add.double()) < 1e-5
 
     if n % 2 == 0:
         act = kernels.linear(x, cpu_kernels.pack_weight(w, swiglu=True, in_scale=g), n,
-                             lora=(u, cpu_kernels.pack_weight(b, swiglu=True)), eps=1e-5,
+                             lora=(a_folded, cpu_kernels.pack_weight(b, swiglu=True)), eps=1e-5,
                              swiglu=True)
         assert act.shape == (rows, n // 2)
         assert _rel(act, F.silu(pre[:, :n // 2]) * pre[:, n // 2:]) < 1e-5
@@ -83,8 +83,8 @@ def test_refusals_name_the_argument(kernels) -> None:
         kernels.linear(x, packed, 16, add=torch.randn(4, 8))
     with pytest.raises(ValueError, match=r"out must be contiguous \(4, 16\)"):
         kernels.linear(x, packed, 16, out=torch.randn(16, 4).t())
-    with pytest.raises(ValueError, match="LoRA u"):
-        kernels.linear(x, packed, 16, lora=(torch.randn(3, 2), torch.randn(1, 2, 16)))
+    with pytest.raises(ValueError, match="LoRA A"):
+        kernels.linear(x, packed, 16, lora=(torch.randn(2, 31), torch.randn(1, 2, 16)))
     with pytest.raises(ValueError, match="refused its arguments"):  # the C side's own check
         kernels.linear(x, cpu_kernels.pack_weight(torch.randn(16, 32), swiglu=True), 15,
                        swiglu=True)
@@ -109,7 +109,7 @@ def test_unavailable_kernels_say_why(monkeypatch, tmp_path) -> None:
         monkeypatch.delenv("CC")
         assert cpu_kernels.load() is not None  # builds into the new cache directory
         assert cpu_kernels.unavailable_reason() is None
-        assert len(list(tmp_path.glob("kernels/decode_linear-*.so"))) == 1
+        assert len(list(tmp_path.glob("kernels/decode-*.so"))) == 1
     finally:
         cpu_kernels.load.cache_clear()
 

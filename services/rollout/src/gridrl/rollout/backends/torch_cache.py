@@ -72,6 +72,17 @@ class _SlabLayer(DynamicLayer):
         self._views()
         return self.keys, self.values
 
+    def claim(self) -> int:
+        """The next column, for a writer that fills ``kbuf`` / ``vbuf`` there itself (the
+        fused CPU attention kernel); counted as written from now on."""
+        column = self.length
+        if column >= self.kbuf.shape[2]:
+            raise RuntimeError(f"decode cache overflow: {column + 1} > {self.kbuf.shape[2]} "
+                               "columns (SlabCache.next_step makes room before each step)")
+        self.length = column + 1
+        self._views()
+        return column
+
     def get_seq_length(self) -> int:
         return self.length
 

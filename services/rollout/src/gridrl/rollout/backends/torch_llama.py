@@ -169,7 +169,7 @@ class Projection:
 
 class KernelProjection:
     """:class:`Projection`'s function in one call of the fused float32 CPU kernel
-    (``cpu_kernels/decode_linear.c``): the RMSNorm weight is folded into the packed weight
+    (``cpu_kernels/decode.c``): the RMSNorm weight is folded into the packed weight
     (and into LoRA's A), the row scale, bias, residual add, LoRA term and SwiGLU are done in
     the product's pass. The residual is updated in place (the result *is* ``residual``).
     """
@@ -192,21 +192,16 @@ class KernelProjection:
 
     def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An adapter's factors for this kernel: ``(A'^T (in, R), packed Bs)``, A' = A with
-        the norm weight folded into its columns (the product then needs only the raw x)."""
+        """An adapter's factors for this kernel: ``(A' (R, in), packed Bs)``, A' = A with
+        the norm weight folded into its columns (the kernel then needs only the raw x)."""
         if self.norm is not None:
             a = a * self.norm
-        return a.t().contiguous(), self._pack(bs_t.t(), swiglu=self.swiglu)
+        return a.contiguous(), self._pack(bs_t.t(), swiglu=self.swiglu)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.contiguous()
-        lora = None
-        if self.lora is not None:
-            a_t, b_packed = self.lora
-            lora = (torch.mm(x, a_t), b_packed)
-        return self._kernels.linear(x, self.weight, self.out_features, lora=lora, eps=self.eps,
-                                    bias=self.bias, add=residual, swiglu=self.swiglu,
-                                    out=residual)
+        return self._kernels.linear(x.contiguous(), self.weight, self.out_features,
+                                    lora=self.lora, eps=self.eps, bias=self.bias,
+                                    add=residual, swiglu=self.swiglu, out=residual)
 
 
 @dataclass
@@ -460,6 +455,37 @@ class LeanLlama:
             return heads * cos + turned * sin
         return rotate_pairs
 
+    def _attention(self, qkv: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor],
+                   cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None, i: int,
+                   attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Layer ``i``'s attention in torch ops: qkv (B, T, Hq + 2 Hkv, D) -> (B T, Hq D)."""
+        b, t, _, d = qkv.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qk = rotate(qkv[:, :, :hq + hkv])
+        q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
+        if isinstance(cache, SlabCache):
+            keys, values = cache.layers[i].update(k.transpose(1, 2), v.transpose(1, 2))
+            # t == 1: the G query heads of each kv head attend as G query rows.
+            q = q.reshape(b, hkv, hq // hkv, d)
+            if self._product_attention:
+                scores = torch.matmul(q, keys.transpose(-1, -2))
+                if self._attn_scale != 1.0:
+                    scores.mul_(self._attn_scale)
+                if attention_mask is not None:
+                    scores.add_(attention_mask)
+                attn = torch.matmul(scores.softmax(-1), values)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask,
+                                                      scale=self._attn_scale)
+        else:
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            if cache is not None:
+                cache.append((keys.contiguous(), values.contiguous()))
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self._attn_scale,
+                enable_gqa=hq != hkv).transpose(1, 2)
+        return attn.reshape(b * t, hq * d)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -483,34 +509,24 @@ class LeanLlama:
         b, t = input_ids.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(input_ids, self.embed).view(b * t, -1)
-        rotate = self._rotary(x, position_ids)
+        # Decode on CPU in float32 with the fused kernels: rotary, cache write and attention
+        # are one kernel call per layer.
+        fused = self.kernels is not None and isinstance(cache, SlabCache) and t == 1
+        if fused:
+            cos, sin = self.rotary(x, position_ids)  # (B, 1, D), halves equal
+            cos, sin = (c[:, 0, :d // 2].contiguous() for c in (cos, sin))
+        else:
+            rotate = self._rotary(x, position_ids)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x).view(b, t, hq + 2 * hkv, d)
-            qk = rotate(qkv[:, :, :hq + hkv])
-            q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
-            if isinstance(cache, SlabCache):
-                keys, values = cache.layers[i].update(k.transpose(1, 2), v.transpose(1, 2))
-                # t == 1: the G query heads of each kv head attend as G query rows.
-                q = q.reshape(b, hkv, hq // hkv, d)
-                if self._product_attention:
-                    scores = torch.matmul(q, keys.transpose(-1, -2))
-                    if self._attn_scale != 1.0:
-                        scores.mul_(self._attn_scale)
-                    if attention_mask is not None:
-                        scores.add_(attention_mask)
-                    attn = torch.matmul(scores.softmax(-1), values)
-                else:
-                    attn = F.scaled_dot_product_attention(q, keys, values,
-                                                          attn_mask=attention_mask,
-                                                          scale=self._attn_scale)
+            qkv = layer.qkv(x)
+            if fused:
+                slab = cache.layers[i]  # type: ignore[union-attr]
+                attn = self.kernels.attention(qkv, hq, hkv, cos, sin, slab.kbuf, slab.vbuf,
+                                              slab.claim(), attention_mask, self._attn_scale)
             else:
-                keys, values = k.transpose(1, 2), v.transpose(1, 2)
-                if cache is not None:
-                    cache.append((keys.contiguous(), values.contiguous()))
-                attn = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self._attn_scale,
-                    enable_gqa=hq != hkv).transpose(1, 2)
-            x = layer.o(attn.reshape(b * t, hq * d), residual=x)
+                attn = self._attention(qkv.view(b, t, hq + 2 * hkv, d), rotate, cache, i,
+                                       attention_mask)
+            x = layer.o(attn, residual=x)
             x = layer.down(layer.gate_up(x), residual=x)
         x = x.view(b, t, -1)
         if logits_at is not None:

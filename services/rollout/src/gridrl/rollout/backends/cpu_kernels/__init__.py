@@ -1,11 +1,16 @@
-"""Fused float32 decode products for CPUs, compiled from ``decode_linear.c`` on first use.
+"""Fused float32 decode kernels for CPUs, compiled from ``decode.c`` on first use.
 
-At a decode batch of a few rows, a product is a pass over its weight bound by memory
+:meth:`DecodeKernels.linear` -- a projection with the elementwise work around it. At a decode batch of a few rows, a product is a pass over its weight bound by memory
 bandwidth. oneDNN's kernels stream a prepacked weight at 13-25 GB/s on the reference 2-core
 machine (small matrices lower: a fixed ~40 us a call); the kernel here streams at 27-33 GB/s
 and also does, in the same pass, the RMSNorm before a product (its weight folded into the
 packed weight), the residual add after one, SwiGLU's ``silu(gate) * up``, and an unmerged LoRA
-adapter's ``(x A^T) B^T`` term. See ``decode_linear.c`` for the exact formula and layouts.
+adapter's ``(x A^T) B^T`` term. See ``decode.c`` for the exact formula and layouts.
+
+:meth:`DecodeKernels.attention` -- one decode token's attention in a layer: rotary on q and k,
+the cache write, scores, softmax and the weighted sum of values in one call, instead of ~10
+small torch ops (each ~5-40 us here, most of it dispatch and cache misses, for ~1 us of
+arithmetic).
 
 The library is built with the system C compiler (``$CC``, else ``cc``) with ``-O3
 -march=native -fopenmp`` into ``<cache_root>/kernels/`` (one file per source, compiler and
@@ -35,9 +40,9 @@ from gridrl.models import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_linear.c")
+SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
-NB = 16  # output columns per packed block (decode_linear.c's NB)
+NB = 16  # output columns per packed block (decode.c's NB)
 
 _reason: str | None = None
 
@@ -62,7 +67,7 @@ def _build(compiler: str) -> Path:
                              timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
                                     platform.machine(), _cpu_signature()]).encode()).hexdigest()
-    target = cache_root() / "kernels" / f"decode_linear-{key[:16]}.so"
+    target = cache_root() / "kernels" / f"decode-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +118,7 @@ def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
         weight: (N, K) float, rows = output features (a ``nn.Linear`` weight); for ``swiglu``
             the gate rows ``[0, N/2)`` stacked over the up rows ``[N/2, N)``. A LoRA ``B``
             (N, R) packs the same way with R in place of K.
-        swiglu: interleave gate and up blocks (decode_linear.c's swiglu layout).
+        swiglu: interleave gate and up blocks (decode.c's swiglu layout).
         in_scale: (K,) multiplies every input column (an RMSNorm weight folded in).
     Returns:
         float32, contiguous: (ceil(N/NB), K, NB), or (ceil(N/2/NB), K, 2 NB) for ``swiglu``;
@@ -169,28 +174,32 @@ def _huge_page_empty(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 class DecodeKernels:
-    """The loaded library. :meth:`linear` is its one entry point."""
+    """The loaded library: :meth:`linear` and :meth:`attention`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        i, f = ctypes.c_int, ctypes.c_float
         fn = lib.gridrl_decode_linear
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_F, ctypes.c_int, ctypes.c_int, _F, ctypes.c_int, _F, ctypes.c_int, _F,
-                       ctypes.c_float, _F, _F, ctypes.c_int, _F]
+        fn.restype = i
+        fn.argtypes = [_F, i, i, _F, i, _F, i, _F, f, _F, _F, i, _F]
         self._fn = fn
+        att = lib.gridrl_decode_attention
+        att.restype = i
+        att.argtypes = [_F, i, i, i, i, _F, _F, _F, _F, i, i, _F, ctypes.c_long, f, _F]
+        self._attention = att
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, *,
                lora: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = -1.0,
                bias: torch.Tensor | None = None, add: torch.Tensor | None = None,
                swiglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``decode_linear.c``'s product (see there for the formula).
+        """``decode.c``'s ``gridrl_decode_linear`` (see there for the formula).
 
         Args:
             x: float32 (M, K), contiguous, CPU.
             packed: :func:`pack_weight` of the (N, K) weight (``swiglu`` likewise).
             n: N, the weight's output rows.
-            lora: ``(u, b_packed)``: u float32 (M, R) contiguous, ``x A^T`` of the raw ``x``
-                (A with the same ``in_scale`` as the weight); b_packed :func:`pack_weight` of
-                the (N, R) scaled ``B``.
+            lora: ``(a, b_packed)``: a float32 (R, K) contiguous, the adapter's A (with the
+                same ``in_scale`` as the weight: the LoRA input is the raw ``x``);
+                b_packed :func:`pack_weight` of the (N, R) scaled ``B``.
             eps: >= 0: RMSNorm ``x`` first with this epsilon (the norm weight must be folded
                 into ``packed``); < 0: no norm.
             bias: float32 (N,) or None. add: float32 (M, N) contiguous or None (may be ``out``).
@@ -214,18 +223,69 @@ class DecodeKernels:
             raise ValueError(f"out must be contiguous ({m}, {width})")
         if add is not None and (tuple(add.shape) != (m, n) or not add.is_contiguous()):
             raise ValueError(f"add must be contiguous ({m}, {n})")
-        u_ptr = b_ptr = None
+        a_ptr = b_ptr = None
         r = 0
         if lora is not None:
-            u, b_packed = lora
-            r = u.shape[1]
-            if tuple(u.shape) != (m, r) or not u.is_contiguous() or b_packed.shape[1] != r:
-                raise ValueError(f"LoRA u {list(u.shape)} / B {list(b_packed.shape)} do not fit")
-            u_ptr, b_ptr = u.data_ptr(), b_packed.data_ptr()
-        rc = self._fn(x.data_ptr(), m, k, packed.data_ptr(), n, u_ptr, r, b_ptr, eps,
+            a, b_packed = lora
+            r = a.shape[0]
+            if tuple(a.shape) != (r, k) or not a.is_contiguous() or b_packed.shape[1] != r:
+                raise ValueError(f"LoRA A {list(a.shape)} / B {list(b_packed.shape)} do not fit")
+            a_ptr, b_ptr = a.data_ptr(), b_packed.data_ptr()
+        rc = self._fn(x.data_ptr(), m, k, packed.data_ptr(), n, a_ptr, r, b_ptr, eps,
                       None if bias is None else bias.data_ptr(),
                       None if add is None else add.data_ptr(), int(swiglu), out.data_ptr())
         if rc != 0:
             raise ValueError(f"decode_linear refused its arguments (M={m}, K={k}, N={n}, "
                              f"R={r}, swiglu={swiglu})")
+        return out
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  column: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """``decode.c``'s ``gridrl_decode_attention``: one decode token's attention.
+
+        Args:
+            qkv: float32 (B, (Hq + 2 Hkv) D) contiguous: q heads, k heads, v heads; q and k
+                in interleaved-pair rotary order.
+            num_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv).
+            cos, sin: float32 (B, D/2) contiguous, each row's rotary angles.
+            keys, values: the layer's cache, float32 (B, Hkv, W, D) contiguous; the new key
+                (rotated) and value are written at ``column``, and the token attends to
+                columns ``0..column``.
+            mask: None, or float32 additive (B, ...) whose row ``b`` starts at
+                ``mask[b]`` with unit stride over the columns (e.g. a (B, 1, 1, L) view).
+            scale: multiplies q.k (1.0 when it is folded into the q weights).
+        Returns:
+            float32 (B, Hq D).
+        Raises:
+            ValueError: shapes, dtypes or layouts that do not fit.
+        """
+        b, width = qkv.shape
+        hkv = num_kv_heads
+        d = width // (num_heads + 2 * hkv)
+        tensors = {"qkv": qkv, "cos": cos, "sin": sin, "keys": keys, "values": values}
+        for name, t in tensors.items():
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be contiguous float32 on CPU")
+        if (d * (num_heads + 2 * hkv) != width or tuple(cos.shape) != (b, d // 2)
+                or tuple(sin.shape) != (b, d // 2) or keys.shape != values.shape
+                or tuple(keys.shape[:2]) != (b, hkv) or keys.shape[3] != d
+                or not 0 <= column < keys.shape[2]):
+            raise ValueError(f"attention shapes do not fit: qkv {list(qkv.shape)}, cos "
+                             f"{list(cos.shape)}, cache {list(keys.shape)}, column {column}")
+        mask_ld = 0
+        if mask is not None:
+            if (mask.dtype != torch.float32 or mask.shape[0] != b or mask.stride(-1) != 1
+                    or mask.shape[-1] < column + 1):
+                raise ValueError(f"mask {list(mask.shape)} does not fit {b} rows x "
+                                 f"{column + 1} columns")
+            mask_ld = mask.stride(0)
+        out = torch.empty((b, num_heads * d), dtype=torch.float32)
+        rc = self._attention(qkv.data_ptr(), b, num_heads, hkv, d, cos.data_ptr(),
+                             sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
+                             column, None if mask is None else mask.data_ptr(), mask_ld, scale,
+                             out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"decode_attention refused its arguments (B={b}, Hq={num_heads}, "
+                             f"Hkv={hkv}, D={d})")
         return out

@@ -1,0 +1,306 @@
+/* Fused float32 kernels for small-batch decoding on CPU (gridrl rollout node).
+ *
+ * gridrl_decode_linear: a projection and the elementwise work around it. One call computes, for x (M, K) row-major and a weight W (N, K) packed once by
+ * gridrl.rollout.backends.cpu_kernels.pack_weight:
+ *
+ *     acc = x W^T + (x A^T) B^T           (a LoRA adapter's A (R, K) and B (N, R); optional)
+ *     acc = r * acc                       (eps >= 0: r[m] = 1 / sqrt(mean(x[m]^2) + eps),
+ *                                          RMSNorm, its weight folded into W and A)
+ *     acc = acc + bias + add              (bias (N,), add (M, N): a residual; optional)
+ *     out = acc                           (swiglu == 0; out (M, N), may alias add)
+ *     out = silu(acc_gate) * acc_up       (swiglu == 1; W stacks gate and up, out (M, N/2))
+ *
+ * Why: at a decode batch of a few rows every product is a matrix-vector-like pass over the
+ * weight, bound by memory bandwidth, and the elementwise work around it costs more in
+ * separate kernels (each reloading the activations after the weights flushed the caches)
+ * than in the product's epilogue. The packed layout streams each weight once, in order,
+ * with a software prefetch a few KB ahead: blocks of NB output columns, and within a block
+ * every k holds the NB (swiglu: 2 NB, gate then up) weights of that input column.
+ *
+ * Layouts: plain W packed [ceil(N/NB)][K][NB]; swiglu [ceil(H/NB)][K][2 NB] with H = N/2;
+ * B packed the same way with R in place of K; A plain row-major (R, K). Padded columns are
+ * zero and never stored.
+ * Threads: OpenMP over column blocks (the caller's libgomp team: torch's).
+ *
+ * gridrl_decode_attention: one decode token's attention in a layer, see its comment.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+
+#define NB 16
+#define CHUNK 8                /* rows per register tile */
+#define PREFETCH_BYTES 4096
+
+typedef float v16 __attribute__((vector_size(NB * sizeof(float))));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* acc[m] += sum_k x[m, k] * w[k, 0:NB] over a tile of `rows` rows (w rows `stride` floats apart). */
+static inline void tile(const float *x, int rows, int ldx, int depth, const float *w, int stride,
+                        v16 *acc) {
+    if (rows == CHUNK) {
+        for (int k = 0; k < depth; k++) {
+            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+            v16 wv = load16(w + (size_t)k * stride);
+#pragma GCC unroll 8
+            for (int m = 0; m < CHUNK; m++) acc[m] += x[(size_t)m * ldx + k] * wv;
+        }
+    } else {
+        for (int k = 0; k < depth; k++) {
+            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+            v16 wv = load16(w + (size_t)k * stride);
+            for (int m = 0; m < rows; m++) acc[m] += x[(size_t)m * ldx + k] * wv;
+        }
+    }
+}
+
+/* tile() for the gate (w[k, 0:NB]) and up (w[k, NB:2 NB]) halves of a swiglu block at once. */
+static inline void tile2(const float *x, int rows, int ldx, int depth, const float *w,
+                         v16 *gate, v16 *up) {
+    const int stride = 2 * NB;
+    if (rows == CHUNK) {
+        for (int k = 0; k < depth; k++) {
+            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+            v16 g = load16(w + (size_t)k * stride), v = load16(w + (size_t)k * stride + NB);
+#pragma GCC unroll 8
+            for (int m = 0; m < CHUNK; m++) {
+                gate[m] += x[(size_t)m * ldx + k] * g;
+                up[m] += x[(size_t)m * ldx + k] * v;
+            }
+        }
+    } else {
+        for (int k = 0; k < depth; k++) {
+            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+            v16 g = load16(w + (size_t)k * stride), v = load16(w + (size_t)k * stride + NB);
+            for (int m = 0; m < rows; m++) {
+                gate[m] += x[(size_t)m * ldx + k] * g;
+                up[m] += x[(size_t)m * ldx + k] * v;
+            }
+        }
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+typedef int vi16 __attribute__((vector_size(NB * sizeof(int))));
+
+/* The sum of a vector's lanes, by halving in registers (4 shuffles and adds). */
+static inline float hsum(v16 v) {
+    v += __builtin_shuffle(v, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* sum_k p[k] q[k] over n floats, 16 lanes at a time. */
+static inline float dot(const float *p, const float *q, int n) {
+    v16 acc = {0};
+    int k = 0;
+    for (; k + NB <= n; k += NB) acc += load16(p + k) * load16(q + k);
+    float s = hsum(acc);
+    for (; k < n; k++) s += p[k] * q[k];
+    return s;
+}
+
+/* Returns 0, or -1 on bad arguments or no memory (nothing written). */
+int gridrl_decode_linear(const float *x, int M, int K, const float *wp, int N,
+                         const float *a, int R, const float *bp,
+                         float eps, const float *bias, const float *add, int swiglu,
+                         float *out) {
+    if (M < 1 || K < 1 || N < 1 || (swiglu && (N % 2 || bias || add)) || (a && R < 1))
+        return -1;
+    const int width = swiglu ? N / 2 : N;      /* output columns */
+    const int nblocks = (width + NB - 1) / NB;
+    const int stride = swiglu ? 2 * NB : NB;   /* floats per k in a block */
+    float scale_stack[64], u_stack[512];
+    float *scale = M <= 64 ? scale_stack : malloc(sizeof(float) * M);
+    float *u = !a ? NULL : M * R <= 512 ? u_stack : malloc(sizeof(float) * M * R);
+    if (!scale || (a && !u)) {
+        if (scale != scale_stack) free(scale);
+        if (u != u_stack) free(u);
+        return -1;
+    }
+#pragma omp parallel
+    {
+        /* prologue: the rows' RMSNorm scales and the LoRA input u = x A^T (M, R) */
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            scale[m] = 1.0f;
+            if (eps >= 0) {
+                const float *xm = x + (size_t)m * K;
+                double ss = 0;
+                for (int k = 0; k < K; k++) ss += (double)xm[k] * xm[k];
+                scale[m] = (float)(1.0 / sqrt(ss / K + eps));
+            }
+        }
+        if (a) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < M * R; i++)
+                u[i] = dot(x + (size_t)(i / R) * K, a + (size_t)(i % R) * K, K);
+        }
+#pragma omp for schedule(static)
+        for (int b = 0; b < nblocks; b++) {
+            const float *wb = wp + (size_t)b * K * stride;
+            const float *bb = a ? bp + (size_t)b * R * stride : NULL;
+            const int cols = width - b * NB < NB ? width - b * NB : NB;
+            for (int m0 = 0; m0 < M; m0 += CHUNK) {
+                const int rows = M - m0 < CHUNK ? M - m0 : CHUNK;
+                v16 acc[CHUNK], acc2[CHUNK];
+                for (int m = 0; m < CHUNK; m++) acc[m] = acc2[m] = (v16){0};
+                if (swiglu) {
+                    tile2(x + (size_t)m0 * K, rows, K, K, wb, acc, acc2);
+                    if (a) tile2(u + (size_t)m0 * R, rows, R, R, bb, acc, acc2);
+                } else {
+                    tile(x + (size_t)m0 * K, rows, K, K, wb, stride, acc);
+                    if (a) tile(u + (size_t)m0 * R, rows, R, R, bb, stride, acc);
+                }
+                for (int m = 0; m < rows; m++) {
+                    const float s = scale[m0 + m];
+                    float *o = out + (size_t)(m0 + m) * width + (size_t)b * NB;
+                    if (swiglu) {
+                        for (int i = 0; i < cols; i++)
+                            o[i] = silu(s * acc[m][i]) * (s * acc2[m][i]);
+                    } else {
+                        const float *r = add ? add + (size_t)(m0 + m) * N + (size_t)b * NB : NULL;
+                        for (int i = 0; i < cols; i++) {
+                            float y = s * acc[m][i];
+                            if (bias) y += bias[b * NB + i];
+                            if (r) y += r[i];
+                            o[i] = y;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (scale != scale_stack) free(scale);
+    if (u && u != u_stack) free(u);
+    return 0;
+}
+
+/* One decode token's self-attention for a batch of B rows, in one call:
+ *
+ *   q, k = rotary(q), rotary(k)       pairs (2j, 2j+1) of each head turned by angle j:
+ *                                     (a, b) -> (a c_j - b s_j, a s_j + b c_j)
+ *   kcache[b, g, col] = k; vcache[b, g, col] = v
+ *   out[b, h] = softmax(scale * q_h . kcache[b, h / G, 0..col] + mask[b, 0..col])
+ *               @ vcache[b, h / G, 0..col]         (G = HQ / HKV query heads per kv head)
+ *
+ * qkv: (B, (HQ + 2 HKV) D), each row q heads, k heads, v heads (q, k in interleaved-pair
+ * order); cos, sin: (B, D/2) the rows' rotary angles' cosines and sines; kcache, vcache:
+ * (B, HKV, W, D) contiguous, column `col` < W written here; mask: NULL or additive, row b at
+ * mask + b * mask_ld, columns 0..col; out: (B, HQ D). Returns 0, or -1 on bad arguments or
+ * no memory. Threads: OpenMP over (row, kv head).
+ */
+int gridrl_decode_attention(const float *qkv, int B, int HQ, int HKV, int D,
+                            const float *cos, const float *sin,
+                            float *kcache, float *vcache, int W, int col,
+                            const float *mask, long mask_ld, float scale, float *out) {
+    if (B < 1 || HKV < 1 || HQ % HKV || D < 2 || D % 2 || col < 0 || col >= W) return -1;
+    const int G = HQ / HKV, half = D / 2, L = col + 1;
+    const long row = (long)(HQ + 2 * HKV) * D;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* per thread: the G rotated query heads (G, D) and their scores (G, L) */
+        float *qrot = malloc(sizeof(float) * G * D), *scores = malloc(sizeof(float) * G * L);
+        if (!qrot || !scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < B * HKV; task++) {
+            if (!qrot || !scores) continue;
+            const int b = task / HKV, g = task % HKV;
+            const float *c = cos + (size_t)b * half, *s = sin + (size_t)b * half;
+            const float *kin = qkv + b * row + (long)(HQ + g) * D;
+            const float *vin = qkv + b * row + (long)(HQ + HKV + g) * D;
+            float *kc = kcache + ((size_t)b * HKV + g) * W * D;
+            float *vc = vcache + ((size_t)b * HKV + g) * W * D;
+            for (int j = 0; j < half; j++) {
+                const float a0 = kin[2 * j], a1 = kin[2 * j + 1];
+                kc[(size_t)col * D + 2 * j] = a0 * c[j] - a1 * s[j];
+                kc[(size_t)col * D + 2 * j + 1] = a0 * s[j] + a1 * c[j];
+            }
+            for (int i = 0; i < D; i++) vc[(size_t)col * D + i] = vin[i];
+            for (int h = 0; h < G; h++) {
+                const float *qin = qkv + b * row + (long)(g * G + h) * D;
+                float *q = qrot + (size_t)h * D;
+                for (int j = 0; j < half; j++) {
+                    const float a0 = qin[2 * j], a1 = qin[2 * j + 1];
+                    q[2 * j] = a0 * c[j] - a1 * s[j];
+                    q[2 * j + 1] = a0 * s[j] + a1 * c[j];
+                }
+            }
+            /* scores (G, L): blocks of four keys (kept in L1 for the G heads), four
+               independent accumulator chains */
+            const float *mrow = mask ? mask + b * mask_ld : NULL;
+            int t = 0;
+            if (D % NB == 0) {
+                for (; t + 4 <= L; t += 4) {
+                    const float *k0 = kc + (size_t)t * D;
+                    for (int h = 0; h < G; h++) {
+                        const float *q = qrot + (size_t)h * D;
+                        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                        for (int d = 0; d < D; d += NB) {
+                            const v16 qv = load16(q + d);
+                            a0 += qv * load16(k0 + d);
+                            a1 += qv * load16(k0 + D + d);
+                            a2 += qv * load16(k0 + 2 * D + d);
+                            a3 += qv * load16(k0 + 3 * D + d);
+                        }
+                        float *sh = scores + (size_t)h * L + t;
+                        sh[0] = hsum(a0), sh[1] = hsum(a1), sh[2] = hsum(a2), sh[3] = hsum(a3);
+                    }
+                }
+            }
+            for (; t < L; t++)
+                for (int h = 0; h < G; h++)
+                    scores[(size_t)h * L + t] = dot(qrot + (size_t)h * D, kc + (size_t)t * D, D);
+            for (int h = 0; h < G; h++) {  /* softmax of each head's row */
+                float *sh = scores + (size_t)h * L, top = -INFINITY, total = 0;
+                for (t = 0; t < L; t++) {
+                    sh[t] = scale * sh[t] + (mrow ? mrow[t] : 0.0f);
+                    top = sh[t] > top ? sh[t] : top;
+                }
+                for (t = 0; t < L; t++) total += (sh[t] = expf(sh[t] - top));
+                const float inv = 1.0f / total;
+                for (t = 0; t < L; t++) sh[t] *= inv;
+            }
+            /* out_h = sum_t p[h, t] v_t: 16 dims at a time in registers, four keys' chains */
+            float *o = out + (size_t)b * HQ * D + (size_t)g * G * D;  /* the G heads' outputs */
+            for (int h = 0; h < G; h++) {
+                const float *ph = scores + (size_t)h * L;
+                float *oh = o + (size_t)h * D;
+                int d = 0;
+                for (; d + NB <= D; d += NB) {
+                    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    const float *v0 = vc + d;
+                    for (t = 0; t + 4 <= L; t += 4) {
+                        a0 += ph[t] * load16(v0 + (size_t)t * D);
+                        a1 += ph[t + 1] * load16(v0 + (size_t)(t + 1) * D);
+                        a2 += ph[t + 2] * load16(v0 + (size_t)(t + 2) * D);
+                        a3 += ph[t + 3] * load16(v0 + (size_t)(t + 3) * D);
+                    }
+                    for (; t < L; t++) a0 += ph[t] * load16(v0 + (size_t)t * D);
+                    const v16 sum = (a0 + a1) + (a2 + a3);
+                    __builtin_memcpy(oh + d, &sum, sizeof sum);
+                }
+                for (; d < D; d++) {
+                    float acc = 0;
+                    for (t = 0; t < L; t++) acc += ph[t] * vc[(size_t)t * D + d];
+                    oh[d] = acc;
+                }
+            }
+        }
+        free(qrot);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
