@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,8 +50,26 @@ def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def matmul_gflops(dtype: str = "float32", size: int = 1536, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of one large square matrix product (compute-bound: ~the
+    machine's FMA peak for ``dtype`` through torch's GEMM, all cores)."""
+    import torch
+
+    a = torch.randn(size, size).to(getattr(torch, dtype))
+    b = torch.randn(size, size).to(getattr(torch, dtype))
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best / 1e9
+
+
 class Proc:
-    """A gridrl service subprocess started with --ready-file; stopped with SIGTERM."""
+    """A gridrl service subprocess started with --ready-file; stopped with SIGTERM. Its
+    scratch directory (ready file, log) is removed when it stops; a service that fails to
+    start raises with the log's tail."""
 
     def __init__(self, argv: list[str], name: str, timeout: float = 300, env: dict | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
@@ -62,8 +81,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.log.read_text()[-3000:]
                 self.stop()
-                raise RuntimeError(f"{name} did not start:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(f"{name} did not start:\n{log}")
             time.sleep(0.2)
         info = json.loads(ready.read_text())
         self.address = info["address"]
@@ -75,6 +95,8 @@ class Proc:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -20,6 +20,7 @@ for it).
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import statistics
 import tempfile
@@ -124,6 +125,7 @@ def main() -> None:
             disk_ms.append((time.perf_counter() - start) * 1e3)
     finally:
         node.stop()
+        shutil.rmtree(adapter_root, ignore_errors=True)
     tcp = raw_tcp_ms(files["adapter_model.safetensors"], args.repeats)
 
     def ms(xs: list[float]) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.61)
     ap.add_argument("--out", default="docs/learning.png")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--keep-runs", action="store_true",
+                    help="keep the run directories (checkpoints, logs; removed by default)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
     runs = {"demo (gRPC, demo defaults)": work / "demo"}
@@ -102,6 +105,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
     print(f"plot: {args.out}")
+    if args.keep_runs:
+        print(f"run directories: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ Compares, in one run:
   (also with a rank-16 all-linear LoRA adapter serving) and bf16, and the transformers forward
   (``--forward transformers``) in fp32 for comparison;
 - the MLX rollout node through gRPC (Linux CPU through mlx[cpu] is slow; fewer tokens);
-and prints tok/s, the ratio to the baseline, and the memory-bandwidth bound for the batch size
-and precision used (every decode step reads all weights once: bound = batch * bandwidth /
-weight bytes, KV-cache reads added).
+and prints tok/s, the ratio to the baseline, and two ceilings for the batch size and precision
+used: the memory-bandwidth bound (every decode step reads all weights once: batch * bandwidth /
+weight bytes) and the compute bound (a token costs ~2 FLOPs a parameter: GEMM peak FLOP/s /
+(2 * params), the peak measured with a large square product in the same run).
 
     python bench/rollout_throughput.py [--repeats 3] [--skip-mlx]
 """
@@ -17,12 +18,13 @@ weight bytes, KV-cache reads added).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from _common import Proc, machine, read_bandwidth_gbs, table
+from _common import Proc, machine, matmul_gflops, read_bandwidth_gbs, table
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 N, MAX_TOKENS = 8, 40
@@ -116,13 +118,33 @@ def main() -> None:
 
     model_dir = str(resolve_model("smollm2-135m-instruct"))
     bw = read_bandwidth_gbs()
+    flops = {dtype: matmul_gflops(dtype) for dtype in ("float32", "bfloat16")}
     base, params = baseline_loop(model_dir, args.repeats)
-    rows = [["plain HF loop (in-process)", "float32", f"{base:.1f}", "1.00x", "", ""]]
+    rows = [["plain HF loop (in-process)", "float32", f"{base:.1f}", "1.00x", "", "", ""]]
 
     def bound(dtype_bytes: int) -> float:
         return N * bw * 1e9 / (params * dtype_bytes)
 
+    def compute_bound(dtype: str) -> float:
+        return flops[dtype] * 1e9 / (2 * params)
+
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    try:
+        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows)
+    finally:
+        shutil.rmtree(adapter_root, ignore_errors=True)
+    print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; GEMM peak "
+          f"{flops['float32']:.0f} GFLOP/s float32, {flops['bfloat16']:.0f} bfloat16; "
+          f"model {params / 1e6:.1f} M params")
+    print(f"workload: 1 group of n={N} x up to {MAX_TOKENS} new tokens, temperature 1; best of "
+          f"{args.repeats}")
+    print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
+                       "compute bound tok/s", "of the lower"]))
+
+
+def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, base: float,
+                  bound, compute_bound, rows: list[list[str]]) -> None:
+    """Start each node configuration in turn and add its row to ``rows``."""
     save_random_adapter(model_dir, adapter_root / "r16")
     for forward, dtype, nbytes, adapter in (("lean", "float32", 4, False),
                                             ("lean", "float32", 4, True),
@@ -138,10 +160,11 @@ def main() -> None:
             tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS)
         finally:
             node.stop()
-        b = bound(nbytes)
+        b, c = bound(nbytes), compute_bound(dtype)
         label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         rows.append([f"{label} (mean {mean_len:.0f} tok/sample)", dtype,
-                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{tps / b:.0%}"])
+                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{c:.0f}",
+                     f"{tps / min(b, c):.0%}"])
     if not args.skip_mlx:
         node = Proc(["gridrl-rollout", "serve", "--backend", "mlx", "--model", model_dir,
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "mlx")
@@ -149,13 +172,10 @@ def main() -> None:
             tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens)
         finally:
             node.stop()
+        b, c = bound(4), compute_bound("float32")
         rows.append([f"mlx node via gRPC ({args.mlx_tokens} tok/sample)", "float32",
-                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{bound(4):.0f}", f"{tps / bound(4):.0%}"])
-    print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; model {params / 1e6:.1f} M params")
-    print(f"workload: 1 group of n={N} x up to {MAX_TOKENS} new tokens, temperature 1; best of "
-          f"{args.repeats}")
-    print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
-                       "of bound"]))
+                     f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{c:.0f}",
+                     f"{tps / min(b, c):.0%}"])
 
 
 if __name__ == "__main__":

@@ -76,16 +76,19 @@ def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedPr
 
 @pytest.mark.mlx
 def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_factory):
-    # The torch node is the faster one: it holds one group at a time (--capacity 4 = the group
-    # size), so with 4 groups a step the pool, giving each group to the node expected to
-    # finish it first, sends some to the mlx node rather than queueing them all on torch.
+    # The torch node is the faster one (~5x a group on the tiny model). Both hold one group at
+    # a time (--capacity 4 = the group size), so each group's measured latency is one group's,
+    # and with 16 groups a step the pool, giving each group to the node expected to finish it
+    # first, sends some to the mlx node rather than queueing them all on torch (it would take
+    # a >16x slower mlx node to starve it).
     torch_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-torch",
                             extra=("--capacity", "4"))
-    mlx_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-mlx", backend="mlx")
+    mlx_node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-mlx", backend="mlx",
+                          extra=("--capacity", "4"))
     run_dir = tmp_path / "run"
     nodes = [torch_node.address, mlx_node.address]
     run_trainer(trainer_args(tiny_llama_dir, run_dir, nodes, steps=4, min_nodes=2,
-                             sync_every=1, eval_every=4))
+                             sync_every=1, eval_every=4, prompts_per_step=16))
     steps = step_records(run_dir)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     sampled_by = {n: 0 for n in nodes}
