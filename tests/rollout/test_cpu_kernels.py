@@ -1,7 +1,8 @@
-"""The fused float32 decode kernel (backends/cpu_kernels) against float64 torch: every part
-of its formula (RMSNorm prologue, LoRA term, bias, residual add in place, SwiGLU), row counts
-around its 8-row tile, output widths that are not a multiple of its 16-column blocks; its
-refusals; and the fallback when it cannot be built."""
+"""The fused float32 decode kernels (backends/cpu_kernels) against float64 torch: every part
+of the product's formula (RMSNorm prologue, LoRA term, bias, residual add in place, SwiGLU),
+row counts around its 8-row tile, output widths that are not a multiple of its 16-column
+blocks; the decode attention (rotary, cache write, GQA, padding mask); their refusals; and
+the fallback when the library cannot be built."""
 
 from __future__ import annotations
 
@@ -130,3 +131,65 @@ def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
         monkeypatch.delenv("GRIDRL_CPU_KERNELS")
         cpu_kernels.load.cache_clear()
     assert LeanLlama(_tiny()).products == "fused C kernel"
+
+
+def _attention_reference(qkv, hq, hkv, cos, sin, keys, values, column, mask, scale):
+    """float64 torch: rotate pairs (2j, 2j+1) by angle j, append, GQA softmax attention."""
+    b, d = qkv.shape[0], keys.shape[3]
+    heads = qkv.double().view(b, hq + 2 * hkv, d)
+
+    def rotate(x):  # (b, h, d)
+        pairs = x.unflatten(-1, (d // 2, 2))
+        c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+        return torch.stack((pairs[..., 0] * c - pairs[..., 1] * s,
+                            pairs[..., 0] * s + pairs[..., 1] * c), dim=-1).flatten(-2)
+
+    q, k, v = rotate(heads[:, :hq]), rotate(heads[:, hq:hq + hkv]), heads[:, hq + hkv:]
+    keys, values = keys.double().clone(), values.double().clone()
+    keys[:, :, column], values[:, :, column] = k, v
+    keys, values = keys[:, :, :column + 1], values[:, :, :column + 1]
+    group = hq // hkv
+    scores = torch.einsum("bhd,bhtd->bht", q, keys.repeat_interleave(group, dim=1)) * scale
+    if mask is not None:
+        scores = scores + mask.double().reshape(b, -1)[:, None, :column + 1]
+    attn = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values.repeat_interleave(group, 1))
+    return attn.reshape(b, hq * d), k
+
+
+@pytest.mark.parametrize("d,column", [(64, 0), (64, 37), (24, 11)])
+def test_decode_attention_matches_float64(kernels, d: int, column: int) -> None:
+    """Rotary, cache write and GQA attention with a padding mask; D = 24 takes the
+    non-vector path."""
+    torch.manual_seed(d + column)
+    b, hq, hkv, width = 5, 9, 3, 48
+    qkv = torch.randn(b, (hq + 2 * hkv) * d)
+    angles = torch.rand(b, d // 2) * 6
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    keys, values = torch.randn(b, hkv, width, d), torch.randn(b, hkv, width, d)
+    mask = torch.zeros(b, 1, 1, width)
+    mask[1, ..., :3] = torch.finfo(torch.float32).min  # row 1 is left-padded by 3
+    want, rotated_k = _attention_reference(qkv, hq, hkv, cos, sin, keys, values, column,
+                                           mask, 0.125)
+    got = kernels.attention(qkv, hq, hkv, cos, sin, keys, values, column,
+                            mask[..., :column + 1], 0.125)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert torch.allclose(keys[:, :, column].double(), rotated_k, atol=1e-6)  # written
+    assert torch.equal(values[:, :, column], qkv.view(b, hq + 2 * hkv, d)[:, hq + hkv:])
+
+
+def test_decode_attention_refusals_name_the_argument(kernels) -> None:
+    b, hq, hkv, d = 2, 4, 2, 16
+    qkv, cs = torch.randn(b, (hq + 2 * hkv) * d), torch.randn(b, d // 2)
+    keys = torch.zeros(b, hkv, 8, d)
+    with pytest.raises(ValueError, match="keys must be contiguous float32 on CPU"):
+        kernels.attention(qkv, hq, hkv, cs, cs, keys.transpose(2, 3), keys, 0, None, 1.0)
+    with pytest.raises(ValueError, match="attention shapes do not fit.*column 8"):
+        kernels.attention(qkv, hq, hkv, cs, cs, keys, keys.clone(), 8, None, 1.0)
+    with pytest.raises(ValueError, match="attention shapes do not fit"):
+        kernels.attention(qkv, hq, hkv, cs[:1], cs, keys, keys.clone(), 0, None, 1.0)
+    with pytest.raises(ValueError, match=r"mask \[2, 1, 1, 3\] does not fit 2 rows x 5"):
+        kernels.attention(qkv, hq, hkv, cs, cs, keys, keys.clone(), 4, torch.zeros(b, 1, 1, 3),
+                          1.0)
+    with pytest.raises(ValueError, match="refused its arguments"):  # Hq not a multiple of Hkv
+        kernels.attention(torch.randn(b, (3 + 2 * hkv) * d), 3, hkv, cs, cs, keys,
+                          keys.clone(), 0, None, 1.0)

@@ -1,6 +1,7 @@
 /* Fused float32 kernels for small-batch decoding on CPU (gridrl rollout node).
  *
- * gridrl_decode_linear: a projection and the elementwise work around it. One call computes, for x (M, K) row-major and a weight W (N, K) packed once by
+ * gridrl_decode_linear: a projection and the elementwise work around it. One call computes,
+ * for x (M, K) row-major and a weight W (N, K) packed once by
  * gridrl.rollout.backends.cpu_kernels.pack_weight:
  *
  *     acc = x W^T + (x A^T) B^T           (a LoRA adapter's A (R, K) and B (N, R); optional)
