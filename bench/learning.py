@@ -7,7 +7,10 @@ Runs, one after the other in the same invocation on the same machine:
   (1 prompt a step, group of 8, 40 new tokens, temperature 1, LoRA r16/alpha32 all-linear,
   AdamW lr 1e-4, clip 0.2, 3-4 word phrases, eval of 16 greedy tasks every 10 steps);
 then prints, for each, eval by step, seconds to reach the target eval (0.61; model loading
-excluded), the ratio, and writes a PNG of eval vs step and vs seconds side by side.
+excluded), the demo's against the issue's goal (345 s: half the 689 s of the CEO's plain
+reference loop) and as a ratio to the reference run (which uses this trainer's own fast
+paths, so it is faster than that plain loop), and writes a PNG of eval vs step and vs
+seconds side by side.
 
     python bench/learning.py [--steps 60] [--target 0.61] [--out docs/learning.png]
 """
@@ -28,6 +31,11 @@ REFERENCE = ["--task", "reverse-words", "--min-words", "3", "--max-words", "4",
              "--prompts-per-step", "1", "--group-size", "8", "--max-tokens", "40",
              "--temperature", "1.0", "--lr", "1e-4", "--lora-rank", "16", "--lora-alpha", "32",
              "--clip-eps", "0.2", "--eval-every", "10", "--eval-tasks", "16"]
+
+
+#: The issue's time goal for 0.61: half of the 689 s the CEO's single-process reference loop
+#: (plain transformers/peft, reference settings) took on the reference machine.
+ISSUE_GOAL_S = 689 / 2
 
 
 def evals(run: Path) -> list[tuple[int, float, float]]:
@@ -79,11 +87,17 @@ def main() -> None:
     print(table(rows, ["run", "baseline", "final eval", "best", f"eval >= {args.target}",
                        "training time"]))
     names = list(results)
+    demo_hit = time_to(results[names[0]], args.target)
+    if demo_hit:
+        verdict = "met" if demo_hit[1] <= ISSUE_GOAL_S else "NOT met"
+        print(f"demo: eval >= {args.target} after {demo_hit[1]:.0f} s of training; goal <= "
+              f"{ISSUE_GOAL_S:.0f} s (half the {2 * ISSUE_GOAL_S:.0f} s of the issue's plain "
+              f"reference loop): {verdict}")
     if len(names) == 2:
         a, b = (time_to(results[n], args.target) for n in names)
         if a and b:
-            print(f"time to {args.target}: demo {a[1]:.0f} s vs reference {b[1]:.0f} s "
-                  f"-> {a[1] / b[1]:.2f}x of the reference (goal <= 0.50x)")
+            print(f"time to {args.target}: demo {a[1]:.0f} s vs this trainer's reference "
+                  f"settings {b[1]:.0f} s -> {a[1] / b[1]:.2f}x (<= 0.50x wanted)")
     for name, pts in results.items():
         print(name, "eval by step:", ", ".join(f"{s}:{e:.2f}" for s, _, e in pts))
     import matplotlib
