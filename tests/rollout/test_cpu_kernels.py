@@ -183,7 +183,7 @@ def test_decode_attention_refusals_name_the_argument(kernels) -> None:
     keys = torch.zeros(b, hkv, 8, d)
     with pytest.raises(ValueError, match="keys must be contiguous float32 on CPU"):
         kernels.attention(qkv, hq, hkv, cs, cs, keys.transpose(2, 3), keys, 0, None, 1.0)
-    with pytest.raises(ValueError, match="attention shapes do not fit.*column 8"):
+    with pytest.raises(ValueError, match=r"attention shapes do not fit.*column 8"):
         kernels.attention(qkv, hq, hkv, cs, cs, keys, keys.clone(), 8, None, 1.0)
     with pytest.raises(ValueError, match="attention shapes do not fit"):
         kernels.attention(qkv, hq, hkv, cs[:1], cs, keys, keys.clone(), 0, None, 1.0)
