@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gridrl.rollout.backends import cpu_kernels
 from gridrl.rollout.backends.torch_cache import SlabCache, supports
 
 _TYPES = ("llama", "mistral", "qwen2")
@@ -107,8 +108,6 @@ def _decode_kernels(dtype: torch.dtype, device: torch.device) -> Any:
     CPU, and they built -- else None."""
     if dtype != torch.float32 or device.type != "cpu":
         return None
-    from gridrl.rollout.backends import cpu_kernels
-
     return cpu_kernels.load()
 
 
@@ -179,15 +178,13 @@ class KernelProjection:
     def __init__(self, kernels: Any, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  *, norm: torch.Tensor | None = None, eps: float = 0.0,
                  swiglu: bool = False) -> None:
-        from gridrl.rollout.backends.cpu_kernels import pack_weight
-
-        self._kernels, self._pack = kernels, pack_weight
+        self._kernels = kernels
         self.out_features, self.in_features = weight.shape
         self.swiglu = swiglu
         self.norm = None if norm is None else norm.detach().float().clone()
         self.eps = float(eps) if norm is not None else -1.0
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = pack_weight(weight, swiglu=swiglu, in_scale=self.norm)
+        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm)
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
@@ -196,7 +193,7 @@ class KernelProjection:
         the norm weight folded into its columns (the kernel then needs only the raw x)."""
         if self.norm is not None:
             a = a * self.norm
-        return a.contiguous(), self._pack(bs_t.t(), swiglu=self.swiglu)
+        return a.contiguous(), cpu_kernels.pack_weight(bs_t.t(), swiglu=self.swiglu)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._kernels.linear(x.contiguous(), self.weight, self.out_features,
@@ -306,8 +303,6 @@ class LeanLlama:
             return "fused C kernel"
         name = "oneDNN prepacked" if kind == "onednn" else "plain"
         if self.dtype == torch.float32 and self.embed.device.type == "cpu":
-            from gridrl.rollout.backends import cpu_kernels
-
             return f"{name} (fused C kernels unavailable: {cpu_kernels.unavailable_reason()})"
         return name
 
