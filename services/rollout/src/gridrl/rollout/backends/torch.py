@@ -17,10 +17,10 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
 of ``generate`` equal ``score`` up to float rounding of the logits.
 
 The forward of a model the backend owns (a node) is, for llama-family architectures,
-:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections run by our own fused
-float32 CPU kernels, or with weights prepacked for oneDNN (~3x faster than the transformers
-forward at batch 8 on a 2-core CPU), and
-LoRA adapters held as low-rank factors beside the untouched base weights, so loading an adapter
+:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections, run in float32 on
+CPU by our own fused kernels (3-3.5x faster than the transformers forward at batch 8 on a
+2-core CPU), else with weights prepacked for oneDNN (~2.5x), and LoRA adapters held as
+low-rank factors beside the untouched base weights, so loading an adapter
 costs reading its factors and switching is a pointer swap. Other architectures run the
 transformers forward and fold each adapter into merged copies of the adapted weights
 (:mod:`~gridrl.rollout.backends.torch_merge`). DoRA adapters, and models wrapped with
