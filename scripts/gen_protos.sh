@@ -7,9 +7,12 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/libs/proto/src}
 py=${PYTHON:-$root/.venv/bin/python}
 mkdir -p "$out/gridrl/v1"
-rm -f "$out"/gridrl/v1/*_pb2*.py "$out"/gridrl/v1/*_pb2*.pyi
+rm -f "$out"/gridrl/v1/*_pb2*.py "$out"/gridrl/v1/*_pb2*.pyi "$out"/gridrl/v1/descriptors.binpb
+# descriptors.binpb: the same files as a FileDescriptorSet *with* their comments (the generated
+# modules drop them), served by reflection so `grpcurl describe` shows the documentation.
 "$py" -m grpc_tools.protoc -I"$root/protos" \
   --python_out="$out" --grpc_python_out="$out" \
+  --descriptor_set_out="$out/gridrl/v1/descriptors.binpb" --include_source_info \
   --mypy_out="$out" --mypy_grpc_out="$out" \
   --plugin=protoc-gen-mypy="$(dirname "$py")/protoc-gen-mypy" \
   --plugin=protoc-gen-mypy_grpc="$(dirname "$py")/protoc-gen-mypy_grpc" \

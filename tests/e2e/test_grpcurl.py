@@ -36,14 +36,20 @@ def call(address: str, method: str, request: dict | None = None,
 
 
 def check_reflection_and_health(address: str, service: str, rpcs: set[str]) -> None:
-    """``list`` shows the service, health and reflection; ``describe`` shows its RPCs;
-    Health/Check answers SERVING overall and for the service."""
+    """``list`` shows the service, health and reflection; ``describe`` shows its RPCs, each
+    with its comment from the .proto; Health/Check answers SERVING overall and for the
+    service."""
     listed = set(grpcurl(address, "list").stdout.split())
     assert {service, HEALTH, REFLECTION} <= listed, listed
     described = grpcurl(address, "describe", service).stdout
     assert f"{service} is a service" in described, described
-    assert {line.split()[1].split("(")[0] for line in described.splitlines()
+    lines = described.splitlines()
+    assert {line.split()[1].split("(")[0] for line in lines
             if line.strip().startswith("rpc ")} == rpcs, described
+    assert lines[1].startswith("// "), described  # the service's own comment
+    for i, line in enumerate(lines):  # reflection serves the comments (common/reflection.py)
+        if line.strip().startswith("rpc "):
+            assert lines[i - 1].strip().startswith("// "), f"undocumented: {line}\n{described}"
     methods = set(grpcurl(address, "list", service).stdout.split())
     assert methods == {f"{service}.{rpc}" for rpc in rpcs}, methods
     assert call(address, f"{HEALTH}/Check") == {"status": "SERVING"}

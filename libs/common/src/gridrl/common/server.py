@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from gridrl.common import reflection
 from gridrl.common.address import join_address, parse_listen
 from gridrl.common.auth import check_token
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
@@ -205,7 +205,7 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"listen: could not bind {self._host}:{self._requested_port}")
         names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self._server)
+        reflection.enable(names, self._server)
         self._server.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         for name in self._service_names:
