@@ -62,26 +62,22 @@ class _SlabLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + key_states.shape[-2]
+        start = self.claim(key_states.shape[-2])
+        self.kbuf[:, :, start:self.length] = key_states
+        self.vbuf[:, :, start:self.length] = value_states
+        return self.keys, self.values
+
+    def claim(self, columns: int = 1) -> int:
+        """The next ``columns`` columns, counted as written from now on; returns the first.
+        :meth:`update` fills them from tensors; the fused CPU attention kernel writes its
+        column into ``kbuf`` / ``vbuf`` itself."""
+        start, end = self.length, self.length + columns
         if end > self.kbuf.shape[2]:
             raise RuntimeError(f"decode cache overflow: {end} > {self.kbuf.shape[2]} columns "
                                "(SlabCache.next_step makes room before each step)")
-        self.kbuf[:, :, self.length:end] = key_states
-        self.vbuf[:, :, self.length:end] = value_states
         self.length = end
         self._views()
-        return self.keys, self.values
-
-    def claim(self) -> int:
-        """The next column, for a writer that fills ``kbuf`` / ``vbuf`` there itself (the
-        fused CPU attention kernel); counted as written from now on."""
-        column = self.length
-        if column >= self.kbuf.shape[2]:
-            raise RuntimeError(f"decode cache overflow: {column + 1} > {self.kbuf.shape[2]} "
-                               "columns (SlabCache.next_step makes room before each step)")
-        self.length = column + 1
-        self._views()
-        return column
+        return start
 
     def get_seq_length(self) -> int:
         return self.length
