@@ -90,10 +90,15 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    """oneDNN prepacking: x86 CPUs (where it was measured), float32 / bfloat16 weights."""
-    return (weight.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
-            and torch.backends.mkldnn.is_available()
-            and weight.dtype in (torch.float32, torch.bfloat16))
+    """oneDNN prepacking: x86 CPUs (where it was measured), float32 weights, and bfloat16
+    weights where oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
+    CPU such as some AMD EPYC parts refuses to prepack them)."""
+    if not (weight.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available()):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
