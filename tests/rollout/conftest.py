@@ -26,7 +26,7 @@ def tiny_backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
     """A fresh TorchBackend on the tiny llama (about 50 ms to load), once with each forward:
     the lean llama forward (adapters as LoRA factors) and the transformers forward (adapters
     merged into weight copies)."""
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir, lean=request.param == "lean")
     assert backend.forward_kind == request.param
@@ -36,7 +36,7 @@ def tiny_backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
 @pytest.fixture
 def live_node(tmp_path: Path, tiny_llama_dir: Path) -> Iterator[Callable[..., LiveNode]]:
     """``live_node(backend=None, **NodeConfig fields)``: in-process nodes, stopped at teardown."""
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     nodes: list[LiveNode] = []
 

@@ -12,7 +12,7 @@ import grpc
 
 from gridrl.common.channel import dial
 from gridrl.common.transport import push_requests
-from gridrl.rollout.backends.base import Backend, SequenceRequest, SequenceResult
+from gridrl.engine.contract import Backend, SequenceRequest, SequenceResult
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

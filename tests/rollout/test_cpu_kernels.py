@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gridrl.rollout.backends import cpu_kernels
+from gridrl.engine.backends import cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_unavailable_kernels_say_why(monkeypatch, tmp_path) -> None:
 def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
     from test_torch_llama import _tiny
 
-    from gridrl.rollout.backends.torch_llama import LeanLlama
+    from gridrl.engine.backends.torch_llama import LeanLlama
 
     try:
         cpu_kernels.load.cache_clear()

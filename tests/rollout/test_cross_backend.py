@@ -17,7 +17,7 @@ from rollout_helpers import (
     reference_greedy,
 )
 
-from gridrl.rollout.backends.base import SamplingConfig, SequenceRequest
+from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
 pytestmark = [pytest.mark.real_model, pytest.mark.mlx, pytest.mark.slow]
 
@@ -33,8 +33,8 @@ def backends(smollm2_dir: Path):
     pytest.importorskip("mlx.core")
     import torch
 
-    from gridrl.rollout.backends.mlx import MlxBackend
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import pytest
 from rollout_helpers import PROMPT, GatedBackend, wait_until
 
 from gridrl.common.errors import StatusError
-from gridrl.rollout.backends.base import SamplingConfig
+from gridrl.engine.contract import SamplingConfig
 from gridrl.rollout.engine import Engine, GenerateJob, ServingAdapter
 
 T1 = SamplingConfig(max_tokens=6, temperature=1.0)

@@ -17,7 +17,7 @@ from rollout_helpers import (
 )
 
 from gridrl.adapters import build_manifest, convert_files, read_dir
-from gridrl.rollout.backends.base import SamplingConfig, SequenceRequest
+from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
 pytestmark = pytest.mark.real_model
 
@@ -31,7 +31,7 @@ CONFIGS = [SamplingConfig(max_tokens=6, temperature=1.0),
 def smollm2_backend(smollm2_dir: Path):
     import torch
 
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from gridrl.rollout import rng
-from gridrl.rollout.backends.base import SamplingConfig
-from gridrl.rollout.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine import rng
+from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.contract import SamplingConfig
 
 NEG = float("-inf")
 

@@ -35,7 +35,7 @@ def test_generate_returns_ids_logprobs_text(live_node, tiny_backend) -> None:
 
 
 def _config(max_tokens: int, temperature: float, **kw):
-    from gridrl.rollout.backends.base import SamplingConfig
+    from gridrl.engine.contract import SamplingConfig
 
     return SamplingConfig(max_tokens=max_tokens, temperature=temperature, **kw)
 
@@ -160,7 +160,7 @@ BAD_REQUESTS = [
 def validating_node(tiny_llama_dir, tmp_path_factory):
     from rollout_helpers import LiveNode
 
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     node = LiveNode(TorchBackend.from_pretrained(tiny_llama_dir),
                     tmp_path_factory.mktemp("validating"), max_tokens=300)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gridrl.rollout.backends.torch_cache import SlabCache
-from gridrl.rollout.backends.torch_llama import LeanLlama, unsupported_reason
-from gridrl.rollout.backends.torch_merge import read_lora
+from gridrl.engine.backends.torch_cache import SlabCache
+from gridrl.engine.backends.torch_llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch_merge import read_lora
 
 
 def _tiny(kind: str = "llama", **overrides):
@@ -52,7 +52,7 @@ def test_lean_forward_matches_transformers(kind: str, products: str, shape: str,
     """Each way of running the products: the fused C kernels (float32 CPU, the default where
     they build), oneDNN-prepacked weights (16-bit, or no compiler), plain weights (GPUs, MPS,
     non-x86 CPUs)."""
-    from gridrl.rollout.backends import torch_llama
+    from gridrl.engine.backends import torch_llama
 
     if products != "kernel":
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
@@ -112,7 +112,7 @@ def test_lora_factors_equal_peft(tmp_path: Path, products: str, monkeypatch) -> 
     and the norm weight folded into A; with oneDNN, two small products after it)."""
     from peft import LoraConfig, get_peft_model
 
-    from gridrl.rollout.backends import torch_llama
+    from gridrl.engine.backends import torch_llama
 
     if products == "onednn":
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
@@ -172,8 +172,8 @@ def test_in_process_peft_model_runs_lean_with_its_live_lora(tiny_llama_dir: Path
     from rollout_helpers import PROMPT
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gridrl.rollout.backends.base import SamplingConfig, SequenceRequest
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)),
@@ -208,7 +208,7 @@ def test_in_process_model_with_trainable_base_is_not_lean(tiny_llama_dir: Path) 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
     assert TorchBackend.from_model(model, None).forward_kind == "transformers"

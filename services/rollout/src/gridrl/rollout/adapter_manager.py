@@ -36,10 +36,10 @@ from gridrl.adapters import (
 )
 from gridrl.common.errors import StatusError, failed_precondition, invalid_argument
 from gridrl.common.transport import format_name, manifest_to_dict, receive_push
+from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
 from gridrl.rollout import metrics
 from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
-from gridrl.rollout.backends.base import AdapterLoadError, Backend
 from gridrl.rollout.engine import BASE_MODEL, Engine, ServingAdapter
 from gridrl.v1 import common_pb2, rollout_pb2
 

@@ -159,7 +159,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
                 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
                 import torch
 
-                from gridrl.rollout.backends.torch import TorchBackend
+                from gridrl.engine.backends.torch import TorchBackend
 
                 if threads:
                     torch.set_num_threads(threads)
@@ -167,7 +167,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
                     model_dir, device=device, dtype=dtype, model_id=model,
                     lean=forward == "lean")
             else:
-                from gridrl.rollout.backends.mlx import MlxBackend
+                from gridrl.engine.backends.mlx import MlxBackend
 
                 engine_backend = MlxBackend.from_pretrained(
                     model_dir, device={"mps": "gpu"}.get(device, device))

@@ -36,8 +36,9 @@ from typing import Any, TypeVar
 import grpc
 
 from gridrl.common.errors import StatusError, resource_exhausted
-from gridrl.rollout import metrics, rng
-from gridrl.rollout.backends.base import Backend, SamplingConfig, SequenceRequest, SequenceResult
+from gridrl.engine import rng
+from gridrl.engine.contract import Backend, SamplingConfig, SequenceRequest, SequenceResult
+from gridrl.rollout import metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,7 +135,7 @@ class Engine:
     """Batches Generate jobs over one backend and swaps adapters between batches.
 
     Args:
-        backend: the model (any :class:`~gridrl.rollout.backends.base.Backend`).
+        backend: the model (any :class:`~gridrl.engine.contract.Backend`).
         capacity: most sequences decoded together in one batch (>= 1).
         max_queue: most requests waiting to start; past it, :meth:`submit` raises
             RESOURCE_EXHAUSTED (>= 1).

@@ -25,10 +25,10 @@ import grpc
 from gridrl.common.errors import StatusError
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
+from gridrl.engine.contract import Backend
 from gridrl.models import cache_root
 from gridrl.rollout.adapter_manager import AdapterManager
 from gridrl.rollout.adapter_store import AdapterStore
-from gridrl.rollout.backends.base import Backend
 from gridrl.rollout.engine import Engine, GenerateOutcome
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gridrl.common.errors import invalid_argument
-from gridrl.rollout import rng
-from gridrl.rollout.backends.base import SamplingConfig
+from gridrl.engine import rng
+from gridrl.engine.contract import SamplingConfig
 from gridrl.rollout.engine import GenerateJob
 from gridrl.v1 import rollout_pb2
 

@@ -61,7 +61,7 @@ class Evaluator:
     def run(self, policy_version: int) -> EvalResult:
         """Decode every eval prompt greedily (one batch per ``max_batch`` of the sampler) and
         score it. ``policy_version`` is the trainer's version, recorded with the result."""
-        from gridrl.rollout.backends.base import SamplingConfig
+        from gridrl.engine.contract import SamplingConfig
 
         start = time.perf_counter()
         config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)

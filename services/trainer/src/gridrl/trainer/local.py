@@ -4,7 +4,7 @@ policy's own (peft) model, for a single machine.
 The sampler shares the weights being trained, so every sample carries the trainer's current
 policy version and there is nothing to push. Sampling semantics (temperature, top-k, top-p,
 stop tokens, exact behaviour logprobs) are those of every rollout node
-(``gridrl.rollout.backends.base``).
+(``gridrl.engine.contract``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class LocalRollout:
     """
 
     def __init__(self, policy: Any, version: Callable[[], int], max_batch: int = 64) -> None:
-        from gridrl.rollout.backends.torch import TorchBackend
+        from gridrl.engine.backends.torch import TorchBackend
 
         self.policy = policy
         self.version = version
@@ -42,7 +42,7 @@ class LocalRollout:
                  seeds: Sequence[int]) -> list[Any]:
         """Decode one sequence per prompt with ``config`` (a ``SamplingConfig``) in eval mode,
         batches of ``max_batch``; returns the backend's ``SequenceResult`` s in order."""
-        from gridrl.rollout.backends.base import SequenceRequest
+        from gridrl.engine.contract import SequenceRequest
 
         requests = [SequenceRequest(prompt_ids=list(p), sampling=config, seed=s)
                     for p, s in zip(prompts, seeds, strict=True)]
@@ -63,8 +63,8 @@ class LocalRollout:
                         seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
         """See :meth:`gridrl.trainer.rollouts.RolloutSource.generate_groups`. All groups of the
         call are decoded together."""
-        from gridrl.rollout.backends.base import SamplingConfig
-        from gridrl.rollout.rng import sequence_seed
+        from gridrl.engine.contract import SamplingConfig
+        from gridrl.engine.rng import sequence_seed
 
         config = SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, stop_token_ids=tuple(stop_token_ids))

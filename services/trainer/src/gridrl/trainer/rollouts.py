@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gridrl.engine import rng
 from gridrl.v1 import common_pb2
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -81,13 +81,11 @@ class RolloutSource(Protocol):
 
 
 def group_seed(seed: int, prompt_index: int) -> int:
-    """Sampler seed of group ``prompt_index`` of a call made with ``seed``: a splitmix64 mix,
-    so neighbouring groups and neighbouring steps get unrelated streams, and a group retried on
-    another node asks for the same samples. Returns an int in [0, 2**63)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (prompt_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+    """Sampler seed of group ``prompt_index`` of a call made with ``seed``: the engine's one
+    seed derivation (:func:`gridrl.engine.rng.sequence_seed`), so neighbouring groups and
+    neighbouring steps get unrelated streams, and a group retried on another node asks for the
+    same samples. Returns an int in [0, 2**63)."""
+    return rng.sequence_seed(seed, prompt_index) >> 1
 
 
 def sample_from_proto(sample: common_pb2.Sample, node: str) -> RolloutSample:

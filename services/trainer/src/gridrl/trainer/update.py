@@ -58,7 +58,7 @@ class UpdateConfig:
         top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
             ``softmax(logits / T)`` (as TRL does); the mismatch KL compares the behaviour
             logprobs with the trainer's logprobs under the sampler's own transform
-            (``gridrl.rollout.backends.torch_sampling``), so truncation is not reported as a
+            (``gridrl.engine.backends.torch_sampling``), so truncation is not reported as a
             node mismatch.
     """
 
@@ -240,7 +240,7 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                      cfg: UpdateConfig) -> torch.Tensor:
     """Logprobs of ``tokens`` under the rollout sampler's transform (temperature, then top-k,
-    then top-p, renormalised; ``gridrl.rollout.backends.torch_sampling.transform_logits``).
+    then top-p, renormalised; ``gridrl.engine.backends.torch_sampling.transform_logits``).
 
     Args:
         logits: (n, C, V) completion logits (no gradient needed).
@@ -249,8 +249,8 @@ def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
         (n, C) float32; tokens outside the kept support get -100 (a KL of ~100 nats: a node
         that sampled a token the trainer's sampler never would is unmistakable).
     """
-    from gridrl.rollout.backends.base import SamplingConfig
-    from gridrl.rollout.backends.torch_sampling import RowSampling, transform_logits
+    from gridrl.engine.backends.torch_sampling import RowSampling, transform_logits
+    from gridrl.engine.contract import SamplingConfig
 
     n, c, v = logits.shape
     config = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,

@@ -1,4 +1,4 @@
-"""The sampling transform of :mod:`gridrl.rollout.backends.base` in torch, batched over rows.
+"""The sampling transform of :mod:`gridrl.engine.contract` in torch, batched over rows.
 
 :func:`transform_logits` turns float32 logits into the logprobs a token is drawn from;
 ``generate`` draws from them (:func:`draw_tokens`) and ``score`` reads them, so the behaviour
@@ -14,7 +14,7 @@ descending prefix whose softmax mass is ``>= top_p`` (at least one token; a toke
 is kept too); removed entries are ``-inf``; then ``log_softmax``.
 
 Drawing is by inverse CDF over the vocabulary in id order with one uniform per row from the
-row's counter-based stream (:mod:`gridrl.rollout.rng`), so a row's token depends only on its
+row's counter-based stream (:mod:`gridrl.engine.rng`), so a row's token depends only on its
 own logits and seed.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gridrl.rollout.backends.base import SamplingConfig
+from gridrl.engine.contract import SamplingConfig
 
 _NO_TOP_P = 2.0  # a top_p that keeps every token (the mass before any token is <= 1)
 
@@ -183,7 +183,7 @@ def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
         logits: (N, V) raw logits (greedy rows).
         logprobs: float32 (N, V) from :func:`transform_logits` with the same ``rows``.
         rows: the rows' sampling parameters.
-        uniforms: float64 (N,) in [0, 1), one per row (:func:`gridrl.rollout.rng.step_uniforms`).
+        uniforms: float64 (N,) in [0, 1), one per row (:func:`gridrl.engine.rng.step_uniforms`).
     Returns:
         ``(tokens, token_logprobs)``: int64 (N,) ids and float32 (N,) ``logprobs[row, token]``.
     """

@@ -9,14 +9,14 @@ Decoding (``generate``):
    ``BatchKVCache``: left padding with a per-row offset, so RoPE positions and the attention
    mask are each sequence's own, exactly as ``mlx_lm.generate.BatchGenerator`` decodes).
 3. One forward per step for all live sequences; finished rows are filtered out of the cache.
-   Each step applies :func:`~gridrl.rollout.backends.mlx_sampling.transform_logits` to float32
+   Each step applies :func:`~gridrl.engine.backends.mlx_sampling.transform_logits` to float32
    logits and draws with the sequence's own key (``split(key(seed), max_tokens)[step]``).
 
 ``score`` runs one teacher-forced forward and reads the same transform, so the behaviour
 logprobs of ``generate`` equal ``score`` up to float rounding of the logits.
 
 Adapters are mlx-lm LoRA directories held next to the base weights
-(:mod:`gridrl.rollout.backends.mlx_lora`).
+(:mod:`gridrl.engine.backends.mlx_lora`).
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from gridrl.models import ModelIdentity, model_identity
-from gridrl.rollout.backends.base import (
+from gridrl.engine.backends.mlx_lora import LoRAManager, MlxAdapter
+from gridrl.engine.backends.mlx_sampling import draw_tokens, sequence_keys, transform_logits
+from gridrl.engine.contract import (
     Backend,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
     check_batch,
 )
-from gridrl.rollout.backends.mlx_lora import LoRAManager, MlxAdapter
-from gridrl.rollout.backends.mlx_sampling import draw_tokens, sequence_keys, transform_logits
+from gridrl.models import ModelIdentity, model_identity
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class MlxBackend(Backend):
         """Load an mlx-lm LoRA directory next to the serving weights under ``key``.
 
         Returns:
-            an :class:`~gridrl.rollout.backends.mlx_lora.MlxAdapter` handle for
+            an :class:`~gridrl.engine.backends.mlx_lora.MlxAdapter` handle for
             :meth:`generate` / :meth:`score`.
         Raises:
             AdapterLoadError: it does not fit the base model (the message names the tensor,

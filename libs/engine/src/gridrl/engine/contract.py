@@ -1,4 +1,4 @@
-"""The contract every rollout backend (torch, mlx) implements.
+"""The sampling contract, and the Backend every inference framework (torch, mlx) implements.
 
 The engine (``gridrl.rollout.engine``) owns queuing, batching, validation and adapter
 bookkeeping; a backend only knows how to run a batch of sequences on its framework, and how to

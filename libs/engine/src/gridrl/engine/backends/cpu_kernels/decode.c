@@ -2,7 +2,7 @@
  *
  * gridrl_decode_linear: a projection and the elementwise work around it. One call computes,
  * for x (M, K) row-major and a weight W (N, K) packed once by
- * gridrl.rollout.backends.cpu_kernels.pack_weight:
+ * gridrl.engine.backends.cpu_kernels.pack_weight:
  *
  *     acc = x W^T + (x A^T) B^T           (a LoRA adapter's A (R, K) and B (N, R); optional)
  *     acc = r * acc                       (eps >= 0: r[m] = 1 / sqrt(mean(x[m]^2) + eps),

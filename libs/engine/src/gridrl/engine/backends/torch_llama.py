@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gridrl.rollout.backends import cpu_kernels
-from gridrl.rollout.backends.torch_cache import SlabCache, supports
+from gridrl.engine.backends import cpu_kernels
+from gridrl.engine.backends.torch_cache import SlabCache, supports
 
 _TYPES = ("llama", "mistral", "qwen2")
 

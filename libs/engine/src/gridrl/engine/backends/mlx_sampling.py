@@ -1,4 +1,4 @@
-"""The sampling transform of :mod:`gridrl.rollout.backends.base` in MLX, batched over rows.
+"""The sampling transform of :mod:`gridrl.engine.contract` in MLX, batched over rows.
 
 One function turns float32 logits into the logprobs a token is drawn from
 (:func:`transform_logits`); ``generate`` draws from them and ``score`` reads them, so the
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from gridrl.rollout.backends.base import SamplingConfig
+from gridrl.engine.contract import SamplingConfig
 
 _SEED_MASK = (1 << 64) - 1
 

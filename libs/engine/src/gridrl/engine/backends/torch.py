@@ -6,24 +6,24 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
    prompt's cache and first-token logits never depend on the rest of the batch; the ``n``
    samples of a GRPO group share one prefill.
 2. The prefills are assembled into one left-padded, preallocated KV cache
-   (:class:`~gridrl.rollout.backends.torch_cache.SlabCache`) with per-row positions and an
+   (:class:`~gridrl.engine.backends.torch_cache.SlabCache`) with per-row positions and an
    additive padding mask.
 3. One forward per step for all live rows; each step applies
-   :func:`~gridrl.rollout.backends.torch_sampling.transform_logits` to float32 logits and draws
-   with each row's counter-based uniform (:mod:`gridrl.rollout.rng`). Finished rows are
+   :func:`~gridrl.engine.backends.torch_sampling.transform_logits` to float32 logits and draws
+   with each row's counter-based uniform (:mod:`gridrl.engine.rng`). Finished rows are
    dropped from the cache once enough of them have finished.
 
 ``score`` runs one teacher-forced forward through the same transform, so the behaviour logprobs
 of ``generate`` equal ``score`` up to float rounding of the logits.
 
 The forward of a model the backend owns (a node) is, for llama-family architectures,
-:class:`~gridrl.rollout.backends.torch_llama.LeanLlama`: fused projections, run in float32 on
+:class:`~gridrl.engine.backends.torch_llama.LeanLlama`: fused projections, run in float32 on
 CPU by our own fused kernels (3-3.5x faster than the transformers forward at batch 8 on a
 2-core CPU), else with weights prepacked for oneDNN (~2.5x), and LoRA adapters held as
 low-rank factors beside the untouched base weights, so loading an adapter
 costs reading its factors and switching is a pointer swap. Other architectures run the
 transformers forward and fold each adapter into merged copies of the adapted weights
-(:mod:`~gridrl.rollout.backends.torch_merge`). DoRA adapters, and models wrapped with
+(:mod:`~gridrl.engine.backends.torch_merge`). DoRA adapters, and models wrapped with
 :meth:`TorchBackend.from_model`, go through peft: ``PeftModel.load_adapter`` under their own
 name, ``set_adapter`` per batch, the base model via ``disable_adapter``, always through the
 underlying transformers model (peft injects its layers there).
@@ -44,19 +44,10 @@ from typing import Any
 
 import torch
 
-from gridrl.models import ModelIdentity
-from gridrl.rollout import rng
-from gridrl.rollout.backends.base import (
-    AdapterLoadError,
-    Backend,
-    SamplingConfig,
-    SequenceRequest,
-    SequenceResult,
-    check_batch,
-)
-from gridrl.rollout.backends.torch_cache import SlabCache, supports
-from gridrl.rollout.backends.torch_llama import LeanLlama, LoraFactors, unsupported_reason
-from gridrl.rollout.backends.torch_merge import (
+from gridrl.engine import rng
+from gridrl.engine.backends.torch_cache import SlabCache, supports
+from gridrl.engine.backends.torch_llama import LeanLlama, LoraFactors, unsupported_reason
+from gridrl.engine.backends.torch_merge import (
     MergedAdapter,
     WeightSwitcher,
     lora_pairs,
@@ -64,7 +55,16 @@ from gridrl.rollout.backends.torch_merge import (
     mergeable,
     read_lora,
 )
-from gridrl.rollout.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.contract import (
+    AdapterLoadError,
+    Backend,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+    check_batch,
+)
+from gridrl.models import ModelIdentity
 
 log = logging.getLogger(__name__)
 

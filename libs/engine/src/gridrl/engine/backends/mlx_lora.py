@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from gridrl.rollout.backends.base import AdapterLoadError
+from gridrl.engine.contract import AdapterLoadError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"

@@ -1,0 +1,1 @@
+"""Inference backends. Each implements :class:`gridrl.engine.contract.Backend`."""

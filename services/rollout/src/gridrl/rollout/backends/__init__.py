@@ -1,1 +1,0 @@
-"""Inference backends. Each implements :class:`gridrl.rollout.backends.base.Backend`."""
