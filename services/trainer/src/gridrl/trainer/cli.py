@@ -127,6 +127,8 @@ _ALL_OPTIONS = [
          help="Run name, also the adapter name on nodes (default: grpo-<time>)."),
     _opt("--resume", default=None, show_default=False, type=click.Path(file_okay=False),
          help="Continue the run in this directory from its latest checkpoint."),
+    _opt("--backend", type=click.Choice(["torch"]), default="torch",
+         help="Trainer backend: the framework that holds the weights and trains them."),
     _opt("--device", default="auto", help="auto, cpu, cuda, cuda:1..."),
     _opt("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                                          "bfloat16."),

@@ -91,6 +91,7 @@ class TrainConfig:
     seed: int = 0
     run_dir: str | None = None
     run_name: str | None = None
+    backend: str = "torch"
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0

@@ -8,14 +8,16 @@ the step of the sample's version; samples older than the bound, or of a version 
 lineage (a killed run's last pushes, another run's adapter), are dropped and their node is
 flagged when it keeps happening (``monitor.py``).
 
-Under ``torchrun`` every rank runs :meth:`Trainer.run`; rank 0 alone samples, scores, syncs,
-evaluates, checkpoints and writes, and broadcasts each step's sequences to the other ranks.
+The model side (weights, gradients, optimizer, local sampling, checkpoint state) is the
+``--backend``'s (:class:`gridrl.trainer.backend.TrainerBackend`); this module imports no tensor
+framework. Under data parallelism (``torchrun``) every rank runs :meth:`Trainer.run`; rank 0
+alone samples, scores, syncs, evaluates, checkpoints and writes, and broadcasts each step's
+sequences to the other ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -24,19 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from gridrl.trainer import grpo
-from gridrl.trainer.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
+from gridrl.trainer.backend import TrainerBackend, TrainSequence, UpdateStats
+from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.monitor import NodeMonitor, NodeStepStats
 from gridrl.trainer.rundir import RunDir
-from gridrl.trainer.update import TrainSequence, UpdateConfig, UpdateStats, grpo_update
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +84,6 @@ class TrainerState:
                    resumed_at=list(d.get("resumed_at", [])))
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
-    torch.manual_seed(seed)
-
-
 def step_seed(seed: int, step: int) -> int:
     """Sampler seed of a step's rollout request (deterministic, distinct per step)."""
     from gridrl.trainer.rollouts import group_seed
@@ -112,8 +101,8 @@ class Trainer:
             None.
         console: a ``rich`` console for the progress lines (default: stdout).
         source: a :class:`~gridrl.trainer.rollouts.RolloutSource` to sample from instead of the
-            configured ones, built from the policy once loaded: ``source(policy, version_fn)``
-            (embedding the trainer in another program; nothing is pushed to it).
+            configured ones, built from the backend once loaded: ``source(backend,
+            version_fn)`` (embedding the trainer in another program; nothing is pushed to it).
         freeze_gc: ``gc.freeze()`` once set up (the CLI's choice for a whole process; see
             :func:`gridrl.common.server.freeze_long_lived`).
     """
@@ -136,7 +125,7 @@ class Trainer:
         self.pool: Any = None
         self.sync: Any = None
         self.prefetcher: Any = None
-        self.parallel: Any = None
+        self.backend: TrainerBackend | None = None
         self.run_dir: RunDir | None = None
         self._last_eval: dict[str, Any] | None = None
         self._flagged_ever: dict[str, str] = {}
@@ -151,54 +140,28 @@ class Trainer:
     # ================================================================== setup
 
     def _setup(self) -> None:
-        from gridrl.trainer.distributed import (
-            init_process_group,
-            launched_by_torchrun,
-            make_parallel,
-        )
-        from gridrl.trainer.policy import LoraSettings, load_policy, pick_device
+        from gridrl.trainer.backend import create_backend
         from gridrl.trainer.rewards import build_reward_set
         from gridrl.trainer.tasks import make_task
-        from gridrl.trainer.update import make_optimizer, make_scheduler
 
         cfg = self.cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        if launched_by_torchrun():
-            init_process_group(pick_device(cfg.device))
-        seed_everything(cfg.seed)
-        lora = LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                            target_modules=cfg.lora_target_modules, rslora=cfg.rslora)
-        self.policy = load_policy(cfg.model, lora=lora, device=cfg.device, dtype=cfg.dtype,
-                                  seed=cfg.seed)
+        # seeds every RNG, loads the model + LoRA, builds the optimizer and the schedule, and
+        # joins data parallelism (torch: DDP under torchrun)
+        self.backend = backend = create_backend(cfg)
         self.task = make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_tasks,
                               min_words=cfg.min_words, max_words=cfg.max_words,
                               prompt_column=cfg.prompt_column, answer_column=cfg.answer_column,
                               system_prompt=cfg.system_prompt, eval_file=cfg.eval_file)
         self.rewards = build_reward_set(self.task, cfg.reward_files, cfg.reward_weights)
-        self.optimizer = make_optimizer(self.policy.trainable_parameters(), lr=cfg.lr,
-                                        weight_decay=cfg.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, schedule=cfg.lr_schedule,
-                                        warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.update_cfg = UpdateConfig(
-            temperature=cfg.temperature, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps_high,
-            beta=cfg.kl_beta, aggregation=cfg.loss_aggregation, max_tokens=cfg.max_tokens,
-            micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-            top_p=cfg.top_p, top_k=cfg.top_k)
-        import torch.distributed as dist
-
-        self.is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        self.is_main = backend.rank == 0
         if self.is_main:
             self.run_dir = RunDir(cfg.run_dir or ".")
         ckpt = self._load_resume_checkpoint()
-        # DDP (when under torchrun) wraps the model after the checkpoint is in: its
-        # construction broadcasts rank 0's parameters.
-        self.parallel = make_parallel(self.policy.model, self.policy.device)
-        if self.parallel.world_size > cfg.prompts_per_step:
+        if backend.world_size > cfg.prompts_per_step:
             from gridrl.common.errors import invalid_argument
 
             raise invalid_argument("--prompts-per-step", f"{cfg.prompts_per_step} groups cannot "
-                                   f"be shared by {self.parallel.world_size} ranks")
+                                   f"be shared by {backend.world_size} ranks")
         self.monitor = NodeMonitor(
             max_staleness=cfg.staleness_bound, mismatch_kl_max=cfg.mismatch_kl_max,
             mismatch_kl_max_16bit=cfg.mismatch_kl_max_16bit,
@@ -215,11 +178,10 @@ class Trainer:
             freeze_long_lived()  # the policy lives as long as the run: no 200 ms collections
 
     def _load_resume_checkpoint(self) -> Any | None:
-        """Rank 0 reads the latest checkpoint and broadcasts it; every rank loads it."""
+        """Rank 0 reads the latest checkpoint and broadcasts it; every rank restores it."""
         if not self.resume:
             return None
-        import torch.distributed as dist
-
+        assert self.backend is not None
         ckpt = None
         if self.is_main:
             assert self.run_dir is not None
@@ -229,16 +191,9 @@ class Trainer:
 
                 raise invalid_argument("--resume", f"{self.run_dir.path} has no checkpoint")
             ckpt = load_checkpoint(path)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [ckpt]
-            dist.broadcast_object_list(box, src=0)
-            ckpt = box[0]
+        ckpt = self.backend.broadcast(ckpt)
         assert ckpt is not None
-        self.policy.load_adapter_files(ckpt.adapter_files)
-        self.optimizer.load_state_dict(ckpt.optimizer)
-        if ckpt.scheduler is not None:
-            self.scheduler.load_state_dict(ckpt.scheduler)
-        set_rng_state(ckpt.rng)
+        self.backend.restore_checkpoint(ckpt.files)
         self.state = TrainerState.from_json(ckpt.state)
         return ckpt
 
@@ -253,7 +208,7 @@ class Trainer:
             new_version = max(self.run_dir.max_version(), st.version) + 1
         else:
             new_version = 0
-        new_version = self.parallel.broadcast(new_version)
+        new_version = self.backend.broadcast(new_version)
         st.version = new_version
         st.lineage[new_version] = st.step
         if self.is_main:
@@ -271,23 +226,23 @@ class Trainer:
         from gridrl.trainer.prefetch import Prefetcher
 
         cfg = self.cfg
-        local = LocalRollout(self.policy, lambda: self.state.version)
-        self.evaluator = Evaluator(local, self.policy.tokenizer, self.task,
-                                   max_tokens=cfg.max_tokens, rewards=self.rewards)
+        backend = self.backend
+        self.evaluator = Evaluator(backend, self.task, max_tokens=cfg.max_tokens,
+                                   rewards=self.rewards)
         if self._source_factory is not None:
-            self.source = self._source_factory(self.policy, lambda: self.state.version)
+            self.source = self._source_factory(backend, lambda: self.state.version)
         elif cfg.local:
-            self.source = local
+            self.source = LocalRollout(backend, lambda: self.state.version)
         else:
             from gridrl.trainer.pool import NodePool
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
-                                 model_identity=self.policy.identity, auth_token=cfg.auth_token,
+                                 model_identity=backend.identity, auth_token=cfg.auth_token,
                                  request_timeout_s=cfg.request_timeout_s)
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
-                                    num_layers=self.policy.identity.num_layers,
+                                    num_layers=backend.identity.num_layers,
                                     deadline_s=cfg.sync_deadline_s,
                                     known_versions=lambda: self.state.lineage)
             nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
@@ -314,7 +269,7 @@ class Trainer:
                 start = (step - 1) * self.cfg.prompts_per_step
                 items = [self.task.train_item(i)
                          for i in range(start, start + self.cfg.prompts_per_step)]
-                ids = [encode_chat(self.policy.tokenizer, it.messages) for it in items]
+                ids = [encode_chat(self.backend.tokenizer, it.messages) for it in items]
                 cached = (items, ids)
                 self._prompt_cache[step] = cached
             return cached
@@ -370,8 +325,8 @@ class Trainer:
             columns["completion_ids"] = [list(s.token_ids) for _, _, s in kept]
             rewards_flat, per_func = self.rewards(prompts, completions, columns)
         g_max = max((len(g.samples) for g in rollouts.groups), default=0)
-        reward_t = torch.zeros(len(rollouts.groups), max(g_max, 1))
-        mask_t = torch.zeros_like(reward_t)
+        reward_t = np.zeros((len(rollouts.groups), max(g_max, 1)), dtype=np.float32)
+        mask_t = np.zeros_like(reward_t)
         for (b, j, _), r in zip(kept, rewards_flat, strict=True):
             reward_t[b, j] = r
             mask_t[b, j] = 1.0
@@ -381,24 +336,24 @@ class Trainer:
                               behaviour_logprobs=tuple(s.logprobs), advantage=float(adv[b, j]),
                               group=b)
                 for b, j, s in kept]
-        r = torch.tensor(rewards_flat, dtype=torch.float64)
+        r = np.asarray(rewards_flat, dtype=np.float64)
         return {
             "seqs": seqs, "kept": kept, "staleness": staleness, "per_node": per_node,
             "dropped": dropped, "rollouts": rollouts, "sampled_tokens": sampled_tokens,
             "reward_mean": float(r.mean()) if len(r) else 0.0,
-            "reward_std": float(r.std(unbiased=False)) if len(r) else 0.0,
+            "reward_std": float(r.std()) if len(r) else 0.0,
             "reward_funcs": {k: float(np.nanmean(v)) if v and not np.all(np.isnan(v)) else None
                              for k, v in per_func.items()},
             "solved": float(sum(x >= 1.0 for x in rewards_flat) / len(r)) if len(r) else 0.0,
-            "groups_with_signal": int(sum(bool((adv[b].abs() > 0).any())
+            "groups_with_signal": int(sum(bool((np.abs(adv[b]) > 0).any())
                                           for b in range(adv.shape[0]))),
         }
 
     def _train(self, seqs: Sequence[TrainSequence]) -> UpdateStats | None:
         if not seqs:
             return None
-        return grpo_update(self.policy, self.optimizer, self.scheduler, seqs, self.update_cfg,
-                           self.parallel)
+        assert self.backend is not None
+        return self.backend.update(seqs)
 
     def _sync(self, step: int, *, force: bool = False) -> dict[str, Any]:
         """Push the adapter to every node (rank 0, remote nodes, every --sync-every steps, or
@@ -409,10 +364,10 @@ class Trainer:
         from gridrl.adapters import build_manifest
 
         start = time.perf_counter()
-        files = self.policy.adapter_files()
+        files = self.backend.adapter_files()
         # No digests in the header: each push hashes its bytes while they stream (trailer).
         manifest = build_manifest(files, name=self.sync.name, version=self.state.version,
-                                  base_model=self.policy.identity, hash_files=False).to_dict()
+                                  base_model=self.backend.identity, hash_files=False).to_dict()
         report = self.sync.push(self.state.version, files, manifest)
         lagging = self.sync.lagging_nodes(self.state.version)
         if report.skipped or lagging:
@@ -436,8 +391,7 @@ class Trainer:
     def _checkpoint(self, step: int) -> Path:
         assert self.run_dir is not None
         return save_checkpoint(self.run_dir.checkpoints, step=step,
-                               adapter_files=self.policy.adapter_files(),
-                               optimizer=self.optimizer, scheduler=self.scheduler,
+                               files=self.backend.checkpoint_files(),
                                state=self.state.to_json(),
                                config=self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
 
@@ -462,9 +416,9 @@ class Trainer:
         except BaseException as e:
             if self.status is not None:
                 self.status.fail(f"{type(e).__name__}: {e}")
-            if self.parallel is not None and self.is_main and self.parallel.world_size > 1:
+            if self.backend is not None and self.is_main and self.backend.world_size > 1:
                 try:  # release the other ranks from their broadcast
-                    self.parallel.broadcast({"error": f"{type(e).__name__}: {e}"})
+                    self.backend.broadcast({"error": f"{type(e).__name__}: {e}"})
                 except Exception:
                     pass
             raise
@@ -478,13 +432,13 @@ class Trainer:
                     closer.close()
                 except Exception:
                     log.exception("closing %r failed", closer)
-        if self.parallel is not None:
-            self.parallel.close()
+        if self.backend is not None:
+            self.backend.close()
 
     def _run_worker(self) -> None:
         """Ranks > 0: train on the broadcast sequences until rank 0 says stop."""
         while True:
-            msg = self.parallel.broadcast(None)
+            msg = self.backend.broadcast(None)
             if "error" in msg:
                 raise RuntimeError(f"rank 0 failed: {msg['error']}")
             if msg.get("stop"):
@@ -525,8 +479,8 @@ class Trainer:
             rollout_wall = time.perf_counter() - t0
             next_version = max(st.version, max(st.lineage)) + 1
             msg = {"seqs": collected["seqs"], "step": step, "version": next_version}
-            if self.parallel.world_size > 1:
-                self.parallel.broadcast(msg)
+            if self.backend.world_size > 1:
+                self.backend.broadcast(msg)
             t1 = time.perf_counter()
             stats = self._train(collected["seqs"])
             train_s = time.perf_counter() - t1
@@ -556,15 +510,15 @@ class Trainer:
                 self._plot()
             if stopping:
                 return self._stop(step)
-        if self.parallel.world_size > 1:
-            self.parallel.broadcast({"stop": True})
+        if self.backend.world_size > 1:
+            self.backend.broadcast({"stop": True})
         return self._finish()
 
     def _stop(self, step: int) -> dict[str, Any]:
         """End a run asked to stop: the checkpoint of ``step`` is written."""
         assert self.run_dir is not None
-        if self.parallel.world_size > 1:
-            self.parallel.broadcast({"stop": True})
+        if self.backend.world_size > 1:
+            self.backend.broadcast({"stop": True})
         self.stopped_at = step
         message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
                    f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
@@ -600,7 +554,7 @@ class Trainer:
 
     def _low_precision(self, node: str) -> bool:
         """Whether the trainer or rollout node ``node`` computes in a 16-bit float dtype."""
-        if self.policy.dtype in (torch.bfloat16, torch.float16):
+        if self.backend.low_precision:
             return True
         state = self.pool.node(node) if self.pool is not None else None
         return state is not None and state.dtype in ("bfloat16", "float16")
@@ -697,10 +651,10 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
         assert self.run_dir is not None
-        files = self.policy.adapter_files()
+        files = self.backend.adapter_files()
         mlx_error = None
         try:
-            self.run_dir.write_final_adapter(files, self.policy.identity.num_layers)
+            self.run_dir.write_final_adapter(files, self.backend.identity.num_layers)
         except Exception as e:  # the peft adapter is written first; the conversion may not apply
             mlx_error = f"{type(e).__name__}: {e}"
             log.warning("final adapter: MLX conversion failed: %s", mlx_error)
