@@ -1,6 +1,6 @@
-"""The step's data as typed records, without a model: staleness admission, rewards and
-advantages (``batch.py``), the ``log.jsonl`` record (``records.py``), and the loop importing no
-tensor framework."""
+"""The step's data as typed records, without a model: the batch of admitted samples with their
+rewards and advantages (``batch.py``; admission itself: test_trainer_admission.py), the
+``log.jsonl`` record (``records.py``), and the loop importing no tensor framework."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from gridrl.trainer import grpo
 from gridrl.trainer.backend import UpdateStats
-from gridrl.trainer.batch import admit, build_batch
+from gridrl.trainer.batch import build_batch
 from gridrl.trainer.evaluation import EvalResult
 from gridrl.trainer.prefetch import StepRollouts
 from gridrl.trainer.records import STEP_REPORT_FIELDS, StepRecord, SyncOutcome, step_report
@@ -38,19 +38,6 @@ def _rollouts() -> StepRollouts:
     g1 = Group(1, [3], [_sample("b", 9, [11], "1"), _sample("b", 4, [12, 13], "0.5"),
                         _sample("b", 4, [14], "0")], "b", 0.5)
     return StepRollouts(step=4, groups=[g0, g1], generate_s=2.0, wait_s=0.25)
-
-
-def test_admission_drops_too_stale_and_unknown_versions_per_node():
-    admitted, per_node, tokens = admit(_rollouts().groups, LINEAGE, trainer_step=3, bound=1)
-    assert [(b, j, age) for b, j, _, age in admitted] == [(0, 0, 0), (0, 1, 1), (1, 1, 0),
-                                                            (1, 2, 0)]
-    assert tokens == 10
-    a, b = per_node["a"], per_node["b"]
-    assert (a.samples, a.dropped, a.unknown_version, a.staleness_sum) == (3, 1, 0, 1)
-    assert (b.samples, b.dropped, b.unknown_version, b.staleness_sum) == (3, 1, 1, 0)
-    assert a.versions == {0, 3, 4} and b.versions == {4, 9}
-    admitted, per_node, _ = admit(_rollouts().groups, LINEAGE, trainer_step=3, bound=3)
-    assert len(admitted) == 5 and per_node["a"].dropped == 0
 
 
 def _rewards(prompts, completions, columns):
@@ -80,10 +67,17 @@ def test_build_batch_weighs_the_admitted_samples_of_each_group():
     assert batch.reward_std == pytest.approx(float(np.std([1.0, 0.0, 0.5, 0.0])))
     assert batch.solved_fraction == 0.25 and batch.groups_with_signal == 2
     assert batch.reward_funcs == {"numeric": pytest.approx(0.375), "never": None}
+    assert batch.excluded == {}
     # the mismatch KL of fresh samples goes to their node, weighted by tokens
     batch.account_mismatch([0.1, 0.2, 0.3, 0.4])
     assert batch.per_node["a"].fresh_kl == pytest.approx(0.1)  # the stale sample is left out
     assert batch.per_node["b"].fresh_kl == pytest.approx((0.3 * 2 + 0.4) / 3)
+    # a flagged node's samples stay out (and out of its group's mean)
+    kept_out = build_batch(4, _rollouts(), items, [[1, 2], [3]], lineage=LINEAGE, bound=1,
+                           rewards=_rewards, scale_rewards=True, advantage_eps=1e-4,
+                           flagged={"b": "mismatched"})
+    assert [(a.group, a.index) for a in kept_out.samples] == [(0, 0), (0, 1)]
+    assert kept_out.excluded == {"b": 3} and kept_out.groups_with_signal == 1
 
 
 def test_step_record_json_keeps_the_log_keys():

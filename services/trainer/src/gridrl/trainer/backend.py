@@ -205,10 +205,11 @@ class TrainerBackend(abc.ABC):
             alone samples, scores, syncs, evaluates, checkpoints and writes; every rank calls
             :meth:`update` with the same sequences.
 
-    Threading: the training loop calls every method from one thread, except :meth:`generate`,
-    which the local sampler and the evaluator also call from it (never concurrently with
-    :meth:`update`). Nothing here is called from the rollout prefetch thread: ``--async-steps``
-    needs remote nodes.
+    Threading: calls never overlap. The training loop makes them from its own thread (the
+    local sampler and the evaluator included; ``--async-steps``, whose prefetch thread samples
+    ahead, needs remote nodes). A helper thread that scores with :meth:`logprobs` while the loop
+    runs must serialise with :meth:`update` itself (a lock around both); implementations need
+    no locking of their own.
     """
 
     name: str

@@ -1,5 +1,5 @@
-"""A step's training batch from its rollouts, framework-free: staleness admission, rewards,
-group advantages.
+"""A step's training batch from its rollouts, framework-free: admission, rewards, group
+advantages.
 
     batch = build_batch(step, rollouts, items, prompt_ids, lineage=..., bound=...,
                         rewards=reward_set, scale_rewards=True, advantage_eps=1e-4)
@@ -7,11 +7,12 @@ group advantages.
     batch.samples            # list[AdmittedSample]: where each sequence came from, its reward
     batch.per_node           # node -> NodeStepStats for the node monitor
 
-Admission: a sample of policy version ``v`` was sampled with the weights after step
-``lineage[v]``; the batch trains the weights after step ``step - 1``, so its staleness is
-``step - 1 - lineage[v]``. A sample whose version is not in the lineage (a killed run's last
-pushes, another run's adapter) or whose staleness exceeds ``bound`` is dropped and counted
-against its node. Advantages are computed over the admitted samples of each group only
+Admission (:func:`gridrl.trainer.admission.admit`): a sample of policy version ``v`` was sampled
+with the weights after step ``lineage[v]``; the batch trains the weights after step
+``step - 1``, so its staleness is ``step - 1 - lineage[v]``. A sample whose version is not in
+the lineage (a killed run's last pushes, another run's adapter) or whose staleness exceeds
+``bound`` is dropped and counted against its node; samples of flagged nodes are kept out.
+Advantages are computed over the admitted samples of each group only
 (:func:`gridrl.trainer.grpo.group_advantages` with a mask).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from gridrl.trainer import grpo
+from gridrl.trainer.admission import admit
 from gridrl.trainer.backend import TrainSequence
 from gridrl.trainer.monitor import NodeStepStats
 from gridrl.trainer.prefetch import StepRollouts
@@ -66,6 +68,7 @@ class StepBatch:
             returned no number for any of them).
         groups_with_signal: groups with a non-zero advantage (a group of equal rewards teaches
             nothing).
+        excluded: flagged node -> its samples kept out of the step.
     """
 
     step: int
@@ -75,6 +78,7 @@ class StepBatch:
     sampled_tokens: int = 0
     reward_funcs: dict[str, float | None] = field(default_factory=dict)
     groups_with_signal: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
 
     @property
     def sequences(self) -> list[TrainSequence]:
@@ -122,49 +126,11 @@ class StepBatch:
                 ns.fresh_tokens += len(a.sample.token_ids)
 
 
-def admit(groups: Sequence[Any], lineage: Mapping[int, int], *, trainer_step: int,
-          bound: int) -> tuple[list[tuple[int, int, RolloutSample, int]],
-                               dict[str, NodeStepStats], int]:
-    """Staleness admission of a step's samples (see the module docstring).
-
-    Args:
-        groups: the step's :class:`~gridrl.trainer.rollouts.Group` s, in prompt order.
-        lineage: policy version -> step whose weights it names.
-        trainer_step: the step of the weights being trained (the step number minus one).
-        bound: the largest staleness admitted (``--max-staleness``).
-    Returns:
-        ``(admitted, per_node, sampled_tokens)``: ``(group, index, sample, staleness)`` of each
-        admitted sample in group then sample order, each node's counts, and the completion
-        tokens of every sample.
-    """
-    per_node: dict[str, NodeStepStats] = {}
-    admitted: list[tuple[int, int, RolloutSample, int]] = []
-    sampled_tokens = 0
-    for b, group in enumerate(groups):
-        for j, s in enumerate(group.samples):
-            sampled_tokens += len(s.token_ids)
-            ns = per_node.setdefault(s.node, NodeStepStats(versions=set()))
-            ns.samples += 1
-            assert ns.versions is not None
-            ns.versions.add(s.policy_version)
-            origin = lineage.get(s.policy_version)
-            if origin is None:
-                ns.dropped += 1
-                ns.unknown_version += 1
-                continue
-            age = trainer_step - origin
-            if age > bound:
-                ns.dropped += 1
-                continue
-            ns.staleness_sum += age
-            admitted.append((b, j, s, age))
-    return admitted, per_node, sampled_tokens
-
-
 def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
                 prompt_ids: Sequence[Sequence[int]], *, lineage: Mapping[int, int], bound: int,
                 rewards: Callable[..., tuple[list[float], dict[str, list[float]]]],
-                scale_rewards: bool, advantage_eps: float) -> StepBatch:
+                scale_rewards: bool, advantage_eps: float,
+                flagged: Mapping[str, str] | frozenset[str] = frozenset()) -> StepBatch:
     """Admit, score and weigh the rollouts of ``step``.
 
     Args:
@@ -172,13 +138,17 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
         rollouts: the step's groups, one per prompt.
         items: the step's :class:`~gridrl.trainer.tasks.TaskItem` s (prompt text, columns).
         prompt_ids: their prompt token ids.
-        lineage, bound: see :func:`admit`.
+        lineage: policy version -> the step whose weights it names.
+        bound: the largest staleness admitted (``--max-staleness``).
         rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`:
             ``rewards(prompts, completions, columns) -> (combined, per_function)``.
         scale_rewards, advantage_eps: ``--scale-rewards``, ``--advantage-eps``.
+        flagged: nodes whose samples are kept out.
     """
-    admitted, per_node, sampled_tokens = admit(rollouts.groups, lineage,
-                                               trainer_step=step - 1, bound=bound)
+    admission = admit(rollouts.groups, lineage=lineage, trainer_step=step - 1,
+                      max_staleness=bound, flagged=flagged)
+    admitted = [(b, j, s, age) for (b, j, s), age in zip(admission.kept, admission.staleness,
+                                                         strict=True)]
     combined: list[float] = []
     per_func: dict[str, list[float]] = {}
     if admitted:
@@ -204,10 +174,11 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
                                               advantage=float(adv[b, j]), group=b))
         for (b, j, s, age), r in zip(admitted, combined, strict=True)]
     return StepBatch(
-        step=step, rollouts=rollouts, samples=samples, per_node=per_node,
-        sampled_tokens=sampled_tokens,
+        step=step, rollouts=rollouts, samples=samples, per_node=admission.per_node,
+        sampled_tokens=admission.sampled_tokens,
         reward_funcs={k: _nanmean(v) for k, v in per_func.items()},
-        groups_with_signal=int(np.count_nonzero(np.any(np.abs(adv) > 0, axis=1))))
+        groups_with_signal=int(np.count_nonzero(np.any(np.abs(adv) > 0, axis=1))),
+        excluded=admission.excluded)
 
 
 def _nanmean(values: Sequence[float]) -> float | None:
