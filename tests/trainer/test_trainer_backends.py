@@ -25,7 +25,8 @@ from gridrl.trainer.backend import (
 )
 from gridrl.trainer.config import TrainConfig
 
-BACKENDS_UNDER_TEST = [pytest.param("torch", id="torch")]
+BACKENDS_UNDER_TEST = [pytest.param("torch", id="torch"),
+                       pytest.param("mlx", id="mlx", marks=pytest.mark.mlx)]
 VOCAB = 512  # the tiny llama's
 RANK, ALPHA = 4, 8.0
 

@@ -418,13 +418,17 @@ class MlxTrainerBackend(TrainerBackend):
         return {p: (np.array(m.lora_a.astype(mx.float32)), np.array(m.lora_b.astype(mx.float32)))
                 for p, m in self.modules.items()}
 
-    def _target_names(self) -> list[str]:
-        return sorted({p.rsplit(".", 1)[-1] for p in self.modules})
+    def _target_modules(self) -> list[str]:
+        """peft's ``target_modules`` as ``get_peft_model`` records it: ``all-linear`` resolved
+        to the adapted modules' full paths, a list kept as the set of its names."""
+        if self.lora.target_modules == "all-linear":
+            return sorted(self.modules)
+        return sorted({t.strip() for t in self.lora.target_modules.split(",") if t.strip()})
 
     def adapter_config_json(self) -> bytes:
         """peft's ``adapter_config.json`` of this adapter: the fields ``LoraConfig`` writes
         for a causal-LM LoRA (``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``,
-        ``target_modules`` as the adapted modules' names, ``base_model_name_or_path`` the
+        ``target_modules``, ``base_model_name_or_path`` the
         ``--model`` string...), serialized as peft does (indent 2, keys sorted)."""
         lora = self.lora
         cfg = {
@@ -432,7 +436,7 @@ class MlxTrainerBackend(TrainerBackend):
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
             "layers_pattern": None, "layers_to_transform": None, "lora_alpha": lora.alpha,
             "lora_dropout": lora.dropout, "modules_to_save": None, "peft_type": "LORA",
-            "r": lora.rank, "rank_pattern": {}, "target_modules": self._target_names(),
+            "r": lora.rank, "rank_pattern": {}, "target_modules": self._target_modules(),
             "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": lora.rslora,
         }
         return json.dumps(cfg, indent=2, sort_keys=True).encode()
