@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
 from trainer_runs import BIN, ENV, ONE_THREAD, run_args, wait_for_step, write_task_files
@@ -189,7 +187,7 @@ def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_
     out = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=ENV)
     try:
-        _wait_for_step(run_dir, 2, proc, timeout=120)
+        wait_for_step(run_dir, 2, proc, timeout=120)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 143
     finally:
