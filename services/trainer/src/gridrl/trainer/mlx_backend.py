@@ -11,10 +11,11 @@ lora_b)``, ``lora_a`` (in, r) uniform in ``+-1/sqrt(in)`` as peft's kaiming-unif
 parameters. ``scale`` is ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA). The same engine
 object samples from the live weights for ``--rollout local`` and the eval.
 
-One GRPO step (:meth:`MlxTrainerBackend.update`): per micro-batch, prompt + completion of each
-sequence in one right-padded row (positions from 0 in every row, so neither RoPE nor the causal
-mask sees the padding: no attention mask is needed), hidden states gathered at the positions
-that predict completion tokens, the head applied there only, then the per-token loss of
+One GRPO step (:meth:`MlxTrainerBackend.update`): per micro-batch, the completion logits from
+the shared-prefix forward (each group's prompt once, its KV cache repeated for the group's
+completions: :meth:`MlxTrainerBackend._shared_prefix_hidden`) or, for architectures whose head
+is not plain, from prompt + completion in one right-padded row per sequence (positions from 0
+in every row, so neither RoPE nor the causal mask sees the padding), then the per-token loss of
 :mod:`gridrl.trainer.grpo_mlx` weighted by :func:`gridrl.trainer.grpo.sequence_weights`;
 gradients by ``nn.value_and_grad`` summed over micro-batches, clipped with
 ``mlx.optimizers.clip_grad_norm``, and ``mlx.optimizers.AdamW`` with bias correction (torch's
@@ -41,6 +42,7 @@ import random
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -246,17 +248,61 @@ class MlxTrainerBackend(TrainerBackend):
                 "behaviour": mx.array(beh),
                 "advantages": mx.array(np.array([s.advantage for s in seqs], np.float32))}
 
-    def _completion_logits(self, input_ids: mx.array, positions: mx.array) -> mx.array:
-        """(n, C, V) logits at ``positions`` of each row (the head applied there only when the
-        architecture allows it)."""
+    def _head(self, hidden: mx.array) -> mx.array:
+        """The output head of a plain-head architecture on hidden states (..., D)."""
+        if getattr(self.model.args, "tie_word_embeddings", False):
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def _completion_logits(self, seqs: Sequence[TrainSequence],
+                           batch: dict[str, mx.array]) -> mx.array:
+        """(n, C, V) logits predicting each completion token of ``seqs`` (collated as
+        ``batch``): the shared-prefix forward (:meth:`_shared_prefix_hidden`) when
+        ``shared_prefix`` is set and the architecture has a plain head, else the padded rows,
+        the head applied at the completion positions only where the architecture allows it."""
+        positions = batch["positions"]
+        if self._plain_head and self.update_cfg.shared_prefix:
+            return self._head(self._shared_prefix_hidden(seqs, batch["completion_ids"]))
         if self._plain_head:
-            hidden = self.model.model(input_ids)
-            picked = mx.take_along_axis(hidden, positions[..., None], axis=1)
-            if getattr(self.model.args, "tie_word_embeddings", False):
-                return self.model.model.embed_tokens.as_linear(picked)
-            return self.model.lm_head(picked)
-        logits = self.model(input_ids)
+            hidden = self.model.model(batch["input_ids"])
+            return self._head(mx.take_along_axis(hidden, positions[..., None], axis=1))
+        logits = self.model(batch["input_ids"])
         return mx.take_along_axis(logits, positions[..., None], axis=1)
+
+    def _shared_prefix_hidden(self, seqs: Sequence[TrainSequence],
+                              completion_ids: mx.array) -> mx.array:
+        """Hidden states (n, C, D) predicting each completion token, each distinct prompt run
+        once: the prompt's forward (batch 1) fills an mlx-lm ``ConcatenateKVCache`` per layer
+        whose keys and values are repeated for the group's completions, which then run on it
+        (positions continue from the prompt's length; the causal mask is offset by it). The
+        gradient reaches the prompt's activations through the cache (concatenation and repeat
+        are differentiable). Same values as the padded rows up to float rounding, for
+        ``P + G * C`` tokens of compute instead of ``G * (P + C)`` (as the torch backend's
+        ``Policy.shared_prefix_logits``)."""
+        from mlx_lm.models.cache import ConcatenateKVCache
+
+        width = completion_ids.shape[1]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(tuple(s.prompt_ids), []).append(i)
+        parts: list[mx.array] = []
+        order: list[int] = []
+        for prompt, rows in groups.items():
+            cache = [ConcatenateKVCache() for _ in self.model.layers]
+            hidden = self.model.model(mx.array([list(prompt)], mx.int32), cache=cache)
+            first = mx.repeat(hidden[:, -1:, :], len(rows), axis=0)
+            if width > 1:
+                for c in cache:
+                    c.state = (mx.repeat(c.keys, len(rows), axis=0),
+                               mx.repeat(c.values, len(rows), axis=0))
+                rest = self.model.model(completion_ids[mx.array(rows), :width - 1], cache=cache)
+                parts.append(mx.concatenate([first, rest], axis=1))
+            else:
+                parts.append(first)
+            order.extend(rows)
+        inverse = np.empty(len(order), np.int32)
+        inverse[np.array(order)] = np.arange(len(order))
+        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
 
     def _sampler_logprobs(self, logits: mx.array, tokens: mx.array) -> mx.array:
         """Logprobs of ``tokens`` under the rollout sampler's transform (temperature, top-k,
@@ -314,7 +360,7 @@ class MlxTrainerBackend(TrainerBackend):
             for start in range(0, len(seqs), mb):
                 chunk = list(seqs[start:start + mb])
                 batch = self._collate(chunk, behaviour=False)
-                logits = self._completion_logits(batch["input_ids"], batch["positions"])
+                logits = self._completion_logits(chunk, batch)
                 if cfg.truncated:
                     lp = self._sampler_logprobs(logits, batch["completion_ids"])
                 else:
@@ -327,12 +373,12 @@ class MlxTrainerBackend(TrainerBackend):
 
     # ---------------------------------------------------------------- training
 
-    def _chunk_loss(self, batch: dict[str, mx.array], coef: mx.array,
-                    ref_logp: mx.array | None) -> tuple[mx.array, ...]:
+    def _chunk_loss(self, seqs: Sequence[TrainSequence], batch: dict[str, mx.array],
+                    coef: mx.array, ref_logp: mx.array | None) -> tuple[mx.array, ...]:
         """The weighted loss of one micro-batch (differentiated) and, as auxiliary outputs,
         its trainer logprobs, clipped mask and reference KL (zeros when beta == 0)."""
         cfg = self.update_cfg
-        logits = self._completion_logits(batch["input_ids"], batch["positions"])
+        logits = self._completion_logits(seqs, batch)
         logp = grpo_mlx.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
         out = grpo_mlx.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
                                        eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -359,7 +405,6 @@ class MlxTrainerBackend(TrainerBackend):
         chunks = [list(range(i, min(i + mb, n))) for i in range(0, n, mb)]
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
-        loss_and_grad = nn.value_and_grad(self.model, self._chunk_loss)
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
         per_seq_kl = np.zeros(n, np.float64)
         ntok = np.array([len(s.completion_ids) for s in seqs], np.float64)
@@ -372,16 +417,16 @@ class MlxTrainerBackend(TrainerBackend):
                 if cfg.beta:
                     self.model.eval()
                     with self._adapter_disabled():
-                        ref_logits = self._completion_logits(batch["input_ids"],
-                                                             batch["positions"])
+                        ref_logits = self._completion_logits(chunk, batch)
                         ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
                             ref_logits, batch["completion_ids"], cfg.temperature))
                         mx.eval(ref_logp)
                 self.model.train()
-                (part, logp, took, ref_kl), g = loss_and_grad(
-                    batch, mx.array(coef_all[idx]), ref_logp)
+                loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+                (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
+                                                              ref_logp)
                 seen = (self._sampler_logprobs(mx.stop_gradient(
-                    self._completion_logits(batch["input_ids"], batch["positions"])),
+                    self._completion_logits(chunk, batch)),
                     batch["completion_ids"]) if cfg.truncated else logp)
                 grads = g if grads is None else tree_map(mx.add, grads, g)
                 mx.eval(part, seen, took, ref_kl, grads)
