@@ -135,5 +135,10 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
     w1 = load_file(single_dir / "adapter" / "adapter_model.safetensors")
     w2 = load_file(ddp_dir / "adapter" / "adapter_model.safetensors")
     assert w1.keys() == w2.keys()
+    # Same adapter up to float32 summation order: DDP sums the ranks' gradients in another
+    # order than one process, and Adam divides each entry by sqrt(v), so an entry whose gradient
+    # is near zero can move by a visible fraction of lr (2e-2 here) while the tensor as a whole
+    # agrees to ~1e-5 relative (seen on an AVX2 CPU: one entry of 512 off by 3e-5).
     for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4), k
+        assert torch.linalg.norm(w1[k] - w2[k]) <= 1e-4 * torch.linalg.norm(w1[k]), k
+        assert (w1[k] - w2[k]).abs().max() <= 1e-3, k
