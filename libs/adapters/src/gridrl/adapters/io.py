@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gridrl.adapters.errors import AdapterError
@@ -46,8 +46,12 @@ def read_dir(path: Path | str) -> dict[str, bytes]:
     return dict(sorted(files.items()))
 
 
-def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
+def write_dir(files: Mapping[str, bytes | Iterable[bytes]], path: Path | str) -> Path:
     """Write ``files`` (relative path -> bytes) as the directory ``path``, atomically.
+
+    A value may also be an iterable of byte chunks (bytes or memoryviews), written one after
+    the other: a large file is then produced while it is written, never held whole in memory.
+    An exception raised by the iterable aborts the write like any other (nothing is left).
 
     The files go into a temporary sibling directory (fsynced), which is renamed to ``path``;
     an existing ``path`` is first renamed aside and removed after, so ``path`` is never
@@ -68,7 +72,11 @@ def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "wb") as f:
-                f.write(data)
+                if isinstance(data, bytes | bytearray | memoryview):
+                    f.write(data)
+                else:
+                    for chunk in data:
+                        f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
         if dst.exists() or dst.is_symlink():
