@@ -2,6 +2,7 @@
 into its base model.
 
     gridrl-adapters convert SRC DST [--to mlx|peft] [--num-layers N] [--dtype D] [--force]
+                            [--only-adapter]
     gridrl-adapters inspect DIR [--json]
     gridrl-adapters merge --base MODEL_DIR --adapter ADAPTER_DIR --out OUT_DIR [--force]
 
@@ -43,16 +44,21 @@ def main() -> None:
          default=None, help="Cast the tensors (default: keep each tensor's dtype).")
 @_option("--force", env="FORCE", is_flag=True, default=False,
          help="Replace DST if it exists.")
+@_option("--only-adapter", env="ONLY_ADAPTER", is_flag=True, default=False,
+         help="Write only the adapter's config and weights, not SRC's other files (e.g. the "
+              "optimizer state of a gridrl checkpoint directory).")
 def convert(src: Path, dst: Path, to: str | None, num_layers: int | None, dtype: str | None,
-            force: bool) -> None:
-    """Convert the adapter directory SRC into DST (written atomically)."""
+            force: bool, only_adapter: bool) -> None:
+    """Convert the adapter directory SRC into DST (written atomically). Other files of SRC
+    (README.md...) are copied unchanged unless --only-adapter."""
     if dst.exists() and not force:
         raise click.ClickException(f"{dst} exists; pass --force to replace it")
     try:
         names = [p.name for p in src.iterdir()]
         fmt = detect_format(names)
         target = to or ("mlx" if fmt == "peft" else "peft")
-        convert_dir(src, dst, target, num_layers, dtype=dtype)  # type: ignore[arg-type]
+        convert_dir(src, dst, target, num_layers, dtype=dtype,  # type: ignore[arg-type]
+                    only_adapter=only_adapter)
     except AdapterError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{src} ({fmt}) -> {dst} ({target})")

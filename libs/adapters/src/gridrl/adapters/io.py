@@ -66,6 +66,7 @@ def write_dir(files: Mapping[str, bytes | Iterable[bytes]], path: Path | str) ->
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
     old: Path | None = None
     try:
         for name, data in files.items():
@@ -94,6 +95,19 @@ def write_dir(files: Mapping[str, bytes | Iterable[bytes]], path: Path | str) ->
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+def _umask() -> int:
+    """The process umask (read from /proc where it can be, else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(path: Path) -> None:
