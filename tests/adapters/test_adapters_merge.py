@@ -265,6 +265,8 @@ def test_refuses_bases_it_cannot_merge_into(tiny_llama_dir: Path, lora_dir: Path
 
     with pytest.raises(AdapterError, match="the output directory is the base model's"):
         merge_dir(missing, lora_dir, missing)
+    with pytest.raises(AdapterError, match="the output directory is inside the base model's"):
+        merge_dir(missing, lora_dir, missing / "merged")
     assert not (tmp_path / "out").exists()
 
 

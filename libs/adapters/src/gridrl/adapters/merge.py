@@ -229,16 +229,19 @@ def merge_dir(base: Path | str, adapter: Path | str, out: Path | str) -> MergeRe
     Returns:
         a :class:`MergeResult`.
     Raises:
-        AdapterError: ``out`` is ``base`` or ``adapter``; not a model directory or not
-            safetensors; an adapter this cannot fold (see :func:`check_mergeable`), made for
+        AdapterError: ``out`` is ``base`` or ``adapter`` or inside ``base``; not a model
+            directory or not safetensors; an adapter this cannot fold (see :func:`check_mergeable`), made for
             another model (:func:`gridrl.adapters.check_fits`), or naming a weight the base
             lacks or has in another shape or a non-float dtype.
         OSError: reading or writing failed.
     """
     base, adapter_dir, out = Path(base), Path(adapter), Path(out)
     for other, what in ((base, "the base model"), (adapter_dir, "the adapter")):
-        if out.exists() and out.resolve() == other.resolve():
+        if out.resolve() == other.resolve():
             raise AdapterError(f"{out}: the output directory is {what}'s directory")
+    if out.resolve().is_relative_to(base.resolve()):
+        raise AdapterError(f"{out}: the output directory is inside the base model's directory "
+                           f"{base}")
     if not base.is_dir():
         raise AdapterError(f"{base}: not a directory")
     cfg = _read_base_config(base)
@@ -282,11 +285,8 @@ def merge_dir(base: Path | str, adapter: Path | str, out: Path | str) -> MergeRe
     folded = [w for shard in folds.values() for w in shard]
     names = {code: name for name, code in st.FLOAT_CODES.items()}
     dtypes = sorted({names[opened[s][1].tensors[w].dtype] for s in shards for w in folds[s]})
-    for mm, _ in opened.values():
-        try:
-            mm.close()
-        except BufferError:  # views still referenced: closed when collected
-            pass
+    # The shards stay mapped while tensor views into them live; an mmap object unmaps itself
+    # when it is collected.
     return MergeResult(out=out, adapter_format=lora.format,
                        modules=[n.removesuffix(".weight") for n in folded],
                        weight_files=shards, dtypes=dtypes,
