@@ -19,7 +19,12 @@ import pytest
 from trainer_runs import BIN, ENV, run_args, write_task_files
 from trainer_runs import records as read_records
 
-from gridrl.trainer.trackers import parse_report_to, require, tracker_metrics
+from gridrl.trainer.trackers import (
+    extra_requirement,
+    parse_report_to,
+    require,
+    tracker_metrics,
+)
 
 IDS = [1, 5, 9, 20, 33, 100, 7, 8, 300, 42, 6, 2]
 
@@ -207,8 +212,13 @@ def test_report_to_names_and_missing_packages(monkeypatch) -> None:
         require(["tensorboard", "trackio"])
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert e.value.message == ("--report-to trackio: the trackio package is not installed: "
-                               "pip install 'trackio>=0.43,<1' (the gridrl-trainer[trackio] "
-                               "extra)")
+                               f"pip install '{extra_requirement('trackio')}' (the "
+                               "gridrl-trainer[trackio] extra)")
+    # the range comes from the installed gridrl-trainer's metadata (its pyproject's extra)
+    from packaging.requirements import Requirement
+
+    assert Requirement(extra_requirement("trackio")).specifier.contains("0.43.0")
+    assert extra_requirement("no-such-extra") == "no-such-extra"
 
 
 def test_missing_tracker_package_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
@@ -226,7 +236,7 @@ def test_missing_tracker_package_is_one_line_before_the_model_loads(tmp_path: Pa
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "error: --report-to wandb: the wandb package is not installed: pip install "
-        "'wandb>=0.19,<1' (the gridrl-trainer[wandb] extra)")
+        f"'{extra_requirement('wandb')}' (the gridrl-trainer[wandb] extra)")
     assert "Traceback" not in done.stderr
     assert not run_dir.exists()
     bad = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--report-to", "neptune"],

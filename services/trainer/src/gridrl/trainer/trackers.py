@@ -32,6 +32,7 @@ packages are optional extras of gridrl-trainer: ``gridrl-trainer[tensorboard]``,
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -46,12 +47,9 @@ from gridrl.common.errors import failed_precondition, invalid_argument
 
 log = logging.getLogger(__name__)
 
-# --report-to name -> (module to import, pip requirement of the gridrl-trainer extra)
-TRACKERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard>=2.15,<3"),
-    "wandb": ("wandb", "wandb>=0.19,<1"),
-    "trackio": ("trackio", "trackio>=0.43,<1"),
-}
+# --report-to name -> the module it imports; each is also the name of a gridrl-trainer extra,
+# whose version range services/trainer/pyproject.toml declares.
+TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 # gridrl record key -> TRL / transformers name (before the train/ or eval/ prefix)
 RENAMES = {
     "reward_mean": "reward",
@@ -88,20 +86,35 @@ def parse_report_to(value: str | Iterable[str] | None) -> list[str]:
     return names
 
 
+def extra_requirement(extra: str) -> str:
+    """What gridrl-trainer's ``extra`` asks pip for (``"wandb<1,>=0.19"``), read from the
+    installed package's metadata so the range is written once, in its pyproject; ``extra``
+    itself when the metadata does not say."""
+    try:
+        requires = importlib.metadata.requires("gridrl-trainer") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    for line in requires:
+        spec, _, marker = line.partition(";")
+        if marker.strip().replace("'", '"') == f'extra == "{extra}"':
+            return spec.strip()
+    return extra
+
+
 def require(names: Sequence[str]) -> None:
     """Check that every tracker's package is importable, without importing it (so a missing
     one fails before the model loads).
 
     Raises:
         StatusError: FAILED_PRECONDITION ``"--report-to wandb: the wandb package is not
-            installed: pip install 'wandb>=0.19,<1' (the gridrl-trainer[wandb] extra)"``.
+            installed: pip install 'wandb<1,>=0.19' (the gridrl-trainer[wandb] extra)"``.
     """
     for name in parse_report_to(names):
-        module, requirement = TRACKERS[name]
+        module = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
             raise failed_precondition(f"--report-to {name}: the {module} package is not "
-                                      f"installed: pip install '{requirement}' (the "
-                                      f"gridrl-trainer[{name}] extra)")
+                                      f"installed: pip install '{extra_requirement(name)}' "
+                                      f"(the gridrl-trainer[{name}] extra)")
 
 
 def _number(v: Any) -> float | None:
