@@ -130,6 +130,10 @@ _ALL_OPTIONS = [
     _opt("--device", default="auto", help="auto, cpu, cuda, cuda:1..."),
     _opt("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                                          "bfloat16."),
+    _opt("--report-to", default="none",
+         help="Experiment trackers for the per-step metrics, comma-separated: tensorboard, "
+              "wandb, trackio (optional extras: pip install 'gridrl-trainer[wandb]'...), or "
+              "none. TRL's metric names (train/reward, eval/reward...)."),
     _opt("--threads", type=click.IntRange(min=0), default=0,
          help="torch intra-op CPU threads (0: torch's default, one per core). On a machine "
               "shared with rollout nodes, give each process its share."),

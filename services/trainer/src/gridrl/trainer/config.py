@@ -23,7 +23,7 @@ from gridrl.common.errors import invalid_argument
 RESUME_OVERRIDABLE = frozenset({
     "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
     "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "threads", "log_level",
+    "keep_checkpoints", "device", "threads", "log_level", "report_to",
 })
 
 
@@ -97,6 +97,7 @@ class TrainConfig:
     listen: str = "0.0.0.0:50052"
     metrics_port: int = 9402
     log_level: str = "info"
+    report_to: list[str] = field(default_factory=list)  # experiment trackers (trackers.py)
 
     # ------------------------------------------------------------------ derived
 
@@ -129,6 +130,9 @@ class TrainConfig:
             self.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
         if self.run_dir is None:
             self.run_dir = str(Path("runs") / self.run_name)
+        from gridrl.trainer.trackers import parse_report_to
+
+        self.report_to = parse_report_to(self.report_to)
         self.validate()
         return self
 

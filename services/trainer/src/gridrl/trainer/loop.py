@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gridrl.trainer import grpo
+from gridrl.trainer import grpo, trackers
 from gridrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -138,6 +138,7 @@ class Trainer:
         self.prefetcher: Any = None
         self.parallel: Any = None
         self.run_dir: RunDir | None = None
+        self.trackers: Any = None  # --report-to (rank 0)
         self._last_eval: dict[str, Any] | None = None
         self._flagged_ever: dict[str, str] = {}
         self._stop_reason: str | None = None
@@ -162,6 +163,7 @@ class Trainer:
         from gridrl.trainer.update import make_optimizer, make_scheduler
 
         cfg = self.cfg
+        trackers.require(cfg.report_to)  # a missing package fails before the model loads
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if launched_by_torchrun():
@@ -208,6 +210,9 @@ class Trainer:
         if self.is_main:
             assert self.run_dir is not None
             cfg.save(self.run_dir.config)
+            self.trackers = trackers.open_trackers(cfg, resumed_at=self.state.step
+                                                   if self.resume else None)
+            self.run_dir.listeners.append(self.trackers.log)  # every log.jsonl record
             self._setup_rollouts()
         if self.freeze_gc:
             from gridrl.common.server import freeze_long_lived
@@ -472,7 +477,7 @@ class Trainer:
             self._close()
 
     def _close(self) -> None:
-        for closer in (self.prefetcher, self.sync, self.source):
+        for closer in (self.prefetcher, self.sync, self.source, self.trackers):
             if closer is not None:
                 try:
                     closer.close()
