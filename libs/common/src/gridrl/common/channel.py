@@ -1,13 +1,21 @@
-"""Client channels with the project's message-size limits and optional bearer token."""
+"""Client channels with the project's message-size limits, TLS and bearer token."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
+from gridrl.common.address import parse_address
 from gridrl.common.auth import TokenInterceptor
+from gridrl.common.errors import StatusError
+from gridrl.common.security import Security, is_loopback
+
+log = logging.getLogger(__name__)
 
 # 64 MiB: a Generate response with large n fits; adapters are streamed in chunks anyway.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_warned_plaintext: set[str] = set()
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -22,13 +30,37 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def dial(address: str, auth_token: str | None = None,
+def dial(address: str, security: Security | str | None = None,
          max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """An insecure channel to ``address`` (host:port) that sends ``auth_token`` on every call.
+    """A channel to ``address`` (host:port): TLS when ``security.tls`` has a CA (mutual TLS
+    when it also has a certificate), sending ``security.token`` on every call. A bare string is
+    a token over plaintext (tests, loopback tools).
 
-    The channel is lazy: nothing connects until the first call.
+    The channel is lazy: nothing connects until the first call. A token sent over plaintext
+    to a non-loopback address is logged once as a warning (anyone on the path can read it).
+
+    Raises:
+        TlsError: unreadable or malformed TLS files (naming the flag).
     """
-    channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
-    if auth_token:
-        channel = grpc.intercept_channel(channel, TokenInterceptor(auth_token))
+    if isinstance(security, str):
+        security = Security(token=security)
+    security = security or Security()
+    options = channel_options(max_message_bytes)
+    if security.tls.dials_tls:
+        credentials = security.tls.channel_credentials()
+        if security.token:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(security.token))
+        return grpc.secure_channel(address, credentials, options=options)
+    channel = grpc.insecure_channel(address, options=options)
+    if security.token:
+        try:
+            host = parse_address(address)[0]
+        except StatusError:  # a malformed address fails at the first call, with its own error
+            host = address
+        if not is_loopback(host) and address not in _warned_plaintext:
+            _warned_plaintext.add(address)
+            log.warning("sending a token to %s without TLS: anyone on the network path can "
+                        "read it (give --tls-ca)", address)
+        channel = grpc.intercept_channel(channel, TokenInterceptor(security.token))
     return channel
