@@ -18,7 +18,7 @@ from gridrl.common.auth import SCOPES, AuthError, AuthorizedTokens, mint, revoke
 from gridrl.common.cli import env_option
 
 _authorized = env_option(
-    "--authorized-tokens", env="GRIDRL_AUTHORIZED_TOKENS", required=True,
+    "--authorized-tokens", env="GRIDRL_AUTHORIZED_TOKENS", required=True, show_default=False,
     type=click.Path(dir_okay=False),
     help="The authorized-tokens file the servers read (created when missing).")
 
@@ -40,14 +40,15 @@ def main() -> None:
 
 @main.command("mint")
 @_authorized
-@click.option("--scope", required=True, type=click.Choice(SCOPES), help="What it may call.")
-@click.option("--id", "credential_id", required=True,
-              help="Who holds it: [A-Za-z0-9][A-Za-z0-9._-]*, unique in the file.")
-@click.option("--address", default=None,
-              help="node scope: the only host:port the credential may register (its "
+@env_option("--scope", env="GRIDRL_AUTH_SCOPE", required=True, type=click.Choice(SCOPES),
+            show_default=False, help="What it may call.")
+@env_option("--id", "credential_id", env="GRIDRL_AUTH_ID", required=True, show_default=False,
+            help="Who holds it: [A-Za-z0-9][A-Za-z0-9._-]*, unique in the file.")
+@env_option("--address", env="GRIDRL_AUTH_ADDRESS", default=None, show_default=False,
+            help="node scope: the only host:port the credential may register (its "
                    "--advertise-address).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False),
-              help="Token file to write (mode 0600; never overwritten).")
+@env_option("--out", env="GRIDRL_AUTH_OUT", required=True, type=click.Path(dir_okay=False),
+            show_default=False, help="Token file to write (mode 0600; never overwritten).")
 def mint_command(authorized_tokens: str, scope: str, credential_id: str, address: str | None,
                  out: str) -> None:
     """Write a new token to --out and append its sha256, scope and id to the file."""
@@ -86,9 +87,11 @@ def list_command(authorized_tokens: str) -> None:
 
 
 @main.command("ca")
-@click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
-              help="Directory to write ca.crt and ca.key (0600) into.")
-@click.option("--name", default="gridrl CA", show_default=True, help="The CA's common name.")
+@env_option("--dir", "directory", env="GRIDRL_AUTH_DIR", required=True, show_default=False,
+            type=click.Path(file_okay=False),
+            help="Directory to write ca.crt and ca.key (0600) into.")
+@env_option("--name", env="GRIDRL_AUTH_CA_NAME", default="gridrl CA",
+            help="The CA's common name.")
 def ca_command(directory: str, name: str) -> None:
     """Make a private CA (10 years). Keep ca.key off the cluster's machines."""
     from gridrl.common.certs import CertError, make_ca
@@ -101,11 +104,11 @@ def ca_command(directory: str, name: str) -> None:
 
 
 @main.command("cert")
-@click.option("--dir", "directory", required=True, type=click.Path(file_okay=False),
-              help="Directory holding ca.crt and ca.key; NAME.crt and NAME.key go there too.")
+@env_option("--dir", "directory", env="GRIDRL_AUTH_DIR", required=True, show_default=False,
+            type=click.Path(file_okay=False), help="Directory holding ca.crt and ca.key; NAME.crt and NAME.key go there too.")
 @click.argument("name")
-@click.option("--host", "hosts", multiple=True,
-              help="DNS name or IP the certificate is for (repeatable) [default: NAME]. List "
+@env_option("--host", "hosts", env="GRIDRL_AUTH_HOST", multiple=True, show_default=False,
+            help="DNS name or IP the certificate is for (repeatable) [default: NAME]. List "
                    "every name clients dial: --advertise-address, --master.")
 def cert_command(directory: str, name: str, hosts: tuple[str, ...]) -> None:
     """Make NAME.crt/NAME.key signed by the CA (825 days), valid as server and client

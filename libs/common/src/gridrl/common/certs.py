@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 CA_DAYS = 3650
@@ -142,3 +143,52 @@ def make_cert(directory: str | os.PathLike, name: str, hosts: list[str]) -> tupl
     _write_private(key_path, _key_pem(key))
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return crt, key_path
+
+
+@dataclass(frozen=True)
+class LocalIdentity:
+    """What :func:`local_identities` made for one process: its certificate and key (for
+    localhost and 127.0.0.1), the CA, its token file (None: it calls nobody), and the
+    authorized-tokens file every server of the set reads."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    token: Path | None
+    authorized: Path
+
+    def client_flags(self) -> list[str]:
+        """``--tls-*`` (mutual TLS) and ``--auth-token-file`` for a client command."""
+        token = ["--auth-token-file", str(self.token)] if self.token else []
+        return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca",
+                str(self.ca), *token]
+
+    def server_flags(self) -> list[str]:
+        """:meth:`client_flags` plus ``--authorized-tokens`` for a ``serve``/``run`` command."""
+        return [*self.client_flags(), "--authorized-tokens", str(self.authorized)]
+
+
+def local_identities(directory: str | os.PathLike,
+                     scopes: dict[str, str | None]) -> dict[str, LocalIdentity]:
+    """A CA, a certificate per name of ``scopes`` (for localhost and 127.0.0.1) and a token of
+    the given scope per name (None: no token), all in ``directory``: what a set of processes
+    on one machine needs to run with mutual TLS and scoped credentials (``make demo``'s
+    ``--secure``, the benchmarks, tests).
+
+    Raises:
+        CertError, AuthError: ``directory`` already holds one of the files.
+    """
+    from gridrl.common.auth import mint
+
+    directory = Path(directory)
+    ca, _ = make_ca(directory)
+    authorized = directory / "authorized_tokens"
+    out = {}
+    for name, scope in scopes.items():
+        cert, key = make_cert(directory, name, ["localhost", "127.0.0.1"])
+        token = None
+        if scope is not None:
+            token = directory / f"{name}.token"
+            mint(authorized, token, scope, name)
+        out[name] = LocalIdentity(cert, key, ca, token, authorized)
+    return out
