@@ -132,13 +132,22 @@ def _client_token_options(f: Any) -> Any:
                            "A container may set GRIDRL_AUTH_TOKEN to the token instead.")(f)
 
 
-# Kept only to say what replaced it; the value is read from GRIDRL_AUTH_TOKEN (containers).
-_rejected_token_option = click.option("--auth-token", "auth_token", envvar="GRIDRL_AUTH_TOKEN",
-                                      default=None, hidden=True)
 TOKEN_ON_COMMAND_LINE = (
     "a token given as a value shows in `ps` and in shell history; write it to a file "
     "(chmod 600) and pass --auth-token-file FILE, or set GRIDRL_AUTH_TOKEN in the environment "
     "(containers)")
+
+
+def _refuse_token_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Refuse ``--auth-token VALUE`` as soon as it is parsed (before other errors)."""
+    if value is not None and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
+        raise click.BadParameter(TOKEN_ON_COMMAND_LINE, ctx=ctx, param_hint="--auth-token")
+    return value
+
+
+# Kept only to say what replaced it; the value is read from GRIDRL_AUTH_TOKEN (containers).
+_rejected_token_option = click.option("--auth-token", "auth_token", envvar="GRIDRL_AUTH_TOKEN",
+                                      default=None, hidden=True, callback=_refuse_token_value)
 
 
 def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
@@ -148,15 +157,12 @@ def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
     from gridrl.common.security import Security
     from gridrl.common.tls import TlsError, TlsFiles
 
-    ctx = click.get_current_context()
     value = kwargs.pop("auth_token", None)
     token_file = kwargs.pop("auth_token_file", None)
     authorized_path = kwargs.pop("authorized_tokens", None) if server else None
     insecure = kwargs.pop("insecure", False) if server else False
     tls = TlsFiles(kwargs.pop("tls_cert", None), kwargs.pop("tls_key", None),
                    kwargs.pop("tls_ca", None))
-    if value is not None and ctx.get_parameter_source("auth_token") == ParameterSource.COMMANDLINE:
-        raise click.BadParameter(TOKEN_ON_COMMAND_LINE, param_hint="--auth-token")
     token = None
     try:
         if client:
