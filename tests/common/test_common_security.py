@@ -26,8 +26,7 @@ from gridrl.common.auth import (
     token_digest,
 )
 from gridrl.common.auth_cli import main as auth_main
-from gridrl.common.channel import dial
-from gridrl.common.cli import connection_hint
+from gridrl.common.channel import connection_hint, dial
 from gridrl.common.security import ExposedError, Security, check_exposure, is_loopback
 from gridrl.common.server import GrpcServer
 from gridrl.common.tls import TlsError, TlsFiles

@@ -64,3 +64,27 @@ def dial(address: str, security: Security | str | None = None,
                         "read it (give --tls-ca)", address)
         channel = grpc.intercept_channel(channel, TokenInterceptor(security.token))
     return channel
+
+
+def connection_hint(code: str, details: str, security: Security | str | None) -> str:
+    """`` (hint)`` for an UNAVAILABLE call that looks like a TLS mismatch, else ``""``:
+    a plaintext client cannot talk to a TLS server (nor the other way round), a TLS client
+    must trust the server's CA and dial a host its certificate names, and a mutual-TLS server
+    closes connections from clients without a certificate its CA signed."""
+    if code != "UNAVAILABLE":
+        return ""
+    text = details.lower()
+    tls = getattr(security, "tls", None)
+    if tls is None or not tls.dials_tls:
+        return (" (is the server up? if it serves TLS, give --tls-ca, and --tls-cert/--tls-key "
+                "for mutual TLS)")
+    if "wrong_version_number" in text:
+        return " (the server does not serve TLS: drop --tls-ca, or start it with --tls-cert)"
+    if "hostname verification" in text:
+        return " (the server's certificate does not name the host dialed; dial a name it lists)"
+    if "certificate_verify_failed" in text or "handshake failed" in text:
+        return " (the server's certificate did not verify: --tls-ca must be the CA that signed it)"
+    if "socket closed" in text or "connection reset" in text:
+        return (" (the server closed the connection: is it up? a mutual-TLS server refuses "
+                "clients without a --tls-cert/--tls-key its CA signed)")
+    return " (is the server up?)"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import grpc
 
 from gridrl.common.address import parse_address
-from gridrl.common.channel import dial
+from gridrl.common.channel import connection_hint, dial
 from gridrl.common.security import Security
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -251,7 +251,8 @@ class NodeRegistrar:
         code = e.code()
         if code in _RECONNECT_CODES:
             self._drop_channel()
-        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}")
+        hint = connection_hint(code.name, e.details() or "", self._security)
+        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}{hint}")
 
     def _note_failure(self, kind: str, message: str) -> None:
         """Log once per outage and kind of failure; later attempts log at debug level."""
