@@ -74,11 +74,11 @@ def records(master: Master) -> dict[str, registry_pb2.NodeRecord]:
 def masters() -> Iterator[Callable[..., Master]]:
     started: list[Master] = []
 
-    def start(port: int = 0, store_path: str | None = None, auth_token: str | None = None):
-        master = Master(f"127.0.0.1:{port}", store_path=store_path, auth_token=auth_token,
+    def start(port: int = 0, store_path: str | None = None, security=None, token=None):
+        master = Master(f"127.0.0.1:{port}", store_path=store_path, security=security,
                         heartbeat_interval_s=HEARTBEAT_S, unhealthy_after_s=UNHEALTHY_S,
                         expire_after_s=EXPIRE_S, grace_s=1).start()
-        master.token = auth_token
+        master.token = token  # what records() reads with
         started.append(master)
         return master
 
@@ -197,11 +197,11 @@ def test_unreachable_master_at_start(masters, registrars, caplog) -> None:
     assert set(records(master)) == {node_id_for("10.0.0.1:6000")}
 
 
-def test_auth_token(masters, registrars, caplog) -> None:
+def test_node_credential(masters, registrars, creds, caplog) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    master = masters(auth_token="s3cret")
+    master = masters(security=creds.security(None, authorized=True), token=creds.tokens["read"])
     good_node, bad_node = Node("10.0.0.1:6000"), Node("10.0.0.2:6000")
-    good = registrars(master.address, good_node.info_fn, auth_token="s3cret")
+    good = registrars(master.address, good_node.info_fn, security=creds.tokens["node"])
     bad = registrars(master.address, bad_node.info_fn, retry_interval_s=0.1)
     good.start()
     bad.start()

@@ -299,10 +299,17 @@ def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> N
     outside = tmp_path / "outside"
     write_dir(read_dir(tiny_adapters["a"]), outside)
     (root / "link").symlink_to(outside)
+    # a directory inside the root whose weights file is a symlink to the adapter outside
+    write_dir(read_dir(tiny_adapters["b"]), root / "ops" / "trap")
+    weights = next(p for p in (root / "ops" / "trap").iterdir() if p.suffix == ".safetensors")
+    weights.unlink()
+    weights.symlink_to(outside / weights.name)
     for target, code, starts in (
             ({"path": "../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/../../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": str(outside)}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": "link"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/trap"}, grpc.StatusCode.INVALID_ARGUMENT, "path: 'ops/trap': "),
             ({"path": "nope"}, grpc.StatusCode.NOT_FOUND, "path: "),
             ({"path": "pushed"}, grpc.StatusCode.FAILED_PRECONDITION, "path: "),
             ({"version": 9}, grpc.StatusCode.NOT_FOUND, "version: "),

@@ -29,10 +29,11 @@ def step_report(step: int, **over) -> dict:
 
 
 @pytest.fixture
-def served():
+def served(creds):
     status = RunStatus()
-    server = serve_trainer(status, "127.0.0.1:0", metrics_port=0, auth_token="tok")
-    channel = dial(server.address, auth_token="tok")
+    server = serve_trainer(status, "127.0.0.1:0", metrics_port=0,
+                           security=creds.security(None, authorized=True))
+    channel = dial(server.address, creds.tokens["read"])
     yield status, server, trainer_pb2_grpc.TrainerServiceStub(channel)
     channel.close()
     server.stop(0)

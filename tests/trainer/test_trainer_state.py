@@ -54,6 +54,34 @@ def test_checkpoint_round_trip_restores_rng_and_state(tmp_path):
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
+class _Payload:
+    """Pickles as a call that creates a file: what a crafted checkpoint would run on load."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng.pt"])
+def test_a_crafted_checkpoint_cannot_run_code(tmp_path, name):
+    """Checkpoints load with weights_only=True: a .pt file whose pickle calls a function is
+    refused, and the function never runs."""
+    import pickle
+
+    opt, sched = _optimizer()
+    path = save_checkpoint(tmp_path, step=1, adapter_files={"adapter_config.json": b"{}"},
+                           optimizer=opt, scheduler=sched, state={}, config={})
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(marker)}, path / name)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
 def test_checkpoints_keep_the_newest_and_latest_points_at_a_complete_one(tmp_path):
     opt, sched = _optimizer()
     for step in (2, 4, 6):
@@ -107,10 +135,15 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
         TrainConfig(rollout=["local", "h:1"]).finalize()
     with pytest.raises(StatusError, match="--run-name"):
         TrainConfig(run_name="my run/1").finalize()
-    cfg = TrainConfig(auth_token="secret", run_dir=str(tmp_path)).finalize()
+    from gridrl.common.security import Security
+
+    cfg = TrainConfig(security=Security(token="gridrl_secret-never-saved"),
+                      run_dir=str(tmp_path)).finalize()
     cfg.save(tmp_path / "config.json")
+    assert "gridrl_secret-never-saved" not in (tmp_path / "config.json").read_text()
+    assert "security" not in json.loads((tmp_path / "config.json").read_text())
     loaded = TrainConfig.load(tmp_path / "config.json")
-    assert loaded.auth_token is None and loaded.run_name == cfg.run_name
+    assert loaded.security is None and loaded.run_name == cfg.run_name
 
 
 def test_node_monitor_flags_after_consecutive_bad_steps_and_recovers():

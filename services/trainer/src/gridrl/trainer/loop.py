@@ -288,7 +288,7 @@ class Trainer:
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
-                                 model_identity=self.policy.identity, auth_token=cfg.auth_token,
+                                 model_identity=self.policy.identity, security=cfg.security,
                                  request_timeout_s=cfg.request_timeout_s)
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
