@@ -99,7 +99,7 @@ def _calls() -> dict[str, tuple[str, Callable[[grpc.Channel], None], grpc.Status
 def servers(tmp_path_factory, tiny_llama_dir: Path, pki, creds) -> Iterator[dict[str, str]]:
     """Master, rollout node and TrainerService, each with mutual TLS (the ``server``
     certificate) and the session's authorized tokens."""
-    from gridrl.rollout.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch import TorchBackend
     from gridrl.rollout.server import NodeConfig, RolloutNode
     from gridrl.trainer.server import serve_trainer
     from gridrl.trainer.status import RunStatus
