@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,19 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gridrl.models.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def reserved_port() -> Iterator[int]:
+    """A loopback port kept for this test: bound (SO_REUSEPORT, never listening) until the
+    test ends. A server started on it, restarted on it after a kill, or a client refused on it
+    never meets another process's socket, unlike a port picked, closed and bound again later
+    (anyone may take it in between). gRPC servers set SO_REUSEPORT, so they bind it alongside;
+    while none listens, connecting to it is refused."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
