@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,35 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gridrl.models.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class ReservedPort(int):
+    """A port number whose holding socket :meth:`release` closes (idempotent)."""
+
+    _sock: socket.socket | None = None
+
+    def release(self) -> int:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        return int(self)
+
+
+@pytest.fixture
+def reserved_port() -> Iterator[ReservedPort]:
+    """A loopback port kept for this test: bound (never listening) until the test calls
+    ``release()`` to start a server on it. Connecting to it meanwhile is refused. gRPC servers
+    do not share ports (``SO_REUSEPORT`` is off, see gridrl.common.server.NO_REUSEPORT), so the
+    holder lets go immediately before the bind instead of seconds before it, as a picked and
+    closed port would. A server restarted on it after a kill binds it again on its own."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = ReservedPort(sock.getsockname()[1])
+    port._sock = sock
+    try:
+        yield port
+    finally:
+        sock.close()
 
 
 @pytest.fixture(scope="session")

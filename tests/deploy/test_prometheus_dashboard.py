@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -42,22 +41,20 @@ JOB_OF_SERVICE = {"master": "gridrl-master", "rollout": "gridrl-rollout",
 # ----------------------------------------------------------------------------- Prometheus
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Prometheus's web listener logs the address it bound (exporter-toolkit, at info level).
+_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
 
 
 class Prometheus:
-    """A real ``prometheus`` on a free port with a tmp storage dir; targets via file_sd."""
+    """A real ``prometheus`` on port 0 (the bound port read back from its log) with a tmp
+    storage dir; targets via file_sd."""
 
     def __init__(self, tmp: Path, pki) -> None:
         self.tmp = tmp
         self.pki = pki
         self.targets = tmp / "targets"
         self.targets.mkdir(parents=True)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # once started
         self.log_path = tmp / "prometheus.log"
         self.proc: subprocess.Popen | None = None
 
@@ -96,9 +93,14 @@ class Prometheus:
         config = self.write_config()
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+             "--web.listen-address=127.0.0.1:0", "--log.level=info"],
             stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
+        while not (bound := _LISTENING.search(self.log())):
+            assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"prometheus did not bind:\n{self.log()}"
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{bound.group(1)}"
         while True:
             assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
             try:

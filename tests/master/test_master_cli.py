@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,6 @@ def stub(address: str) -> registry_pb2_grpc.RegistryServiceStub:
 
 def register(s, info) -> str:
     return s.RegisterNode(registry_pb2.RegisterNodeRequest(node=info), timeout=10).node_id
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_nodes_table_and_json(service_factory) -> None:
@@ -94,8 +87,8 @@ def test_nodes_table_and_json(service_factory) -> None:
     assert json.loads(result.output) == {"nodes": []}
 
 
-def test_nodes_reports_rpc_errors() -> None:
-    result = CliRunner().invoke(main, ["nodes", "--address", f"127.0.0.1:{free_port()}",
+def test_nodes_reports_rpc_errors(reserved_port) -> None:
+    result = CliRunner().invoke(main, ["nodes", "--address", f"127.0.0.1:{reserved_port}",
                                        "--timeout", "2"])
     assert result.exit_code == 1
     assert result.output.startswith("error: UNAVAILABLE: ")
@@ -119,9 +112,9 @@ def test_sigterm_exits_zero_promptly_with_open_watch(service_factory, tmp_path) 
     assert store.exists()
 
 
-def test_store_survives_a_crash(service_factory, tmp_path) -> None:
+def test_store_survives_a_crash(service_factory, tmp_path, reserved_port) -> None:
     store = str(tmp_path / "master.sqlite")
-    listen = f"127.0.0.1:{free_port()}"
+    listen = f"127.0.0.1:{reserved_port.release()}"  # the same port after the crash
     argv = ["gridrl-master", "serve", "--listen", listen, "--metrics-port", "-1",
             "--store", store]
     first = service_factory(argv, "first")

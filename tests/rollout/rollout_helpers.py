@@ -12,7 +12,13 @@ import grpc
 
 from gridrl.common.channel import dial
 from gridrl.common.transport import push_requests
-from gridrl.engine.contract import Backend, SequenceRequest, SequenceResult
+from gridrl.engine.contract import (
+    Backend,
+    Interrupted,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+)
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -46,6 +52,12 @@ class GatedBackend(Backend):
         self.entered += 1
         assert self.gate.wait(60), "test never opened the gate"
         return self.inner.generate(batch, adapter)
+
+    def interrupt(self, on: bool = True) -> None:
+        super().interrupt(on)
+        self.inner.interrupt(on)
+        if on:
+            self.gate.set()  # a batch held at the gate goes on, to stop at its first step
 
     def load_adapter(self, directory: Path, key: str) -> Any:
         return self.inner.load_adapter(directory, key)
@@ -175,3 +187,34 @@ def tree(root: Path) -> list[str]:
     """Every path under ``root`` (relative, sorted), hidden ones included."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
 
+
+
+def check_interrupt_between_steps(backend: Backend, prompt: list[int]) -> None:
+    """``backend.interrupt()`` called while a 20-token ``generate`` runs (from its third
+    ``check_interrupted``: after the prefill and one decode step) ends that call with
+    :class:`Interrupted` at the next check; ``interrupt(False)`` makes it decode again."""
+    request = SequenceRequest(prompt, SamplingConfig(max_tokens=20, temperature=0.0), seed=0)
+    checks = 0
+    real_check = backend.check_interrupted
+
+    def check() -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 3:
+            backend.interrupt()
+        real_check()
+
+    backend.check_interrupted = check  # type: ignore[method-assign]
+    try:
+        try:
+            backend.generate([request, request], None)
+        except Interrupted:
+            pass
+        else:
+            raise AssertionError("generate did not stop when interrupted")
+        assert checks == 3  # stopped at the first check after the interrupt
+    finally:
+        del backend.check_interrupted
+        backend.interrupt(False)
+    (result, _) = backend.generate([request, request], None)
+    assert len(result.token_ids) == 20 or result.finish_reason == "stop"

@@ -244,6 +244,12 @@ def test_generate_from_another_thread(backend, prompts):
 # -- 3. parity with transformers -------------------------------------------------------------
 
 
+def test_interrupt_stops_generate_between_steps(backend, prompts):
+    from rollout_helpers import check_interrupt_between_steps
+
+    check_interrupt_between_steps(backend, prompts[0])
+
+
 def test_score_and_greedy_match_transformers(backend, prompts, tiny_llama_dir):
     model = hf_model(tiny_llama_dir)
     for prompt in prompts:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
+from scripted_nodes import wait_until
 
 from gridrl.common.errors import StatusError
 from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -189,19 +189,23 @@ def test_prefetcher_runs_ahead_by_depth_and_no_further():
     def generate(step):
         with lock:
             calls.append(step)
-        time.sleep(0.05)
         return [step]
+
+    def requested() -> list[int]:
+        with lock:
+            return list(calls)
 
     pre = Prefetcher(generate, depth=2, last_step=4)
     first = pre.get(1)
-    assert first.groups == [1] and first.generate_s >= 0.05
-    time.sleep(0.2)
-    assert sorted(calls) == [1, 2, 3]  # steps 2 and 3 sampled while step 1 "trains"
-    assert pre.get(2).wait_s < 0.05
-    time.sleep(0.1)
-    assert sorted(calls) == [1, 2, 3, 4]  # never beyond last_step
+    assert first.groups == [1] and first.generate_s >= 0
+    # steps 2 and 3 are sampled while step 1 "trains" (one worker: in order, one at a time)
+    wait_until(lambda: len(requested()) >= 3, 10, "steps 2 and 3 prefetched")
+    assert requested() == [1, 2, 3]
+    assert pre.get(2).groups == [2]  # taken from the prefetch: not generated again
+    wait_until(lambda: len(requested()) >= 4, 10, "step 4 prefetched")
     assert [pre.get(s).groups for s in (3, 4)] == [[3], [4]]
-    pre.close()
+    pre.close()  # waits for anything in flight
+    assert requested() == [1, 2, 3, 4]  # each step once, never beyond last_step
     sync = Prefetcher(lambda s: [s], depth=0, last_step=3)
     assert sync.get(2).groups == [2]
 

@@ -97,6 +97,11 @@ class AdapterLoadError(ValueError):
     The message names what does not fit; nothing was changed."""
 
 
+class Interrupted(RuntimeError):
+    """``generate`` stopped before its batch was done because :meth:`Backend.interrupt` was
+    called (the node is shutting down); the batch has no results."""
+
+
 class Backend(abc.ABC):
     """A model on one framework and device, able to decode batches and hold adapters.
 
@@ -110,7 +115,8 @@ class Backend(abc.ABC):
         eos_token_ids: ids that end a sequence besides per-request stop ids.
 
     Threading: the engine calls every method from its single scheduler thread, so no two calls
-    overlap and an adapter is never swapped during a batch.
+    overlap and an adapter is never swapped during a batch. :meth:`interrupt` is the exception:
+    any thread may call it.
     """
 
     name: str
@@ -120,6 +126,21 @@ class Backend(abc.ABC):
     identity: ModelIdentity
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    _interrupted: bool = False
+
+    def interrupt(self, on: bool = True) -> None:
+        """With ``on``, make the :meth:`generate` call in progress (or the next one to start)
+        raise :class:`Interrupted` at its next prefill chunk or decode step, until
+        ``interrupt(False)``; any thread. For shutdown: a node that stops must not decode for
+        minutes for callers already gone, nor leave its scheduler thread inside the framework
+        while the interpreter exits. The engine clears it when its scheduler stops."""
+        self._interrupted = on
+
+    def check_interrupted(self) -> None:
+        """Raise :class:`Interrupted` once :meth:`interrupt` was called; implementations call
+        it before each prefill chunk and decode step."""
+        if self._interrupted:
+            raise Interrupted("decoding interrupted: the rollout node is shutting down")
 
     @abc.abstractmethod
     def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:

@@ -194,6 +194,20 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         raise click.UsageError(str(e)) from None
     write_ready_file(ready_file, node.address, node.port, node.metrics_port)
     node.wait()
+    if node.engine.scheduler_alive:
+        # The stop interrupted the batch in progress, but the scheduler thread is still inside
+        # torch / MLX (a step slower than the engine's close timeout). Finalizing the
+        # interpreter now would end that thread inside C++ code as it takes the GIL back:
+        # std::terminate, exit 134. Everything else is stopped and flushed by now, so leave
+        # without interpreter cleanup.
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "the engine's scheduler is still in the backend; exiting without cleanup")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _parse_ids(value: str | None, flag: str) -> list[int]:

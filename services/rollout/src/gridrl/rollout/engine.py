@@ -37,7 +37,13 @@ import grpc
 
 from gridrl.common.errors import StatusError, resource_exhausted
 from gridrl.engine import rng
-from gridrl.engine.contract import Backend, SamplingConfig, SequenceRequest, SequenceResult
+from gridrl.engine.contract import (
+    Backend,
+    Interrupted,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+)
 from gridrl.rollout import metrics
 
 log = logging.getLogger(__name__)
@@ -161,6 +167,7 @@ class Engine:
         self._active_sequences = 0
         self._history: collections.deque[BatchRecord] = collections.deque(maxlen=history)
         self._closing = False
+        self._scheduler_done = False
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -195,16 +202,34 @@ class Engine:
             self.claim_thread()
         self._run()
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, let the batch
-        in progress finish, and join the scheduler. Idempotent."""
+    def close(self, timeout: float | None = 30.0, interrupt: bool = False) -> None:
+        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, and join the
+        scheduler. Idempotent.
+
+        Args:
+            timeout: seconds to wait for the scheduler thread (None: no limit).
+            interrupt: stop the batch in progress at its next decode step (its requests get
+                UNAVAILABLE) instead of letting it finish: for a node whose callers are gone
+                (its gRPC server has stopped), so the thread, and the framework's work on it,
+                ends before the process does.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            if interrupt and self._thread is not None and not self._scheduler_done:
+                self.backend.interrupt()  # cleared by the scheduler as it stops
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the scheduler thread is still running after %s s", timeout)
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def scheduler_alive(self) -> bool:
+        """Whether the scheduler thread still runs (after :meth:`close`: it did not stop
+        within the timeout, e.g. a decode step slower than that)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def serving(self) -> ServingAdapter:
@@ -314,6 +339,9 @@ class Engine:
                 self._run_command(command)
             elif items:
                 self._run_batch(items)
+        with self._cond:
+            self._scheduler_done = True
+            self.backend.interrupt(False)  # the backend may serve another engine later
         self._shutdown()
 
     def _wait_for_company(self) -> None:
@@ -367,6 +395,10 @@ class Engine:
             if len(results) != len(batch):
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
+        except Interrupted as e:
+            log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
+            self._fail_batch(items, StatusError(grpc.StatusCode.UNAVAILABLE, str(e)))
+            return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
             self._fail_batch(items, e)

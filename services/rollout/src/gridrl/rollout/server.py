@@ -187,7 +187,7 @@ class RolloutNode:
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
         self.server.on_stopping(self._stop_registrar)
-        self.server.on_stop(self.engine.close)
+        self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
 
     @property
@@ -228,6 +228,11 @@ class RolloutNode:
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
         return self
+
+    def _close_engine(self) -> None:
+        """On stop (every call has ended by then): stop the batch in progress, whose callers
+        are gone, and join the scheduler thread before the process exits."""
+        self.engine.close(interrupt=True)
 
     def _flush_adapters(self) -> None:
         """On stop: let a push being stored in the background finish writing."""

@@ -455,15 +455,15 @@ class Trainer:
             StatusError: bad configuration; RuntimeError: no rollout node can serve;
             TimeoutError: not enough nodes in time. The status is marked FAILED first.
         """
+        ended = False  # every collective of the run done on this rank
         try:
             if self.status is not None:  # STARTING while the model loads
                 self.status.begin(self.cfg.run_name or "", str(self.cfg.run_dir),
                                   self.cfg.steps, self.cfg.model)
             self._setup()
-            if self.is_main:
-                return self._run_main()
-            self._run_worker()
-            return None
+            summary = self._run_main() if self.is_main else self._run_worker()
+            ended = True
+            return summary
         except BaseException as e:
             if self.status is not None:
                 self.status.fail(f"{type(e).__name__}: {e}")
@@ -474,9 +474,11 @@ class Trainer:
                     pass
             raise
         finally:
-            self._close()
+            self._close(ended)
 
-    def _close(self) -> None:
+    def _close(self, ended: bool) -> None:
+        """Release the run's resources. ``ended``: no collective can be in flight, so the
+        process group's threads are ended too (``DataParallel.close``)."""
         for closer in (self.prefetcher, self.sync, self.source, self.trackers):
             if closer is not None:
                 try:
@@ -484,7 +486,7 @@ class Trainer:
                 except Exception:
                     log.exception("closing %r failed", closer)
         if self.parallel is not None:
-            self.parallel.close()
+            self.parallel.close(wait=ended)
 
     def _run_worker(self) -> None:
         """Ranks > 0: train on the broadcast sequences until rank 0 says stop."""

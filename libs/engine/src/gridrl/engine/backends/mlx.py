@@ -276,6 +276,7 @@ class MlxBackend(Backend):
         active = list(rows)  # cache row -> batch index
         step = 0
         while True:
+            self.check_interrupted()
             configs = [batch[i].sampling for i in active]
             logprobs = transform_logits(logits, configs)
             tokens, token_logprobs = draw_tokens(logits, logprobs, configs,
@@ -312,6 +313,7 @@ class MlxBackend(Backend):
         ids = mx.array(prompt, mx.int32)[None]
         done = 0
         while len(prompt) - done > 1:
+            self.check_interrupted()
             n = min(PREFILL_STEP, len(prompt) - 1 - done)
             self._model(ids[:, done:done + n], cache=cache)
             mx.eval([c.state for c in cache])

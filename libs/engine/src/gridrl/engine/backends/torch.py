@@ -609,6 +609,7 @@ class TorchBackend(Backend):
                        for r in batch]
         prefills, first_logits = [], []
         for prompt in prompt_index:
+            self.check_interrupted()
             kv, logits = self._prefill(list(prompt))
             prefills.append(kv)
             first_logits.append(logits)
@@ -636,6 +637,7 @@ class TorchBackend(Backend):
         step = 0
         self.last_first_token_s = None
         while True:
+            self.check_interrupted()
             logprobs = transform_logits(logits, rows)
             u = torch.from_numpy(rng.step_uniforms(seeds[active_list], step)) \
                 if not rows.all_greedy else None
