@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rollout_helpers import PROMPT
+from engine_helpers import PROMPT
 
 from gridrl.rollout.cli import main
 

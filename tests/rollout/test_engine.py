@@ -9,7 +9,8 @@ import threading
 
 import grpc
 import pytest
-from rollout_helpers import PROMPT, GatedBackend, wait_until
+from engine_helpers import PROMPT
+from rollout_helpers import GatedBackend, wait_until
 
 from gridrl.common.errors import StatusError
 from gridrl.engine.contract import SamplingConfig
