@@ -14,7 +14,7 @@ from engine_helpers import PROMPT
 
 from gridrl.common.channel import dial
 from gridrl.common.transport import push_requests
-from gridrl.engine.contract import Backend, SequenceRequest, SequenceResult
+from gridrl.engine.contract import Backend, DecodeObserver, SequenceRequest, SequenceResult
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -42,10 +42,11 @@ class GatedBackend(Backend):
             setattr(self, attr, getattr(inner, attr))
         self.vocab_size = getattr(inner, "vocab_size", inner.identity.vocab_size)
 
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
         self.entered += 1
         assert self.gate.wait(60), "test never opened the gate"
-        return self.inner.generate(batch, adapter)
+        return self.inner.generate(batch, adapter, observer)
 
     def load_adapter(self, directory: Path, key: str) -> Any:
         return self.inner.load_adapter(directory, key)

@@ -34,6 +34,8 @@ from gridrl.engine.backends.mlx_lora import LoRAManager, MlxAdapter
 from gridrl.engine.backends.mlx_sampling import draw_tokens, sequence_keys, transform_logits
 from gridrl.engine.contract import (
     Backend,
+    DecodeInterrupted,
+    DecodeObserver,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
@@ -201,17 +203,21 @@ class MlxBackend(Backend):
 
     # -- decoding ----------------------------------------------------------------------------
 
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
-        """Decode ``batch`` together (see the module docstring), following base.py's semantics.
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following the contract's
+        semantics (:mod:`gridrl.engine.contract`).
 
         Args:
             batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
             adapter: a handle from :meth:`load_adapter`, or None for the base model.
+            observer: told each step's tokens and asked between steps whether to stop.
         Returns:
             one :class:`SequenceResult` per request, in order: token ids (stop token included
             when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
         Raises:
             ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
         """
         if not batch:
             return []
@@ -219,11 +225,12 @@ class MlxBackend(Backend):
         with mx.stream(self._device):
             self._lora.activate(adapter)
             try:
-                return self._generate(batch)
+                return self._generate(batch, observer)
             finally:
                 mx.clear_cache()
 
-    def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
+    def _generate(self, batch: list[SequenceRequest],
+                  observer: DecodeObserver | None) -> list[SequenceResult]:
         results = [SequenceResult() for _ in batch]
         stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
         keys = [sequence_keys(r.seed, r.sampling.max_tokens) for r in batch]
@@ -233,7 +240,11 @@ class MlxBackend(Backend):
         prompt_index: dict[tuple[int, ...], int] = {}
         row_prompt = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
                       for r in batch]
-        prefilled = [self._prefill(list(prompt)) for prompt in prompt_index]
+        prefilled = []
+        for prompt in prompt_index:
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(0)
+            prefilled.append(self._prefill(list(prompt)))
         caches = [cache for cache, _ in prefilled]
         first_logits = mx.concatenate([logits for _, logits in prefilled], axis=0)
 
@@ -253,7 +264,7 @@ class MlxBackend(Backend):
             else:
                 cache = copy.deepcopy(caches[row_prompt[rows[0]]])
             logits = first_logits[mx.array([row_prompt[i] for i in rows])]
-            self._decode(batch, rows, cache, logits, keys, stops, results)
+            self._decode(batch, rows, cache, logits, keys, stops, results, observer)
         return results
 
     @staticmethod
@@ -264,8 +275,9 @@ class MlxBackend(Backend):
 
     def _decode(self, batch: list[SequenceRequest], rows: list[int], cache: list[Any],
                 logits: mx.array, keys: list[mx.array], stops: list[frozenset[int]],
-                results: list[SequenceResult]) -> None:
-        """Sample ``batch[rows]`` to the end, appending to ``results[rows]``.
+                results: list[SequenceResult], observer: DecodeObserver | None) -> None:
+        """Sample ``batch[rows]`` to the end, appending to ``results[rows]`` (and telling
+        ``observer`` each step's tokens).
 
         Args:
             rows: batch indices, in the row order of ``cache`` and ``logits``.
@@ -281,9 +293,12 @@ class MlxBackend(Backend):
             tokens, token_logprobs = draw_tokens(logits, logprobs, configs,
                                                  [keys[i][step] for i in active])
             mx.eval(tokens, token_logprobs)
+            token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
+            if observer is not None:
+                observer.on_tokens(list(active), token_list, logprob_list)
             keep: list[int] = []
-            for row, (i, tok, lp) in enumerate(zip(active, tokens.tolist(),
-                                                   token_logprobs.tolist(), strict=True)):
+            for row, (i, tok, lp) in enumerate(zip(active, token_list, logprob_list,
+                                                   strict=True)):
                 res = results[i]
                 res.token_ids.append(tok)
                 res.logprobs.append(lp)
@@ -301,6 +316,8 @@ class MlxBackend(Backend):
                 active = [active[row] for row in keep]
                 tokens = tokens[mx.array(keep)]
             step += 1
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(step)
             logits = self._model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
 
     def _prefill(self, prompt: list[int]) -> tuple[list[Any], mx.array]:
@@ -326,7 +343,7 @@ class MlxBackend(Backend):
 
         One forward over ``prompt_ids + completion_ids`` (no cache), float32 logits at the
         positions that predict each completion token, then the same transform as
-        :meth:`generate` (base.py steps 1-3).
+        :meth:`generate` (contract.py steps 1-3).
 
         Returns:
             one float per completion token (natural log), ``-inf`` for tokens outside the

@@ -59,6 +59,8 @@ from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, tran
 from gridrl.engine.contract import (
     AdapterLoadError,
     Backend,
+    DecodeInterrupted,
+    DecodeObserver,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
@@ -581,25 +583,30 @@ class TorchBackend(Backend):
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         return kv, logits[0, -1].float()
 
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
-        """Decode ``batch`` together (see the module docstring), following base.py's semantics.
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following the contract's
+        semantics (:mod:`gridrl.engine.contract`).
 
         Args:
             batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
             adapter: a :class:`TorchAdapter` from :meth:`load_adapter`, or None.
+            observer: told each step's tokens and asked between steps whether to stop.
         Returns:
             one :class:`SequenceResult` per request, in order: token ids (stop token included
             when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
         Raises:
             ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
         """
         if not batch:
             return []
         check_batch(batch)
         with self._using(adapter):
-            return self._generate(batch)
+            return self._generate(batch, observer)
 
-    def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
+    def _generate(self, batch: list[SequenceRequest],
+                  observer: DecodeObserver | None) -> list[SequenceResult]:
         start = time.perf_counter()
         dev = self._device
         n = len(batch)
@@ -609,6 +616,8 @@ class TorchBackend(Backend):
                        for r in batch]
         prefills, first_logits = [], []
         for prompt in prompt_index:
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(0)
             kv, logits = self._prefill(list(prompt))
             prefills.append(kv)
             first_logits.append(logits)
@@ -642,6 +651,8 @@ class TorchBackend(Backend):
             tokens, token_logprobs = draw_tokens(logits, logprobs, rows, u)
             out_tokens[active, step] = tokens
             out_logprobs[active, step] = token_logprobs
+            if observer is not None:
+                observer.on_tokens(list(active_list), tokens.tolist(), token_logprobs.tolist())
             if self.last_first_token_s is None:
                 self.last_first_token_s = time.perf_counter() - start
             hit_stop = (stop_table.index_select(0, active) == tokens[:, None]).any(dim=-1)
@@ -664,6 +675,8 @@ class TorchBackend(Backend):
                 tokens = tokens.index_select(0, keep_t)
                 rows = rows.select(keep_t)
             step += 1
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(step)
             positions = (cache.layers[0].length - cache.pad)[:, None]
             # (the lean forward needs a mask only for padded rows; see next_step for the other)
             mask = cache.next_step(always=cpu and self._running is None)
@@ -684,7 +697,7 @@ class TorchBackend(Backend):
               adapter: Any | None) -> list[float]:
         """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids``: one forward over
         both (no cache), float32 logits at the positions that predict each completion token,
-        then the same transform as :meth:`generate` (base.py steps 1-3).
+        then the same transform as :meth:`generate` (contract.py steps 1-3).
 
         Returns:
             one float per completion token (natural log), ``-inf`` for tokens outside the
