@@ -11,9 +11,11 @@ PROMPT = [5, 7, 9, 2, 6]  # "<|user|> the cat </s> <|assistant|>" in the tiny to
 
 
 def make_peft_adapter(base_dir: Path, out: Path, seed: int = 1, targets: Any = "all-linear",
-                      rank: int = 4, alpha: float = 8.0, std: float | None = None) -> Path:
+                      rank: int = 4, alpha: float = 8.0, std: float | None = None,
+                      dora: bool = False) -> Path:
     """Save a random, non-zero peft LoRA for the model in ``base_dir`` (an adapter "trained
-    elsewhere"). ``std`` rescales A and B to that standard deviation (None: peft's init)."""
+    elsewhere"). ``std`` rescales A and B to that standard deviation (None: peft's init);
+    ``dora``: a DoRA adapter (magnitudes from the base weights' norms, as peft starts them)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -22,7 +24,7 @@ def make_peft_adapter(base_dir: Path, out: Path, seed: int = 1, targets: Any = "
     model = AutoModelForCausalLM.from_pretrained(str(base_dir))
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha,
                                                   target_modules=targets,
-                                                  init_lora_weights=False))
+                                                  init_lora_weights=False, use_dora=dora))
     if std is not None:
         with torch.no_grad():
             for name, p in peft_model.named_parameters():
