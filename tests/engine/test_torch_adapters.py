@@ -45,20 +45,22 @@ def test_each_backend_names_its_forward_and_strategy_in_one_line(
     cases = [
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir), LeanFactors,
          r"forward: lean \(llama model, fused C kernel products\); adapters: lean LoRA factors "
-         r"\(a node on the lean forward: .*\); DoRA .* through peft"),
+         r"\(the node runs the lean forward\); DoRA and other LoRA it cannot hold as peft "
+         r"adapters \(on a transformers copy of the model loaded for them\)$"),
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir, lean=False), MergedWeights,
          r"forward: transformers \(lean forward: disabled \(--forward transformers\)\); "
-         r"adapters: merged weights \(a node on the transformers forward: .*\)"),
+         r"adapters: merged weights \(the node runs the transformers forward\); DoRA and other "
+         r"LoRA it cannot hold as peft adapters \(on the node's model\)$"),
     ]
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)),
                                 LoraConfig(r=4, target_modules=["q_proj"]))
     cases += [
         (lambda: TorchBackend.from_model(peft_model, None), LivePeftFactors,
          r"forward: lean .*; adapters: live peft LoRA factors \(a peft model wrapped "
-         r"in-process with frozen base weights"),
+         r"in-process, base weights frozen, on the lean forward\)$"),
         (lambda: TorchBackend.from_model(peft_model, None, lean=False), PeftAdapters,
          r"forward: transformers \(lean forward: disabled\); adapters: peft adapters \(a peft "
-         r"model on the transformers forward"),
+         r"model wrapped in-process on the transformers forward\)$"),
     ]
     for build, kind, pattern in cases:
         caplog.clear()
@@ -96,7 +98,11 @@ def test_dora_goes_through_peft_and_alternates_with_plain_lora(
         assert backend.score(PROMPT, tokens, GREEDY, handle) == pytest.approx(logprobs,
                                                                                abs=1e-4)
     assert want["d"][0] != want["base"][0]  # the DoRA adapter does change the model
+    # a lean node holds no transformers weights of its own (one copy, the packed one): peft
+    # got a copy of the model for its adapter, freed with it
+    assert (backend.adapters.fallback.model is not backend._hf) is lean
     backend.unload_adapter(d)
+    assert (backend.adapters.fallback.model is None) is lean
     with pytest.raises(ValueError, match="not loaded"):
         backend.generate([SequenceRequest(PROMPT, GREEDY, 0)], d)
     assert backend.generate([SequenceRequest(PROMPT, GREEDY, 0)], a)[0].token_ids == want["a"][0]

@@ -103,7 +103,8 @@ def test_client_commands(served, tiny_adapters) -> None:
     start_up = [line for line in node.log().splitlines() if "torch backend:" in line]
     assert len(start_up) == 1, start_up
     assert "forward: lean (llama model, " in start_up[0], start_up
-    assert "adapters: lean LoRA factors (a node on the lean forward" in start_up[0], start_up
+    assert "adapters: lean LoRA factors (the node runs the lean forward)" in start_up[0], \
+        start_up
 
 
 def test_serve_refuses_bad_flags(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from gridrl.engine.backends.torch_adapters import (
 )
 from gridrl.engine.backends.torch_cache import SlabCache, supports
 from gridrl.engine.backends.torch_llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch_memory import trim_heap
 from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
 from gridrl.engine.contract import (
     AdapterLoadError,
@@ -164,7 +165,15 @@ class TorchBackend(Backend):
     adapter_format = "peft"
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
-                 owns_model: bool, lean: bool | None = None) -> None:
+                 owns_model: bool, lean: bool | None = None,
+                 load_model: Callable[[], Any] | None = None) -> None:
+        """Use :meth:`from_pretrained` or :meth:`from_model`.
+
+        Args:
+            load_model: for an owned model, loads another copy of it: then the lean forward
+                takes the model's weights (one copy in memory, :class:`LeanLlama`'s
+                ``take_weights``) and peft adapters get a copy of their own when one comes.
+        """
         from peft import PeftModel
 
         self._wrapper = model  # what the caller gave: its train/eval mode is kept
@@ -195,15 +204,19 @@ class TorchBackend(Backend):
             lean = owns_model or self._device.type == "cpu"
         refusal = self._lean_refusal(owns_model, peft) if lean else "disabled (--forward " \
             "transformers)" if owns_model else "disabled"
+        take = owns_model and peft is None and load_model is not None
         if refusal is None:
-            lean_forward = LeanLlama(self._hf)
+            lean_forward = LeanLlama(self._hf, take_weights=take)
+            if take:
+                trim_heap()  # the packing's temporaries
             self.forward_reason = (f"{identity.architecture or 'llama-family'} model, "
                                    f"{lean_forward.products} products")
         else:
             self.forward_reason = f"lean forward: {refusal}"
         self.forward_kind = "lean" if lean_forward is not None else "transformers"
-        self.adapters = choose_strategy(self._hf, peft, lean_forward, owns=owns_model,
-                                        forward_reason=self.forward_reason)
+        self.adapters = choose_strategy(
+            self._hf, peft, lean_forward, owns=owns_model,
+            load_model=load_model if take and lean_forward is not None else None)
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
         log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s",
@@ -234,12 +247,18 @@ class TorchBackend(Backend):
 
         dev = pick_device(device)
         torch_dtype = pick_dtype(dtype, dev)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
-        model.to(dev).eval()
-        model.requires_grad_(False)
+
+        def load_model() -> Any:
+            # transformers maps safetensors files: weights stay file-backed until read
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+            model.to(dev).eval()
+            model.requires_grad_(False)
+            return model
+
+        model = load_model()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         identity = _identity_of(model, model_id or str(model_dir))
-        return cls(model, tokenizer, identity, owns_model=True, lean=lean)
+        return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, model_id: str = "",

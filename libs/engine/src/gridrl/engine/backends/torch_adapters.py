@@ -390,7 +390,8 @@ class WithPeftFallback(AdapterStrategy):
         self._in_fallback: set[str] = set()
 
     def describe(self) -> str:
-        return f"{self.primary.describe()}; DoRA and other LoRA it cannot hold through peft"
+        return (f"{self.primary.describe()}; DoRA and other LoRA it cannot hold as "
+                f"{self.fallback.describe()}")
 
     def load(self, key: str, source: LoraSource) -> int:
         if self.primary.accepts(source.config):
@@ -421,8 +422,7 @@ class WithPeftFallback(AdapterStrategy):
 
 
 def choose_strategy(model: Any, peft: Any | None, lean: LeanLlama | None, *, owns: bool,
-                    forward_reason: str, load_model: Callable[[], Any] | None = None
-                    ) -> AdapterStrategy:
+                    load_model: Callable[[], Any] | None = None) -> AdapterStrategy:
     """The strategy for a backend, chosen once.
 
     Args:
@@ -430,24 +430,22 @@ def choose_strategy(model: Any, peft: Any | None, lean: LeanLlama | None, *, own
         peft: the ``PeftModel`` wrapped in-process, or None.
         lean: the lean forward when it runs the model, else None.
         owns: the backend owns the model (a node).
-        forward_reason: why this forward runs (quoted in the strategy's reason).
         load_model: for a node on the lean forward whose transformers weights were released:
             builds a transformers model for peft adapters (DoRA).
     """
     if owns and peft is None and lean is not None:
-        return WithPeftFallback(
-            LeanFactors(lean, f"a node on the lean forward: {forward_reason}"),
-            PeftAdapters(None if load_model is not None else model, "DoRA",
-                         load_model=load_model))
+        fallback = (PeftAdapters(None, "on a transformers copy of the model loaded for them",
+                                 load_model=load_model) if load_model is not None
+                    else PeftAdapters(model, "on the node's model"))
+        return WithPeftFallback(LeanFactors(lean, "the node runs the lean forward"), fallback)
     if owns and peft is None:
-        return WithPeftFallback(
-            MergedWeights(model, f"a node on the transformers forward: {forward_reason}"),
-            PeftAdapters(model, "DoRA"))
+        return WithPeftFallback(MergedWeights(model, "the node runs the transformers forward"),
+                                PeftAdapters(model, "on the node's model"))
     if not owns and peft is not None and lean is not None:
-        return LivePeftFactors(lean, peft, "a peft model wrapped in-process with frozen base "
-                                           f"weights, on the lean forward: {forward_reason}")
-    why = ("a peft model" if peft is not None else "a model wrapped in-process") + \
-        f" on the transformers forward: {forward_reason}"
+        return LivePeftFactors(lean, peft, "a peft model wrapped in-process, base weights "
+                                           "frozen, on the lean forward")
+    why = ("a peft model" if peft is not None else "a model") + " wrapped in-process" + \
+        ("" if owns else " on the transformers forward")
     return PeftAdapters(model, why, peft=peft, owns=owns)
 
 
