@@ -70,3 +70,39 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+#: config fields per family for :func:`make_tiny_model` beyond the shared tiny sizes: small
+#: head dims where the family's default is large, and sliding windows (48 tokens) where the
+#: family has one, so the context cap is reached by short prompts.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {"head_dim": 16},  # q/k RMSNorm per head
+    "mistral": {"sliding_window": 48},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 48},
+    "phi3": {},  # fused qkv_proj and gate_up_proj
+}
+
+
+def make_tiny_model(out: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write a random 2-layer model of ``family`` (a transformers ``model_type`` in
+    :data:`FAMILIES`; hidden size 64, fp32, the family's own defaults otherwise, e.g. tied
+    embeddings for gemma2) with the tokenizer of ``tokenizer_dir`` to ``out``. Returns ``out``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger logits than the default init, so sampling is not uniform
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

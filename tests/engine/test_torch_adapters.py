@@ -46,21 +46,21 @@ def test_each_backend_names_its_forward_and_strategy_in_one_line(
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir), LeanFactors,
          r"forward: lean \(llama model, fused C kernel products\); adapters: lean LoRA factors "
          r"\(the node runs the lean forward\); DoRA and other LoRA it cannot hold as peft "
-         r"adapters \(on a transformers copy of the model loaded for them\)$"),
+         r"adapters \(on a transformers copy of the model loaded for them\); context 512 tokens$"),
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir, lean=False), MergedWeights,
          r"forward: transformers \(lean forward: disabled \(--forward transformers\)\); "
          r"adapters: merged weights \(the node runs the transformers forward\); DoRA and other "
-         r"LoRA it cannot hold as peft adapters \(on the node's model\)$"),
+         r"LoRA it cannot hold as peft adapters \(on the node's model\); context 512 tokens$"),
     ]
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)),
                                 LoraConfig(r=4, target_modules=["q_proj"]))
     cases += [
         (lambda: TorchBackend.from_model(peft_model, None), LivePeftFactors,
          r"forward: lean .*; adapters: live peft LoRA factors \(a peft model wrapped "
-         r"in-process, base weights frozen, on the lean forward\)$"),
+         r"in-process, base weights frozen, on the lean forward\); context 512 tokens$"),
         (lambda: TorchBackend.from_model(peft_model, None, lean=False), PeftAdapters,
          r"forward: transformers \(lean forward: disabled\); adapters: peft adapters \(a peft "
-         r"model wrapped in-process on the transformers forward\)$"),
+         r"model wrapped in-process on the transformers forward\); context 512 tokens$"),
     ]
     for build, kind, pattern in cases:
         caplog.clear()

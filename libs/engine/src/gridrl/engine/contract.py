@@ -128,17 +128,24 @@ class DecodeInterrupted(Exception):
         self.steps = steps
 
 
-def check_batch(batch: list[SequenceRequest]) -> None:
+def check_batch(batch: list[SequenceRequest], max_context: int | None = None) -> None:
     """The preconditions of :meth:`Backend.generate` shared by every backend.
 
+    Args:
+        max_context: the backend's context limit (``identity.max_context``), or None.
     Raises:
-        ValueError: ``batch[i].prompt_ids`` is empty or ``batch[i].sampling.max_tokens < 1``.
+        ValueError: ``batch[i].prompt_ids`` is empty, ``batch[i].sampling.max_tokens < 1``,
+            or prompt + ``max_tokens`` exceeds ``max_context``.
     """
     for i, req in enumerate(batch):
         if not req.prompt_ids:
             raise ValueError(f"batch[{i}].prompt_ids is empty")
         if req.sampling.max_tokens < 1:
             raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        if max_context is not None and len(req.prompt_ids) + req.sampling.max_tokens > max_context:
+            raise ValueError(f"batch[{i}]: prompt ({len(req.prompt_ids)} tokens) + max_tokens "
+                             f"({req.sampling.max_tokens}) exceeds the model's context of "
+                             f"{max_context} tokens")
 
 
 class AdapterLoadError(ValueError):
@@ -154,7 +161,9 @@ class Backend(abc.ABC):
         adapter_format: the adapter layout loaded natively, ``"peft"`` or ``"mlx"``.
         device: e.g. ``"cpu"``, ``"cuda:0"``, ``"mps"``, ``"mlx-cpu"``, ``"mlx-gpu"``.
         dtype: compute dtype name, e.g. ``"float32"``, ``"bfloat16"``.
-        identity: the base model's identity (architecture, sizes) from config.json.
+        identity: the base model's identity (architecture, sizes) from config.json;
+            ``max_context`` is the context served (capped at a sliding window,
+            :mod:`gridrl.engine.families`).
         tokenizer: a ``transformers`` tokenizer for the model directory.
         eos_token_ids: ids that end a sequence besides per-request stop ids.
 

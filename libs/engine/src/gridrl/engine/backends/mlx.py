@@ -22,6 +22,7 @@ Adapters are mlx-lm LoRA directories held next to the base weights
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -41,6 +42,7 @@ from gridrl.engine.contract import (
     SequenceResult,
     check_batch,
 )
+from gridrl.engine.families import context_limit
 from gridrl.models import ModelIdentity, model_identity
 
 log = logging.getLogger(__name__)
@@ -130,9 +132,12 @@ class MlxBackend(Backend):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = "mlx-gpu" if device.type == mx.gpu else "mlx-cpu"
         self.dtype = self._weight_dtype(model)
+        # Whether merged (left-padded) batch caches decode as each sequence alone does.
+        self.batches_exactly = self._batching_is_exact()
 
     @classmethod
-    def from_pretrained(cls, model_dir: Path | str, device: str = "auto") -> MlxBackend:
+    def from_pretrained(cls, model_dir: Path | str, device: str = "auto",
+                        max_context: int | None = None) -> MlxBackend:
         """Load a local Hugging Face directory (safetensors) with mlx-lm.
 
         Weights keep their stored dtype (fp32 stays fp32). The tokenizer is
@@ -142,8 +147,11 @@ class MlxBackend(Backend):
         Args:
             model_dir: a resolved model directory (``gridrl.models.resolve_model``).
             device: ``"auto"``, ``"cpu"`` or ``"gpu"`` (``"mlx-"`` prefix accepted).
+            max_context: a context (prompt + completion tokens) the caller needs (None: the
+                model's, capped at a sliding window; :mod:`gridrl.engine.families`).
         Raises:
-            ValueError: unknown device, or an architecture mlx-lm does not know.
+            ValueError: unknown device, an architecture mlx-lm does not know, or
+                ``max_context`` beyond the model's limit.
             FileNotFoundError: no config.json / safetensors in ``model_dir``.
         """
         from mlx_lm.utils import load_config, load_model
@@ -151,15 +159,21 @@ class MlxBackend(Backend):
 
         model_dir = Path(model_dir)
         dev = _device_for(device)
-        overrides = _config_overrides(load_config(model_dir))
+        config = load_config(model_dir)
+        limit, context_note = context_limit(config, max_context)
+        overrides = _config_overrides(config)
         with mx.stream(dev):
             model, _ = load_model(model_dir, model_config=overrides or None)
         model.eval()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        backend = cls(model, tokenizer, model_identity(model_dir), _eos_ids(model_dir, tokenizer),
-                      dev)
-        log.info("mlx backend: %s on %s (%s), %d layers", model_dir, backend.device,
-                 backend.dtype, backend.identity.num_layers)
+        identity = dataclasses.replace(model_identity(model_dir), max_context=limit)
+        backend = cls(model, tokenizer, identity, _eos_ids(model_dir, tokenizer), dev)
+        log.info("mlx backend: %s on %s (%s), %d layers; %s; %s", model_dir, backend.device,
+                 backend.dtype, backend.identity.num_layers,
+                 context_note or f"context {limit} tokens",
+                 "batches decoded together" if backend.batches_exactly else
+                 "one sequence at a time (mlx-lm's model does not decode padded batches as it "
+                 "decodes each sequence alone)")
         return backend
 
     @staticmethod
@@ -221,7 +235,7 @@ class MlxBackend(Backend):
         """
         if not batch:
             return []
-        check_batch(batch)
+        check_batch(batch, self.identity.max_context)
         with mx.stream(self._device):
             self._lora.activate(adapter)
             try:
@@ -250,7 +264,7 @@ class MlxBackend(Backend):
 
         # 2. one batch cache for every sequence (left padding, per-row offsets), or, for cache
         # types mlx-lm cannot batch, one sequence at a time on a copy of its prompt's cache.
-        batched = self._can_merge(caches[0])
+        batched = self.batches_exactly and self._can_merge(caches[0])
         if batched:
             groups = [list(range(len(batch)))]
         else:
@@ -266,6 +280,28 @@ class MlxBackend(Backend):
             logits = first_logits[mx.array([row_prompt[i] for i in rows])]
             self._decode(batch, rows, cache, logits, keys, stops, results, observer)
         return results
+
+    def _batching_is_exact(self) -> bool:
+        """Probe: one decode step of two prompts of different lengths, batched (merged,
+        left-padded caches) and alone, give the same logprobs (within 1e-3). Not so for some
+        mlx-lm models (gemma2 in mlx-lm 0.32 broadcasts a batch's padding mask over its
+        key/value-head axis); those decode one sequence at a time."""
+        vocab = self.identity.vocab_size
+        prompts = [[1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab], [5 % vocab]]
+        with mx.stream(self._device):
+            caches = [self._prefill(p)[0] for p in prompts]
+            if not self._can_merge(caches[0]):
+                return True  # never batched anyway
+            step = mx.array([[1], [1]], mx.int32)
+            alone = [self._model(step[i:i + 1], cache=copy.deepcopy(c))[0, -1, :]
+                     for i, c in enumerate(caches)]
+            merged = [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
+            together = self._model(step, cache=merged)[:, -1, :]
+            diff = max(float(mx.max(mx.abs(
+                nn.log_softmax(together[i].astype(mx.float32))
+                - nn.log_softmax(alone[i].astype(mx.float32))))) for i in range(2))
+            mx.clear_cache()
+        return diff < 1e-3
 
     @staticmethod
     def _can_merge(cache: list[Any]) -> bool:

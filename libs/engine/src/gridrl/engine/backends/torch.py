@@ -29,7 +29,7 @@ forward, the strategy and why.
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -46,10 +46,10 @@ from gridrl.engine.backends.torch_adapters import (
     check_fits,
     choose_strategy,
 )
-from gridrl.engine.backends.torch_cache import SlabCache, supports
 from gridrl.engine.backends.torch_llama import LeanLlama, unsupported_reason
 from gridrl.engine.backends.torch_memory import trim_heap
 from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.backends.torch_steps import LeanSteps, ModelSteps
 from gridrl.engine.contract import (
     AdapterLoadError,
     Backend,
@@ -60,6 +60,7 @@ from gridrl.engine.contract import (
     SequenceResult,
     check_batch,
 )
+from gridrl.engine.families import context_limit, unsupported_layers
 from gridrl.models import ModelIdentity
 
 log = logging.getLogger(__name__)
@@ -166,25 +167,32 @@ class TorchBackend(Backend):
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
                  owns_model: bool, lean: bool | None = None,
-                 load_model: Callable[[], Any] | None = None) -> None:
+                 load_model: Callable[[], Any] | None = None,
+                 max_context: int | None = None) -> None:
         """Use :meth:`from_pretrained` or :meth:`from_model`.
 
         Args:
             load_model: for an owned model, loads another copy of it: then the lean forward
                 takes the model's weights (one copy in memory, :class:`LeanLlama`'s
                 ``take_weights``) and peft adapters get a copy of their own when one comes.
+            max_context: a context (prompt + completion tokens) the caller needs, checked
+                against the model's limit (:func:`gridrl.engine.families.context_limit`).
+        Raises:
+            ValueError: layers other than attention, or ``max_context`` beyond the limit.
         """
         from peft import PeftModel
 
         self._wrapper = model  # what the caller gave: its train/eval mode is kept
         peft = model if isinstance(model, PeftModel) else None
         self._hf = model.get_base_model() if peft is not None else model
-        if not supports(self._hf.config):
-            raise ValueError(f"torch backend: {type(self._hf).__name__} has sliding-window or "
-                             "non-attention layers; only full-attention decoders are supported")
+        config = self._hf.config.to_dict()
+        refused = unsupported_layers(config)
+        if refused is not None:
+            raise ValueError(f"torch backend: {type(self._hf).__name__}: {refused}")
+        limit, context_note = context_limit(config, max_context)
         self._owns = owns_model
         self.tokenizer = tokenizer
-        self.identity = identity
+        self.identity = dataclasses.replace(identity, max_context=limit)
         self.eos_token_ids = _eos_ids(self._hf, tokenizer)
         param = next(self._hf.parameters())
         self._device = param.device
@@ -192,8 +200,6 @@ class TorchBackend(Backend):
         self.device = str(self._device) if self._device.type != "cuda" else f"cuda:{self._device.index or 0}"
         self.dtype = str(self._dtype).removeprefix("torch.")
         self.vocab_size = int(self._hf.get_output_embeddings().weight.shape[0])
-        params = inspect.signature(self._hf.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._loaded: dict[str, TorchAdapter] = {}
         # A llama-family model runs the lean forward, adapters as LoRA factors: an owned model
         # (a node), or a peft model wrapped in-process whose base weights are frozen (the
@@ -219,16 +225,17 @@ class TorchBackend(Backend):
             load_model=load_model if take and lean_forward is not None else None)
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
-        log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s",
+        log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s; %s",
                  identity.model_id or type(self._hf).__name__, self.device, self.dtype,
                  identity.num_layers, self.forward_kind, self.forward_reason,
-                 self.adapters.describe())
+                 self.adapters.describe(), context_note or f"context {limit} tokens")
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, model_dir: Path | str, device: str = "auto", dtype: str = "auto",
-                        model_id: str | None = None, lean: bool = True) -> TorchBackend:
+                        model_id: str | None = None, lean: bool = True,
+                        max_context: int | None = None) -> TorchBackend:
         """Load a local Hugging Face directory with transformers.
 
         Args:
@@ -239,8 +246,11 @@ class TorchBackend(Backend):
             model_id: what to report as the model id (default: ``model_dir``).
             lean: run llama-family models through :class:`LeanLlama` (False: always the
                 transformers forward, adapters merged).
+            max_context: a context the caller needs (None: the model's, capped at a sliding
+                window; :mod:`gridrl.engine.families`).
         Raises:
-            ValueError: unknown device or dtype, or an unsupported architecture.
+            ValueError: unknown device or dtype, an unsupported architecture, or
+                ``max_context`` beyond the model's limit.
             OSError: the directory has no loadable model.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -258,11 +268,12 @@ class TorchBackend(Backend):
         model = load_model()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         identity = _identity_of(model, model_id or str(model_dir))
-        return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model)
+        return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model,
+                   max_context=max_context)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, model_id: str = "",
-                   lean: bool | None = None) -> TorchBackend:
+                   lean: bool | None = None, max_context: int | None = None) -> TorchBackend:
         """Wrap a model already in memory (a transformers causal LM or a peft ``PeftModel``).
 
         ``generate(batch, None)`` then decodes with the model as it is (its active adapter
@@ -272,10 +283,12 @@ class TorchBackend(Backend):
             lean: run a peft LoRA model with frozen base weights through :class:`LeanLlama`,
                 its current LoRA weights read at every call (None: on CPU only; the lean
                 forward keeps fused copies of the base weights).
+            max_context: as for :meth:`from_pretrained`.
         """
         identity = _identity_of(model.get_base_model() if hasattr(model, "get_base_model")
                                 else model, model_id or str(getattr(model.config, "_name_or_path", "")))
-        return cls(model, tokenizer, identity, owns_model=False, lean=lean)
+        return cls(model, tokenizer, identity, owns_model=False, lean=lean,
+                   max_context=max_context)
 
     def _lean_refusal(self, owns_model: bool, peft: Any | None) -> str | None:
         """Why the lean forward cannot stand in for this model (None: it can)."""
@@ -365,32 +378,6 @@ class TorchBackend(Backend):
 
     # -- decoding ----------------------------------------------------------------------------
 
-    def _forward(self, model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        cache = kwargs.pop("cache", None)
-        if cache is not None:
-            kwargs[self._cache_kw] = cache
-        return model(input_ids=input_ids, use_cache=cache is not None, **kwargs).logits
-
-    def _prefill(self, forward: Any, prompt: list[int]
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """One batch-1 forward over ``prompt``. Returns per-layer (keys, values) of shape
-        (1, H, P, D) and the float32 logits (V,) of the token after the prompt."""
-        from transformers import DynamicCache
-
-        ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
-        last = torch.tensor([len(prompt) - 1], device=self._device)
-        if isinstance(forward, LeanLlama):
-            layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-            positions = torch.arange(len(prompt), device=self._device)[None]
-            logits = forward.forward(ids, positions, cache=layers, logits_at=last)
-            return layers, logits[0, -1].float()
-        cache = DynamicCache()
-        # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
-        # is one matrix-vector product (a strided slice sends bf16 through a full weight copy).
-        logits = self._forward(forward, ids, cache=cache, logits_to_keep=last)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return kv, logits[0, -1].float()
-
     def generate(self, batch: list[SequenceRequest], adapter: Any | None,
                  observer: DecodeObserver | None = None) -> list[SequenceResult]:
         """Decode ``batch`` together (see the module docstring), following the contract's
@@ -409,13 +396,18 @@ class TorchBackend(Backend):
         """
         if not batch:
             return []
-        check_batch(batch)
+        check_batch(batch, self.identity.max_context)
         with self._using(adapter) as forward:
             return self._generate(batch, forward, observer)
 
+    def _steps(self, forward: Any) -> LeanSteps | ModelSteps:
+        if isinstance(forward, LeanLlama):
+            return LeanSteps(forward, self._device, self._dtype)
+        return ModelSteps(forward, self._device)
+
     def _generate(self, batch: list[SequenceRequest], forward: Any,
                   observer: DecodeObserver | None) -> list[SequenceResult]:
-        lean = forward if isinstance(forward, LeanLlama) else None
+        steps = self._steps(forward)
         start = time.perf_counter()
         dev = self._device
         n = len(batch)
@@ -427,14 +419,13 @@ class TorchBackend(Backend):
         for prompt in prompt_index:
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(0)
-            kv, logits = self._prefill(forward, list(prompt))
+            kv, logits = steps.prefill(list(prompt))
             prefills.append(kv)
             first_logits.append(logits)
         logits = torch.stack(first_logits).index_select(
             0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
         max_tokens = [r.sampling.max_tokens for r in batch]
-        cache = SlabCache.from_prefills(prefills, [len(p) for p in prompt_index], row_prefill,
-                                        max(max_tokens), self._dtype)
+        steps.start(prefills, [len(p) for p in prompt_index], row_prefill, max(max_tokens))
         del prefills, first_logits
 
         # 2. per-row state; `active` maps cache rows to batch indices.
@@ -450,7 +441,6 @@ class TorchBackend(Backend):
         active = torch.arange(n, device=dev)
         active_list = list(range(n))
         rows = sampling
-        cpu = dev.type == "cpu"
         step = 0
         self.last_first_token_s = None
         while True:
@@ -478,7 +468,7 @@ class TorchBackend(Backend):
                     break
                 keep = [row for row, d in enumerate(done_list) if not d]
                 keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
-                cache.keep_rows(keep_t)
+                steps.keep(keep_t)
                 active = active.index_select(0, keep_t)
                 active_list = [active_list[row] for row in keep]
                 tokens = tokens.index_select(0, keep_t)
@@ -486,15 +476,7 @@ class TorchBackend(Backend):
             step += 1
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(step)
-            positions = (cache.layers[0].length - cache.pad)[:, None]
-            # (the lean forward needs a mask only for padded rows; see next_step for the other)
-            mask = cache.next_step(always=cpu and lean is None)
-            if lean is not None:
-                logits = lean.forward(tokens[:, None], positions, cache=cache,
-                                      attention_mask=mask)[:, -1]
-            else:
-                logits = self._forward(forward, tokens[:, None], cache=cache,
-                                       position_ids=positions, attention_mask=mask)[:, -1]
+            logits = steps.step(tokens)
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
@@ -525,7 +507,7 @@ class TorchBackend(Backend):
                 positions = torch.arange(ids.shape[1], device=self._device)[None]
                 logits = forward.forward(ids, positions)
             else:
-                logits = self._forward(forward, ids)
+                logits = forward(input_ids=ids, use_cache=False).logits
             logits = logits[0, len(prompt_ids) - 1:-1].float()
             rows = RowSampling.from_configs([sampling] * len(completion_ids), logits.shape[-1],
                                             self._device)

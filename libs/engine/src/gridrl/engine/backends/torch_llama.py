@@ -35,10 +35,12 @@ follows its upcasts (RMSNorm and softmax in float32). Attention for one decode t
 ``G`` query heads that share a key/value head as ``G`` query rows (no key/value repeat). The
 KV cache holds keys in the reordered layout, so it is only read by this forward.
 
-Supported: ``model_type`` llama / mistral / qwen2 with full attention, SiLU MLP, no MLP bias,
+Supported: ``model_type`` llama / mistral / qwen2, SiLU MLP, no MLP bias,
 ``pretraining_tp == 1`` (:func:`unsupported_reason` says why not otherwise). Rotary embeddings
 come from the model's own ``rotary_emb`` module, so every rope scaling transformers implements
-is used as is.
+is used as is. Attention is over the whole context: a model with a sliding window (Mistral
+7B v0.1) is served with its context capped at the window (:mod:`gridrl.engine.families`),
+where the two are the same function.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ import torch
 import torch.nn.functional as F
 
 from gridrl.engine.backends import cpu_kernels
-from gridrl.engine.backends.torch_cache import SlabCache, supports
+from gridrl.engine.backends.torch_cache import SlabCache
 from gridrl.engine.backends.torch_memory import drop_mapped_pages
+from gridrl.engine.families import unsupported_layers
 
 _TYPES = ("llama", "mistral", "qwen2")
 
@@ -69,8 +72,9 @@ def unsupported_reason(model: Any) -> str | None:
     kind = getattr(cfg, "model_type", "")
     if kind not in _TYPES:
         return f"model_type {kind!r} is not one of {', '.join(_TYPES)}"
-    if not supports(model.config):
-        return "sliding-window attention"
+    refused = unsupported_layers(model.config.to_dict())
+    if refused is not None:
+        return refused
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "mlp_bias", False):
