@@ -42,7 +42,6 @@ import torch
 from gridrl.engine import rng
 from gridrl.engine.backends.torch_adapters import (
     LoraSource,
-    WithPeftFallback,
     check_fits,
     choose_strategy,
 )
@@ -339,10 +338,8 @@ class TorchBackend(Backend):
         handle = TorchAdapter(key=key, directory=str(source.directory or ""), rank=rank,
                               modules=modules)
         self._loaded[key] = handle
-        held_by = (self.adapters.strategy_of(key) if isinstance(self.adapters, WithPeftFallback)
-                   else self.adapters.name)
         log.info("LoRA adapter %r loaded from %s as %s: rank %d, %d modules, %.1f MB, %.3fs",
-                 key, source.where, held_by, rank, modules, nbytes / 1e6,
+                 key, source.where, self.adapters.strategy_of(key), rank, modules, nbytes / 1e6,
                  time.perf_counter() - start)
         return handle
 

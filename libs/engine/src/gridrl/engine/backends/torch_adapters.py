@@ -41,7 +41,6 @@ from gridrl.engine.backends.torch_llama import LeanLlama, LoraFactors
 from gridrl.engine.backends.torch_merge import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
-    MergedAdapter,
     WeightSwitcher,
     lora_pairs,
     merge_adapter,
@@ -160,6 +159,10 @@ class AdapterStrategy(abc.ABC):
         """Whether :meth:`load` can hold an adapter with this ``adapter_config.json``."""
         return True
 
+    def strategy_of(self, key: str) -> str:
+        """The name of the strategy holding adapter ``key`` (for log lines)."""
+        return self.name
+
     @abc.abstractmethod
     def load(self, key: str, source: LoraSource) -> int:
         """Hold ``source`` under ``key`` next to what is loaded; returns the bytes it holds.
@@ -178,7 +181,45 @@ class AdapterStrategy(abc.ABC):
         model as it is for a model wrapped in-process); yields the forward to run."""
 
 
-class LeanFactors(AdapterStrategy):
+class _PlainLora(AdapterStrategy):
+    """Plain LoRA adapters (no DoRA), each held as one object built at load time."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self._held: dict[str, Any] = {}
+
+    def accepts(self, config: Mapping[str, Any]) -> bool:
+        return mergeable(dict(config))
+
+    def load(self, key: str, source: LoraSource) -> int:
+        try:
+            held = self._build(source.pairs())
+        except (KeyError, ValueError, AttributeError) as e:
+            raise AdapterLoadError(f"adapter does not load: {e}") from e
+        self._held[key] = held
+        return held.nbytes
+
+    def unload(self, key: str) -> None:
+        self._drop(self._held.pop(key))
+
+    @contextlib.contextmanager
+    def active(self, key: str | None) -> Iterator[Forward]:
+        yield self._serve(None if key is None else self._held[key])
+
+    @abc.abstractmethod
+    def _build(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> Any:
+        """What serves the adapter with these per-module factors (has ``nbytes``)."""
+
+    @abc.abstractmethod
+    def _drop(self, held: Any) -> None:
+        """Free what :meth:`_build` made (serving the base model first if it serves)."""
+
+    @abc.abstractmethod
+    def _serve(self, held: Any | None) -> Forward:
+        """Serve ``held`` (None: the base model); returns the forward to run."""
+
+
+class LeanFactors(_PlainLora):
     """Plain LoRA adapters as low-rank factors of :class:`LeanLlama`'s fused products."""
 
     name = "lean LoRA factors"
@@ -186,29 +227,19 @@ class LeanFactors(AdapterStrategy):
     def __init__(self, lean: LeanLlama, reason: str) -> None:
         super().__init__(reason)
         self.lean = lean
-        self._factors: dict[str, LoraFactors] = {}
 
-    def accepts(self, config: Mapping[str, Any]) -> bool:
-        return mergeable(dict(config))
+    def _build(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> Any:
+        return self.lean.lora_factors(pairs)
 
-    def load(self, key: str, source: LoraSource) -> int:
-        try:
-            factors = self.lean.lora_factors(source.pairs())
-        except (KeyError, ValueError) as e:
-            raise AdapterLoadError(f"adapter does not load: {e}") from e
-        self._factors[key] = factors
-        return factors.nbytes
+    def _drop(self, held: Any) -> None:
+        self.lean.release(held)
 
-    def unload(self, key: str) -> None:
-        self.lean.release(self._factors.pop(key))
-
-    @contextlib.contextmanager
-    def active(self, key: str | None) -> Iterator[Forward]:
-        self.lean.activate(None if key is None else self._factors[key])
-        yield self.lean
+    def _serve(self, held: Any | None) -> Forward:
+        self.lean.activate(held)
+        return self.lean
 
 
-class MergedWeights(AdapterStrategy):
+class MergedWeights(_PlainLora):
     """Plain LoRA adapters folded into copies of the weights they adapt (transformers
     forward)."""
 
@@ -218,26 +249,16 @@ class MergedWeights(AdapterStrategy):
         super().__init__(reason)
         self.model = model
         self._switcher = WeightSwitcher(model)
-        self._merged: dict[str, MergedAdapter] = {}
 
-    def accepts(self, config: Mapping[str, Any]) -> bool:
-        return mergeable(dict(config))
+    def _build(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> Any:
+        return merge_adapter(self.model, pairs, self._switcher.base)
 
-    def load(self, key: str, source: LoraSource) -> int:
-        try:
-            merged = merge_adapter(self.model, source.pairs(), self._switcher.base)
-        except (KeyError, ValueError, AttributeError) as e:
-            raise AdapterLoadError(f"adapter does not load: {e}") from e
-        self._merged[key] = merged
-        return merged.nbytes
+    def _drop(self, held: Any) -> None:
+        self._switcher.release(held)
 
-    def unload(self, key: str) -> None:
-        self._switcher.release(self._merged.pop(key))
-
-    @contextlib.contextmanager
-    def active(self, key: str | None) -> Iterator[Forward]:
-        self._switcher.activate(None if key is None else self._merged[key])
-        yield self.model
+    def _serve(self, held: Any | None) -> Forward:
+        self._switcher.activate(held)
+        return self.model
 
 
 class PeftAdapters(AdapterStrategy):
@@ -408,7 +429,6 @@ class WithPeftFallback(AdapterStrategy):
             self.primary.unload(key)
 
     def strategy_of(self, key: str) -> str:
-        """The name of the strategy holding ``key``."""
         return self.fallback.name if key in self._in_fallback else self.primary.name
 
     @contextlib.contextmanager
