@@ -135,6 +135,32 @@ class Channels:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def resident_mb(pid: int) -> tuple[float, float]:
+    """(resident set size now, its peak so far) of process ``pid`` in MB (10^6 bytes), from
+    /proc (Linux; (nan, nan) elsewhere)."""
+    values = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024 / 1e6
+    except (OSError, ValueError):
+        pass
+    return values.get("VmRSS", float("nan")), values.get("VmHWM", float("nan"))
+
+
+def runtime_floor_mb(imports: str) -> float:
+    """Resident MB of a fresh interpreter after ``imports`` (Python statements): what a
+    service's libraries cost before it loads a model."""
+    code = f"{imports}\nimport os\nprint(open(f'/proc/{{os.getpid()}}/status').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    for line in out.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    return float("nan")
+
+
 def table(rows: list[list[str]], header: list[str]) -> str:
     """A plain-text table (also valid Markdown)."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

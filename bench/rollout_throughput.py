@@ -16,6 +16,11 @@ weight bytes) and the compute bound (a token costs ~2 FLOPs a parameter: GEMM pe
 
 ``--secure``: the nodes serve mutual TLS and check a trainer-scoped credential, as across
 machines.
+
+A second table gives each node's resident memory (RSS from /proc: after start-up, after the
+decoding above, and its peak) against the bytes of its weights in the dtype it serves: the
+ratio RSS / weights, and the same for the model's part, RSS minus the runtime floor (RSS of a
+fresh interpreter with the node's libraries imported and the tokenizer loaded, no model).
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Channels, Proc, machine, matmul_gflops, read_bandwidth_gbs, table
+from _common import (
+    Channels,
+    Proc,
+    machine,
+    matmul_gflops,
+    read_bandwidth_gbs,
+    resident_mb,
+    runtime_floor_mb,
+    table,
+)
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 N, MAX_TOKENS = 8, 40
@@ -136,8 +150,10 @@ def main() -> None:
         return flops[dtype] * 1e9 / (2 * params)
 
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    memory: list[list[str]] = []
     try:
-        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows, channels)
+        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows, channels,
+                      Memory(model_dir, params, memory))
     finally:
         channels.close()
         shutil.rmtree(adapter_root, ignore_errors=True)
@@ -148,11 +164,50 @@ def main() -> None:
           f"{args.repeats}; channel: {channels.describe()}")
     print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
                        "compute bound tok/s", "of the lower"]))
+    print("\nresident memory (MB = 10^6 bytes); runtime floor: libraries and tokenizer, no model")
+    print(table(memory, ["node", "weights MB", "runtime floor MB", "RSS after start-up",
+                         "after decoding", "peak", "RSS / weights (start-up, after)",
+                         "(RSS - floor) / weights"]))
+
+
+#: what each kind of node imports before it loads a model
+FLOOR_IMPORTS = {
+    "torch": "import torch, transformers, peft, grpc\n"
+             "import gridrl.rollout.server, gridrl.engine.backends.torch\n",
+    "mlx": "import mlx.core, mlx_lm, transformers, grpc\n"
+           "import gridrl.rollout.server, gridrl.engine.backends.mlx\n",
+}
+
+
+class Memory:
+    """Collects the resident-memory rows: one per node, read from /proc/<pid>/status."""
+
+    def __init__(self, model_dir: str, params: int, rows: list[list[str]]) -> None:
+        self.model_dir, self.params, self.rows = model_dir, params, rows
+        self._floor: dict[str, float] = {}
+
+    def floor(self, backend: str) -> float:
+        if backend not in self._floor:
+            self._floor[backend] = runtime_floor_mb(
+                FLOOR_IMPORTS[backend] + "from transformers import AutoTokenizer\n"
+                f"AutoTokenizer.from_pretrained({self.model_dir!r})")
+        return self._floor[backend]
+
+    def add(self, label: str, backend: str, nbytes: int, started: float, pid: int) -> None:
+        """One row for the node ``pid`` that had ``started`` MB resident after start-up."""
+        after, peak = resident_mb(pid)
+        weights = self.params * nbytes / 1e6
+        floor = self.floor(backend)
+        self.rows.append([label, f"{weights:.0f}", f"{floor:.0f}", f"{started:.0f}",
+                          f"{after:.0f}", f"{peak:.0f}",
+                          f"{started / weights:.2f}x, {after / weights:.2f}x",
+                          f"{(started - floor) / weights:.2f}x, {(after - floor) / weights:.2f}x"])
 
 
 def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, base: float,
-                  bound, compute_bound, rows: list[list[str]], channels: Channels) -> None:
-    """Start each node configuration in turn and add its row to ``rows``."""
+                  bound, compute_bound, rows: list[list[str]], channels: Channels,
+                  memory: Memory) -> None:
+    """Start each node configuration in turn and add its rows to ``rows`` and ``memory``."""
     save_random_adapter(model_dir, adapter_root / "r16")
     for forward, dtype, nbytes, adapter in (("lean", "float32", 4, False),
                                             ("lean", "float32", 4, True),
@@ -163,15 +218,18 @@ def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, 
                      "--forward", forward, "--capacity", "64",
                      "--adapter-root", str(adapter_root), *channels.node_flags],
                     f"torch-{forward}-{dtype}")
+        label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         try:
+            started, _ = resident_mb(node.proc.pid)
             if adapter:
                 serve_adapter(node.address, "r16", channels.security)
             tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS,
                                             security=channels.security)
+            memory.add(f"torch, {forward} forward, {dtype}" + (", r16 LoRA" if adapter else ""),
+                       "torch", nbytes, started, node.proc.pid)
         finally:
             node.stop()
         b, c = bound(nbytes), compute_bound(dtype)
-        label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         rows.append([f"{label} (mean {mean_len:.0f} tok/sample)", dtype,
                      f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{c:.0f}",
                      f"{tps / min(b, c):.0%}"])
@@ -180,8 +238,10 @@ def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, 
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1", *channels.node_flags],
                     "mlx")
         try:
+            started, _ = resident_mb(node.proc.pid)
             tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens,
                                             security=channels.security)
+            memory.add("mlx, float32", "mlx", 4, started, node.proc.pid)
         finally:
             node.stop()
         b, c = bound(4), compute_bound("float32")

@@ -57,12 +57,64 @@ def reserved_port() -> Iterator[ReservedPort]:
         sock.close()
 
 
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Decode on one intra-op thread: on a machine whose cores are shared with other jobs,
+    OpenMP's barriers make 2 threads up to 100x slower on these small matrices. (The engine
+    and rollout tests use it for every test, through an autouse fixture of their conftest.)"""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["lean", "transformers"])
+def tiny_backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
+    """A fresh TorchBackend on the tiny llama (about 50 ms to load), once with each forward:
+    the lean llama forward (adapters as LoRA factors) and the transformers forward (adapters
+    merged into weight copies)."""
+    from gridrl.engine.backends.torch import TorchBackend
+
+    backend = TorchBackend.from_pretrained(tiny_llama_dir, lean=request.param == "lean")
+    assert backend.forward_kind == request.param
+    return backend
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random peft LoRA adapters for the tiny llama: ``a`` (all linear layers, r 4),
+    ``b`` (q_proj/v_proj, r 8)."""
+    from engine_helpers import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    return {
+        "a": make_peft_adapter(tiny_llama_dir, root / "a", seed=1),
+        "b": make_peft_adapter(tiny_llama_dir, root / "b", seed=2, targets=["q_proj", "v_proj"],
+                               rank=8, alpha=16),
+    }
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct, converted once into the gridrl cache."""
     from gridrl.models import resolve_model
 
     return Path(resolve_model("smollm2-135m-instruct", progress=False))
+
+
+@pytest.fixture(scope="module")
+def smollm2_backend(smollm2_dir: Path):
+    """A TorchBackend on the bundled model (one per test module), decoding on one thread."""
+    import torch
+
+    from gridrl.engine.backends.torch import TorchBackend
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield TorchBackend.from_pretrained(smollm2_dir)
+    torch.set_num_threads(before)
 
 
 class Service:

@@ -13,19 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_helpers import PROMPT, make_peft_adapter, peft_reference, reference_greedy
 from prometheus_client import REGISTRY
-from rollout_helpers import (
-    PROMPT,
-    GatedBackend,
-    make_peft_adapter,
-    peft_reference,
-    push_dir,
-    push_files,
-    reference_greedy,
-    rpc_error,
-    tree,
-    wait_until,
-)
+from rollout_helpers import GatedBackend, push_dir, push_files, rpc_error, tree, wait_until
 
 from gridrl.adapters import build_manifest, convert_files, read_dir, write_dir
 from gridrl.common.transport import push_requests

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from rollout_helpers import PROMPT, wait_until
+from engine_helpers import PROMPT
+from rollout_helpers import wait_until
 
 from gridrl.common.channel import dial
 from gridrl.rollout.cli import main
@@ -102,6 +103,12 @@ def test_client_commands(served, tiny_adapters) -> None:
 
     assert node.stop(signal.SIGTERM) == 0
     assert "serving gridrl.v1.RolloutService" in node.log()
+    # one start-up line says which forward and which adapter strategy run, and why
+    start_up = [line for line in node.log().splitlines() if "torch backend:" in line]
+    assert len(start_up) == 1, start_up
+    assert "forward: lean (llama model, " in start_up[0], start_up
+    assert "adapters: lean LoRA factors (the node runs the lean forward)" in start_up[0], \
+        start_up
 
 
 def _active_sequences(metrics_port: int) -> float:

@@ -9,7 +9,8 @@ import threading
 
 import grpc
 import pytest
-from rollout_helpers import PROMPT, GatedBackend, wait_until
+from engine_helpers import PROMPT
+from rollout_helpers import GatedBackend, wait_until
 
 from gridrl.common.errors import StatusError
 from gridrl.engine.contract import SamplingConfig
@@ -162,7 +163,7 @@ def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
     running = engine.submit(_job(n=2))
     wait_until(lambda: backend.entered == 1)  # held at the gate: in flight
     assert engine.scheduler_alive
-    engine.close(timeout=30, interrupt=True)  # opens the gate; the decode stops at once
+    engine.close(timeout=30, interrupt=True)  # the held batch goes on and stops at once
     with pytest.raises(StatusError) as e:
         running.result(0)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.message

@@ -9,7 +9,8 @@ import urllib.request
 
 import grpc
 import pytest
-from rollout_helpers import PROMPT, GatedBackend, rpc_error, wait_until
+from engine_helpers import PROMPT
+from rollout_helpers import GatedBackend, rpc_error, wait_until
 
 from gridrl.rollout.text import TextCodec
 from gridrl.v1 import common_pb2, rollout_pb2

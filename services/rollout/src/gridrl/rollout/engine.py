@@ -39,7 +39,7 @@ from gridrl.common.errors import StatusError, resource_exhausted
 from gridrl.engine import rng
 from gridrl.engine.contract import (
     Backend,
-    Interrupted,
+    DecodeInterrupted,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
@@ -168,6 +168,8 @@ class Engine:
         self._history: collections.deque[BatchRecord] = collections.deque(maxlen=history)
         self._closing = False
         self._scheduler_done = False
+        self._interrupting = False  # close(interrupt=True): stop the batch in progress
+        self._observer = _ShutdownObserver(self)
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -216,8 +218,8 @@ class Engine:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            if interrupt and self._thread is not None and not self._scheduler_done:
-                self.backend.interrupt()  # cleared by the scheduler as it stops
+            if interrupt:
+                self._interrupting = True  # the batch in progress stops at its next step
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -341,7 +343,6 @@ class Engine:
                 self._run_batch(items)
         with self._cond:
             self._scheduler_done = True
-            self.backend.interrupt(False)  # the backend may serve another engine later
         self._shutdown()
 
     def _wait_for_company(self) -> None:
@@ -391,13 +392,14 @@ class Engine:
         metrics.BATCH_SIZE.observe(len(batch))
         start = time.perf_counter()
         try:
-            results = self.backend.generate(batch, adapter.handle)
+            results = self.backend.generate(batch, adapter.handle, observer=self._observer)
             if len(results) != len(batch):
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
-        except Interrupted as e:
+        except DecodeInterrupted as e:
             log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
-            self._fail_batch(items, StatusError(grpc.StatusCode.UNAVAILABLE, str(e)))
+            self._fail_batch(items, StatusError(
+                grpc.StatusCode.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
             return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
@@ -479,3 +481,17 @@ class Engine:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(unavailable)
         metrics.QUEUE_DEPTH.set(0)
+
+
+class _ShutdownObserver:
+    """The :class:`~gridrl.engine.contract.DecodeObserver` of every batch: stops it between
+    decode steps once :meth:`Engine.close` was asked to interrupt (any thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def on_tokens(self, rows: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        pass
+
+    def interrupted(self) -> bool:
+        return self._engine._interrupting

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_helpers import (
-    PROMPT,
-    check_interrupt_between_steps,
-    peft_reference,
-    reference_greedy,
-)
+from engine_helpers import PROMPT, peft_reference, reference_greedy
 
 from gridrl.engine.contract import AdapterLoadError, SamplingConfig, SequenceRequest
 
@@ -103,10 +98,6 @@ def test_stop_tokens_and_lengths(tiny_backend) -> None:
     tiny_backend.eos_token_ids = frozenset({stop})
     res = tiny_backend.generate([SequenceRequest(PROMPT, CONFIGS["greedy"], 0)], None)[0]
     assert res.finish_reason == "stop" and res.token_ids == greedy.token_ids[:first + 1]
-
-
-def test_interrupt_stops_generate_between_steps(tiny_backend) -> None:
-    check_interrupt_between_steps(tiny_backend, PROMPT)
 
 
 def test_adapters_load_next_to_each_other(tiny_backend, tiny_llama_dir: Path,
