@@ -107,6 +107,8 @@ except ImportError:  # pragma: no cover - until the contract defines it
         """The batch was interrupted by its observer; nothing of it is returned."""
 
 log = logging.getLogger(__name__)
+if logging.getLogger("httpx").level == logging.NOTSET:  # not a line per request at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 T = TypeVar("T")
 
 VLLM_CONTRACT_VERSION = "0.33.0"
