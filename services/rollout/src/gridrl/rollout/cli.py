@@ -147,7 +147,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     vllm_api_key = _check_vllm_flags(backend, vllm_url, vllm_api_key_file, device, dtype)
     from gridrl.common.server import freeze_long_lived
     from gridrl.models import resolve_model
-    from gridrl.rollout.server import NodeConfig, RolloutNode, adapter_root, run_on_engine_thread
+    from gridrl.rollout import server as node_server
+    from gridrl.rollout.server import NodeConfig, RolloutNode, run_on_engine_thread
 
     try:
         model_dir = resolve_model(model)
@@ -182,7 +183,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
 
                 try:
                     engine_backend = VllmBackend.connect(
-                        vllm_url, model_dir, adapter_root(config) / ".vllm",
+                        vllm_url, model_dir, node_server.adapter_root(config) / ".vllm",
                         api_key=vllm_api_key, model_id=model, max_concurrency=capacity)
                 except VllmError as e:
                     raise click.ClickException(str(e)) from e
