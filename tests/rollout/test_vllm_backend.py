@@ -363,14 +363,16 @@ def test_score_is_the_contract_where_it_can_be_computed(standin, connect, refere
     ref = reference.load_adapter(tiny_adapters["a"], "a")
     completion = [30, 40, 50, 2]
     for sampling in (SamplingConfig(4, 0.0), SamplingConfig(4, 1.0),
-                     SamplingConfig(4, 0.6, top_k=5)):
+                     SamplingConfig(4, 0.6, top_k=5), SamplingConfig(4, 1.4, top_k=20)):
         for h, r in ((None, None), (handle, ref)):
             mine = backend.score(list(PROMPT), completion, sampling, h)
             theirs = reference.score(list(PROMPT), completion, sampling, r)
             for a, b in zip(mine, theirs, strict=True):
                 assert (math.isinf(a) and math.isinf(b)) or abs(a - b) < TOL
-    with pytest.raises(NotImplementedError, match="top-k without top-p"):
-        backend.score(list(PROMPT), completion, SamplingConfig(4, 1.0, top_p=0.9), None)
+    for refused in (SamplingConfig(4, 1.0, top_p=0.9), SamplingConfig(4, 0.7),
+                    SamplingConfig(4, 0.7, top_k=21)):
+        with pytest.raises(NotImplementedError, match="without top-p"):
+            backend.score(list(PROMPT), completion, refused, None)
 
 
 def test_connect_clears_what_an_earlier_node_left(standin, connect, tmp_path,

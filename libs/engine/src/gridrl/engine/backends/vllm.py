@@ -115,6 +115,7 @@ VLLM_CONTRACT_VERSION = "0.33.0"
 MASKED = -9999.0  # how vLLM writes the logprob of a masked (-inf) token
 MIN_TEMPERATURE = 0.01  # vLLM raises positive temperatures below this to it
 MAX_TEMPERATURE = 2.0  # vLLM refuses temperatures above this
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: most logprobs a request may ask for
 PROBE_TOP_K = 4
 PROBE_TEMPERATURE = 0.7
 _TOKEN = re.compile(r"token_id:(\d+)")
@@ -770,7 +771,7 @@ class VllmBackend(Backend):
         ``prompt_logprobs`` are raw (the log-softmax of the logits, in every logprobs mode:
         ``config/model.py`` 296-298), so the transform is applied here, which is exact when the
         kept set is visible: greedy or (temperature 1, no top-k, no top-p): the raw value; top-k
-        ``k`` (below vLLM's ``--max-logprobs``, 20 by default), top-p 1: with ``z = raw / T``,
+        ``k`` (up to vLLM's default ``--max-logprobs`` 20), top-p 1: with ``z = raw / T``,
         ``z[token] - logsumexp(z[top k])`` for a token in the top k (ties at the k-th value
         included), ``-inf`` otherwise.
 
@@ -785,13 +786,15 @@ class VllmBackend(Backend):
         t, k = sampling.temperature, sampling.top_k if 0 < sampling.top_k < self.vocab_size \
             else 0
         exact_raw = t == 0 or (t == 1 and k == 0 and sampling.top_p >= 1)
-        if not exact_raw and (k == 0 or sampling.top_p < 1):
+        if not exact_raw and (k == 0 or k > MAX_LOGPROBS or sampling.top_p < 1):
             raise NotImplementedError("vllm backend: score needs temperature 0, or temperature "
-                                      "1 without truncation, or top-k without top-p")
+                                      f"1 without truncation, or top-k <= {MAX_LOGPROBS} without "
+                                      "top-p")
         self._ensure_probed()
         model = adapter.served_name if isinstance(adapter, VllmAdapter) else self.served_model
         body = {"model": model, "prompt": [*prompt_ids, *completion_ids], "max_tokens": 1,
-                "temperature": 0.0, "prompt_logprobs": 0 if exact_raw else k + 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0 if exact_raw else min(k + 1, MAX_LOGPROBS),
                 "return_token_ids": True}
         answer = self._call("POST", "/v1/completions", body)
         if answer.status != 200:
