@@ -210,13 +210,13 @@ try:
     check(len(names_v1) == 1, f"PushAdapter v1 served as {names_v1} ({time.time() - t0:.2f}s)")
     gen = json.loads(rollout("generate", "--address", address, "--prompt", "Hello", "--n", "4",
                              "--max-tokens", "16", "--seed", "7", "--json").stdout)
-    check({s.get("adapter_version") for s in gen["samples"]} == {1},
+    check({int(s.get("adapter_version", 0)) for s in gen["samples"]} == {1},  # uint64: str
           "Generate samples with adapter v1")
     failed = rollout("push-adapter", "--address", address, str(big), "--name", "gpu",
                      "--version", "2", check_rc=False)
     still = json.loads(rollout("info", "--address", address, "--json").stdout)["info"]
     check(failed.returncode != 0 and "max-lora-rank" in failed.stderr
-          and still["adapter"].get("version") == 1 and lora_names() == names_v1,
+          and int(still["adapter"].get("version", 0)) == 1 and lora_names() == names_v1,
           "a rank-64 push is refused (--max-lora-rank 16), v1 keeps serving")
     rollout("push-adapter", "--address", address, str(a1), "--name", "gpu", "--version", "3")
     names_v3 = lora_names()
