@@ -75,7 +75,6 @@ Per-token callbacks of a decode observer are not delivered (requests are not str
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -323,25 +322,19 @@ class _LoopThread:
         abort the requests), wait until it has unwound and raise :class:`DecodeInterrupted`."""
         finished = threading.Event()
 
-        async def wrapped() -> T:
-            try:
-                return await coro
-            finally:
-                finished.set()
+        async def start() -> asyncio.Task:
+            task = asyncio.ensure_future(coro)
+            task.add_done_callback(lambda _: finished.set())  # also when cancelled unstarted
+            return task
 
-        future = asyncio.run_coroutine_threadsafe(wrapped(), self.loop)
+        task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         interrupted = getattr(observer, "interrupted", None)
-        if interrupted is None:
-            return future.result()
-        while True:
-            try:
-                return future.result(timeout=_POLL_S)
-            except concurrent.futures.TimeoutError:
-                if interrupted():
-                    future.cancel()
-                    finished.wait(30)
-                    raise DecodeInterrupted("batch interrupted: its vLLM requests were "
-                                            "cancelled") from None
+        while not finished.wait(None if interrupted is None else _POLL_S):
+            if interrupted is not None and interrupted():
+                self.loop.call_soon_threadsafe(task.cancel)
+                finished.wait(30)
+                raise DecodeInterrupted("batch interrupted: its vLLM requests were cancelled")
+        return task.result()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -620,13 +613,13 @@ class VllmBackend(Backend):
         self._ensure_probed()
         try:
             return self._loop.run(self._complete_all(batch, adapter), observer)
-        except _ModelMissing as e:
-            if adapter is None:
-                raise
-            log.warning("%s; loading it again (vLLM restarted?)", e)
+        except _ModelMissing as e:  # vLLM restarted: probe it again, load the adapter again
+            log.warning("%s; probing vLLM again%s", e,
+                        "" if adapter is None else " and loading the adapter again")
             self._needs_probe = True
             self._ensure_probed()
-            self._reload(adapter)
+            if adapter is not None:
+                self._reload(adapter)
             return self._loop.run(self._complete_all(batch, adapter), observer)
 
     async def _complete_all(self, batch: list[SequenceRequest], adapter: VllmAdapter | None
