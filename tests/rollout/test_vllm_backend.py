@@ -335,7 +335,7 @@ def test_an_interrupted_batch_cancels_its_requests(standin, connect) -> None:
     backend = connect(server)
     server.step_delay = 0.05
     batch = [SequenceRequest(prompt_ids=list(PROMPT),
-                             sampling=SamplingConfig(max_tokens=200, temperature=1.0), seed=i)
+                             sampling=SamplingConfig(max_tokens=400, temperature=1.0), seed=i)
              for i in range(3)]
     started = len(server.completions)
 

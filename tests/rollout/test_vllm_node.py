@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from rollout_helpers import PROMPT, push_dir, rpc_error, wait_until
 from vllm_standin import StandInVllm
@@ -166,10 +167,11 @@ def test_an_unreachable_vllm_is_unavailable(standin, vllm_node, tiny_adapters) -
 # -- the process --------------------------------------------------------------------------------
 
 
-def _serve_argv(server: StandInVllm, model: Path, root: Path, *extra: str) -> list[str]:
+def _serve_argv(server: StandInVllm, model: Path, root: Path, *extra: str,
+                metrics_port: int = -1) -> list[str]:
     return ["gridrl-rollout", "serve", "--backend", "vllm", "--vllm-url", server.url,
-            "--model", str(model), "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-            "--adapter-root", str(root), *extra]
+            "--model", str(model), "--listen", "127.0.0.1:0",
+            "--metrics-port", str(metrics_port), "--adapter-root", str(root), *extra]
 
 
 def _records(master_address: str) -> list[registry_pb2.NodeRecord]:
@@ -192,7 +194,8 @@ def test_serve_process_registers_generates_and_takes_pushes(standin, service_fac
     try:
         node = service_factory(_serve_argv(server, tiny_llama_dir, tmp_path / "adapters",
                                            "--vllm-api-key-file", str(key_file),
-                                           "--master", master.address), "vllm-node")
+                                           "--master", master.address, metrics_port=0),
+                               "vllm-node")
         wait_until(lambda: len(_records(master.address)) == 1)
         info = _records(master.address)[0].info
         assert info.backend == common_pb2.BACKEND_VLLM
@@ -218,6 +221,11 @@ def test_serve_process_registers_generates_and_takes_pushes(standin, service_fac
             assert stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(),
                                     timeout=10).info.adapter.version == 1
             assert _records(master.address)[0].info.adapter.version == 1
+        metrics = httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics").text
+        assert "gridrl_rollout_adapter_version 1.0" in metrics  # the same metrics as any node
+        tokens = [line for line in metrics.splitlines()
+                  if line.startswith("gridrl_rollout_completion_tokens_total ")]
+        assert tokens and float(tokens[0].split()[1]) >= 3
         assert node.stop(signal.SIGTERM) == 0
         wait_until(lambda: not _records(master.address))
         assert "processed logprobs" in node.log()
