@@ -77,9 +77,11 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
         raise invalid_argument("sampling.temperature",
                                f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
     if 0 < s.temperature < limits.min_temperature:
+        why = "logits / T would overflow" if limits.min_temperature <= MIN_TEMPERATURE else \
+            "its backend samples no lower"
         raise invalid_argument("sampling.temperature",
                                f"must be 0 (greedy) or >= {limits.min_temperature} on this node "
-                               f"(logits / T would overflow), got {s.temperature}")
+                               f"({why}), got {s.temperature}")
     if s.temperature > limits.max_temperature:
         raise invalid_argument("sampling.temperature", f"must be <= {limits.max_temperature} on "
                                                        f"this node, got {s.temperature}")
