@@ -120,9 +120,10 @@ def test_generate_and_push_through_vllm(standin, vllm_node, reference, tiny_adap
     assert not server.loras and _landed(node) == []
     assert len(server.loads) == len(set(server.loads))  # no name ever loaded twice
 
-    err = rpc_error(lambda: node.generate(temperature=3.0))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith("sampling.temperature")
+    for t in (3.0, 0.005):  # vLLM samples at 0 or in [0.01, 2]
+        err = rpc_error(lambda t=t: node.generate(temperature=t))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details().startswith("sampling.temperature")
     assert not server.violations
 
 
