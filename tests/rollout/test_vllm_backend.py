@@ -156,6 +156,14 @@ def test_probe_refuses_without_lora(standin, connect) -> None:
         connect(standin(runtime_lora=False))
 
 
+def test_probe_refuses_a_vllm_that_cannot_read_the_adapter_root(standin, connect,
+                                                               tmp_path) -> None:
+    elsewhere = tmp_path / "another-machine"
+    elsewhere.mkdir()
+    with pytest.raises(VllmRefused, match="must run on this machine"):
+        connect(standin(disk=elsewhere))
+
+
 def test_probe_refuses_another_tokenizer(standin, connect, tiny_llama_dir, tmp_path) -> None:
     other = tmp_path / "other-tokenizer"
     shutil.copytree(tiny_llama_dir, other)

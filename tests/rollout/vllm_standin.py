@@ -16,7 +16,8 @@ Modes and faults: ``api_key`` (401 ``{"error": "Unauthorized"}`` on /v1 without 
 ``enable_lora`` (loads answer 500 "LoRA is not enabled" without it), ``runtime_lora`` (the
 load/unload routes exist only with it, else FastAPI's 404), ``max_lora_rank``,
 ``honour_token_ids=False`` (a server that detokenizes token-id prompts and tokenizes the text
-again), ``mutate`` (rewrites completion bodies: plain-text tokens, misaligned lists...),
+again), ``disk`` (a server on another machine or in a container: it sees only files under that
+directory), ``mutate`` (rewrites completion bodies: plain-text tokens, misaligned lists...),
 ``step_delay`` (seconds per token; a client that disconnects aborts its request, counted in
 ``aborted``), :meth:`StandInVllm.restart` (forgets every LoRA, like a restarted vLLM).
 ``violations`` records a LoRA load that arrived while completions were running.
@@ -62,7 +63,7 @@ class StandInVllm:
                  enable_lora: bool = True, runtime_lora: bool = True, api_key: str | None = None,
                  max_lora_rank: int = 16, max_model_len: int | None = None,
                  honour_token_ids: bool = True, served_name: str | None = None,
-                 port: int = 0) -> None:
+                 port: int = 0, disk: Path | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,6 +79,7 @@ class StandInVllm:
         self.max_lora_rank = max_lora_rank
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.honour_token_ids = honour_token_ids
+        self.disk = disk  # None: sees this machine's files; else only those under it
         self.served_name = served_name or str(model_dir)
         self.mutate: Callable[[dict], dict] | None = None
         self.step_delay = 0.0
@@ -233,7 +235,7 @@ class StandInVllm:
             return _error(500, "LoRA is not enabled. Use --enable-lora to enable LoRA.",
                           "InternalServerError")
         config = Path(path) / "adapter_config.json"
-        if not config.is_file():
+        if not config.is_file() or (self.disk is not None and self.disk not in config.parents):
             return _error(404, f"Loading lora {name} failed: No adapter found for {path}",
                           "NotFoundError")
         rank = int(json.loads(config.read_text()).get("r", 0))

@@ -7,7 +7,7 @@ the server honours it, and refuses, naming the vLLM flag to add, when it does no
 The HTTP contract followed is vLLM 0.33.0's (:data:`VLLM_CONTRACT_VERSION`), read from its wheel
 (``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl``; paths below are inside ``vllm/``):
 
-- ``POST /v1/completions`` (``entrypoints/openai/completion/api_router.py`` 36-75): the request
+- ``POST /v1/completions`` (``entrypoints/openai/completion/api_router.py`` 37-77): the request
   is ``CompletionRequest`` (``entrypoints/openai/completion/protocol.py`` 49-297): ``prompt``
   may be a list of token ids (53-59, no tokenization then), ``logprobs`` (63), ``seed`` in
   [-2**63, 2**63) (67), ``top_k`` (78, 0 disables), ``stop_token_ids`` (83),
@@ -32,7 +32,7 @@ The HTTP contract followed is vLLM 0.33.0's (:data:`VLLM_CONTRACT_VERSION`), rea
   k-th value masked, ties kept) then top-p over what is left (``apply_top_k_top_p_pytorch``
   524-565), i.e. gridrl's sampling transform. Greedy requests (temperature < 1e-5) get the
   log-softmax of the raw logits (``sampler.py`` 320-335), as gridrl's greedy does.
-- Sampling bounds: temperature in [0, 2] (``sampling_params.py`` 681-700), and a positive
+- Sampling bounds: temperature in [0, 2] (``sampling_params.py`` 656-679), and a positive
   temperature below 0.01 is silently raised to 0.01 (560-568); greedy requests must have
   ``n == 1`` (769-773); with ``n > 1`` choice ``i`` samples with ``seed + i``
   (``v1/engine/parallel_sampling.py`` 81). Each sequence here is its own request (``n = 1``)
