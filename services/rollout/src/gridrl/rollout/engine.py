@@ -450,8 +450,13 @@ class Engine:
         failed = {req.id: req for req, _ in items}
         with self._cond:
             self._partial = collections.deque(r for r in self._partial if r.id not in failed)
-        status = error if isinstance(error, StatusError) else StatusError(
-            grpc.StatusCode.INTERNAL, f"decoding failed: {type(error).__name__}: {error}")
+        if isinstance(error, StatusError):
+            status = error
+        elif isinstance(error, ConnectionError):  # a backend's server (vLLM) is unreachable
+            status = StatusError(grpc.StatusCode.UNAVAILABLE, f"decoding failed: {error}")
+        else:
+            status = StatusError(grpc.StatusCode.INTERNAL,
+                                 f"decoding failed: {type(error).__name__}: {error}")
         for req in failed.values():
             if not req.future.done():
                 req.future.set_exception(status)

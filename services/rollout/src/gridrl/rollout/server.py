@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.metadata
 import logging
+import math
 import os
 import socket
 import threading
@@ -32,13 +33,14 @@ from gridrl.rollout.adapter_manager import AdapterManager
 from gridrl.rollout.adapter_store import AdapterStore
 from gridrl.rollout.engine import Engine, GenerateOutcome
 from gridrl.rollout.text import TextCodec
-from gridrl.rollout.validation import Limits, validate_generate
+from gridrl.rollout.validation import MIN_TEMPERATURE, Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX}
+_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
+             "vllm": common_pb2.BACKEND_VLLM}
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
@@ -167,16 +169,16 @@ class RolloutNode:
         self.backend = backend
         self.started = time.monotonic()
         identity = backend.identity
+        low, high = getattr(backend, "temperature_range", (MIN_TEMPERATURE, math.inf))
         self.limits = Limits(max_n=config.max_n, max_tokens=config.max_tokens,
                              vocab_size=getattr(backend, "vocab_size", identity.vocab_size),
-                             max_context=identity.max_context)
+                             max_context=identity.max_context, min_temperature=low,
+                             max_temperature=high)
         self.codec = TextCodec(backend.tokenizer)
         self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
                              batch_window_s=config.batch_window_s)
-        self.name = config.name or _default_name(config.listen)
-        root = Path(config.adapter_root) if config.adapter_root else \
-            cache_root() / "rollout" / self.name / "adapters"
-        self.adapters = AdapterManager(self.engine, AdapterStore(root), identity,
+        self.name = node_name(config)
+        self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
                                        config.max_adapter_bytes, keep=config.keep_adapters,
                                        keep_names=config.keep_runs)
         workers = min(1024, config.max_queue + config.capacity + 16)
@@ -268,6 +270,20 @@ class RolloutNode:
             max_n=self.config.max_n, max_tokens=self.config.max_tokens,
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
             software_version=software_version())
+
+
+def node_name(config: NodeConfig) -> str:
+    """``config.name``, else ``<hostname>-<port>`` (``pid<pid>`` for port 0)."""
+    return config.name or _default_name(config.listen)
+
+
+def adapter_root(config: NodeConfig) -> Path:
+    """The node's adapter directory: ``config.adapter_root``, else
+    ``<gridrl cache>/rollout/<node name>/adapters`` (a vllm backend lands adapters under it
+    before the node starts)."""
+    if config.adapter_root:
+        return Path(config.adapter_root)
+    return cache_root() / "rollout" / node_name(config) / "adapters"
 
 
 def _loopback(address: str) -> bool:
