@@ -1,6 +1,7 @@
 """``gridrl-rollout``: serve a rollout node, or talk to one.
 
     gridrl-rollout serve --backend torch --model smollm2-135m-instruct [--master m:50050]
+        [--openai-listen 127.0.0.1:8000]
     gridrl-rollout generate --address 127.0.0.1:50051 --prompt "Hi" --n 4 --max-tokens 32
     gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
     gridrl-rollout reload-adapter --address 127.0.0.1:50051 (--version 3 | --path P | --base)
@@ -110,11 +111,16 @@ def main() -> None:
             help="host:port to register with the master [default: the bound address].")
 @env_option("--name", env="GRIDRL_ROLLOUT_NAME", default=None, show_default=False,
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
+@env_option("--openai-listen", env="GRIDRL_ROLLOUT_OPENAI_LISTEN", default=None,
+            show_default=False,
+            help="host:port of an OpenAI-compatible HTTP endpoint (/v1/models, /v1/completions, "
+                 "/v1/chat/completions; port 0: any free port) [default: off]. It shares the "
+                 "engine queue and the bearer token with gRPC; needs gridrl-rollout[openai].")
 def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
           forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           keep_adapters: int, keep_runs: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
-          name: str | None) -> None:
+          name: str | None, openai_listen: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
     setup_logging(log_level)
     from gridrl.common.address import parse_address, parse_listen
@@ -122,7 +128,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
 
     for flag, value, parse in (("--listen", listen, parse_listen), ("--master", master,
                                parse_address), ("--advertise-address", advertise_address,
-                                                parse_address)):
+                                                parse_address),
+                               ("--openai-listen", openai_listen, parse_listen)):
         if value is not None:
             try:
                 parse(value, flag)
@@ -134,6 +141,13 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     if backend == "mlx" and device.startswith("cuda"):
         raise click.BadParameter("the mlx backend runs on cpu or the Apple GPU (mps)",
                                  param_hint="--device")
+    if openai_listen:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise click.BadParameter(f"needs the openai extra ({e}): pip install "
+                                     "'gridrl-rollout[openai]'", param_hint="--openai-listen") from e
     from gridrl.common.server import freeze_long_lived
     from gridrl.models import resolve_model
     from gridrl.rollout.server import NodeConfig, RolloutNode, run_on_engine_thread
@@ -147,7 +161,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
         max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters, keep_runs=keep_runs,
         adapter_root=adapter_root,
-        advertise_address=advertise_address, master=master, name=name)
+        advertise_address=advertise_address, master=master, name=name,
+        openai_listen=openai_listen)
 
     def load() -> RolloutNode:
         try:
@@ -184,7 +199,8 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     node = run_on_engine_thread(load)
     freeze_long_lived()  # the model lives as long as the node
     node.start()
-    write_ready_file(ready_file, node.address, node.port, node.metrics_port)
+    openai = {"openai_base_url": node.openai.base_url} if node.openai else {}
+    write_ready_file(ready_file, node.address, node.port, node.metrics_port, **openai)
     node.wait()
 
 
