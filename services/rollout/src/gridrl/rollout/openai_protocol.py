@@ -177,6 +177,11 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
+_FIELD_NAMES = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
+                                           _TextPart, StreamOptions)
+                         for name in model.model_fields)
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A validated request, ready for the engine.
@@ -230,7 +235,7 @@ def _param(loc: Sequence[Any]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier():
+        elif part in _FIELD_NAMES:
             out += f".{part}" if out else part
         else:
             break
