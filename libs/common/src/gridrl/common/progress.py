@@ -95,6 +95,11 @@ class StatusLine:
     def what(self) -> str:
         return self._what
 
+    @property
+    def active(self) -> bool:
+        """Started and not stopped yet."""
+        return self._board is not None
+
     def elapsed_s(self, now: float | None = None) -> float:
         """Seconds since :meth:`start` (0 before)."""
         if self.started_at is None:
