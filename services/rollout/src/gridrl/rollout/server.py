@@ -254,8 +254,8 @@ class RolloutNode:
 
         lines = [StatusLine(f"waiting for the master at {self.config.master} to register this "
                             "node", until=lambda: registrar.registered, logger=log),
-                 StatusLine("waiting for a first adapter (serving the base model until one "
-                            "is pushed)", until=lambda: self.engine.serving.version > 0
+                 StatusLine("waiting for a first adapter; serving the base model until one "
+                            "is pushed", until=lambda: self.engine.serving.version > 0
                             or bool(self.engine.serving.name), logger=log,
                             max_log_every_s=300.0)]
         for line in lines:
