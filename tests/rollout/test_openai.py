@@ -242,18 +242,17 @@ def test_adapter_answers_with_its_policy_version_and_the_base_model_stays_reacha
     assert node.info().adapter.version == 3
 
 
-class StepGate(Backend):
+class StepGate(GatedBackend):
     """A real backend that stops inside its decode hook after ``hold_at`` steps until
     ``release`` is set: a test can look at a stream while its batch is still decoding."""
 
     def __init__(self, inner: Backend, hold_at: int) -> None:
-        self.inner, self.hold_at = inner, hold_at
+        super().__init__(inner)
+        self.gate.set()  # only the step is held
+        self.hold_at = hold_at
         self.held, self.release = threading.Event(), threading.Event()
         self.steps = 0
         self.observer: DecodeObserver | None = None
-        for attr in ("name", "adapter_format", "device", "dtype", "identity", "tokenizer",
-                     "eos_token_ids"):
-            setattr(self, attr, getattr(inner, attr))
 
     def generate(self, batch: list[SequenceRequest], adapter: Any | None,
                  observer: DecodeObserver | None = None) -> list[SequenceResult]:
@@ -262,26 +261,19 @@ class StepGate(Backend):
 
         class Held:
             def on_tokens(self, rows, token_ids, logprobs) -> None:
+                gate.steps += 1
+                hold = gate.steps == gate.hold_at
+                if hold:
+                    gate.held.set()  # before the tokens leave: a reader that has them sees it
                 if observer is not None:
                     observer.on_tokens(rows, token_ids, logprobs)
-                gate.steps += 1
-                if gate.steps == gate.hold_at:
-                    gate.held.set()
+                if hold:
                     assert gate.release.wait(60), "test never released the step"
 
             def interrupted(self) -> bool:
                 return observer is not None and observer.interrupted()
 
-        return self.inner.generate(batch, adapter, Held())
-
-    def load_adapter(self, directory: Path, key: str) -> Any:
-        return self.inner.load_adapter(directory, key)
-
-    def unload_adapter(self, adapter: Any) -> None:
-        self.inner.unload_adapter(adapter)
-
-    def score(self, prompt_ids, completion_ids, sampling, adapter):
-        return self.inner.score(prompt_ids, completion_ids, sampling, adapter)
+        return super().generate(batch, adapter, Held())
 
 
 @pytest.fixture
@@ -332,6 +324,23 @@ def test_an_abandoned_stream_stops_its_batch(gated_node) -> None:
     after = client.completions.create(model=backend.identity.model_id, prompt=PROMPT,
                                       max_tokens=4, temperature=0)
     assert after.choices[0].finish_reason  # the node goes on serving
+
+
+def test_a_client_leaving_a_whole_request_stops_it_too(gated_node) -> None:
+    import socket
+
+    node, backend, _ = gated_node(hold_at=1)
+    body = json.dumps({"model": backend.identity.model_id, "prompt": PROMPT, "max_tokens": 200,
+                       "temperature": 0}).encode()
+    port = node.node.openai.port
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert backend.held.wait(30)
+    wait_until(lambda: backend.observer is not None and backend.observer.interrupted())
+    backend.release.set()
+    wait_until(lambda: node.engine.active_sequences == 0)
+    assert backend.steps == 1 and node.engine.recent_batches() == []
 
 
 def _openssl(*args: str, cwd: Path) -> None:

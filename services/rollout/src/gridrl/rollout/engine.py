@@ -432,8 +432,8 @@ class Engine:
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
         except DecodeInterrupted as e:
-            log.info("batch %d of %d sequences stopped after %d steps: every request in it "
-                     "was abandoned", index, len(batch), e.steps)
+            log.debug("batch %d of %d sequences stopped after %d steps: every request in it "
+                      "was abandoned", index, len(batch), e.steps)
             self._fail_batch(items, _cancelled())
             return
         except Exception as e:

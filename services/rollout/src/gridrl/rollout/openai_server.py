@@ -451,7 +451,11 @@ async def _drain(run: _Run) -> None:
 
 
 async def _unless_disconnected(request: Any, work: Any) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and raise CancelledError."""
+    """Await ``work``; if the client disconnects first, cancel it.
+
+    Raises:
+        OpenAIError: 499 (nobody reads it) when the client went away.
+    """
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -460,7 +464,7 @@ async def _unless_disconnected(request: Any, work: Any) -> Any:
         watch.cancel()
     if task not in done:
         task.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        raise OpenAIError(499, "the client disconnected", code="cancelled")
     return task.result()
 
 
