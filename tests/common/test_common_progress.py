@@ -106,3 +106,18 @@ def test_on_a_terminal_it_redraws_and_log_records_print_above(caplog, logger) ->
         assert _messages(caplog)[-1].startswith("waiting for a first adapter: done after ")
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.mark.real_model
+def test_model_conversion_says_what_it_is_doing(caplog, tmp_path) -> None:
+    """The first use of the bundled model converts its GGUF (about 20 s): a status line, not
+    silence (here: plain log lines, as in a service's log)."""
+    from gridrl.models import resolve_model
+
+    caplog.set_level(logging.INFO, logger="gridrl.models.resolve")
+    target = resolve_model("smollm2-135m-instruct", cache_dir=tmp_path)
+    assert (target / "model.safetensors").exists()
+    lines = [r.getMessage() for r in caplog.records if r.name == "gridrl.models.resolve"]
+    steps = [m for m in lines if m.startswith("converting SmolLM2-135M-Instruct.Q4_1.gguf once (")]
+    assert steps and all("/3: " in m and m.endswith("s)") for m in steps)
+    assert lines[-1].startswith("converting SmolLM2-135M-Instruct.Q4_1.gguf once: done after ")

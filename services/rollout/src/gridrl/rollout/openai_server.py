@@ -155,13 +155,10 @@ class _Run:
             event = await self._events.get()
             if event[0] == "started":
                 self.adapter = event[1]
-            elif event[0] == "done":
-                self._raise_failure(event[1])
-                # a backend that never calls the hooks: the outcome says which adapter
-                self.adapter = event[1].result().adapter
-                self._events.put_nowait(event)
-            else:  # tokens before started: cannot happen (one FIFO)
-                raise RuntimeError(f"unexpected {event[0]} before started")
+            else:  # the engine says "started" before any token or success: a failure
+                if event[0] == "done":
+                    self._raise_failure(event[1])
+                raise RuntimeError(f"the engine sent {event[0]!r} before 'started'")
         return self.adapter
 
     async def steps(self) -> AsyncIterator[list[Choice]]:
@@ -348,12 +345,20 @@ class OpenAIServer:
             return JSONResponse(OpenAIError(error.status_code, str(error.detail)).body(),
                                 status_code=error.status_code)
 
+        async def server_error(request: Request, error: Exception) -> JSONResponse:
+            log.error("OpenAI endpoint: %s %s failed", request.method, request.url.path,
+                      exc_info=error)
+            body = OpenAIError(500, f"internal error: {type(error).__name__}: {error}",
+                               type="server_error").body()
+            return JSONResponse(body, status_code=500)
+
         return Starlette(routes=[
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
             Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             Route("/health", self._health, methods=["GET"]),
-        ], exception_handlers={OpenAIError: openai_error, HTTPException: http_error})
+        ], exception_handlers={OpenAIError: openai_error, HTTPException: http_error,
+                               Exception: server_error})
 
     async def _health(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
