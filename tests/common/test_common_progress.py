@@ -97,8 +97,9 @@ def test_on_a_terminal_it_redraws_and_log_records_print_above(caplog, logger) ->
                    and "waiting for the master (" in screen.getvalue())
         assert "\x1b[" in screen.getvalue()  # a terminal: the lines are redrawn in place
         assert handler.stream is not screen  # records go through the live display
-        logger.info("a log record while the lines show")
-        wait_until(lambda: "a log record while the lines show\n" in screen.getvalue())
+        long_record = "a log record while the lines show, longer than the screen " * 3
+        logger.info(long_record)
+        wait_until(lambda: long_record + "\n" in screen.getvalue())  # whole: not re-wrapped
         first.stop()
         second.stop()
         wait_until(lambda: handler.stream is screen)  # handed back once nothing shows

@@ -26,6 +26,7 @@ it stops (``"<what>: done after 14s"``).
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 import threading
@@ -250,7 +251,6 @@ class _Board:
         it and give the log handlers their stream back when none is."""
         if not self.interactive:
             return
-        from rich.file_proxy import FileProxy
         from rich.live import Live
 
         with self._live_lock:
@@ -259,7 +259,7 @@ class _Board:
                 self._live = Live(get_renderable=self._render, console=self.console,
                                   refresh_per_second=8, transient=True,
                                   redirect_stdout=False, redirect_stderr=False)
-                proxy = FileProxy(self.console, self.console.file)
+                proxy = _PrintAbove(self.console)
                 for handler in _handlers_on(self.console.file):
                     self._rerouted.append((handler, handler.setStream(proxy)))
                 self._live.start()
@@ -270,6 +270,36 @@ class _Board:
                     handler.flush()
                     handler.setStream(stream)
                 self._rerouted.clear()
+
+
+class _PrintAbove(io.TextIOBase):
+    """The stream of the log handlers while status lines show: each complete line is printed
+    by the console above the lines, as it was written (not re-wrapped; ANSI colours kept)."""
+
+    def __init__(self, console: Any) -> None:
+        self._console = console
+        self._buffer = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        from rich.text import Text
+
+        with self._lock:
+            *lines, self._buffer = (self._buffer + text).split("\n")
+            for line in lines:
+                self._console.print(Text.from_ansi(line), soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        from rich.text import Text
+
+        with self._lock:
+            if self._buffer:
+                self._console.print(Text.from_ansi(self._buffer), soft_wrap=True)
+            self._buffer = ""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def _handlers_on(stream: Any) -> list[logging.StreamHandler]:
