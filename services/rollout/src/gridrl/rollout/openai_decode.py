@@ -144,5 +144,4 @@ class SampleText:
         if not hits:
             return False
         self.text = self.text[:min(hits)]
-        self._stop_found = True
         return True
