@@ -2,7 +2,7 @@
 
     gridrl-rollout serve --backend torch --model smollm2-135m-instruct [--master m:50050]
         [--listen 0.0.0.0:50051 --tls-cert C --tls-key K --tls-ca CA
-         --authorized-tokens FILE --auth-token-file NODE_TOKEN]
+         --authorized-tokens FILE --auth-token-file NODE_TOKEN] [--openai-listen 127.0.0.1:8000]
     gridrl-rollout serve --backend vllm --vllm-url http://127.0.0.1:8000 --model DIR
     gridrl-rollout generate --address 127.0.0.1:50051 --prompt "Hi" --n 4 --max-tokens 32
     gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
@@ -123,12 +123,17 @@ def main() -> None:
             help="host:port to register with the master [default: the bound address].")
 @env_option("--name", env="GRIDRL_ROLLOUT_NAME", default=None, show_default=False,
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
+@env_option("--openai-listen", env="GRIDRL_ROLLOUT_OPENAI_LISTEN", default=None,
+            show_default=False,
+            help="host:port of an OpenAI-compatible HTTP endpoint (/v1/models, /v1/completions, "
+                 "/v1/chat/completions; port 0: any free port) [default: off]. It shares the "
+                 "engine queue and the bearer token with gRPC; needs gridrl-rollout[openai].")
 def serve(listen: str, metrics_port: int, security: Security, log_level: str,
           ready_file: str | None, backend: str, model: str, vllm_url: str | None,
           vllm_api_key_file: str | None, device: str, dtype: str,
           forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           keep_adapters: int, keep_runs: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
-          name: str | None) -> None:
+          name: str | None, openai_listen: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
     setup_logging(log_level)
     from gridrl.common.address import parse_address, parse_listen
@@ -136,7 +141,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
 
     for flag, value, parse in (("--listen", listen, parse_listen), ("--master", master,
                                parse_address), ("--advertise-address", advertise_address,
-                                                parse_address)):
+                                                parse_address),
+                               ("--openai-listen", openai_listen, parse_listen)):
         if value is not None:
             try:
                 parse(value, flag)
@@ -149,6 +155,21 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         raise click.BadParameter("the mlx backend runs on cpu or the Apple GPU (mps)",
                                  param_hint="--device")
     vllm_api_key = _check_vllm_flags(backend, vllm_url, vllm_api_key_file, device, dtype)
+    if openai_listen:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise click.BadParameter(f"needs the openai extra ({e}): pip install "
+                                     "'gridrl-rollout[openai]'",
+                                     param_hint="--openai-listen") from e
+        from gridrl.common.security import ExposedError, check_exposure
+
+        try:  # the HTTP endpoint follows the gRPC side's rule: loopback, or TLS + credentials
+            check_exposure(parse_listen(openai_listen, "--openai-listen")[0], security,
+                           "--openai-listen")
+        except ExposedError as e:
+            raise click.UsageError(str(e)) from None
     from gridrl.common.server import freeze_long_lived
     from gridrl.models import resolve_model
     from gridrl.rollout import server as node_server
@@ -163,7 +184,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
         max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters, keep_runs=keep_runs,
         adapter_root=adapter_root,
-        advertise_address=advertise_address, master=master, name=name)
+        advertise_address=advertise_address, master=master, name=name,
+        openai_listen=openai_listen)
 
     def load() -> RolloutNode:
         try:
@@ -213,7 +235,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
     except OSError as e:  # the port is taken (servers never share one)
         node.stop(grace_s=0)
         raise click.UsageError(str(e)) from None
-    write_ready_file(ready_file, node.address, node.port, node.metrics_port)
+    openai = {"openai_base_url": node.openai.base_url} if node.openai else {}
+    write_ready_file(ready_file, node.address, node.port, node.metrics_port, **openai)
     node.wait()
     if node.engine.scheduler_alive:
         # The stop interrupted the batch in progress, but the scheduler thread is still inside

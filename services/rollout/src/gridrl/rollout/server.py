@@ -20,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -76,6 +77,8 @@ class NodeConfig:
         name: node name, for logs and the default adapter root (None: ``<host>-<port>``).
         batch_window_s: how long an idle scheduler waits for concurrent requests.
         grace_s: seconds calls in flight get to finish on shutdown.
+        openai_listen: host:port of the OpenAI-compatible HTTP endpoint (None: off; see
+            :mod:`gridrl.rollout.openai_server`).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -94,6 +97,7 @@ class NodeConfig:
     name: str | None = None
     batch_window_s: float = 0.005
     grace_s: float = 10.0
+    openai_listen: str | None = None
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -189,6 +193,14 @@ class RolloutNode:
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
         self.server.on_stopping(self._stop_registrar)
+        self.openai = None
+        if config.openai_listen:
+            from gridrl.rollout.openai_server import OpenAIServer
+
+            self.openai = OpenAIServer(self.engine, self.codec, self.limits,
+                                       config.openai_listen, security=config.security,
+                                       grace_s=config.grace_s)
+            self.server.on_stopping(self.openai.stop)
         self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
 
@@ -211,9 +223,16 @@ class RolloutNode:
         return self.config.advertise_address or self.server.address
 
     def start(self) -> RolloutNode:
-        """Start the engine, bind and serve, then register with the master (if any)."""
+        """Start the engine, bind and serve (gRPC, and the OpenAI endpoint when configured),
+        then register with the master (if any)."""
         self.engine.start()
         self.server.start()
+        if self.openai is not None:
+            try:
+                self.openai.start()
+            except BaseException:
+                self.server.stop(0)
+                raise
         if self.config.master:
             from gridrl.common.registration import NodeRegistrar
 
@@ -226,6 +245,7 @@ class RolloutNode:
                                            load_fn=self.engine.load,
                                            security=self.config.security)
             self.registrar.start()
+            self._watch_waits(self.registrar)
         log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
@@ -235,6 +255,22 @@ class RolloutNode:
         """On stop (every call has ended by then): stop the batch in progress, whose callers
         are gone, and join the scheduler thread before the process exits."""
         self.engine.close(interrupt=True)
+
+    def _watch_waits(self, registrar: Any) -> None:
+        """Status lines while the node waits for the master to accept it and for the trainer's
+        first adapter (:class:`gridrl.common.progress.StatusLine`: on a terminal, live lines;
+        in logs, plain lines at growing intervals); they end by themselves."""
+        from gridrl.common.progress import StatusLine
+
+        lines = [StatusLine(f"waiting for the master at {self.config.master} to register this "
+                            "node", until=lambda: registrar.registered, logger=log),
+                 StatusLine("waiting for a first adapter; serving the base model until one "
+                            "is pushed", until=lambda: self.engine.serving.version > 0
+                            or bool(self.engine.serving.name), logger=log,
+                            max_log_every_s=300.0)]
+        for line in lines:
+            line.start()
+            self.server.on_stopping(lambda line=line: line.stop("stopped"))
 
     def _flush_adapters(self) -> None:
         """On stop: let a push being stored in the background finish writing."""

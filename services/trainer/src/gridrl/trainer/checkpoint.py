@@ -117,17 +117,19 @@ def save_checkpoint(root: Path, *, step: int, adapter_files: dict[str, bytes],
         the checkpoint directory.
     """
     from gridrl.adapters.io import write_dir
+    from gridrl.common.progress import StatusLine
 
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    files = dict(adapter_files)
-    files["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
-    if scheduler is not None:
-        files["scheduler.pt"] = _torch_bytes(scheduler.state_dict())
-    files["rng.pt"] = _torch_bytes(rng_state())
-    files["state.json"] = json.dumps({**state, "step": step}, indent=2).encode()
-    files["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
-    final = write_dir(files, root / name)  # fsynced temporary directory renamed into place
+    with StatusLine(f"writing checkpoint {root / name}"):  # shows only when it is slow
+        files = dict(adapter_files)
+        files["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
+        if scheduler is not None:
+            files["scheduler.pt"] = _torch_bytes(scheduler.state_dict())
+        files["rng.pt"] = _torch_bytes(rng_state())
+        files["state.json"] = json.dumps({**state, "step": step}, indent=2).encode()
+        files["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
+        final = write_dir(files, root / name)  # fsynced temporary directory renamed into place
     _write_atomic(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
