@@ -89,7 +89,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     """A node 10x slower than another (MLX on a Linux CPU beside torch): once both latencies
     are measured, groups go to the fast node, queueing there, instead of a batch waiting for
     the slow node; the slow node is tried again after sitting idle long enough."""
-    from gridrl.trainer import pool as pool_module
+    from gridrl.trainer import scheduling
 
     fast = farm.start(capacity=4, generate_s=0.05)  # 2 groups at a time
     slow = farm.start(capacity=4, generate_s=0.5)
@@ -110,8 +110,8 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
         assert {g.node for g in groups} == {fast.address}
     assert len(slow.generates) == slow_calls
     # idle for REEXPLORE_AFTER latencies (min REEXPLORE_MIN_S): tried again
-    monkeypatch.setattr(pool_module, "REEXPLORE_MIN_S", 0.0)
-    monkeypatch.setattr(pool_module, "REEXPLORE_AFTER", 0.5)
+    monkeypatch.setattr(scheduling, "REEXPLORE_MIN_S", 0.0)
+    monkeypatch.setattr(scheduling, "REEXPLORE_AFTER", 0.5)
     time.sleep(0.3)
     groups = pool.generate_groups(prompts(6), **SAMPLING)
     assert slow.address in {g.node for g in groups}

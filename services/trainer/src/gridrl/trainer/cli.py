@@ -113,6 +113,9 @@ _ALL_OPTIONS = [
          help="Consecutive stale or mismatched steps that flag a node."),
     _opt("--min-nodes", type=int, default=1, help="Rollout nodes to wait for before step 1."),
     _opt("--node-wait-s", type=float, default=120.0, help="Seconds to wait for them."),
+    _opt("--wait-for-nodes-s", type=float, default=300.0,
+         help="Seconds the run waits, once started, when no rollout node is in rotation "
+              "(every node dead, restarting or benched) before it fails; 0: fail at once."),
     _opt("--request-timeout-s", type=float, default=120.0, help="Deadline of one Generate."),
     _opt("--sync-deadline-s", type=float, default=30.0, help="Deadline of one node's push."),
     # eval, checkpoints, run directory
@@ -298,6 +301,10 @@ def status(address: str, as_json: bool, timeout_s: float, auth_token: str | None
             ("time", f"rollout {r.rollout_s:.1f}s, train {r.train_s:.1f}s, "
                      f"{r.tokens_per_s:.0f} tok/s, elapsed {r.elapsed_s:.0f}s"),
         ]
+    if response.HasField("node_wait"):
+        w = response.node_wait
+        rows.append(("waiting", f"for a rollout node {w.waited_s:.0f}s, {w.left_s:.0f}s left: "
+                                f"{w.waiting_for}"))
     if response.error:
         rows.append(("error", response.error))
     for k, v in rows:

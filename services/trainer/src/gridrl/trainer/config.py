@@ -22,7 +22,7 @@ from gridrl.common.errors import invalid_argument
 # run, how to serve); everything that shapes the learning comes from the saved config.
 RESUME_OVERRIDABLE = frozenset({
     "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
-    "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
+    "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every", "checkpoint_every",
     "keep_checkpoints", "device", "threads", "log_level",
 })
 
@@ -80,6 +80,7 @@ class TrainConfig:
     flag_after: int = 2
     min_nodes: int = 1
     node_wait_s: float = 120.0
+    wait_for_nodes_s: float = 300.0
     request_timeout_s: float = 120.0
     sync_deadline_s: float = 30.0
     auth_token: str | None = None
@@ -167,6 +168,9 @@ class TrainConfig:
         if self.micro_batch_size < 0 or self.warmup_steps < 0 or self.async_steps < 0:
             raise invalid_argument("--micro-batch-size/--warmup-steps/--async-steps",
                                    "must be >= 0")
+        if self.wait_for_nodes_s < 0:
+            raise invalid_argument("--wait-for-nodes-s", f"must be >= 0, got "
+                                                         f"{self.wait_for_nodes_s}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise invalid_argument("--max-staleness", "must be >= 0")
         if self.run_name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):

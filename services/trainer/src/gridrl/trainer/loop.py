@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from gridrl.trainer import grpo
+from gridrl.trainer.admission import admit
 from gridrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -136,6 +137,8 @@ class Trainer:
         self.pool: Any = None
         self.sync: Any = None
         self.prefetcher: Any = None
+        self.probation: Any = None  # flagged nodes' way back (probation.py)
+        self._weights_lock = threading.Lock()  # held while the update changes the weights
         self.parallel: Any = None
         self.run_dir: RunDir | None = None
         self._last_eval: dict[str, Any] | None = None
@@ -279,12 +282,15 @@ class Trainer:
         elif cfg.local:
             self.source = local
         else:
+            from gridrl.trainer.node_wait import NodeWaitReporter
             from gridrl.trainer.pool import NodePool
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
                                  model_identity=self.policy.identity, auth_token=cfg.auth_token,
-                                 request_timeout_s=cfg.request_timeout_s)
+                                 request_timeout_s=cfg.request_timeout_s,
+                                 wait_for_nodes_s=cfg.wait_for_nodes_s,
+                                 on_wait=NodeWaitReporter(self.console, self.status))
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=self.policy.identity.num_layers,
@@ -295,6 +301,7 @@ class Trainer:
                 f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
                 for n in nodes if n.in_rotation))
             self.source = self.pool
+            self._start_probation()
         self._prompt_cache: dict[int, tuple[list[Any], list[list[int]]]] = {}
         self._prompt_lock = threading.Lock()
         self.prefetcher = Prefetcher(self._generate_step, depth=cfg.async_steps,
@@ -332,32 +339,11 @@ class Trainer:
         cfg = self.cfg
         items, prompt_ids = self._step_prompts(step)
         rollouts = self.prefetcher.get(step)
-        trainer_step = step - 1  # the weights being trained are those after step - 1
-        bound = cfg.staleness_bound
-        per_node: dict[str, NodeStepStats] = {}
-        kept: list[tuple[int, int, Any]] = []  # (group index, sample index, sample)
-        staleness: list[int] = []
-        sampled_tokens = 0
-        for b, group in enumerate(rollouts.groups):
-            for j, s in enumerate(group.samples):
-                sampled_tokens += len(s.token_ids)
-                ns = per_node.setdefault(s.node, NodeStepStats(versions=set()))
-                ns.samples += 1
-                assert ns.versions is not None
-                ns.versions.add(s.policy_version)
-                origin = self.state.lineage.get(s.policy_version)
-                if origin is None:
-                    ns.dropped += 1
-                    ns.unknown_version += 1
-                    continue
-                age = trainer_step - origin
-                if age > bound:
-                    ns.dropped += 1
-                    continue
-                ns.staleness_sum += age
-                kept.append((b, j, s))
-                staleness.append(age)
-        dropped = sum(ns.dropped for ns in per_node.values())
+        # the weights being trained are those after step - 1; flagged nodes' samples stay out
+        admitted = admit(rollouts.groups, lineage=self.state.lineage, trainer_step=step - 1,
+                         max_staleness=cfg.staleness_bound, flagged=self._flagged_nodes())
+        per_node, kept, staleness = admitted.per_node, admitted.kept, admitted.staleness
+        sampled_tokens, dropped = admitted.sampled_tokens, admitted.dropped
 
         rewards_flat: list[float] = []
         per_func: dict[str, list[float]] = {}
@@ -384,7 +370,7 @@ class Trainer:
         r = torch.tensor(rewards_flat, dtype=torch.float64)
         return {
             "seqs": seqs, "kept": kept, "staleness": staleness, "per_node": per_node,
-            "dropped": dropped, "rollouts": rollouts, "sampled_tokens": sampled_tokens,
+            "dropped": dropped, "excluded": admitted.excluded, "rollouts": rollouts, "sampled_tokens": sampled_tokens,
             "reward_mean": float(r.mean()) if len(r) else 0.0,
             "reward_std": float(r.std(unbiased=False)) if len(r) else 0.0,
             "reward_funcs": {k: float(np.nanmean(v)) if v and not np.all(np.isnan(v)) else None
@@ -397,8 +383,9 @@ class Trainer:
     def _train(self, seqs: Sequence[TrainSequence]) -> UpdateStats | None:
         if not seqs:
             return None
-        return grpo_update(self.policy, self.optimizer, self.scheduler, seqs, self.update_cfg,
-                           self.parallel)
+        with self._weights_lock:  # a flagged node's check reads the weights (probation.py)
+            return grpo_update(self.policy, self.optimizer, self.scheduler, seqs,
+                               self.update_cfg, self.parallel)
 
     def _sync(self, step: int, *, force: bool = False) -> dict[str, Any]:
         """Push the adapter to every node (rank 0, remote nodes, every --sync-every steps, or
@@ -472,7 +459,7 @@ class Trainer:
             self._close()
 
     def _close(self) -> None:
-        for closer in (self.prefetcher, self.sync, self.source):
+        for closer in (self.probation, self.prefetcher, self.sync, self.source):
             if closer is not None:
                 try:
                     closer.close()
@@ -590,13 +577,44 @@ class Trainer:
             from gridrl.trainer import metrics
 
             metrics.MISMATCH_KL_BOUND.set(self.monitor.bound(per_node))
+        if self.probation is not None:  # nodes that passed a fresh check since
+            for node in self.probation.drain():
+                self.monitor.clear(node)
         newly = self.monitor.observe(step, per_node)
         for node, why in newly.items():
             self._flagged_ever[node] = why
-            log.warning("NODE FLAGGED %s at step %d: %s", node, step, why)
+            benched = ""
+            if self.probation is not None:
+                self.probation.flag(node, why)
+                benched = ("; benched: no new groups, its samples kept out of the update until "
+                           "it serves the current policy version and passes a fresh mismatch "
+                           "check")
+            log.warning("NODE FLAGGED %s at step %d: %s%s", node, step, why, benched)
             self.console.print(f"[bold white on red] NODE FLAGGED [/] [bold red]{node}[/] at step "
-                               f"{step}: {why}")
+                               f"{step}: {why}{benched}")
         return dict(self.monitor.flagged)
+
+    def _start_probation(self) -> None:
+        """The thread that brings flagged nodes back (``probation.py``)."""
+        from gridrl.trainer.probation import Probation, fresh_mismatch_kl
+
+        cfg = self.cfg
+        self.probation = Probation(
+            self.pool, self.sync, console=self.console,
+            check_kl=lambda prompt, samples: fresh_mismatch_kl(
+                self.policy, self.update_cfg, prompt, samples, lock=self._weights_lock),
+            current_version=lambda: self.state.version,
+            bound=lambda node: self.monitor.bound_for(self._low_precision(node)),
+            prompt=self._step_prompts(1)[1][0],
+            sampling={"group_size": cfg.group_size, "max_tokens": cfg.max_tokens,
+                      "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k})
+        self.probation.start()
+
+    def _flagged_nodes(self) -> dict[str, str]:
+        """Nodes benched for their samples now (their samples stay out of the update)."""
+        if self.pool is None:
+            return {}
+        return {n.address: n.flagged for n in self.pool.nodes() if n.flagged}
 
     def _low_precision(self, node: str) -> bool:
         """Whether the trainer or rollout node ``node`` computes in a 16-bit float dtype."""
@@ -636,6 +654,7 @@ class Trainer:
             "samples_used": len(c["seqs"]), "sampled_tokens": c["sampled_tokens"],
             "solved_fraction": c["solved"], "groups_with_signal": c["groups_with_signal"],
             "reward_funcs": c["reward_funcs"], "nodes": nodes, "flagged_nodes": flags,
+            "excluded_samples": c.get("excluded", {}),
             "updated": stats is not None, "data_position": self.state.data_position,
         }
         if stats is not None:
