@@ -299,3 +299,43 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
     finally:
         for r in registrars:
             r.stop(deregister=False)
+
+
+# ------------------------------------------------------------------------ waiting for nodes
+
+
+def test_no_node_in_rotation_waits_reports_and_goes_on(farm, make_pool) -> None:
+    """The only node dies mid-step: the batch waits (reporting what for and how long is
+    left, also as metrics) instead of failing, and finishes once the node answers again."""
+    from prometheus_client import REGISTRY
+
+    node = farm.start(capacity=2)
+    reports = []
+    pool = make_pool([node.address], max_consecutive_failures=1, wait_for_nodes_s=30,
+                     on_wait=reports.append)
+    pool.wait_for_nodes(1, timeout_s=10)
+    node.down = True
+    with concurrent_call(lambda: pool.generate_groups(prompts(3), **SAMPLING)) as batch:
+        wait_until(lambda: len(reports) >= 2, 10, "the wait to be reported")
+        wait = reports[-1]
+        assert wait is not None and 0 < wait.left_s <= 30 and wait.waited_s >= 0
+        assert node.address in wait.waiting_for and "benched" in wait.waiting_for
+        assert REGISTRY.get_sample_value("gridrl_trainer_node_wait_left_seconds") > 0
+        node.down = False  # it wakes up: the prober sees it, the batch goes on
+    groups = batch.result()
+    assert [g.prompt_index for g in groups] == [0, 1, 2]
+    assert {g.node for g in groups} == {node.address}
+    assert reports[-1] is None  # the wait ended
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_wait_left_seconds") == 0
+
+
+def test_every_node_gone_fails_after_the_wait(farm, make_pool) -> None:
+    a, b = farm.start(), farm.start()
+    pool = make_pool([a.address, b.address], request_timeout_s=5, wait_for_nodes_s=0.5)
+    pool.wait_for_nodes(2, timeout_s=10)
+    a.kill()
+    b.kill()
+    with pytest.raises(RuntimeError) as e:
+        pool.generate_groups(prompts(4), **SAMPLING)
+    assert "(0 in rotation) after waiting" in str(e.value) and "--wait-for-nodes-s" in str(e.value)
+    assert a.address in str(e.value) and b.address in str(e.value)

@@ -112,6 +112,7 @@ def save_checkpoint(root: Path, *, step: int, adapter_files: dict[str, bytes],
         the checkpoint directory.
     """
     from gridrl.adapters.io import write_dir
+    from gridrl.common.faults import pause_point
 
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -123,6 +124,7 @@ def save_checkpoint(root: Path, *, step: int, adapter_files: dict[str, bytes],
     files["state.json"] = json.dumps({**state, "step": step}, indent=2).encode()
     files["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
     final = write_dir(files, root / name)  # fsynced temporary directory renamed into place
+    pause_point("trainer.checkpoint")  # test-only (gridrl.common.faults): kill here
     _write_atomic(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

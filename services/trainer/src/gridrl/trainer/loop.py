@@ -301,11 +301,12 @@ class Trainer:
                 f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
                 for n in nodes if n.in_rotation))
             self.source = self.pool
-            self._start_probation()
         self._prompt_cache: dict[int, tuple[list[Any], list[list[int]]]] = {}
         self._prompt_lock = threading.Lock()
         self.prefetcher = Prefetcher(self._generate_step, depth=cfg.async_steps,
                                      last_step=cfg.steps)
+        if self.pool is not None:
+            self._start_probation()
 
     # ================================================================== steps
 

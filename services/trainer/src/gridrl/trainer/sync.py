@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from gridrl.common.faults import pause_in_stream
 from gridrl.common.transport import push_requests
 from gridrl.trainer import metrics
 from gridrl.trainer.pool import NodePool, NodeState
@@ -226,7 +227,8 @@ class AdapterSync:
                                     f"deadline of {self.deadline_s:.1f}s spent converting")
             stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
             try:
-                response = stub.PushAdapter(push_requests(manifest, files), timeout=left)
+                requests = pause_in_stream(push_requests(manifest, files), "trainer.push")
+                response = stub.PushAdapter(requests, timeout=left)
             except grpc.RpcError as e:
                 return self._failed(node.address, adapter.version,
                                     f"PushAdapter {e.code().name}: {e.details()}")

@@ -1,0 +1,65 @@
+"""The master SIGKILLed under a running trainer and restarted on its port, with and without its
+store: the trainer keeps training on the nodes it knows meanwhile, and the nodes are listed
+healthy again within one heartbeat interval of the master's return."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from faultkit import (
+    check_on_current_weights,
+    check_steps_once,
+    finish,
+    healthy_at_master,
+    kill,
+    port_of,
+    records_after,
+    step_records,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_S = 2.0
+
+
+@pytest.mark.parametrize("with_store", [True, False], ids=["with-store", "without-store"])
+def test_master_killed_and_restarted(cluster, tmp_path, with_store) -> None:
+    store = str(tmp_path / "master.sqlite") if with_store else ""
+    master = cluster.master(store=store, heartbeat_s=HEARTBEAT_S)
+    a = cluster.node("a", master=master.address)
+    b = cluster.node("b", master=master.address)
+    nodes = {a.address, b.address}
+    wait_for(lambda: healthy_at_master(master.address) == nodes, 60, "both nodes registered")
+    run_dir = tmp_path / "run"
+    trainer = cluster.trainer("trainer", cluster.trainer_argv(run_dir, 500, master=master.address,
+                                                              min_nodes=2))
+    wait_for(records_after(run_dir, 1), 240, "step 2", alive=trainer)
+    kill(master)
+    killed_after = max(r["step"] for r in step_records(run_dir))
+
+    # No master: the trainer trains on, on both nodes it knows.
+    during = wait_for(records_after(run_dir, killed_after + 1, 2), 240,
+                      "two steps without a master", alive=trainer)
+    for r in during:
+        assert set(r["nodes"]) == nodes and r["nodes_synced"] == 2, r
+
+    restarted = cluster.master("master-restarted", port=port_of(master), store=store,
+                               heartbeat_s=HEARTBEAT_S)
+    back_at = time.monotonic()  # its ready file exists: it serves
+    wait_for(lambda: healthy_at_master(restarted.address) == nodes, 30,
+             "both nodes back at the master")
+    back_s = time.monotonic() - back_at
+    assert back_s <= HEARTBEAT_S, f"nodes back after {back_s:.2f}s > one heartbeat"
+
+    after = max(r["step"] for r in step_records(run_dir))
+    wait_for(records_after(run_dir, after, 2), 240, "two steps after the return",
+             alive=trainer)
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert finish(trainer) == 143, trainer.log()[-4000:]
+    records = step_records(run_dir)
+    check_steps_once(records, records[-1]["step"])
+    check_on_current_weights(records)
+    assert all(set(r["nodes"]) == nodes for r in records)  # neither node was ever lost
