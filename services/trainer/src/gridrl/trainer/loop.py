@@ -345,6 +345,12 @@ class Trainer:
                          max_staleness=cfg.staleness_bound, flagged=self._flagged_nodes())
         per_node, kept, staleness = admitted.per_node, admitted.kept, admitted.staleness
         sampled_tokens, dropped = admitted.sampled_tokens, admitted.dropped
+        for node, n in admitted.excluded.items():
+            from gridrl.trainer import metrics
+
+            metrics.EXCLUDED_SAMPLES.labels(node).inc(n)
+            log.warning("step %d: %d sample(s) of flagged node %s kept out of the update", step,
+                        n, node)
 
         rewards_flat: list[float] = []
         per_func: dict[str, list[float]] = {}
