@@ -14,11 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+from trainer_runs import BIN, ONE_THREAD, records  # the trainer tests' helpers
+
+__all__ = ["BIN", "ONE_THREAD"]
+
 T = TypeVar("T")
 
-BIN = Path(sys.executable).parent
-# One intra-op thread per process: a trainer and nodes share a few cores.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 POLL_S = 0.05
 
 
@@ -129,18 +131,7 @@ def finish(service: Any, timeout_s: float = 600) -> int:
 
 def step_records(run_dir: Path) -> list[dict]:
     """The step records of ``run_dir/log.jsonl`` (a line torn by a kill is skipped)."""
-    path = run_dir / "log.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step"):
-            out.append(record)
-    return out
+    return [r for r in records(run_dir) if r.get("step")]
 
 
 def records_after(run_dir: Path, step: int, n: int = 1) -> Callable[[], list[dict]]:

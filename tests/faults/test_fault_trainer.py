@@ -14,6 +14,7 @@ from faultkit import (
     kill,
     node_adapter,
     step_records,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -50,23 +51,27 @@ def check_resumed(run_dir, node: str, done: subprocess.CompletedProcess, ckpt_st
     assert node_adapter(node).version == records[-1]["policy_version"]
 
 
-def test_trainer_killed_mid_push_resumes(cluster, tmp_path) -> None:
+def killed_at(cluster, tmp_path, point: str, nth: int):
+    """A node, and a trainer of STEPS steps (checkpoint every 3) SIGKILLed at the ``nth``
+    hit of its pause ``point``; returns (node, run_dir, the step records before the kill)."""
     node = cluster.node("node")
     run_dir = tmp_path / "run"
     trainer = cluster.trainer("trainer", cluster.trainer_argv(run_dir, STEPS, [node.address],
                                                               checkpoint_every=3),
-                              env=cluster.pause_env("trainer", "trainer.push", 4))
-    cluster.wait_paused(trainer, "trainer")  # step 4's push: its first chunk is sent
+                              env=cluster.pause_env("trainer", point, nth))
+    cluster.wait_paused(trainer, "trainer")
     kill(trainer)
+    return node, run_dir, {r["step"]: r for r in step_records(run_dir)}
 
-    before = {r["step"]: r for r in step_records(run_dir)}
+
+def test_trainer_killed_mid_push_resumes(cluster, tmp_path) -> None:
+    # step 4's push: its first chunk is sent
+    node, run_dir, before = killed_at(cluster, tmp_path, "trainer.push", 4)
     assert max(before) == 3  # step 4 trained but not logged: the push comes first
     # the node serves on, on the last adapter it took whole; nothing half-received kept
     held = node_adapter(node.address)
     assert (held.name, held.version) == ("fault-run", before[3]["policy_version"])
     pushed = tmp_path / "node-adapters" / "pushed"
-    from faultkit import wait_for
-
     wait_for(lambda: not list(pushed.glob(".staging*")), 60, "the cut push to be discarded")
 
     done = resume(run_dir, node.address)
@@ -74,17 +79,9 @@ def test_trainer_killed_mid_push_resumes(cluster, tmp_path) -> None:
 
 
 def test_trainer_killed_mid_checkpoint_resumes(cluster, tmp_path) -> None:
-    node = cluster.node("node")
-    run_dir = tmp_path / "run"
-    trainer = cluster.trainer("trainer", cluster.trainer_argv(run_dir, STEPS, [node.address],
-                                                              checkpoint_every=3),
-                              env=cluster.pause_env("trainer", "trainer.checkpoint", 2))
-    cluster.wait_paused(trainer, "trainer")  # step 6's checkpoint written, not yet `latest`
-    kill(trainer)
-
-    checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "latest").read_text() == "step-000003"
-    before = {r["step"]: r for r in step_records(run_dir)}
+    # step 6's checkpoint written, `latest` not yet pointing at it
+    node, run_dir, before = killed_at(cluster, tmp_path, "trainer.checkpoint", 2)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000003"
     assert max(before) == 6
     assert node_adapter(node.address).version == before[6]["policy_version"]
 
