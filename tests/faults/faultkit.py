@@ -79,10 +79,12 @@ class Cluster:
 
     def node(self, name: str, port: int = 0, master: str | None = None,
              env: dict[str, str] | None = None, adapters: str | None = None) -> Any:
-        """A torch node on the tiny llama; ``adapters``: its adapter root's name (a restarted
+        """A torch node on the tiny llama holding one group of 4 at a time (so the groups of
+        a step spread over the nodes); ``adapters``: its adapter root's name (a restarted
         node passes its first incarnation's)."""
         argv = ["gridrl-rollout", "serve", "--backend", "torch", "--model", str(self.model_dir),
                 "--listen", f"127.0.0.1:{port}", "--metrics-port", "-1", "--threads", "1",
+                "--capacity", "4",
                 "--adapter-root", str(self.tmp / f"{adapters or name}-adapters")]
         if master:
             argv += ["--master", master]
@@ -183,6 +185,24 @@ def healthy_at_master(master: str) -> set[str]:
         except grpc.RpcError:
             return set()
     return {n.info.address for n in nodes if n.status == common_pb2.NODE_STATUS_HEALTHY}
+
+
+def heard_since(master: str, since: float) -> dict[str, float]:
+    """Rollout nodes the master heard from (registration or heartbeat) after ``since`` (POSIX
+    seconds): address -> when (``last_seen``), by the master's clock."""
+    import grpc
+
+    from gridrl.common.channel import dial
+    from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+    with dial(master) as channel:
+        try:
+            nodes = registry_pb2_grpc.RegistryServiceStub(channel).ListNodes(
+                registry_pb2.ListNodesRequest(role=common_pb2.NODE_ROLE_ROLLOUT), timeout=5).nodes
+        except grpc.RpcError:
+            return {}
+    seen = {n.info.address: n.last_seen.ToNanoseconds() / 1e9 for n in nodes}
+    return {a: t for a, t in seen.items() if t > since}
 
 
 def metric(metrics_port: int, name: str, labels: dict[str, str] | None = None) -> float | None:

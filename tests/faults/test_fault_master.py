@@ -1,11 +1,11 @@
 """The master SIGKILLed under a running trainer and restarted on its port, with and without its
-store: the trainer keeps training on the nodes it knows meanwhile, and the nodes are listed
-healthy again within one heartbeat interval of the master's return."""
+store: the trainer keeps training on the nodes it knows meanwhile, and the master hears from
+every node again within one heartbeat interval of its return (the nodes retry every
+``min(2 s, heartbeat interval)`` while it is away)."""
 
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 from faultkit import (
@@ -13,6 +13,7 @@ from faultkit import (
     check_steps_once,
     finish,
     healthy_at_master,
+    heard_since,
     kill,
     port_of,
     records_after,
@@ -22,7 +23,7 @@ from faultkit import (
 
 pytestmark = pytest.mark.slow
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 3.0
 
 
 @pytest.mark.parametrize("with_store", [True, False], ids=["with-store", "without-store"])
@@ -40,19 +41,20 @@ def test_master_killed_and_restarted(cluster, tmp_path, with_store) -> None:
     kill(master)
     killed_after = max(r["step"] for r in step_records(run_dir))
 
-    # No master: the trainer trains on, on both nodes it knows.
+    # No master: the trainer trains on, on the nodes it knows, both kept in rotation.
     during = wait_for(records_after(run_dir, killed_after + 1, 2), 240,
                       "two steps without a master", alive=trainer)
     for r in during:
-        assert set(r["nodes"]) == nodes and r["nodes_synced"] == 2, r
+        assert set(r["nodes"]) <= nodes and r["nodes_synced"] == 2, r
 
     restarted = cluster.master("master-restarted", port=port_of(master), store=store,
                                heartbeat_s=HEARTBEAT_S)
-    back_at = time.monotonic()  # its ready file exists: it serves
-    wait_for(lambda: healthy_at_master(restarted.address) == nodes, 30,
-             "both nodes back at the master")
-    back_s = time.monotonic() - back_at
+    back_at = (tmp_path / "master-restarted.ready.json").stat().st_mtime  # serving from then
+    seen = wait_for(lambda: (s := heard_since(restarted.address, back_at)).keys() == nodes
+                    and s, 30, "the master to hear from both nodes")
+    back_s = max(seen.values()) - back_at
     assert back_s <= HEARTBEAT_S, f"nodes back after {back_s:.2f}s > one heartbeat"
+    assert healthy_at_master(restarted.address) == nodes
 
     after = max(r["step"] for r in step_records(run_dir))
     wait_for(records_after(run_dir, after, 2), 240, "two steps after the return",
@@ -62,4 +64,4 @@ def test_master_killed_and_restarted(cluster, tmp_path, with_store) -> None:
     records = step_records(run_dir)
     check_steps_once(records, records[-1]["step"])
     check_on_current_weights(records)
-    assert all(set(r["nodes"]) == nodes for r in records)  # neither node was ever lost
+    assert all(r["nodes_synced"] == 2 for r in records)  # neither node was ever lost

@@ -94,7 +94,7 @@ def test_every_node_of_the_master_killed_at_once(cluster, tmp_path) -> None:
     b2 = cluster.node("b-restarted", port=port_of(b), master=master.address, adapters="b")
     wait_for(lambda: {a2.address, b2.address} <= {
         n for r in records_after(run_dir, waited_at)() for n in r["nodes"]}, 240,
-        "both restarted nodes to sample", alive=trainer)
+        "both restarted nodes to sample", alive=trainer)  # one group each at a time
     trainer.proc.send_signal(signal.SIGTERM)
     assert finish(trainer) == 143, trainer.log()[-4000:]
     records = step_records(run_dir)
