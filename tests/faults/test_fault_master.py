@@ -53,6 +53,8 @@ def test_master_killed_and_restarted(cluster, tmp_path, with_store) -> None:
     seen = wait_for(lambda: (s := heard_since(restarted.address, back_at)).keys() == nodes
                     and s, 30, "the master to hear from both nodes")
     back_s = max(seen.values()) - back_at
+    print(f"master restarted {'with' if with_store else 'without'} its store: both nodes heard "
+          f"from after {back_s:.2f}s (heartbeat interval {HEARTBEAT_S}s)")
     assert back_s <= HEARTBEAT_S, f"nodes back after {back_s:.2f}s > one heartbeat"
     assert healthy_at_master(restarted.address) == nodes
 
