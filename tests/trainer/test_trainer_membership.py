@@ -61,7 +61,8 @@ def test_failures_bench_and_probe_backoff_doubles_until_a_generate_succeeds(memb
     assert rotation(members) == [A]  # one failure of two
     effects = members.generate_failed(A, "DEADLINE_EXCEEDED", "slow", now=11.0)
     assert rotation(members) == [] and effects.redial == [A]
-    assert members.state(A).benched == "2 consecutive Generate failures, last DEADLINE_EXCEEDED: slow"
+    assert members.state(A).benched == ("2 consecutive Generate failures, last "
+                                        "DEADLINE_EXCEEDED: slow")
     assert members.probes_due(15.9) == [] and members.probes_due(16.0) == [A]  # 5 s
     members.probe_answered(A, info(), 16.0)
     assert rotation(members) == [A] and members.state(A).failures == 0

@@ -22,8 +22,8 @@ from gridrl.common.errors import invalid_argument
 # run, how to serve); everything that shapes the learning comes from the saved config.
 RESUME_OVERRIDABLE = frozenset({
     "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
-    "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "threads", "log_level",
+    "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every",
+    "checkpoint_every", "keep_checkpoints", "device", "threads", "log_level",
 })
 
 

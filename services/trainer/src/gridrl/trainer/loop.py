@@ -377,7 +377,8 @@ class Trainer:
         r = torch.tensor(rewards_flat, dtype=torch.float64)
         return {
             "seqs": seqs, "kept": kept, "staleness": staleness, "per_node": per_node,
-            "dropped": dropped, "excluded": admitted.excluded, "rollouts": rollouts, "sampled_tokens": sampled_tokens,
+            "dropped": dropped, "excluded": admitted.excluded, "rollouts": rollouts,
+            "sampled_tokens": sampled_tokens,
             "reward_mean": float(r.mean()) if len(r) else 0.0,
             "reward_std": float(r.std(unbiased=False)) if len(r) else 0.0,
             "reward_funcs": {k: float(np.nanmean(v)) if v and not np.all(np.isnan(v)) else None

@@ -645,8 +645,9 @@ class NodePool:
         held."""
         parts = [self._members.describe()] if self._members.states() else []
         if self._watch is not None:
-            parts.append(f"master {self.master} ("
-                         f"{'connected' if self._watch.connected else self._watch.last_error or 'connecting'})")
+            watch = self._watch
+            state = "connected" if watch.connected else watch.last_error or "connecting"
+            parts.append(f"master {self.master} ({state})")
         return "; ".join(parts) or "no nodes known"
 
 
