@@ -25,11 +25,12 @@ BIN = Path(sys.executable).parent
 RECORDED = json.loads((Path(__file__).parent / "data" / "trainer_run_flags.json").read_text())
 # run's options that are not run settings: where to resume from, and the ready file
 NOT_SETTINGS = {"resume", "ready_file"}
-# what --resume took from the new command line before the settings were declared once
+# what --resume took from the new command line before the settings were declared once (with
+# the node pool branch's --wait-for-nodes-s)
 RESUME_OVERRIDABLE_BEFORE = {
     "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
-    "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "threads", "log_level"}
+    "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every",
+    "checkpoint_every", "keep_checkpoints", "device", "threads", "log_level"}
 
 
 def test_every_recorded_flag_is_still_there_unchanged():
@@ -81,6 +82,7 @@ def test_resume_takes_the_same_settings_from_the_command_line_as_before():
     (dict(lora_dropout=1.0), "--lora-dropout: must be in [0, 1), got 1.0"),
     (dict(warmup_steps=-1), "--warmup-steps: must be >= 0"),
     (dict(threads=-2), "--threads: must be >= 0, got -2"),
+    (dict(wait_for_nodes_s=-1.0), "--wait-for-nodes-s: must be >= 0, got -1.0"),
     (dict(backend="jax"), "--backend: must be"),
     (dict(run_name="my run/1"), "--run-name: 'my run/1' must match [A-Za-z0-9._-]+"),
     (dict(rollout=["local", "h:1"]), "--rollout: 'local' cannot be mixed"),

@@ -84,6 +84,7 @@ def save_checkpoint(root: Path, *, step: int, files: Mapping[str, bytes], state:
         ValueError: ``files`` uses a name the checkpoint keeps for itself.
     """
     from gridrl.adapters.io import write_dir
+    from gridrl.common.faults import pause_point
 
     clash = sorted(RESERVED_CHECKPOINT_FILES & set(files))
     if clash:
@@ -94,6 +95,7 @@ def save_checkpoint(root: Path, *, step: int, files: Mapping[str, bytes], state:
     out[STATE] = json.dumps({**state, "step": step}, indent=2).encode()
     out[CONFIG] = json.dumps(config, indent=2, sort_keys=True).encode()
     final = write_dir(out, root / name)  # fsynced temporary directory renamed into place
+    pause_point("trainer.checkpoint")  # test-only (gridrl.common.faults): kill here
     _write_atomic(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -188,6 +188,10 @@ def status(address: str, as_json: bool, timeout_s: float, auth_token: str | None
             ("time", f"rollout {r.rollout_s:.1f}s, train {r.train_s:.1f}s, "
                      f"{r.tokens_per_s:.0f} tok/s, elapsed {r.elapsed_s:.0f}s"),
         ]
+    if response.HasField("node_wait"):
+        w = response.node_wait
+        rows.append(("waiting", f"for a rollout node {w.waited_s:.0f}s, {w.left_s:.0f}s left: "
+                                f"{w.waiting_for}"))
     if response.error:
         rows.append(("error", response.error))
     for k, v in rows:

@@ -194,6 +194,10 @@ class TrainConfig:
                               check=POSITIVE)
     min_nodes: int = setting(1, "Rollout nodes to wait for before step 1.", on_resume=True)
     node_wait_s: float = setting(120.0, "Seconds to wait for them.", on_resume=True)
+    wait_for_nodes_s: float = setting(
+        300.0, "Seconds the run waits, once started, when no rollout node is in rotation "
+        "(every node dead, restarting or benched) before it fails; 0: fail at once.",
+        check=NON_NEGATIVE, on_resume=True)
     request_timeout_s: float = setting(120.0, "Deadline of one Generate.", on_resume=True)
     sync_deadline_s: float = setting(30.0, "Deadline of one node's push.", on_resume=True)
     # eval, checkpoints, run directory

@@ -148,6 +148,10 @@ class Trainer:
         self.prefetcher: Any = None
         self.backend: TrainerBackend | None = None
         self.is_main = True  # rank 0 (set from the backend once loaded)
+        self.probation: Any = None  # flagged nodes' way back (probation.py)
+        # held around every backend call of the loop: the probation thread scores sequences
+        # with the backend meanwhile (TrainerBackend: calls never overlap)
+        self._backend_lock = threading.Lock()
         self.run_dir: RunDir | None = None
         self._flagged_ever: dict[str, str] = {}
         self._stop_reason: str | None = None
@@ -255,12 +259,15 @@ class Trainer:
         elif cfg.local:
             self.source = LocalRollout(backend, lambda: self.state.version)
         else:
+            from gridrl.trainer.node_wait import NodeWaitReporter
             from gridrl.trainer.pool import NodePool
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
                                  model_identity=backend.identity, auth_token=cfg.auth_token,
-                                 request_timeout_s=cfg.request_timeout_s)
+                                 request_timeout_s=cfg.request_timeout_s,
+                                 wait_for_nodes_s=cfg.wait_for_nodes_s,
+                                 on_wait=NodeWaitReporter(self.console, self.status))
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=backend.identity.num_layers,
@@ -275,6 +282,8 @@ class Trainer:
         self._prompt_lock = threading.Lock()
         self.prefetcher = Prefetcher(self._generate_step, depth=cfg.async_steps,
                                      last_step=cfg.steps)
+        if self.pool is not None:
+            self._start_probation()
 
     # ================================================================== steps
 
@@ -309,16 +318,25 @@ class Trainer:
 
         cfg = self.cfg
         items, prompt_ids = self._step_prompts(step)
-        return build_batch(step, self.prefetcher.get(step), items, prompt_ids,
-                           lineage=self.state.lineage, bound=cfg.staleness_bound,
-                           rewards=self.rewards, scale_rewards=cfg.scale_rewards,
-                           advantage_eps=cfg.advantage_eps)
+        batch = build_batch(step, self.prefetcher.get(step), items, prompt_ids,
+                            lineage=self.state.lineage, bound=cfg.staleness_bound,
+                            rewards=self.rewards, scale_rewards=cfg.scale_rewards,
+                            advantage_eps=cfg.advantage_eps, flagged=self._flagged_nodes())
+        if batch.excluded:
+            from gridrl.trainer import metrics
+
+            for node, n in batch.excluded.items():
+                metrics.EXCLUDED_SAMPLES.labels(node).inc(n)
+                log.warning("step %d: %d sample(s) of flagged node %s kept out of the update",
+                            step, n, node)
+        return batch
 
     def _train(self, seqs: Sequence[TrainSequence]) -> UpdateStats | None:
         if not seqs:
             return None
         assert self.backend is not None
-        return self.backend.update(seqs)
+        with self._backend_lock:  # a flagged node's check scores with the weights (probation)
+            return self.backend.update(seqs)
 
     def _sync(self, step: int, *, force: bool = False) -> SyncOutcome:
         """Push the adapter to every node (rank 0, remote nodes, every --sync-every steps, or
@@ -329,7 +347,8 @@ class Trainer:
         from gridrl.adapters import build_manifest
 
         start = time.perf_counter()
-        files = self.backend.adapter_files()
+        with self._backend_lock:
+            files = self.backend.adapter_files()
         # No digests in the header: each push hashes its bytes while they stream (trailer).
         manifest = build_manifest(files, name=self.sync.name, version=self.state.version,
                                   base_model=self.backend.identity, hash_files=False).to_dict()
@@ -346,12 +365,14 @@ class Trainer:
                            lagging_nodes=lagging)
 
     def _evaluate(self) -> EvalResult:
-        return self.evaluator.run(self.state.version)
+        with self._backend_lock:
+            return self.evaluator.run(self.state.version)
 
     def _checkpoint(self, step: int) -> Path:
         assert self.run_dir is not None
-        return save_checkpoint(self.run_dir.checkpoints, step=step,
-                               files=self.backend.checkpoint_files(),
+        with self._backend_lock:
+            files = self.backend.checkpoint_files()
+        return save_checkpoint(self.run_dir.checkpoints, step=step, files=files,
                                state=self.state.to_json(),
                                config=self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
 
@@ -386,7 +407,7 @@ class Trainer:
             self._close()
 
     def _close(self) -> None:
-        for closer in (self.prefetcher, self.sync, self.source):
+        for closer in (self.probation, self.prefetcher, self.sync, self.source):
             if closer is not None:
                 try:
                     closer.close()
@@ -500,13 +521,44 @@ class Trainer:
             from gridrl.trainer import metrics
 
             metrics.MISMATCH_KL_BOUND.set(self.monitor.bound(batch.per_node))
+        if self.probation is not None:  # nodes that passed a fresh check since
+            for node in self.probation.drain():
+                self.monitor.clear(node)
         newly = self.monitor.observe(step, batch.per_node)
         for node, why in newly.items():
             self._flagged_ever[node] = why
-            log.warning("NODE FLAGGED %s at step %d: %s", node, step, why)
+            benched = ""
+            if self.probation is not None:
+                self.probation.flag(node, why)
+                benched = ("; benched: no new groups, its samples kept out of the update until "
+                           "it serves the current policy version and passes a fresh mismatch "
+                           "check")
+            log.warning("NODE FLAGGED %s at step %d: %s%s", node, step, why, benched)
             self.console.print(f"[bold white on red] NODE FLAGGED [/] [bold red]{node}[/] at step "
-                               f"{step}: {why}")
+                               f"{step}: {why}{benched}")
         return dict(self.monitor.flagged)
+
+    def _start_probation(self) -> None:
+        """The thread that brings flagged nodes back (``probation.py``)."""
+        from gridrl.trainer.probation import Probation, fresh_mismatch_kl
+
+        cfg = self.cfg
+        self.probation = Probation(
+            self.pool, self.sync, console=self.console,
+            check_kl=lambda prompt, samples: fresh_mismatch_kl(
+                self.backend, prompt, samples, lock=self._backend_lock),
+            current_version=lambda: self.state.version,
+            bound=lambda node: self.monitor.bound_for(self._low_precision(node)),
+            prompt=self._step_prompts(1)[1][0],
+            sampling={"group_size": cfg.group_size, "max_tokens": cfg.max_tokens,
+                      "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k})
+        self.probation.start()
+
+    def _flagged_nodes(self) -> dict[str, str]:
+        """Nodes benched for their samples now (their samples stay out of the update)."""
+        if self.pool is None:
+            return {}
+        return {n.address: n.flagged for n in self.pool.nodes() if n.flagged}
 
     def _low_precision(self, node: str) -> bool:
         """Whether the trainer or rollout node ``node`` computes in a 16-bit float dtype."""
@@ -561,7 +613,8 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
         assert self.run_dir is not None
-        files = self.backend.adapter_files()
+        with self._backend_lock:
+            files = self.backend.adapter_files()
         mlx_error = None
         try:
             self.run_dir.write_final_adapter(files, self.backend.identity.num_layers)
