@@ -6,7 +6,10 @@ run directory (``versions.jsonl``), and the *lineage* maps every version of the 
 weights' history to the step that produced it. A sample's staleness is the trainer's step minus
 the step of the sample's version; samples older than the bound, or of a version outside the
 lineage (a killed run's last pushes, another run's adapter), are dropped and their node is
-flagged when it keeps happening (``monitor.py``).
+flagged when it keeps happening (``monitor.py``). A flagged node is benched: no new groups, its
+samples kept out of the update (``batch.build_batch(flagged=...)``), until the ``probation``
+thread (``probation.py``) has re-pushed the current adapter and passed a fresh mismatch check
+of it, scored with the backend under ``_backend_lock``.
 
 The model side (weights, gradients, optimizer, local sampling, checkpoint state) is the
 ``--backend``'s (:class:`gridrl.trainer.backend.TrainerBackend`); this module imports no tensor
