@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from gridrl.common.errors import StatusError
+from gridrl.common.faults import pause_in_stream, pause_point
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
@@ -125,6 +126,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         job = validate_generate(request, node.limits, node.codec.encode)
         future = node.engine.submit(job)
         context.add_callback(future.cancel)  # drops it from the queue if the client leaves
+        pause_point("rollout.generate")  # test-only (gridrl.common.faults): kill here
         try:
             outcome: GenerateOutcome = future.result()
         except concurrent.futures.CancelledError as e:
@@ -142,7 +144,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     ) -> rollout_pb2.PushAdapterResponse:
         """Receive an adapter (header, then chunks), verify, convert, store and serve it.
         See :meth:`gridrl.rollout.adapter_manager.AdapterManager.push` for the errors."""
-        return self._node.adapters.push(request_iterator)
+        # test-only pause after the header (gridrl.common.faults): kill mid-push
+        return self._node.adapters.push(pause_in_stream(request_iterator, "rollout.push"))
 
     def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
                       context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
