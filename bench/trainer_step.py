@@ -5,7 +5,7 @@ all-linear LoRA, then per step sample 2 reverse-words prompts x 8 completions x 
 with ``TrainerBackend.generate`` (``--rollout local``) and run ``TrainerBackend.update`` on
 them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio of the step.
 
-    python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2]
+    python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2] [--model M]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.tasks import ReverseWords, encode_chat
 
 
-def measure(backend_name: str, steps: int) -> list[dict]:
+def measure(backend_name: str, steps: int, model: str) -> list[dict]:
     """Per step: sample and update wall/CPU seconds on ``backend_name``."""
-    cfg = TrainConfig(model="smollm2-135m-instruct", backend=backend_name, lora_rank=16,
+    cfg = TrainConfig(model=model, backend=backend_name, lora_rank=16,
                       lora_alpha=32.0, lr=3e-4, steps=60, max_tokens=24, temperature=1.0,
                       rollout=["local"], run_dir="unused", seed=0).finalize()
     backend = create_backend(cfg)
@@ -59,14 +59,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", action="append", choices=["torch", "mlx"])
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
     args = parser.parse_args()
     print(machine())
-    rows = [r for b in (args.backend or ["torch", "mlx"]) for r in measure(b, args.steps)]
+    rows = [r for b in (args.backend or ["torch", "mlx"]) for r in measure(b, args.steps, args.model)]
     header = list(rows[0])
     print(table([[str(r[k]) for k in header] for r in rows], header))
     last = {r["backend"]: r["step s"] for r in rows}
     if {"torch", "mlx"} <= set(last):
-        print(f"mlx / torch, last step: {last['mlx'] / last['torch']:.1f}x")
+        print(f"mlx / torch, last step: {last['mlx'] / last['torch']:.2f}x")
 
 
 if __name__ == "__main__":
