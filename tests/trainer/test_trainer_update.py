@@ -4,6 +4,7 @@ optimizer step on a tiny llama."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -304,3 +305,73 @@ def test_rng_state_round_trip():
     torch.manual_seed(99)
     set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def _behaviour_shifted(pol, shift_first: float) -> list[TrainSequence]:
+    """The test sequences with the policy's own logprobs as behaviour, the first sequence's
+    lowered by ``shift_first`` (its importance ratio is exp(shift_first) on every token)."""
+    pol.model.eval()
+    out = []
+    for i, s in enumerate(_sequences()):
+        lp = _unpadded_logprobs(pol, s, 1.0) - (shift_first if i == 0 else 0.0)
+        out.append(TrainSequence(s.prompt_ids, s.completion_ids, tuple(lp.tolist()),
+                                 s.advantage, s.group))
+    return out
+
+
+def _step(policy, seqs, **cfg):
+    pol = _fresh(policy)
+    opt = make_optimizer(pol.trainable_parameters(), lr=1e-2)
+    stats = grpo_update(pol, opt, None, seqs, UpdateConfig(temperature=1.0, max_tokens=8, **cfg))
+    return stats, pol.adapter_state()
+
+
+def _assert_same_state(a, b):
+    for k, v in a.items():
+        assert torch.allclose(b[k], v, atol=1e-6), k
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_masked_is_drops_the_off_policy_sequence(policy, level):
+    """Sequence 0 sampled by a policy e times less likely on each of its 3 tokens (ratio
+    e > cap 2, token or sequence level): MIS removes it, which is the uncorrected update of the
+    other, on-policy sequences with sequence 0's advantage set to 0."""
+    seqs = _behaviour_shifted(policy, 1.0)
+    stats, state = _step(policy, seqs, is_correction="mis", is_level=level, is_cap=2.0)
+    zeroed = [dataclasses.replace(seqs[0], advantage=0.0), *seqs[1:]]
+    ref_stats, ref_state = _step(policy, zeroed)
+    _assert_same_state(ref_state, state)
+    e3 = math.exp(3.0) if level == "sequence" else math.e
+    units = 4 if level == "sequence" else 14
+    assert stats.is_weight_max == pytest.approx(e3, rel=1e-4)
+    assert stats.is_limited_fraction == pytest.approx((1 if level == "sequence" else 3) / units)
+    assert stats.is_weight_mean == pytest.approx(
+        (e3 * (1 if level == "sequence" else 3) + units - (1 if level == "sequence" else 3))
+        / units, rel=1e-4)
+    assert ref_stats.is_weight_mean is None and ref_stats.is_limited_fraction is None
+
+
+def test_truncated_is_caps_the_weight_where_the_clip_would_zero_the_gradient(policy):
+    """Without correction, sequence 0 (ratio e, advantage +1) takes the PPO clip: no gradient.
+    TIS (cap 2) weighs it 2: the update of on-policy sequences with its advantage doubled."""
+    seqs = _behaviour_shifted(policy, 1.0)
+    plain, plain_state = _step(policy, seqs)
+    assert plain.clip_fraction == pytest.approx(3 / 14)
+    stats, state = _step(policy, seqs, is_correction="tis", is_cap=2.0)
+    on_policy = _behaviour_shifted(policy, 0.0)
+    doubled = [dataclasses.replace(on_policy[0], advantage=2.0), *on_policy[1:]]
+    _, ref_state = _step(policy, doubled)
+    _assert_same_state(ref_state, state)
+    assert stats.clip_fraction == 0.0 and stats.is_limited_fraction == pytest.approx(3 / 14)
+    with pytest.raises(AssertionError):
+        _assert_same_state(plain_state, state)
+
+
+def test_on_policy_is_correction_changes_nothing(policy):
+    seqs = _behaviour_shifted(policy, 0.0)
+    _, ref_state = _step(policy, seqs)
+    for correction in ("tis", "mis"):
+        stats, state = _step(policy, seqs, is_correction=correction, is_level="sequence")
+        _assert_same_state(ref_state, state)
+        assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-5)
+        assert stats.is_limited_fraction == 0.0

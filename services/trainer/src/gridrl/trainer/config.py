@@ -154,6 +154,15 @@ class TrainConfig:
         "sequence", "sequence: mean per sequence then mean (GRPO); token: over all tokens "
         "(DAPO); constant: / (N * max_tokens) (Dr. GRPO).",
         choices=("sequence", "token", "constant"))
+    is_correction: str = setting(
+        "none", "Importance-sampling correction against the behaviour logprobs (stale or "
+        "16-bit samples): none (PPO clip against the behaviour policy only), tis (truncated "
+        "IS, Yao et al. 2025), mis (masked IS).", choices=("none", "tis", "mis"))
+    is_level: str = setting("token", "Importance ratio per token or per sequence.",
+                            choices=("token", "sequence"))
+    is_cap: float = setting(
+        2.0, "Cap C of the importance ratio: tis truncates to C, mis drops tokens (or "
+        "sequences) above C.", check=above(0))
     micro_batch_size: int = setting(
         0, "Sequences per forward/backward (0: all of a step at once).", check=NON_NEGATIVE)
     # optimiser
