@@ -100,7 +100,7 @@ def trl_settings(cfg: Any) -> dict[str, Any]:
     return {k: from_cfg[k] if v is None else v for k, (v, _) in TRL_MATCH.items()}
 
 
-def run_trl(seed: int, steps: int, extra: list[str], out: Path) -> None:
+def run_trl(seed: int, steps: int, extra: list[str], out: Path, threads: int = 0) -> None:
     """One TRL run (in this process); writes the evals and step times to ``out`` (JSON)."""
     import torch
     from datasets import Dataset
@@ -113,6 +113,7 @@ def run_trl(seed: int, steps: int, extra: list[str], out: Path) -> None:
 
     cfg = train_config(seed, steps, extra)
     cfg.rollout = ["local"]
+    cfg.threads = threads
     backend = TorchTrainerBackend.from_config(cfg)  # model + LoRA exactly as gridrl's trainer
     task = make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_tasks,
                      min_words=cfg.min_words, max_words=cfg.max_words)
@@ -175,11 +176,13 @@ def run_trl(seed: int, steps: int, extra: list[str], out: Path) -> None:
                                "step_s": times["step"], "settings": settings}))
 
 
-def run_gridrl(seed: int, steps: int, extra: list[str], work: Path) -> dict[str, Any]:
+def run_gridrl(seed: int, steps: int, extra: list[str], work: Path,
+               threads: int = 0) -> dict[str, Any]:
     """One ``python -m gridrl.trainer.demo`` run; its evals and step times from log.jsonl."""
     run = work / f"gridrl-{seed}"
-    subprocess.run([sys.executable, "-m", "gridrl.trainer.demo", "--run-dir", str(run), "--",
-                    "--steps", str(steps), "--seed", str(seed), *extra], check=False)
+    subprocess.run([sys.executable, "-m", "gridrl.trainer.demo", "--run-dir", str(run),
+                    "--node-threads", str(threads), "--", "--steps", str(steps), "--seed",
+                    str(seed), "--threads", str(threads), *extra], check=False)
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     base = next(r for r in records if r.get("event") == "baseline")
     steps_rec = [r for r in records if r.get("step")]
@@ -229,13 +232,17 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.61)
     ap.add_argument("--flags", default="", help="extra gridrl-trainer flags for both sides "
                     "(e.g. '--eval-tasks 64'), applied after the demo's")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads of every process (TRL's, gridrl's trainer and node; "
+                    "0: torch's default). On a machine others load, 1 avoids OpenMP threads "
+                    "spinning against each other")
     ap.add_argument("--only", choices=("both", "trl", "gridrl"), default="both")
     ap.add_argument("--trl-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     extra = args.flags.split()
     if args.trl_worker is not None:
-        run_trl(args.trl_worker, args.steps, extra, Path(args.out))
+        run_trl(args.trl_worker, args.steps, extra, Path(args.out), args.threads)
         return
     print(f"machine: {machine()}")
     import trl
@@ -251,12 +258,13 @@ def main() -> None:
         if args.only in ("both", "trl"):
             out = work / f"trl-{seed}.json"
             subprocess.run([sys.executable, __file__, "--trl-worker", str(seed), "--steps",
-                            str(args.steps), "--flags", args.flags, "--out", str(out)],
+                            str(args.steps), "--flags", args.flags, "--out", str(out),
+                            "--threads", str(args.threads)],
                            check=True)
             results["TRL"].append(summarize(json.loads(out.read_text()), args.target))
         if args.only in ("both", "gridrl"):
-            results["gridrl"].append(summarize(run_gridrl(seed, args.steps, extra, work),
-                                               args.target))
+            results["gridrl"].append(summarize(
+                run_gridrl(seed, args.steps, extra, work, args.threads), args.target))
     rows = []
     for name, runs in results.items():
         for seed, s in zip(seeds, runs, strict=False):

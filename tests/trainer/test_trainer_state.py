@@ -68,7 +68,7 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
     assert cfg.local and cfg.rollout == ["local"] and cfg.staleness_bound == 0
     assert (cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.lr, cfg.lora_rank,
             cfg.lora_alpha, cfg.clip_eps, cfg.eval_every, cfg.eval_tasks) == (
-        1, 8, 40, 1e-4, 16, 32.0, 0.2, 10, 16)
+        1, 8, 40, 1e-4, 16, 32.0, 0.2, 10, 280)
     remote = TrainConfig(rollout=["h:1"], sync_every=3, async_steps=2).finalize()
     assert remote.staleness_bound == 4
     with pytest.raises(StatusError, match="--max-staleness"):
