@@ -37,7 +37,7 @@ DEMO_FLAGS: list[str] = [
     "--task", "reverse-words", "--min-words", "3", "--max-words", "4",
     "--steps", "60", "--prompts-per-step", "2", "--group-size", "8", "--max-tokens", "24",
     "--temperature", "1.0", "--lr", "3e-4", "--lora-rank", "16", "--lora-alpha", "32",
-    "--sync-every", "1", "--async-steps", "0", "--eval-every", "5",
+    "--sync-every", "1", "--async-steps", "0", "--eval-every", "10",
     "--checkpoint-every", "10",
 ]
 
