@@ -375,3 +375,44 @@ def test_on_policy_is_correction_changes_nothing(policy):
         _assert_same_state(ref_state, state)
         assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-5)
         assert stats.is_limited_fraction == 0.0
+
+
+class _GradientRecorder(torch.optim.SGD):
+    """Records the gradients at ``step`` and changes nothing (lr 0)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.params, self.grads = params, []
+
+    def step(self, closure=None):
+        self.grads = [p.grad.detach().clone() for p in self.params]
+
+
+def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy):
+    """--update-dtype bfloat16: the forward/backward under autocast gives the float32 update's
+    gradient to bfloat16 rounding (cosine > 0.99), and the LoRA weights, their gradients and
+    AdamW's state stay float32."""
+    seqs = _behaviour_shifted(policy, 0.0)
+    grads = {}
+    for dtype in ("float32", "bfloat16"):
+        pol = _fresh(policy)
+        with torch.no_grad():  # non-zero B so that every LoRA factor has a gradient
+            for name, p in pol.model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01)
+        rec = _GradientRecorder(pol.trainable_parameters())
+        stats = grpo_update(pol, rec, None, seqs, UpdateConfig(
+            temperature=1.0, max_tokens=8, update_dtype=dtype, max_grad_norm=0.0))
+        assert all(g.dtype == torch.float32 for g in rec.grads)
+        grads[dtype] = torch.cat([g.reshape(-1) for g in rec.grads])
+        if dtype == "bfloat16":
+            assert 0 < stats.mismatch_kl < 0.1  # bf16 rounding, within --mismatch-kl-max-16bit
+    cos = torch.nn.functional.cosine_similarity(grads["float32"], grads["bfloat16"], dim=0)
+    assert cos > 0.99
+    assert not torch.equal(grads["float32"], grads["bfloat16"])  # bf16 products did run
+    pol = _fresh(policy)
+    opt = make_optimizer(pol.trainable_parameters(), lr=1e-2)
+    grpo_update(pol, opt, None, seqs, UpdateConfig(max_tokens=8, update_dtype="bfloat16"))
+    assert all(p.dtype == torch.float32 for p in pol.trainable_parameters())
+    assert all(v.dtype == torch.float32 for st in opt.state.values() for k, v in st.items()
+               if k in ("exp_avg", "exp_avg_sq"))

@@ -141,6 +141,10 @@ class UpdateConfig:
             (:func:`gridrl.trainer.grpo_torch.importance_weights`).
         is_level: ``"token"`` or ``"sequence"`` ratios.
         is_cap: the cap ``C`` of the ratio (TIS truncates to it, MIS drops what exceeds it).
+        update_dtype: ``"float32"``, or ``"bfloat16"``: the update's forward and backward
+            run under autocast (mixed precision, Micikevicius et al. 2018, arXiv:1710.03740:
+            float32 master weights, gradients and optimizer state; logprobs and the loss in
+            float32 from bfloat16 logits).
     """
 
     temperature: float = 1.0
@@ -157,6 +161,7 @@ class UpdateConfig:
     is_correction: str = "none"
     is_level: str = "token"
     is_cap: float = 2.0
+    update_dtype: str = "float32"
 
     @property
     def truncated(self) -> bool:
@@ -170,7 +175,7 @@ class UpdateConfig:
                    beta=cfg.kl_beta, aggregation=cfg.loss_aggregation, max_tokens=cfg.max_tokens,
                    micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                    top_p=cfg.top_p, top_k=cfg.top_k, is_correction=cfg.is_correction,
-                   is_level=cfg.is_level, is_cap=cfg.is_cap)
+                   is_level=cfg.is_level, is_cap=cfg.is_cap, update_dtype=cfg.update_dtype)
 
 
 @dataclass

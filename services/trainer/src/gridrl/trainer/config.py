@@ -224,6 +224,11 @@ class TrainConfig:
                            "and trains them.", choices=tuple(BACKENDS))
     device: str = setting("auto", "auto, cpu, cuda, cuda:1...", on_resume=True)
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16.")
+    update_dtype: str = setting(
+        "float32", "Dtype of the update's forward and backward (torch autocast); the LoRA master "
+        "weights, their gradients and the AdamW state stay float32. bfloat16 pays on CUDA and "
+        "on CPUs with AMX or AVX-512-bf16; it raises the mismatch KL against float32 nodes "
+        "(the 16-bit bound applies).", choices=("float32", "bfloat16"))
     threads: int = setting(
         0, "torch intra-op CPU threads (0: torch's default, one per core). On a machine "
         "shared with rollout nodes, give each process its share.", check=NON_NEGATIVE,

@@ -106,7 +106,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
+            with autocast(cfg, device):
+                logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
             logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"],
                                                   cfg.temperature)
             seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
@@ -114,8 +115,9 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             del logits
             ref_logp = None
             if cfg.beta:
-                ref_logits = policy.reference_logits(batch["input_ids"], batch["attention_mask"],
-                                                     width)
+                with autocast(cfg, device):
+                    ref_logits = policy.reference_logits(batch["input_ids"],
+                                                         batch["attention_mask"], width)
                 ref_logp = grpo_torch.completion_logprobs(ref_logits, batch["completion_ids"],
                                                           cfg.temperature)
                 del ref_logits
@@ -172,6 +174,15 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 
 _TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mismatch KL
+
+
+def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bfloat16 on ``device`` when ``cfg.update_dtype`` is
+    ``"bfloat16"`` (products in bfloat16, parameters and their gradients stay float32), else a
+    no-op context."""
+    if cfg.update_dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
