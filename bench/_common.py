@@ -99,6 +99,68 @@ class Proc:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class Channels:
+    """How the benchmark talks to the nodes it starts: plaintext, or with ``secure`` as across
+    machines (mutual TLS, the node accepting a trainer credential; certificates and tokens made
+    for the run, removed by :meth:`close`).
+
+    ``node_flags`` go on each ``gridrl-rollout serve``; ``security`` is what the benchmark
+    dials with (``gridrl.common.channel.dial(address, channels.security)``).
+    """
+
+    def __init__(self, secure: bool) -> None:
+        self.secure = secure
+        self.node_flags: list[str] = []
+        self.security = None
+        self._dir: Path | None = None
+        if secure:
+            from gridrl.common.auth import read_token_file
+            from gridrl.common.certs import local_identities
+            from gridrl.common.security import Security
+            from gridrl.common.tls import TlsFiles
+
+            self._dir = Path(tempfile.mkdtemp(prefix="bench-credentials-"))
+            ids = local_identities(self._dir, {"node": None, "bench": "trainer"})
+            self.node_flags = ids["node"].server_flags()
+            me = ids["bench"]
+            self.security = Security(tls=TlsFiles(str(me.cert), str(me.key), str(me.ca)),
+                                     token=read_token_file(me.token))
+
+    def describe(self) -> str:
+        return ("mutual TLS, trainer-scoped bearer token" if self.secure
+                else "plaintext, no credential (loopback)")
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def resident_mb(pid: int) -> tuple[float, float]:
+    """(resident set size now, its peak so far) of process ``pid`` in MB (10^6 bytes), from
+    /proc (Linux; (nan, nan) elsewhere)."""
+    values = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024 / 1e6
+    except (OSError, ValueError):
+        pass
+    return values.get("VmRSS", float("nan")), values.get("VmHWM", float("nan"))
+
+
+def runtime_floor_mb(imports: str) -> float:
+    """Resident MB of a fresh interpreter after ``imports`` (Python statements): what a
+    service's libraries cost before it loads a model."""
+    code = f"{imports}\nimport os\nprint(open(f'/proc/{{os.getpid()}}/status').read())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    for line in out.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    return float("nan")
+
+
 def table(rows: list[list[str]], header: list[str]) -> str:
     """A plain-text table (also valid Markdown)."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

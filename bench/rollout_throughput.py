@@ -12,7 +12,15 @@ used: the memory-bandwidth bound (every decode step reads all weights once: batc
 weight bytes) and the compute bound (a token costs ~2 FLOPs a parameter: GEMM peak FLOP/s /
 (2 * params), the peak measured with a large square product in the same run).
 
-    python bench/rollout_throughput.py [--repeats 3] [--skip-mlx]
+    python bench/rollout_throughput.py [--repeats 3] [--skip-mlx] [--secure]
+
+``--secure``: the nodes serve mutual TLS and check a trainer-scoped credential, as across
+machines.
+
+A second table gives each node's resident memory (RSS from /proc: after start-up, after the
+decoding above, and its peak) against the bytes of its weights in the dtype it serves: the
+ratio RSS / weights, and the same for the model's part, RSS minus the runtime floor (RSS of a
+fresh interpreter with the node's libraries imported and the tokenizer loaded, no model).
 """
 
 from __future__ import annotations
@@ -24,7 +32,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Proc, machine, matmul_gflops, read_bandwidth_gbs, table
+from _common import (
+    Channels,
+    Proc,
+    machine,
+    matmul_gflops,
+    read_bandwidth_gbs,
+    resident_mb,
+    runtime_floor_mb,
+    table,
+)
 
 PROMPT = "Write a long, detailed story about a lighthouse keeper and a storm."
 N, MAX_TOKENS = 8, 40
@@ -75,22 +92,23 @@ def save_random_adapter(model_dir: str, out: Path) -> None:
     policy.save_adapter(out)
 
 
-def serve_adapter(address: str, path: str) -> None:
+def serve_adapter(address: str, path: str, security=None) -> None:
     """ReloadAdapter(path) on the node: it serves that adapter from then on."""
     from gridrl.common.channel import dial
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address, security))
     reply = stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(path=path), timeout=120)
     assert reply.serving.name, reply
 
 
-def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N) -> tuple[float, float]:
+def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N,
+                    security=None) -> tuple[float, float]:
     """Generate through gRPC; returns (best tok/s, mean completion length)."""
     from gridrl.common.channel import dial
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address, security))
     req = rollout_pb2.GenerateRequest(
         prompt_text=PROMPT, apply_chat_template=True,
         sampling=common_pb2.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
@@ -112,7 +130,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-mlx", action="store_true")
     ap.add_argument("--mlx-tokens", type=int, default=8, help="new tokens per MLX sample")
+    ap.add_argument("--secure", action="store_true",
+                    help="mutual TLS and a scoped credential, as across machines")
     args = ap.parse_args()
+    channels = Channels(args.secure)
 
     from gridrl.models import resolve_model
 
@@ -129,22 +150,64 @@ def main() -> None:
         return flops[dtype] * 1e9 / (2 * params)
 
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    memory: list[list[str]] = []
     try:
-        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows)
+        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows, channels,
+                      Memory(model_dir, params, memory))
     finally:
+        channels.close()
         shutil.rmtree(adapter_root, ignore_errors=True)
     print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; GEMM peak "
           f"{flops['float32']:.0f} GFLOP/s float32, {flops['bfloat16']:.0f} bfloat16; "
           f"model {params / 1e6:.1f} M params")
     print(f"workload: 1 group of n={N} x up to {MAX_TOKENS} new tokens, temperature 1; best of "
-          f"{args.repeats}")
+          f"{args.repeats}; channel: {channels.describe()}")
     print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
                        "compute bound tok/s", "of the lower"]))
+    print("\nresident memory (MB = 10^6 bytes); runtime floor: libraries and tokenizer, no model")
+    print(table(memory, ["node", "weights MB", "runtime floor MB", "RSS after start-up",
+                         "after decoding", "peak", "RSS / weights (start-up, after)",
+                         "(RSS - floor) / weights"]))
+
+
+#: what each kind of node imports before it loads a model
+FLOOR_IMPORTS = {
+    "torch": "import torch, transformers, peft, grpc\n"
+             "import gridrl.rollout.server, gridrl.engine.backends.torch\n",
+    "mlx": "import mlx.core, mlx_lm, transformers, grpc\n"
+           "import gridrl.rollout.server, gridrl.engine.backends.mlx\n",
+}
+
+
+class Memory:
+    """Collects the resident-memory rows: one per node, read from /proc/<pid>/status."""
+
+    def __init__(self, model_dir: str, params: int, rows: list[list[str]]) -> None:
+        self.model_dir, self.params, self.rows = model_dir, params, rows
+        self._floor: dict[str, float] = {}
+
+    def floor(self, backend: str) -> float:
+        if backend not in self._floor:
+            self._floor[backend] = runtime_floor_mb(
+                FLOOR_IMPORTS[backend] + "from transformers import AutoTokenizer\n"
+                f"AutoTokenizer.from_pretrained({self.model_dir!r})")
+        return self._floor[backend]
+
+    def add(self, label: str, backend: str, nbytes: int, started: float, pid: int) -> None:
+        """One row for the node ``pid`` that had ``started`` MB resident after start-up."""
+        after, peak = resident_mb(pid)
+        weights = self.params * nbytes / 1e6
+        floor = self.floor(backend)
+        self.rows.append([label, f"{weights:.0f}", f"{floor:.0f}", f"{started:.0f}",
+                          f"{after:.0f}", f"{peak:.0f}",
+                          f"{started / weights:.2f}x, {after / weights:.2f}x",
+                          f"{(started - floor) / weights:.2f}x, {(after - floor) / weights:.2f}x"])
 
 
 def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, base: float,
-                  bound, compute_bound, rows: list[list[str]]) -> None:
-    """Start each node configuration in turn and add its row to ``rows``."""
+                  bound, compute_bound, rows: list[list[str]], channels: Channels,
+                  memory: Memory) -> None:
+    """Start each node configuration in turn and add its rows to ``rows`` and ``memory``."""
     save_random_adapter(model_dir, adapter_root / "r16")
     for forward, dtype, nbytes, adapter in (("lean", "float32", 4, False),
                                             ("lean", "float32", 4, True),
@@ -153,23 +216,32 @@ def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, 
         node = Proc(["gridrl-rollout", "serve", "--backend", "torch", "--model", model_dir,
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--dtype", dtype,
                      "--forward", forward, "--capacity", "64",
-                     "--adapter-root", str(adapter_root)], f"torch-{forward}-{dtype}")
+                     "--adapter-root", str(adapter_root), *channels.node_flags],
+                    f"torch-{forward}-{dtype}")
+        label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         try:
+            started, _ = resident_mb(node.proc.pid)
             if adapter:
-                serve_adapter(node.address, "r16")
-            tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS)
+                serve_adapter(node.address, "r16", channels.security)
+            tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS,
+                                            security=channels.security)
+            memory.add(f"torch, {forward} forward, {dtype}" + (", r16 LoRA" if adapter else ""),
+                       "torch", nbytes, started, node.proc.pid)
         finally:
             node.stop()
         b, c = bound(nbytes), compute_bound(dtype)
-        label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         rows.append([f"{label} (mean {mean_len:.0f} tok/sample)", dtype,
                      f"{tps:.1f}", f"{tps / base:.2f}x", f"{b:.0f}", f"{c:.0f}",
                      f"{tps / min(b, c):.0%}"])
     if not args.skip_mlx:
         node = Proc(["gridrl-rollout", "serve", "--backend", "mlx", "--model", model_dir,
-                     "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "mlx")
+                     "--listen", "127.0.0.1:0", "--metrics-port", "-1", *channels.node_flags],
+                    "mlx")
         try:
-            tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens)
+            started, _ = resident_mb(node.proc.pid)
+            tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens,
+                                            security=channels.security)
+            memory.add("mlx, float32", "mlx", 4, started, node.proc.pid)
         finally:
             node.stop()
         b, c = bound(4), compute_bound("float32")

@@ -1,4 +1,5 @@
-"""Helpers shared by the rollout tests (imported as ``rollout_helpers``)."""
+"""Helpers shared by the rollout (node) tests (imported as ``rollout_helpers``); the model
+helpers (prompts, peft references) are in ``tests/engine_helpers.py``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from engine_helpers import PROMPT
 
 from gridrl.common.channel import dial
 from gridrl.common.transport import push_requests
-from gridrl.engine.contract import Backend, SequenceRequest, SequenceResult
+from gridrl.engine.contract import Backend, DecodeObserver, SequenceRequest, SequenceResult
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
-PROMPT = [5, 7, 9, 2, 6]  # "<|user|> the cat </s> <|assistant|>" in the tiny tokenizer
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 20.0, every: float = 0.01) -> None:
@@ -42,10 +42,15 @@ class GatedBackend(Backend):
             setattr(self, attr, getattr(inner, attr))
         self.vocab_size = getattr(inner, "vocab_size", inner.identity.vocab_size)
 
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
         self.entered += 1
-        assert self.gate.wait(60), "test never opened the gate"
-        return self.inner.generate(batch, adapter)
+        deadline = time.monotonic() + 60
+        while not self.gate.wait(0.01):  # an interruption lets a held batch go on, to stop
+            if observer is not None and observer.interrupted():  # at its first step
+                break
+            assert time.monotonic() < deadline, "test never opened the gate"
+        return self.inner.generate(batch, adapter, observer)
 
     def load_adapter(self, directory: Path, key: str) -> Any:
         return self.inner.load_adapter(directory, key)
@@ -102,66 +107,6 @@ def push_dir(stub, directory: Path, name: str, version: int, **kw: Any
                       **kw)
 
 
-def make_peft_adapter(base_dir: Path, out: Path, seed: int = 1, targets: Any = "all-linear",
-                      rank: int = 4, alpha: float = 8.0, std: float | None = None) -> Path:
-    """Save a random, non-zero peft LoRA for the model in ``base_dir`` (an adapter "trained
-    elsewhere"). ``std`` rescales A and B to that standard deviation (None: peft's init)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir))
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha,
-                                                  target_modules=targets,
-                                                  init_lora_weights=False))
-    if std is not None:
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0.0, std)
-    peft_model.save_pretrained(str(out))
-    return out
-
-
-def peft_reference(base_dir: Path, adapter_dir: Path | None) -> Any:
-    """The base model with ``adapter_dir`` loaded by peft (or the plain model), eval mode."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir)).eval()
-    return PeftModel.from_pretrained(model, str(adapter_dir)).eval() if adapter_dir else model
-
-
-def reference_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens by full forwards (no cache) and their log_softmax logprobs."""
-    import torch
-
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], reference_logprobs(model, prompt, ids[len(prompt):])
-
-
-def reference_logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
-    """Teacher-forced log_softmax logprobs of ``completion`` (temperature 1, no truncation)."""
-    import torch
-
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].tolist()
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one user message in the tokenizer's chat template."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-
 def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
     """Call ``fn`` and return the RpcError it raises (AssertionError if none)."""
     try:
@@ -174,4 +119,6 @@ def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
 def tree(root: Path) -> list[str]:
     """Every path under ``root`` (relative, sorted), hidden ones included."""
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
 

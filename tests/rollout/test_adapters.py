@@ -13,19 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from engine_helpers import PROMPT, make_peft_adapter, peft_reference, reference_greedy
 from prometheus_client import REGISTRY
-from rollout_helpers import (
-    PROMPT,
-    GatedBackend,
-    make_peft_adapter,
-    peft_reference,
-    push_dir,
-    push_files,
-    reference_greedy,
-    rpc_error,
-    tree,
-    wait_until,
-)
+from rollout_helpers import GatedBackend, push_dir, push_files, rpc_error, tree, wait_until
 
 from gridrl.adapters import build_manifest, convert_files, read_dir, write_dir
 from gridrl.common.transport import push_requests
@@ -299,10 +289,17 @@ def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> N
     outside = tmp_path / "outside"
     write_dir(read_dir(tiny_adapters["a"]), outside)
     (root / "link").symlink_to(outside)
+    # a directory inside the root whose weights file is a symlink to the adapter outside
+    write_dir(read_dir(tiny_adapters["b"]), root / "ops" / "trap")
+    weights = next(p for p in (root / "ops" / "trap").iterdir() if p.suffix == ".safetensors")
+    weights.unlink()
+    weights.symlink_to(outside / weights.name)
     for target, code, starts in (
             ({"path": "../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/../../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": str(outside)}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": "link"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/trap"}, grpc.StatusCode.INVALID_ARGUMENT, "path: 'ops/trap': "),
             ({"path": "nope"}, grpc.StatusCode.NOT_FOUND, "path: "),
             ({"path": "pushed"}, grpc.StatusCode.FAILED_PRECONDITION, "path: "),
             ({"version": 9}, grpc.StatusCode.NOT_FOUND, "version: "),

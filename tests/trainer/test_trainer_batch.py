@@ -94,7 +94,8 @@ def test_step_record_json_keeps_the_log_keys():
     base = dict(policy_version=5, data_position=8, elapsed_s=9.0, collect_s=2.5, train_s=1.0)
     always = {*STEP_REPORT_FIELDS, "rollout_wait_s", "collect_s", "staleness_max",
               "samples_used", "sampled_tokens", "solved_fraction", "groups_with_signal",
-              "reward_funcs", "nodes", "flagged_nodes", "updated", "data_position"}
+              "reward_funcs", "nodes", "flagged_nodes", "excluded_samples", "updated",
+              "data_position"}
     bare = StepRecord.of_step(batch, None, SyncOutcome(), None, {}, **base).to_json()
     assert set(bare) == always
     assert (bare["loss"], bare["mismatch_kl"], bare["updated"], bare["eval_score"]) == (
@@ -103,6 +104,12 @@ def test_step_record_json_keeps_the_log_keys():
                                   "staleness_mean": 0.5, "fresh_mismatch_kl": None}
     assert (bare["rollout_s"], bare["rollout_wait_s"], bare["tokens_per_s"]) == (2.0, 0.25, 5.0)
     assert (bare["staleness_max"], bare["samples_used"], bare["dropped_samples"]) == (1, 4, 2)
+    assert bare["excluded_samples"] == {}
+    kept_out = build_batch(4, _rollouts(), items, [[1, 2], [3]], lineage=LINEAGE, bound=1,
+                           rewards=_rewards, scale_rewards=False, advantage_eps=1e-4,
+                           flagged={"b": "mismatched"})
+    assert StepRecord.of_step(kept_out, None, SyncOutcome(), None, {"b": "mismatched"},
+                              **base).to_json()["excluded_samples"] == {"b": 3}
 
     stats = UpdateStats(loss=0.5, mismatch_kl=1e-3, per_sequence_mismatch_kl=[0.0] * 4,
                         clip_fraction=0.1, ref_kl=None, grad_norm=2.0, lr=1e-4, tokens=6)

@@ -240,3 +240,15 @@ def test_weighted_loss_ratio_runs_against_the_trainer_and_scales_the_gradient():
     # without weights: the behaviour ratio 3 with A = +1 takes the clipped branch, no gradient
     plain = grpo_torch.grpo_token_loss(IS_TRAINER, IS_BEHAVIOUR, adv, eps_low=0.2)
     assert plain.clipped[0, 2] and plain.loss[0, 2].item() == pytest.approx(-1.2)
+
+
+def test_framework_free_mismatch_kl_over_ragged_sequences():
+    """grpo.mismatch_kl (lists, a flagged node's fresh check) is grpo_torch.mismatch_kl's
+    mean over the same tokens."""
+    behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.5)]]
+    trainer = [[math.log(0.25), math.log(0.5)], [math.log(0.5)]]
+    assert grpo.mismatch_kl(trainer, behaviour) == pytest.approx(0.193147 / 3, abs=1e-6)
+    assert grpo.mismatch_kl([[-2.0 + 1e-6]], [[-2.0]]) == pytest.approx(5e-13, rel=0.1)
+    assert grpo.mismatch_kl([[], []], [[], []]) is None
+    with pytest.raises(ValueError):
+        grpo.mismatch_kl([[-1.0]], [[-1.0, -2.0]])

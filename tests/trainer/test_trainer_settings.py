@@ -24,12 +24,17 @@ from gridrl.trainer.config import RESUME_OVERRIDABLE, TrainConfig, default_of, f
 BIN = Path(sys.executable).parent
 RECORDED = json.loads((Path(__file__).parent / "data" / "trainer_run_flags.json").read_text())
 # run's options that are not run settings: where to resume from, and the ready file
-NOT_SETTINGS = {"resume", "ready_file"}
-# what --resume took from the new command line before the settings were declared once
+# --resume, --ready-file and the security flags of gridrl.common.cli.server_options (every
+# start's own; never saved with the run: TrainConfig.security)
+NOT_SETTINGS = {"resume", "ready_file", "tls_cert", "tls_key", "tls_ca", "authorized_tokens",
+                "insecure", "auth_token_file", "auth_token"}
+# what --resume took from the new command line before the settings were declared once (with
+# the node pool branch's --wait-for-nodes-s and the exports branch's --report-to; the auth
+# token is no setting since the security work: every start takes its credentials from its flags)
 RESUME_OVERRIDABLE_BEFORE = {
-    "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
-    "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "threads", "log_level"}
+    "steps", "master", "rollout", "report_to", "listen", "metrics_port", "request_timeout_s",
+    "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every",
+    "checkpoint_every", "keep_checkpoints", "device", "threads", "log_level"}
 
 
 def test_every_recorded_flag_is_still_there_unchanged():
@@ -49,7 +54,7 @@ def test_every_option_is_a_declared_setting_and_every_setting_an_option():
     --ready-file), with the field's default; generated flags are --<field-name> and read
     GRIDRL_TRAINER_<FLAG>."""
     options = {p.name: p for p in main.commands["run"].params if isinstance(p, click.Option)}
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"security"}  # no setting
     assert set(options) == fields | NOT_SETTINGS
     hints = typing.get_type_hints(TrainConfig)
     for name in fields:
@@ -81,6 +86,7 @@ def test_resume_takes_the_same_settings_from_the_command_line_as_before():
     (dict(lora_dropout=1.0), "--lora-dropout: must be in [0, 1), got 1.0"),
     (dict(warmup_steps=-1), "--warmup-steps: must be >= 0"),
     (dict(threads=-2), "--threads: must be >= 0, got -2"),
+    (dict(wait_for_nodes_s=-1.0), "--wait-for-nodes-s: must be >= 0, got -1.0"),
     (dict(backend="jax"), "--backend: must be"),
     (dict(run_name="my run/1"), "--run-name: 'my run/1' must match [A-Za-z0-9._-]+"),
     (dict(rollout=["local", "h:1"]), "--rollout: 'local' cannot be mixed"),

@@ -3,7 +3,7 @@ deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign a
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 from prometheus_client import REGISTRY
@@ -27,13 +27,16 @@ def farm():
 def make_sync():
     made: list[tuple[NodePool, AdapterSync]] = []
 
-    def make(nodes, deadline_s: float = 5.0, known_versions=None,
+    def make(nodes, deadline_s: float = 5.0, known_versions=None, listeners=(),
              **kw) -> tuple[NodePool, AdapterSync]:
+        """``listeners``: more pool listeners, called after the sync's."""
         kw.setdefault("probe_interval_s", 0.2)
         pool = NodePool(master=None, addresses=[n.address for n in nodes],
                         model_identity=IDENTITY, **kw)
         sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"],
                            deadline_s=deadline_s, known_versions=known_versions)
+        for fn in listeners:
+            pool.add_listener(fn)
         made.append((pool, sync))
         pool.start()
         return pool, sync
@@ -119,19 +122,25 @@ def test_mlx_nodes_receive_converted_files(farm, make_sync) -> None:
     assert set(mlx_node.pushed_files[0]) == {"adapter_config.json", "adapters.safetensors"}
 
 
-def test_restarted_node_is_caught_up(farm, make_sync) -> None:
+def test_restarted_node_is_caught_up_before_its_samples_are_used(farm, make_sync) -> None:
+    """A node that lost its adapter (restarted between two steps, unnoticed) answers a group
+    with base-model samples: the group is discarded, the node waits out of rotation for the
+    current adapter, gets it, and the group is sampled again on it, at version 1."""
     node = farm.start()
-    pool, sync = make_sync([node])
+    pool, sync = make_sync([node], wait_for_nodes_s=10)
     pool.wait_for_nodes(1, timeout_s=10)
     files, manifest = adapter(1)
     assert sync.push(1, files, manifest).synced == [node.address]
 
     node.adapter = ("", 0)  # the process restarted: it serves the base model again
     groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
-    assert {s.policy_version for s in groups[0].samples} == {0}  # honest about what it sampled
-    wait_until(lambda: node.adapter == (NAME, 1), 5, "the restarted node to get v1 again")
+    assert {s.policy_version for s in groups[0].samples} == {1}  # sampled after the catch-up
+    assert node.adapter == (NAME, 1)
     assert len(node.pushes) == 2 and node.pushed_files[-1] == files
-    wait_until(lambda: sync.lagging_nodes(1) == [], 5, "the pool to see v1 served")
+    assert len(node.generates) == 2  # the base-model group, then the one kept
+    state = pool.node(node.address)
+    assert state.in_rotation and not state.syncing
+    assert sync.lagging_nodes(1) == []
 
 
 def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> None:
@@ -154,9 +163,12 @@ def test_same_name_adapter_of_an_earlier_run_reset_to_base(farm, make_sync) -> N
 
 def test_resumed_run_keeps_a_node_on_its_own_lineage(farm, make_sync) -> None:
     node = farm.start(adapter=(NAME, 7))
-    pool, _sync = make_sync([node], known_versions=lambda: {0: 0, 6: 3, 7: 4})
+    seen = threading.Event()
+    pool, sync = make_sync([node], known_versions=lambda: {0: 0, 6: 3, 7: 4},
+                           listeners=[lambda state: seen.set()])
     pool.wait_for_nodes(1, timeout_s=10)
-    time.sleep(0.5)  # the listener has run (the node is in the pool); no reset followed
+    assert seen.wait(10), "the pool never announced the node"  # the sync's listener ran
+    sync.close()  # a reset the listener submitted would have run by now
     assert node.reloads == 0 and node.adapter == (NAME, 7)
 
 

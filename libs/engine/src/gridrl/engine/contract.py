@@ -21,16 +21,25 @@ A sequence stops after a token in ``eos_token_ids | stop_token_ids`` (included i
 
 Seeds: each sequence carries its own ``seed``; the same seed, weights and prompt give the same
 tokens regardless of what else is in the batch (up to float rounding changing an argmax).
+
+Decode hooks: ``generate`` takes an optional :class:`DecodeObserver`. Every backend calls its
+``on_tokens`` once per decode step with the tokens just drawn (the first call right after the
+prefill, with each row's first token), in the order they are drawn, so a caller can stream
+tokens or act on them before the batch ends; the lists it received for a row, concatenated,
+equal that row's final ``SequenceResult``. Between two decode steps (and between prefills) it
+asks ``interrupted()``; on True the backend stops at once and raises
+:class:`DecodeInterrupted`, keeping nothing of the batch: the same requests resubmitted on
+the same weights sample the same tokens again (their seeds fix every draw).
 """
 
 from __future__ import annotations
 
 import abc
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gridrl.models import ModelIdentity
 
@@ -79,17 +88,64 @@ class SequenceResult:
     finish_reason: FinishReason = "length"
 
 
-def check_batch(batch: list[SequenceRequest]) -> None:
+@runtime_checkable
+class DecodeObserver(Protocol):
+    """Watches a :meth:`Backend.generate` call step by step, and may stop it.
+
+    Both methods run on the thread that called ``generate``, between the backend's device
+    work, so they should return quickly (hand tokens to a queue rather than sending them).
+    """
+
+    def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> None:
+        """The tokens of one decode step, one per row still decoding.
+
+        Args:
+            rows: indices into the ``batch`` given to ``generate``, ascending; a row that has
+                finished (stop token or ``max_tokens``) is absent from later calls.
+            token_ids: the token drawn for each row, aligned with ``rows``.
+            logprobs: each token's behaviour logprob (natural log, the value the row's
+                ``SequenceResult`` will hold), aligned with ``rows``.
+        """
+
+    def interrupted(self) -> bool:
+        """True to stop the call: the backend raises :class:`DecodeInterrupted` before its
+        next decode step."""
+
+
+class DecodeInterrupted(Exception):
+    """:meth:`Backend.generate` stopped because its observer's ``interrupted()`` returned True.
+
+    Nothing of the batch is kept and nothing else changed (adapters, caches of other calls):
+    resubmitting the same requests gives the tokens an uninterrupted call would have given.
+
+    Attributes:
+        steps: decode steps completed (tokens drawn per live row) before it stopped.
+    """
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(f"decoding interrupted after {steps} step(s)")
+        self.steps = steps
+
+
+def check_batch(batch: list[SequenceRequest], max_context: int | None = None) -> None:
     """The preconditions of :meth:`Backend.generate` shared by every backend.
 
+    Args:
+        max_context: the backend's context limit (``identity.max_context``), or None.
     Raises:
-        ValueError: ``batch[i].prompt_ids`` is empty or ``batch[i].sampling.max_tokens < 1``.
+        ValueError: ``batch[i].prompt_ids`` is empty, ``batch[i].sampling.max_tokens < 1``,
+            or prompt + ``max_tokens`` exceeds ``max_context``.
     """
     for i, req in enumerate(batch):
         if not req.prompt_ids:
             raise ValueError(f"batch[{i}].prompt_ids is empty")
         if req.sampling.max_tokens < 1:
             raise ValueError(f"batch[{i}].sampling.max_tokens must be >= 1")
+        if max_context is not None and len(req.prompt_ids) + req.sampling.max_tokens > max_context:
+            raise ValueError(f"batch[{i}]: prompt ({len(req.prompt_ids)} tokens) + max_tokens "
+                             f"({req.sampling.max_tokens}) exceeds the model's context of "
+                             f"{max_context} tokens")
 
 
 class AdapterLoadError(ValueError):
@@ -105,12 +161,15 @@ class Backend(abc.ABC):
         adapter_format: the adapter layout loaded natively, ``"peft"`` or ``"mlx"``.
         device: e.g. ``"cpu"``, ``"cuda:0"``, ``"mps"``, ``"mlx-cpu"``, ``"mlx-gpu"``.
         dtype: compute dtype name, e.g. ``"float32"``, ``"bfloat16"``.
-        identity: the base model's identity (architecture, sizes) from config.json.
+        identity: the base model's identity (architecture, sizes) from config.json;
+            ``max_context`` is the context served (capped at a sliding window,
+            :mod:`gridrl.engine.families`).
         tokenizer: a ``transformers`` tokenizer for the model directory.
         eos_token_ids: ids that end a sequence besides per-request stop ids.
 
     Threading: the engine calls every method from its single scheduler thread, so no two calls
-    overlap and an adapter is never swapped during a batch.
+    overlap and an adapter is never swapped during a batch; a batch in progress is stopped
+    through its :class:`DecodeObserver`.
     """
 
     name: str
@@ -122,14 +181,21 @@ class Backend(abc.ABC):
     eos_token_ids: frozenset[int]
 
     @abc.abstractmethod
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
         """Decode every sequence of ``batch`` together with a KV cache.
 
         Args:
             batch: sequences, possibly of different prompt lengths and sampling configs.
             adapter: a handle from :meth:`load_adapter`, or None for the base model.
+            observer: told each decode step's tokens, and asked between steps whether to stop
+                (module docstring, "Decode hooks"); None: neither.
         Returns:
             one result per request, in order.
+        Raises:
+            DecodeInterrupted: ``observer.interrupted()`` returned True before the last step.
+            ValueError: an empty prompt, ``max_tokens < 1`` (:func:`check_batch`), or an
+                adapter handle that is not loaded.
         """
 
     @abc.abstractmethod

@@ -18,7 +18,14 @@ Adapters: every backend call happens on the scheduler thread. Commands queued wi
 :meth:`Engine.call_between_batches` run there too, between two batches and never while a
 request has samples both decoded and still waiting, so every sample of a request is produced by
 the same adapter: requests that started decoding finish on the adapter they started with, and
-requests started after a swap get the new one.
+requests started after a swap get the new one. A request submitted with ``base_model=True``
+decodes without any adapter whatever is serving; a batch holds requests of one adapter only.
+
+Streams: a request submitted with a :class:`TokenSink` is told its adapter when it starts and
+its tokens after every decode step of the batches it is in (the backend's decode hooks, routed
+per request), so a caller can stream them before the batch ends. A sink that says it is
+``abandoned`` gets nothing more: its samples still waiting are dropped, and a batch whose every
+request is abandoned stops at the next decode step (its requests fail with CANCELLED).
 """
 
 from __future__ import annotations
@@ -28,16 +35,22 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from gridrl.common.errors import StatusError, resource_exhausted
 from gridrl.engine import rng
-from gridrl.engine.contract import Backend, SamplingConfig, SequenceRequest, SequenceResult
+from gridrl.engine.contract import (
+    Backend,
+    DecodeInterrupted,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+)
 from gridrl.rollout import metrics
 
 log = logging.getLogger(__name__)
@@ -55,6 +68,32 @@ class ServingAdapter:
 
 
 BASE_MODEL = ServingAdapter()
+
+
+def _same_adapter(a: ServingAdapter, b: ServingAdapter) -> bool:
+    return a.handle is b.handle and a.name == b.name and a.version == b.version
+
+
+class TokenSink(Protocol):
+    """Where the engine sends one request's tokens as they are decoded.
+
+    Every method runs on the scheduler thread between the backend's decode steps: it must
+    return at once (hand the tokens to a queue or an event loop) and should not raise (an
+    exception is logged and the sink gets nothing more; the batch goes on).
+    """
+
+    def started(self, adapter: ServingAdapter) -> None:
+        """The request's first batch is about to decode with ``adapter`` (called once)."""
+
+    def on_tokens(self, samples: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> None:
+        """One decode step's tokens of this request: ``token_ids[j]`` (behaviour logprob
+        ``logprobs[j]``, natural log) was drawn for sample index ``samples[j]``. A sample's
+        tokens, concatenated over the calls, equal its final ``SequenceResult.token_ids``."""
+
+    def abandoned(self) -> bool:
+        """True once the caller wants no more tokens of this request (it went away, or it has
+        all it needs): see the module docstring, "Streams"."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +159,8 @@ class _Request:
     done_samples: int = 0
     results: list[SequenceResult | None] = field(default_factory=list)
     adapter: ServingAdapter | None = None
+    sink: TokenSink | None = None
+    base_model: bool = False
     started: float = 0.0
     first_token: float | None = None
     batches: list[int] = field(default_factory=list)
@@ -161,6 +202,9 @@ class Engine:
         self._active_sequences = 0
         self._history: collections.deque[BatchRecord] = collections.deque(maxlen=history)
         self._closing = False
+        self._scheduler_done = False
+        self._interrupting = False  # close(interrupt=True): stop the batch in progress
+        self._observer = _ShutdownObserver(self)
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -195,16 +239,34 @@ class Engine:
             self.claim_thread()
         self._run()
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, let the batch
-        in progress finish, and join the scheduler. Idempotent."""
+    def close(self, timeout: float | None = 30.0, interrupt: bool = False) -> None:
+        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, and join the
+        scheduler. Idempotent.
+
+        Args:
+            timeout: seconds to wait for the scheduler thread (None: no limit).
+            interrupt: stop the batch in progress at its next decode step (its requests get
+                UNAVAILABLE) instead of letting it finish: for a node whose callers are gone
+                (its gRPC server has stopped), so the thread, and the framework's work on it,
+                ends before the process does.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            if interrupt:
+                self._interrupting = True  # the batch in progress stops at its next step
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the scheduler thread is still running after %s s", timeout)
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def scheduler_alive(self) -> bool:
+        """Whether the scheduler thread still runs (after :meth:`close`: it did not stop
+        within the timeout, e.g. a decode step slower than that)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def serving(self) -> ServingAdapter:
@@ -234,10 +296,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, job: GenerateJob) -> Future:
+    def submit(self, job: GenerateJob, sink: TokenSink | None = None,
+               base_model: bool = False) -> Future:
         """Queue ``job``; the future resolves to a :class:`GenerateOutcome`.
 
         Cancelling the future before the job starts decoding drops it from the queue.
+
+        Args:
+            job: the validated request.
+            sink: told the adapter and every decode step's tokens (module docstring, "Streams").
+            base_model: decode without an adapter, whatever is serving.
 
         Raises:
             StatusError: RESOURCE_EXHAUSTED when ``max_queue`` requests are already waiting;
@@ -253,7 +321,8 @@ class Engine:
                     f"queue full: {len(self._waiting)} requests waiting (--max-queue "
                     f"{self.max_queue}); retry later or on another node")
             req = _Request(id=next(self._ids), job=job, future=future,
-                           arrival=time.perf_counter(), results=[None] * job.n)
+                           arrival=time.perf_counter(), results=[None] * job.n, sink=sink,
+                           base_model=base_model)
             self._waiting.append(req)
             metrics.QUEUE_DEPTH.set(len(self._waiting))
             self._cond.notify_all()
@@ -314,6 +383,8 @@ class Engine:
                 self._run_command(command)
             elif items:
                 self._run_batch(items)
+        with self._cond:
+            self._scheduler_done = True
         self._shutdown()
 
     def _wait_for_company(self) -> None:
@@ -329,19 +400,30 @@ class Engine:
 
     def _take_batch(self) -> list[tuple[_Request, int]]:
         """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
-        started requests first, then waiting ones in arrival order."""
+        started requests first, then waiting ones in arrival order, all of one adapter (the
+        first waiting request of another adapter ends the batch). Abandoned requests are
+        dropped with CANCELLED."""
         room = self.capacity
         items: list[tuple[_Request, int]] = []
+        adapter: ServingAdapter | None = None
         now = time.perf_counter()
         for source in (self._partial, self._waiting):
             while source and room > 0:
                 req = source[0]
                 if source is self._waiting:
+                    wanted = BASE_MODEL if req.base_model else self._serving
+                    if adapter is not None and not _same_adapter(adapter, wanted):
+                        break  # the next batch starts with it
                     if not req.future.set_running_or_notify_cancel():
                         source.popleft()  # cancelled while queued
                         continue
-                    req.adapter = self._serving
+                    req.adapter = wanted
                     req.started = now
+                if _abandoned(req):
+                    source.popleft()
+                    req.future.set_exception(_cancelled())
+                    continue
+                adapter = req.adapter
                 take = min(room, req.job.n - req.next_sample)
                 items.extend((req, i) for i in range(req.next_sample, req.next_sample + take))
                 req.next_sample += take
@@ -361,12 +443,26 @@ class Engine:
         self._active_sequences = len(batch)
         metrics.ACTIVE_SEQUENCES.set(len(batch))
         metrics.BATCH_SIZE.observe(len(batch))
+        observer = (_BatchObserver(items, self) if any(req.sink for req, _ in items)
+                    else self._observer)
         start = time.perf_counter()
         try:
-            results = self.backend.generate(batch, adapter.handle)
+            if isinstance(observer, _BatchObserver):
+                observer.start()
+            results = self.backend.generate(batch, adapter.handle, observer)
             if len(results) != len(batch):
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
+        except DecodeInterrupted as e:
+            if self._interrupting:
+                log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
+                self._fail_batch(items, StatusError(
+                    grpc.StatusCode.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
+            else:
+                log.debug("batch %d of %d sequences stopped after %d steps: every request in "
+                          "it was abandoned", index, len(batch), e.steps)
+                self._fail_batch(items, _cancelled())
+            return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
             self._fail_batch(items, e)
@@ -416,8 +512,13 @@ class Engine:
         failed = {req.id: req for req, _ in items}
         with self._cond:
             self._partial = collections.deque(r for r in self._partial if r.id not in failed)
-        status = error if isinstance(error, StatusError) else StatusError(
-            grpc.StatusCode.INTERNAL, f"decoding failed: {type(error).__name__}: {error}")
+        if isinstance(error, StatusError):
+            status = error
+        elif isinstance(error, ConnectionError):  # a backend's server (vLLM) is unreachable
+            status = StatusError(grpc.StatusCode.UNAVAILABLE, f"decoding failed: {error}")
+        else:
+            status = StatusError(grpc.StatusCode.INTERNAL,
+                                 f"decoding failed: {type(error).__name__}: {error}")
         for req in failed.values():
             if not req.future.done():
                 req.future.set_exception(status)
@@ -447,3 +548,74 @@ class Engine:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(unavailable)
         metrics.QUEUE_DEPTH.set(0)
+
+
+class _ShutdownObserver:
+    """The :class:`~gridrl.engine.contract.DecodeObserver` of every batch: stops it between
+    decode steps once :meth:`Engine.close` was asked to interrupt (any thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def on_tokens(self, rows: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        pass
+
+    def interrupted(self) -> bool:
+        return self._engine._interrupting
+
+
+def _cancelled() -> StatusError:
+    return StatusError(grpc.StatusCode.CANCELLED, "request abandoned by its caller")
+
+
+def _abandoned(req: _Request) -> bool:
+    if req.sink is None:
+        return False
+    try:
+        return bool(req.sink.abandoned())
+    except Exception:
+        log.exception("token sink of request %d failed; dropping the request", req.id)
+        return True
+
+
+class _BatchObserver:
+    """Routes a batch's decode steps to the sinks of its requests (the backend's
+    :class:`~gridrl.engine.contract.DecodeObserver`), and stops the batch once every request
+    in it is abandoned or the engine is closing with ``interrupt``. A sink that raises is logged
+    and dropped; the batch goes on."""
+
+    def __init__(self, items: list[tuple[_Request, int]], engine: Engine) -> None:
+        self._engine = engine
+        self._rows = [(req, i) for req, i in items]
+        self._requests = list({req.id: req for req, _ in items}.values())
+        self._broken: set[int] = set()
+
+    def start(self) -> None:
+        """Tell each request decoding for the first time which adapter it got."""
+        for req in self._requests:
+            if req.sink is not None and not req.batches:
+                self._call(req, "started", req.adapter or BASE_MODEL)
+
+    def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> None:
+        steps: dict[int, tuple[_Request, list[int], list[int], list[float]]] = {}
+        for row, token, logprob in zip(rows, token_ids, logprobs, strict=True):
+            req, i = self._rows[row]
+            if req.sink is None or req.id in self._broken:
+                continue
+            step = steps.setdefault(req.id, (req, [], [], []))
+            step[1].append(i)
+            step[2].append(int(token))
+            step[3].append(float(logprob))
+        for req, samples, tokens, lps in steps.values():
+            self._call(req, "on_tokens", samples, tokens, lps)
+
+    def interrupted(self) -> bool:
+        return self._engine._interrupting or all(_abandoned(req) for req in self._requests)
+
+    def _call(self, req: _Request, method: str, *args: Any) -> None:
+        try:
+            getattr(req.sink, method)(*args)
+        except Exception:
+            log.exception("token sink of request %d failed; it gets no more tokens", req.id)
+            self._broken.add(req.id)

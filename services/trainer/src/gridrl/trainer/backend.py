@@ -358,8 +358,14 @@ class TrainerBackend(abc.ABC):
         return obj
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Leave data parallelism and release what the backend holds. Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """Leave data parallelism and release what the backend holds. Idempotent.
+
+        Args:
+            wait: every rank is past its last collective (the run ended or stopped), so the
+                process group's threads can be ended too; False after a failure, when a
+                collective may still be in flight (see ``distributed.DataParallel.close``).
+        """
 
 
 def backend_class(name: str) -> type[TrainerBackend]:

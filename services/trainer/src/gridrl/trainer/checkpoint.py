@@ -84,6 +84,8 @@ def save_checkpoint(root: Path, *, step: int, files: Mapping[str, bytes], state:
         ValueError: ``files`` uses a name the checkpoint keeps for itself.
     """
     from gridrl.adapters.io import write_dir
+    from gridrl.common.faults import pause_point
+    from gridrl.common.progress import StatusLine
 
     clash = sorted(RESERVED_CHECKPOINT_FILES & set(files))
     if clash:
@@ -93,7 +95,9 @@ def save_checkpoint(root: Path, *, step: int, files: Mapping[str, bytes], state:
     out = dict(files)
     out[STATE] = json.dumps({**state, "step": step}, indent=2).encode()
     out[CONFIG] = json.dumps(config, indent=2, sort_keys=True).encode()
-    final = write_dir(out, root / name)  # fsynced temporary directory renamed into place
+    with StatusLine(f"writing checkpoint {root / name}"):  # shows only when it is slow
+        final = write_dir(out, root / name)  # fsynced temporary directory renamed into place
+    pause_point("trainer.checkpoint")  # test-only (gridrl.common.faults): kill here
     _write_atomic(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from gridrl.common.cli import (
-    auth_option,
+    client_security_options,
     env_option,
     exit_on_rpc_error,
     print_json,
@@ -74,9 +74,10 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
 @env_option("--resume", env="GRIDRL_TRAINER_RESUME", default=None, show_default=False,
             type=click.Path(file_okay=False),
             help="Continue the run in this directory from its latest checkpoint.")
-@server_options("trainer", listen=default_of("listen"), metrics_port=default_of("metrics_port"))
+@server_options("trainer", listen=default_of("listen"), metrics_port=default_of("metrics_port"),
+                client=True)
 @click.pass_context
-def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | None,
+def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         log_level: str, ready_file: str | None, **params: Any) -> None:
     """Train: rollouts -> rewards -> GRPO update -> adapter sync, with held-out evals,
     checkpoints and a run directory. Serves TrainerService (GetRunStatus, WatchRun) and
@@ -85,12 +86,12 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
     from gridrl.common.errors import StatusError
 
     setup_logging(log_level)
-    params.update(listen=listen, metrics_port=metrics_port, auth_token=auth_token,
-                  log_level=log_level)
+    params.update(listen=listen, metrics_port=metrics_port, log_level=log_level)
     try:
         cfg, resume = build_config(ctx, params)
     except StatusError as e:
         raise click.UsageError(e.message) from None
+    cfg.security = security  # from this start's flags; never saved with the run
 
     import os
 
@@ -103,7 +104,10 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         from gridrl.trainer.status import RunStatus
 
         status = RunStatus()
-        server = serve_trainer(status, cfg.listen, cfg.metrics_port, cfg.auth_token)
+        try:
+            server = serve_trainer(status, cfg.listen, cfg.metrics_port, security)
+        except (OSError, ValueError) as e:  # port taken; a resumed run's saved --listen
+            raise click.UsageError(str(e)) from None  # exposed without TLS and credentials
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
@@ -150,14 +154,14 @@ def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
             help="Print the GetRunStatus response as JSON.")
 @env_option("--timeout-s", env="GRIDRL_TRAINER_TIMEOUT_S", type=float, default=10.0,
             help="Call deadline.")
-@auth_option
+@client_security_options
 @exit_on_rpc_error
-def status(address: str, as_json: bool, timeout_s: float, auth_token: str | None) -> None:
+def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None:
     """Show a running trainer's state and its last step report."""
     from gridrl.common.channel import dial
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-    with dial(address, auth_token) as channel:
+    with dial(address, security) as channel:
         response = trainer_pb2_grpc.TrainerServiceStub(channel).GetRunStatus(
             trainer_pb2.GetRunStatusRequest(), timeout=timeout_s)
     if as_json:
@@ -188,6 +192,10 @@ def status(address: str, as_json: bool, timeout_s: float, auth_token: str | None
             ("time", f"rollout {r.rollout_s:.1f}s, train {r.train_s:.1f}s, "
                      f"{r.tokens_per_s:.0f} tok/s, elapsed {r.elapsed_s:.0f}s"),
         ]
+    if response.HasField("node_wait"):
+        w = response.node_wait
+        rows.append(("waiting", f"for a rollout node {w.waited_s:.0f}s, {w.left_s:.0f}s left: "
+                                f"{w.waiting_for}"))
     if response.error:
         rows.append(("error", response.error))
     for k, v in rows:

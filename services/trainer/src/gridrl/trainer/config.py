@@ -16,8 +16,10 @@ its help text and its constraint. From that one declaration come
 
 Adding a setting is one ``setting(...)`` line here; the loop or the backend then reads
 ``cfg.<name>``. A setting whose flag a shared decorator declares (``--listen``,
-``--metrics-port``, ``--auth-token``, ``--log-level`` from ``gridrl.common.cli.server_options``)
-is declared with ``cli=False`` so it is saved and validated without a second option.
+``--metrics-port``, ``--log-level`` from ``gridrl.common.cli.server_options``) is declared with
+``cli=False`` so it is saved and validated without a second option. ``security`` (TLS files,
+accepted credentials, the token sent) is no setting: every start takes it from its own flags and
+it is never saved.
 
 Defaults are the reference single-machine setting (1 prompt per step, groups of 8, 40 new
 tokens, temperature 1, LoRA r16/alpha 32 on all linear layers, AdamW lr 1e-4, clip 0.2, 280
@@ -203,6 +205,10 @@ class TrainConfig:
                               check=POSITIVE)
     min_nodes: int = setting(1, "Rollout nodes to wait for before step 1.", on_resume=True)
     node_wait_s: float = setting(120.0, "Seconds to wait for them.", on_resume=True)
+    wait_for_nodes_s: float = setting(
+        300.0, "Seconds the run waits, once started, when no rollout node is in rotation "
+        "(every node dead, restarting or benched) before it fails; 0: fail at once.",
+        check=NON_NEGATIVE, on_resume=True)
     request_timeout_s: float = setting(120.0, "Deadline of one Generate.", on_resume=True)
     sync_deadline_s: float = setting(30.0, "Deadline of one node's push.", on_resume=True)
     # eval, checkpoints, run directory
@@ -234,11 +240,19 @@ class TrainConfig:
         "shared with rollout nodes, give each process its share.", check=NON_NEGATIVE,
         on_resume=True)
     # serving (flags from gridrl.common.cli.server_options)
-    auth_token: str | None = setting(None, "Shared bearer token.", cli=False, on_resume=True)
-    listen: str = setting("0.0.0.0:50052", "TrainerService host:port.", cli=False,
+    listen: str = setting("127.0.0.1:50052", "TrainerService host:port.", cli=False,
                           on_resume=True)
     metrics_port: int = setting(9402, "Prometheus /metrics port.", cli=False, on_resume=True)
     log_level: str = setting("info", "Logging level.", cli=False, on_resume=True)
+    # experiment trackers (trackers.py): the flag takes "tensorboard,wandb"; finalize() makes
+    # it a list
+    report_to: str | list[str] = setting(  # noqa: RUF009 (setting() is a dataclasses.field)
+        "none", "Experiment trackers for the per-step metrics, comma-separated: tensorboard, "
+        "wandb, trackio (optional extras: pip install 'gridrl-trainer[wandb]'...), or none. "
+        "TRL's metric names (train/reward, eval/reward...).", on_resume=True)
+    # TLS files, accepted credentials and token (gridrl.common.security.Security): given by
+    # every start's flags, never saved in config.json.
+    security: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived
 
@@ -275,6 +289,9 @@ class TrainConfig:
             self.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
         if self.run_dir is None:
             self.run_dir = str(Path("runs") / self.run_name)
+        from gridrl.trainer.trackers import parse_report_to
+
+        self.report_to = parse_report_to(self.report_to)
         self.validate()
         return self
 
@@ -302,21 +319,20 @@ class TrainConfig:
                                    f"{self.sync_every} and --async-steps {self.async_steps} "
                                    "produce: every such sample would be dropped")
 
-    def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
-        """Plain JSON-able dict; the auth token is left out unless ``secrets``."""
-        d = dataclasses.asdict(self)
-        if not secrets:
-            d["auth_token"] = None
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict, without ``security`` (credentials are never saved)."""
+        d = dataclasses.asdict(dataclasses.replace(self, security=None))
+        del d["security"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (older or newer runs)."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"security"}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def save(self, path: Path) -> None:
-        """Write ``config.json`` atomically (without the auth token)."""
+        """Write ``config.json`` atomically (without ``security``)."""
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         tmp.replace(path)
@@ -329,7 +345,8 @@ class TrainConfig:
 
 def _settings() -> list[tuple[dataclasses.Field, Setting]]:
     """Every declared field of :class:`TrainConfig` with its :class:`Setting`, in order."""
-    return [(f, f.metadata[_SETTING]) for f in dataclasses.fields(TrainConfig)]
+    return [(f, f.metadata[_SETTING]) for f in dataclasses.fields(TrainConfig)
+            if _SETTING in f.metadata]
 
 
 def flag_of(name: str) -> str:

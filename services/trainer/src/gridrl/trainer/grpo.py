@@ -18,6 +18,7 @@ Sources:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -129,3 +130,31 @@ def aggregate(per_token_loss: ArrayLike, mask: ArrayLike, aggregation: Aggregati
     """
     w = loss_weights(mask, aggregation, max_tokens)
     return float((w * np.asarray(per_token_loss, dtype=np.float32)).sum())
+
+
+def mismatch_kl(trainer_logprobs: Sequence[Sequence[float]],
+                behaviour_logprobs: Sequence[Sequence[float]]) -> float | None:
+    """Mean per token of the k3 estimate of ``KL(pi_behaviour || pi_trainer)`` over sampled
+    tokens: ``expm1(d) - d`` with ``d = trainer - behaviour`` (Schulman's k3, the same estimate
+    as the update's, :func:`gridrl.trainer.grpo_torch.mismatch_kl`), accumulated in float64.
+
+    Args:
+        trainer_logprobs: per sequence, the trainer's logprob of each completion token.
+        behaviour_logprobs: per sequence, the sampler's, same lengths.
+    Returns:
+        nats per token over all tokens, or None when there are no tokens.
+    Raises:
+        ValueError: a sequence's two lists differ in length, or the counts differ.
+    """
+    if len(trainer_logprobs) != len(behaviour_logprobs):
+        raise ValueError(f"{len(trainer_logprobs)} trainer vs {len(behaviour_logprobs)} "
+                         "behaviour sequences")
+    d_parts = []
+    for t, b in zip(trainer_logprobs, behaviour_logprobs, strict=True):
+        if len(t) != len(b):
+            raise ValueError(f"logprobs of {len(t)} vs {len(b)} tokens")
+        d_parts.append(np.asarray(t, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+    d = np.concatenate(d_parts) if d_parts else np.zeros(0)
+    if d.size == 0:
+        return None
+    return float(np.mean(np.expm1(d) - d))

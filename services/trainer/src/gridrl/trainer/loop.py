@@ -6,7 +6,10 @@ run directory (``versions.jsonl``), and the *lineage* maps every version of the 
 weights' history to the step that produced it. A sample's staleness is the trainer's step minus
 the step of the sample's version; samples older than the bound, or of a version outside the
 lineage (a killed run's last pushes, another run's adapter), are dropped and their node is
-flagged when it keeps happening (``monitor.py``).
+flagged when it keeps happening (``monitor.py``). A flagged node is benched: no new groups, its
+samples kept out of the update (``batch.build_batch(flagged=...)``), until the ``probation``
+thread (``probation.py``) has re-pushed the current adapter and passed a fresh mismatch check
+of it, scored with the backend under ``_backend_lock``.
 
 The model side (weights, gradients, optimizer, local sampling, checkpoint state) is the
 ``--backend``'s (:class:`gridrl.trainer.backend.TrainerBackend`); this module imports no tensor
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gridrl.trainer import trackers
 from gridrl.trainer.backend import TrainerBackend, TrainSequence, UpdateStats
 from gridrl.trainer.batch import StepBatch
 from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -148,7 +152,12 @@ class Trainer:
         self.prefetcher: Any = None
         self.backend: TrainerBackend | None = None
         self.is_main = True  # rank 0 (set from the backend once loaded)
+        self.probation: Any = None  # flagged nodes' way back (probation.py)
+        # held around every backend call of the loop: the probation thread scores sequences
+        # with the backend meanwhile (TrainerBackend: calls never overlap)
+        self._backend_lock = threading.Lock()
         self.run_dir: RunDir | None = None
+        self.trackers: Any = None  # --report-to (rank 0)
         self._flagged_ever: dict[str, str] = {}
         self._stop_reason: str | None = None
         self.stopped_at: int | None = None
@@ -166,6 +175,7 @@ class Trainer:
         from gridrl.trainer.tasks import make_task
 
         cfg = self.cfg
+        trackers.require(cfg.report_to)  # a missing package fails before the model loads
         # seeds every RNG, loads the model + LoRA, builds the optimizer and the schedule, and
         # joins data parallelism (torch: DDP under torchrun)
         self.backend = backend = create_backend(cfg)
@@ -192,6 +202,9 @@ class Trainer:
         if self.is_main:
             assert self.run_dir is not None
             cfg.save(self.run_dir.config)
+            self.trackers = trackers.open_trackers(cfg, resumed_at=self.state.step
+                                                   if self.resume else None)
+            self.run_dir.listeners.append(self.trackers.log)  # every log.jsonl record
             self._setup_rollouts()
         if self.freeze_gc:
             from gridrl.common.server import freeze_long_lived
@@ -255,12 +268,15 @@ class Trainer:
         elif cfg.local:
             self.source = LocalRollout(backend, lambda: self.state.version)
         else:
+            from gridrl.trainer.node_wait import NodeWaitReporter
             from gridrl.trainer.pool import NodePool
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
-                                 model_identity=backend.identity, auth_token=cfg.auth_token,
-                                 request_timeout_s=cfg.request_timeout_s)
+                                 model_identity=backend.identity, security=cfg.security,
+                                 request_timeout_s=cfg.request_timeout_s,
+                                 wait_for_nodes_s=cfg.wait_for_nodes_s,
+                                 on_wait=NodeWaitReporter(self.console, self.status))
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=backend.identity.num_layers,
@@ -275,6 +291,8 @@ class Trainer:
         self._prompt_lock = threading.Lock()
         self.prefetcher = Prefetcher(self._generate_step, depth=cfg.async_steps,
                                      last_step=cfg.steps)
+        if self.pool is not None:
+            self._start_probation()
 
     # ================================================================== steps
 
@@ -309,16 +327,25 @@ class Trainer:
 
         cfg = self.cfg
         items, prompt_ids = self._step_prompts(step)
-        return build_batch(step, self.prefetcher.get(step), items, prompt_ids,
-                           lineage=self.state.lineage, bound=cfg.staleness_bound,
-                           rewards=self.rewards, scale_rewards=cfg.scale_rewards,
-                           advantage_eps=cfg.advantage_eps)
+        batch = build_batch(step, self.prefetcher.get(step), items, prompt_ids,
+                            lineage=self.state.lineage, bound=cfg.staleness_bound,
+                            rewards=self.rewards, scale_rewards=cfg.scale_rewards,
+                            advantage_eps=cfg.advantage_eps, flagged=self._flagged_nodes())
+        if batch.excluded:
+            from gridrl.trainer import metrics
+
+            for node, n in batch.excluded.items():
+                metrics.EXCLUDED_SAMPLES.labels(node).inc(n)
+                log.warning("step %d: %d sample(s) of flagged node %s kept out of the update",
+                            step, n, node)
+        return batch
 
     def _train(self, seqs: Sequence[TrainSequence]) -> UpdateStats | None:
         if not seqs:
             return None
         assert self.backend is not None
-        return self.backend.update(seqs)
+        with self._backend_lock:  # a flagged node's check scores with the weights (probation)
+            return self.backend.update(seqs)
 
     def _sync(self, step: int, *, force: bool = False) -> SyncOutcome:
         """Push the adapter to every node (rank 0, remote nodes, every --sync-every steps, or
@@ -329,7 +356,8 @@ class Trainer:
         from gridrl.adapters import build_manifest
 
         start = time.perf_counter()
-        files = self.backend.adapter_files()
+        with self._backend_lock:
+            files = self.backend.adapter_files()
         # No digests in the header: each push hashes its bytes while they stream (trailer).
         manifest = build_manifest(files, name=self.sync.name, version=self.state.version,
                                   base_model=self.backend.identity, hash_files=False).to_dict()
@@ -346,12 +374,14 @@ class Trainer:
                            lagging_nodes=lagging)
 
     def _evaluate(self) -> EvalResult:
-        return self.evaluator.run(self.state.version)
+        with self._backend_lock:
+            return self.evaluator.run(self.state.version)
 
     def _checkpoint(self, step: int) -> Path:
         assert self.run_dir is not None
-        return save_checkpoint(self.run_dir.checkpoints, step=step,
-                               files=self.backend.checkpoint_files(),
+        with self._backend_lock:
+            files = self.backend.checkpoint_files()
+        return save_checkpoint(self.run_dir.checkpoints, step=step, files=files,
                                state=self.state.to_json(),
                                config=self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
 
@@ -364,15 +394,15 @@ class Trainer:
             StatusError: bad configuration; RuntimeError: no rollout node can serve;
             TimeoutError: not enough nodes in time. The status is marked FAILED first.
         """
+        ended = False  # every collective of the run done on this rank
         try:
             if self.status is not None:  # STARTING while the model loads
                 self.status.begin(self.cfg.run_name or "", str(self.cfg.run_dir),
                                   self.cfg.steps, self.cfg.model)
             self._setup()
-            if self.is_main:
-                return self._run_main()
-            self._run_worker()
-            return None
+            summary = self._run_main() if self.is_main else self._run_worker()
+            ended = True
+            return summary
         except BaseException as e:
             if self.status is not None:
                 self.status.fail(f"{type(e).__name__}: {e}")
@@ -383,17 +413,19 @@ class Trainer:
                     pass
             raise
         finally:
-            self._close()
+            self._close(ended)
 
-    def _close(self) -> None:
-        for closer in (self.prefetcher, self.sync, self.source):
+    def _close(self, ended: bool) -> None:
+        """Release the run's resources. ``ended``: no collective can be in flight, so the
+        process group's threads are ended too (``TrainerBackend.close``)."""
+        for closer in (self.probation, self.prefetcher, self.sync, self.source, self.trackers):
             if closer is not None:
                 try:
                     closer.close()
                 except Exception:
                     log.exception("closing %r failed", closer)
         if self.backend is not None:
-            self.backend.close()
+            self.backend.close(wait=ended)
 
     def _run_worker(self) -> None:
         """Ranks > 0: train on the broadcast sequences until rank 0 says stop."""
@@ -500,13 +532,44 @@ class Trainer:
             from gridrl.trainer import metrics
 
             metrics.MISMATCH_KL_BOUND.set(self.monitor.bound(batch.per_node))
+        if self.probation is not None:  # nodes that passed a fresh check since
+            for node in self.probation.drain():
+                self.monitor.clear(node)
         newly = self.monitor.observe(step, batch.per_node)
         for node, why in newly.items():
             self._flagged_ever[node] = why
-            log.warning("NODE FLAGGED %s at step %d: %s", node, step, why)
+            benched = ""
+            if self.probation is not None:
+                self.probation.flag(node, why)
+                benched = ("; benched: no new groups, its samples kept out of the update until "
+                           "it serves the current policy version and passes a fresh mismatch "
+                           "check")
+            log.warning("NODE FLAGGED %s at step %d: %s%s", node, step, why, benched)
             self.console.print(f"[bold white on red] NODE FLAGGED [/] [bold red]{node}[/] at step "
-                               f"{step}: {why}")
+                               f"{step}: {why}{benched}")
         return dict(self.monitor.flagged)
+
+    def _start_probation(self) -> None:
+        """The thread that brings flagged nodes back (``probation.py``)."""
+        from gridrl.trainer.probation import Probation, fresh_mismatch_kl
+
+        cfg = self.cfg
+        self.probation = Probation(
+            self.pool, self.sync, console=self.console,
+            check_kl=lambda prompt, samples: fresh_mismatch_kl(
+                self.backend, prompt, samples, lock=self._backend_lock),
+            current_version=lambda: self.state.version,
+            bound=lambda node: self.monitor.bound_for(self._low_precision(node)),
+            prompt=self._step_prompts(1)[1][0],
+            sampling={"group_size": cfg.group_size, "max_tokens": cfg.max_tokens,
+                      "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k})
+        self.probation.start()
+
+    def _flagged_nodes(self) -> dict[str, str]:
+        """Nodes benched for their samples now (their samples stay out of the update)."""
+        if self.pool is None:
+            return {}
+        return {n.address: n.flagged for n in self.pool.nodes() if n.flagged}
 
     def _low_precision(self, node: str) -> bool:
         """Whether the trainer or rollout node ``node`` computes in a 16-bit float dtype."""
@@ -567,7 +630,8 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
         assert self.run_dir is not None
-        files = self.backend.adapter_files()
+        with self._backend_lock:
+            files = self.backend.adapter_files()
         mlx_error = None
         try:
             self.run_dir.write_final_adapter(files, self.backend.identity.num_layers)

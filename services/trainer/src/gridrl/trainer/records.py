@@ -105,6 +105,7 @@ class StepRecord:
     reward_funcs: dict[str, float | None]
     nodes: dict[str, NodeRecord]
     flagged_nodes: dict[str, str]
+    excluded_samples: dict[str, int]  # flagged node -> its samples kept out of the update
     updated: bool
     data_position: int
     # after an update
@@ -175,7 +176,8 @@ class StepRecord:
             samples_used=len(batch.samples), sampled_tokens=batch.sampled_tokens,
             solved_fraction=batch.solved_fraction, groups_with_signal=batch.groups_with_signal,
             reward_funcs=batch.reward_funcs, nodes=nodes, flagged_nodes=flagged,
-            updated=stats is not None, data_position=data_position)
+            excluded_samples=dict(batch.excluded), updated=stats is not None,
+            data_position=data_position)
         if stats is not None:
             record.clip_fraction, record.grad_norm, record.lr = (stats.clip_fraction,
                                                                  stats.grad_norm, stats.lr)

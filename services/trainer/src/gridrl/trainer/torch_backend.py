@@ -66,8 +66,20 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+# Checkpoints load with torch.load(weights_only=True): tensors, containers and numbers only, no
+# code from the file runs. numpy's RNG state (a uint32 array) is the one other type a checkpoint
+# holds; these are the globals that rebuild a plain uint32 array.
+_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                        np._core.multiarray._reconstruct]
+
+
+def load_state_bytes(data: bytes) -> Any:
+    """A ``torch.save``d checkpoint file (optimizer, scheduler or RNG state) from its bytes.
+
+    Raises pickle.UnpicklingError for anything but tensors, containers, numbers and numpy
+    arrays (a crafted ``.pt`` file cannot run code)."""
+    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class TorchTrainerBackend(TrainerBackend):
@@ -192,15 +204,15 @@ class TorchTrainerBackend(TrainerBackend):
         """See :meth:`TrainerBackend.restore_checkpoint`. Every rank restores the same files
         (rank 0 read and broadcast them), so DDP's replicas stay equal."""
         self.load_adapter_files({k: v for k, v in files.items() if k.startswith("adapter_")})
-        self.optimizer.load_state_dict(_from_bytes(files[OPTIMIZER]))
+        self.optimizer.load_state_dict(load_state_bytes(files[OPTIMIZER]))
         if self.scheduler is not None and SCHEDULER in files:
-            self.scheduler.load_state_dict(_from_bytes(files[SCHEDULER]))
-        set_rng_state(_from_bytes(files[RNG]))
+            self.scheduler.load_state_dict(load_state_bytes(files[SCHEDULER]))
+        set_rng_state(load_state_bytes(files[RNG]))
 
     # ---------------------------------------------------------------- data parallelism
 
     def broadcast(self, obj: Any) -> Any:
         return self.parallel.broadcast(obj)
 
-    def close(self) -> None:
-        self.parallel.close()
+    def close(self, wait: bool = True) -> None:
+        self.parallel.close(wait=wait)

@@ -19,7 +19,7 @@ _SEED_MASK = (1 << 64) - 1
 
 
 def transform_logits(logits: mx.array, configs: Sequence[SamplingConfig]) -> mx.array:
-    """Logprobs of the distribution each row's next token is drawn from (base.py steps 1-3).
+    """Logprobs of the distribution each row's next token is drawn from (contract.py steps 1-3).
 
     Greedy rows (``temperature == 0``) get ``log_softmax(logits)`` (temperature 1, nothing
     removed). Other rows: ``z = logits / temperature``; top-k keeps ``z >=`` the k-th largest
@@ -79,7 +79,7 @@ def sequence_keys(seed: int, steps: int) -> mx.array:
 
 def draw_tokens(logits: mx.array, logprobs: mx.array, configs: Sequence[SamplingConfig],
                 keys: Sequence[mx.array]) -> tuple[mx.array, mx.array]:
-    """Pick each row's token (base.py step 4) and its logprob under ``logprobs``.
+    """Pick each row's token (contract.py step 4) and its logprob under ``logprobs``.
 
     Greedy rows take ``argmax(logits)``; other rows draw from ``exp(logprobs)`` by Gumbel-max
     (``argmax(logprobs + g)``, ``g`` standard Gumbel from the row's own key), so a row's draw

@@ -19,25 +19,20 @@ of ``generate`` equal ``score`` up to float rounding of the logits.
 The forward of a model the backend owns (a node) is, for llama-family architectures,
 :class:`~gridrl.engine.backends.torch_llama.LeanLlama`: fused projections, run in float32 on
 CPU by our own fused kernels (3-3.5x faster than the transformers forward at batch 8 on a
-2-core CPU), else with weights prepacked for oneDNN (~2.5x), and LoRA adapters held as
-low-rank factors beside the untouched base weights, so loading an adapter
-costs reading its factors and switching is a pointer swap. Other architectures run the
-transformers forward and fold each adapter into merged copies of the adapted weights
-(:mod:`~gridrl.engine.backends.torch_merge`). DoRA adapters, and models wrapped with
-:meth:`TorchBackend.from_model`, go through peft: ``PeftModel.load_adapter`` under their own
-name, ``set_adapter`` per batch, the base model via ``disable_adapter``, always through the
-underlying transformers model (peft injects its layers there).
+2-core CPU), else with weights prepacked for oneDNN (~2.5x). Other architectures run the
+transformers forward. How adapters are held -- lean LoRA factors, merged weights, live peft
+factors or peft adapters -- is one strategy chosen at construction
+(:mod:`~gridrl.engine.backends.torch_adapters`); the backend's start-up log line names the
+forward, the strategy and why.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
+import dataclasses
 import logging
 import time
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,32 +40,31 @@ from typing import Any
 import torch
 
 from gridrl.engine import rng
-from gridrl.engine.backends.torch_cache import SlabCache, supports
-from gridrl.engine.backends.torch_llama import LeanLlama, LoraFactors, unsupported_reason
-from gridrl.engine.backends.torch_merge import (
-    MergedAdapter,
-    WeightSwitcher,
-    lora_pairs,
-    merge_adapter,
-    mergeable,
-    read_lora,
+from gridrl.engine.backends.torch_adapters import (
+    LoraSource,
+    check_fits,
+    choose_strategy,
 )
+from gridrl.engine.backends.torch_llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch_memory import trim_heap
 from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.backends.torch_steps import LeanSteps, ModelSteps
 from gridrl.engine.contract import (
     AdapterLoadError,
     Backend,
+    DecodeInterrupted,
+    DecodeObserver,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
     check_batch,
 )
+from gridrl.engine.families import context_limit, unsupported_layers
 from gridrl.models import ModelIdentity
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -160,23 +154,44 @@ class TorchBackend(Backend):
     the base model) or :meth:`from_model` (in-process, e.g. the trainer's peft model;
     ``adapter=None`` means the model exactly as it is, active adapter included). All calls must
     come from one thread at a time.
+
+    Attributes:
+        forward_kind: ``"lean"`` (:class:`LeanLlama`) or ``"transformers"``.
+        forward_reason: why that forward runs.
+        adapters: how adapters are held (:mod:`~gridrl.engine.backends.torch_adapters`).
     """
 
     name = "torch"
     adapter_format = "peft"
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
-                 owns_model: bool, lean: bool | None = None) -> None:
+                 owns_model: bool, lean: bool | None = None,
+                 load_model: Callable[[], Any] | None = None,
+                 max_context: int | None = None) -> None:
+        """Use :meth:`from_pretrained` or :meth:`from_model`.
+
+        Args:
+            load_model: for an owned model, loads another copy of it: then the lean forward
+                takes the model's weights (one copy in memory, :class:`LeanLlama`'s
+                ``take_weights``) and peft adapters get a copy of their own when one comes.
+            max_context: a context (prompt + completion tokens) the caller needs, checked
+                against the model's limit (:func:`gridrl.engine.families.context_limit`).
+        Raises:
+            ValueError: layers other than attention, or ``max_context`` beyond the limit.
+        """
         from peft import PeftModel
 
-        self._peft: Any | None = model if isinstance(model, PeftModel) else None
-        self._hf = model.get_base_model() if self._peft is not None else model
-        if not supports(self._hf.config):
-            raise ValueError(f"torch backend: {type(self._hf).__name__} has sliding-window or "
-                             "non-attention layers; only full-attention decoders are supported")
+        self._wrapper = model  # what the caller gave: its train/eval mode is kept
+        peft = model if isinstance(model, PeftModel) else None
+        self._hf = model.get_base_model() if peft is not None else model
+        config = self._hf.config.to_dict()
+        refused = unsupported_layers(config)
+        if refused is not None:
+            raise ValueError(f"torch backend: {type(self._hf).__name__}: {refused}")
+        limit, context_note = context_limit(config, max_context)
         self._owns = owns_model
         self.tokenizer = tokenizer
-        self.identity = identity
+        self.identity = dataclasses.replace(identity, max_context=limit)
         self.eos_token_ids = _eos_ids(self._hf, tokenizer)
         param = next(self._hf.parameters())
         self._device = param.device
@@ -184,37 +199,42 @@ class TorchBackend(Backend):
         self.device = str(self._device) if self._device.type != "cuda" else f"cuda:{self._device.index or 0}"
         self.dtype = str(self._dtype).removeprefix("torch.")
         self.vocab_size = int(self._hf.get_output_embeddings().weight.shape[0])
-        params = inspect.signature(self._hf.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._loaded: dict[str, TorchAdapter] = {}
         # A llama-family model runs the lean forward, adapters as LoRA factors: an owned model
         # (a node), or a peft model wrapped in-process whose base weights are frozen (the
         # trainer's eval and local rollouts; on CPU by default, as the lean forward keeps
         # fused copies of the base weights).
-        self._lean: LeanLlama | None = None
+        lean_forward: LeanLlama | None = None
         if lean is None:
             lean = owns_model or self._device.type == "cpu"
-        reason = self._lean_refusal(owns_model) if lean else "disabled"
-        if reason is None:
-            self._lean = LeanLlama(self._hf)
-            log.info("torch backend: lean forward, %s products", self._lean.products)
-        elif lean:
-            log.info("torch backend: transformers forward (lean forward: %s)", reason)
-        self.forward_kind = "lean" if self._lean is not None else "transformers"
-        self._factors: dict[str, LoraFactors] = {}
-        self._running: LeanLlama | None = None  # the lean forward while a call runs it
-        # Other owned models serve LoRA adapters as merged weights (torch_merge).
-        self._switcher = (WeightSwitcher(self._hf)
-                          if owns_model and self._peft is None and self._lean is None else None)
-        self._merged: dict[str, MergedAdapter] = {}
+        refusal = self._lean_refusal(owns_model, peft) if lean else "disabled (--forward " \
+            "transformers)" if owns_model else "disabled"
+        take = owns_model and peft is None and load_model is not None
+        if refusal is None:
+            lean_forward = LeanLlama(self._hf, take_weights=take)
+            if take:
+                trim_heap()  # the packing's temporaries
+            self.forward_reason = (f"{identity.architecture or 'llama-family'} model, "
+                                   f"{lean_forward.products} products")
+        else:
+            self.forward_reason = f"lean forward: {refusal}"
+        self.forward_kind = "lean" if lean_forward is not None else "transformers"
+        self.adapters = choose_strategy(
+            self._hf, peft, lean_forward, owns=owns_model,
+            load_model=load_model if take and lean_forward is not None else None)
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
+        log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s; %s",
+                 identity.model_id or type(self._hf).__name__, self.device, self.dtype,
+                 identity.num_layers, self.forward_kind, self.forward_reason,
+                 self.adapters.describe(), context_note or f"context {limit} tokens")
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, model_dir: Path | str, device: str = "auto", dtype: str = "auto",
-                        model_id: str | None = None, lean: bool = True) -> TorchBackend:
+                        model_id: str | None = None, lean: bool = True,
+                        max_context: int | None = None) -> TorchBackend:
         """Load a local Hugging Face directory with transformers.
 
         Args:
@@ -225,27 +245,34 @@ class TorchBackend(Backend):
             model_id: what to report as the model id (default: ``model_dir``).
             lean: run llama-family models through :class:`LeanLlama` (False: always the
                 transformers forward, adapters merged).
+            max_context: a context the caller needs (None: the model's, capped at a sliding
+                window; :mod:`gridrl.engine.families`).
         Raises:
-            ValueError: unknown device or dtype, or an unsupported architecture.
+            ValueError: unknown device or dtype, an unsupported architecture, or
+                ``max_context`` beyond the model's limit.
             OSError: the directory has no loadable model.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dev = pick_device(device)
         torch_dtype = pick_dtype(dtype, dev)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
-        model.to(dev).eval()
-        model.requires_grad_(False)
+
+        def load_model() -> Any:
+            # transformers maps safetensors files: weights stay file-backed until read
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+            model.to(dev).eval()
+            model.requires_grad_(False)
+            return model
+
+        model = load_model()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         identity = _identity_of(model, model_id or str(model_dir))
-        backend = cls(model, tokenizer, identity, owns_model=True, lean=lean)
-        log.info("torch backend: %s on %s (%s), %d layers, %s forward", model_dir, backend.device,
-                 backend.dtype, identity.num_layers, backend.forward_kind)
-        return backend
+        return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model,
+                   max_context=max_context)
 
     @classmethod
     def from_model(cls, model: Any, tokenizer: Any, model_id: str = "",
-                   lean: bool | None = None) -> TorchBackend:
+                   lean: bool | None = None, max_context: int | None = None) -> TorchBackend:
         """Wrap a model already in memory (a transformers causal LM or a peft ``PeftModel``).
 
         ``generate(batch, None)`` then decodes with the model as it is (its active adapter
@@ -255,51 +282,25 @@ class TorchBackend(Backend):
             lean: run a peft LoRA model with frozen base weights through :class:`LeanLlama`,
                 its current LoRA weights read at every call (None: on CPU only; the lean
                 forward keeps fused copies of the base weights).
+            max_context: as for :meth:`from_pretrained`.
         """
         identity = _identity_of(model.get_base_model() if hasattr(model, "get_base_model")
                                 else model, model_id or str(getattr(model.config, "_name_or_path", "")))
-        return cls(model, tokenizer, identity, owns_model=False, lean=lean)
+        return cls(model, tokenizer, identity, owns_model=False, lean=lean,
+                   max_context=max_context)
 
-    def _lean_refusal(self, owns_model: bool) -> str | None:
+    def _lean_refusal(self, owns_model: bool, peft: Any | None) -> str | None:
         """Why the lean forward cannot stand in for this model (None: it can)."""
         reason = unsupported_reason(self._hf)
         if reason is not None:
             return reason
         if owns_model:
-            return None if self._peft is None else "a peft model"
-        if self._peft is None:
+            return None if peft is None else "a peft model"
+        if peft is None:
             return "a model owned by the caller without peft (its weights may change)"
         if any(p.requires_grad for n, p in self._hf.named_parameters() if "lora_" not in n):
             return "base weights are trainable"
         return None
-
-    def _live_lora(self) -> LoraFactors | None:
-        """The peft model's active LoRA as factors, read now (None: not expressible)."""
-        from peft.tuners.lora import LoraLayer
-
-        assert self._lean is not None and self._peft is not None
-        active = list(getattr(self._peft, "active_adapters", [self._peft.active_adapter]))
-        cfg = self._peft.peft_config.get(active[0]) if len(active) == 1 else None
-        if cfg is None or getattr(cfg, "modules_to_save", None) or getattr(cfg, "lora_bias",
-                                                                            False):
-            return None
-        name = active[0]
-        pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        for path, module in self._hf.named_modules():
-            if not isinstance(module, LoraLayer):
-                continue
-            if name in getattr(module, "lora_embedding_A", {}) or \
-                    getattr(module, "use_dora", {}).get(name, False):
-                return None
-            if name in module.lora_A:
-                pairs[path] = (module.lora_A[name].weight.detach(),
-                               module.lora_B[name].weight.detach(), float(module.scaling[name]))
-        try:
-            return self._lean.lora_factors(pairs)
-        except ValueError as e:
-            log.info("torch backend: transformers forward from now on (lean forward: %s)", e)
-            self._lean = None
-            return None
 
     # -- adapters ----------------------------------------------------------------------------
 
@@ -314,50 +315,32 @@ class TorchBackend(Backend):
                 fit the base model (the message names the tensor, module or shape); nothing is
                 changed then.
         """
-        directory = Path(directory)
         if key in self._loaded:
             raise AdapterLoadError(f"adapter key {key!r} is already loaded")
-        rank, modules = self._check_fits(directory)
-        start = time.perf_counter()
-        if self._lean is not None and self._owns and mergeable(directory):
-            try:
-                self._factors[key] = self._lean.lora_factors(read_lora(directory))
-            except (KeyError, ValueError) as e:
-                raise AdapterLoadError(f"adapter does not load: {e}") from e
-            handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
-            self._loaded[key] = handle
-            log.info("LoRA adapter %r loaded as factors from %s: rank %d, %d modules, %.1f MB, "
-                     "%.3fs", key, directory, rank, modules, self._factors[key].nbytes / 1e6,
-                     time.perf_counter() - start)
-            return handle
-        if self._switcher is not None and self._peft is None and mergeable(directory):
-            try:
-                self._merged[key] = merge_adapter(self._hf, directory, self._switcher.base)
-            except (KeyError, ValueError, AttributeError) as e:
-                raise AdapterLoadError(f"adapter does not load: {e}") from e
-            handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
-            self._loaded[key] = handle
-            log.info("LoRA adapter %r merged from %s: rank %d, %d modules, %.0f MB, %.2fs", key,
-                     directory, rank, modules, self._merged[key].nbytes / 1e6,
-                     time.perf_counter() - start)
-            return handle
-        from peft import PeftModel
+        return self._load(key, LoraSource.from_directory(Path(directory)))
 
-        try:
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self._hf, str(directory), adapter_name=key,
-                                                       is_trainable=False)
-            else:
-                self._peft.load_adapter(str(directory), adapter_name=key, is_trainable=False)
-        except Exception as e:  # peft raises ValueError / RuntimeError / KeyError
-            self._forget(key)
-            raise AdapterLoadError(f"adapter does not load: {e}") from e
-        if self._owns:
-            self._hf.requires_grad_(False)
-        handle = TorchAdapter(key=key, directory=str(directory), rank=rank, modules=modules)
+    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> TorchAdapter:
+        """:meth:`load_adapter` from a push's files in memory: tensors are read in place from
+        the bytes (viewed, not copied, when the buffer is writable, as a push's is; no disk)
+        unless the adapter goes through peft, which reads a temporary directory.
+
+        Raises:
+            AdapterLoadError: as :meth:`load_adapter`; nothing is changed then.
+        """
+        if key in self._loaded:
+            raise AdapterLoadError(f"adapter key {key!r} is already loaded")
+        return self._load(key, LoraSource.from_files(files))
+
+    def _load(self, key: str, source: LoraSource) -> TorchAdapter:
+        rank, modules = check_fits(self._hf, source)
+        start = time.perf_counter()
+        nbytes = self.adapters.load(key, source)
+        handle = TorchAdapter(key=key, directory=str(source.directory or ""), rank=rank,
+                              modules=modules)
         self._loaded[key] = handle
-        log.info("peft adapter %r loaded from %s: rank %d, %d modules, %.2fs", key, directory,
-                 rank, modules, time.perf_counter() - start)
+        log.info("LoRA adapter %r loaded from %s as %s: rank %d, %d modules, %.1f MB, %.3fs",
+                 key, source.where, self.adapters.strategy_of(key), rank, modules, nbytes / 1e6,
+                 time.perf_counter() - start)
         return handle
 
     def unload_adapter(self, adapter: Any) -> None:
@@ -369,237 +352,59 @@ class TorchBackend(Backend):
         if not isinstance(adapter, TorchAdapter) or self._loaded.get(adapter.key) is not adapter:
             raise ValueError(f"not a loaded torch adapter handle: {adapter!r}")
         del self._loaded[adapter.key]
-        factors = self._factors.pop(adapter.key, None)
-        if factors is not None:
-            assert self._lean is not None
-            self._lean.release(factors)
-            return
-        merged = self._merged.pop(adapter.key, None)
-        if merged is not None:
-            assert self._switcher is not None
-            self._switcher.release(merged)
-            return
-        self._forget(adapter.key)
-
-    def _forget(self, key: str) -> None:
-        """Remove every trace of peft adapter ``key`` (after an unload or a failed load)."""
-        if self._peft is None:
-            _strip_lora(self._hf)  # a failed first load may have injected layers
-            return
-        if key in self._peft.peft_config:
-            with warnings.catch_warnings():  # "Adapter x was active which is now deleted"
-                warnings.simplefilter("ignore", UserWarning)
-                self._peft.delete_adapter(key)
-        if not self._peft.peft_config and self._owns:
-            # No adapter left: return to the plain model (peft's layers cost time per step).
-            self._peft = None
-            _strip_lora(self._hf)
-
-    def _check_fits(self, directory: Path) -> tuple[int, int]:
-        """Check a peft adapter against the model's modules before touching the model.
-
-        Returns ``(rank, number of adapted modules)``.
-
-        Raises:
-            AdapterLoadError: naming the file, tensor, module or shape that does not fit.
-        """
-        from safetensors import safe_open
-
-        cfg_path, weights = directory / PEFT_CONFIG, directory / PEFT_WEIGHTS
-        if not cfg_path.is_file() or not weights.is_file():
-            raise AdapterLoadError(f"{directory}: not a peft adapter (needs {PEFT_CONFIG} and "
-                                   f"{PEFT_WEIGHTS})")
-        cfg = _lora_config(cfg_path.read_bytes())
-        try:
-            with safe_open(str(weights), framework="pt") as f:
-                shapes = {name: tuple(f.get_slice(name).get_shape())
-                          for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        except Exception as e:  # a corrupt safetensors header
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
-        return self._check_shapes(cfg, shapes)
-
-    def _check_shapes(self, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]]
-                      ) -> tuple[int, int]:
-        """:meth:`_check_fits` on a parsed config and the tensors' shapes."""
-        modules = dict(self._hf.named_modules())
-        adapted: set[str] = set()
-        for name, shape in shapes.items():
-            self._check_tensor(name, shape, modules, adapted)
-        if not adapted:
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: no LoRA tensors")
-        return int(cfg.get("r", 0)), len(adapted)
-
-    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> TorchAdapter:
-        """:meth:`load_adapter` from a push's files in memory: plain LoRA on the lean forward
-        is read in place from the bytes (tensors viewed, not copied, when the buffer is
-        writable, as a push's is; no disk); anything else goes through a temporary directory.
-
-        Raises:
-            AdapterLoadError: as :meth:`load_adapter`; nothing is changed then.
-        """
-        if (self._lean is None or not self._owns or key in self._loaded
-                or PEFT_CONFIG not in files or PEFT_WEIGHTS not in files):
-            return super().load_adapter_files(files, key)
-        cfg = _lora_config(files[PEFT_CONFIG])
-        if not mergeable(cfg):
-            return super().load_adapter_files(files, key)
-        start = time.perf_counter()
-        tensors = _view_tensors(files[PEFT_WEIGHTS])
-        rank, modules = self._check_shapes(cfg, {n: tuple(t.shape) for n, t in tensors.items()})
-        try:
-            factors = self._lean.lora_factors(lora_pairs(cfg, tensors))
-        except (KeyError, ValueError) as e:
-            raise AdapterLoadError(f"adapter does not load: {e}") from e
-        self._factors[key] = factors
-        handle = TorchAdapter(key=key, directory="", rank=rank, modules=modules)
-        self._loaded[key] = handle
-        log.info("LoRA adapter %r loaded as factors from memory: rank %d, %d modules, %.1f MB, "
-                 "%.3fs", key, rank, modules, factors.nbytes / 1e6, time.perf_counter() - start)
-        return handle
-
-    @staticmethod
-    def _check_tensor(name: str, shape: tuple[int, ...], modules: dict[str, Any],
-                      adapted: set[str]) -> None:
-        path = name.removeprefix("base_model.model.")
-        for suffix in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector",
-                       ".lora_embedding_A", ".lora_embedding_B", ".weight", ".bias"):
-            if path.endswith(suffix):
-                module_path, kind = path[:-len(suffix)], suffix
-                break
-        else:
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: tensor {name!r} is not a LoRA tensor")
-        if kind in (".weight", ".bias"):  # modules_to_save / trained biases: checked by peft
-            return
-        module = modules.get(module_path)
-        if module is None:
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: the base model has no module "
-                                   f"{module_path!r}")
-        module = getattr(module, "base_layer", module)
-        adapted.add(module_path)
-        if kind.startswith(".lora_embedding"):
-            return
-        fan_in, fan_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
-        if fan_in is None or fan_out is None:
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: module {module_path!r} is a "
-                                   f"{type(module).__name__}, not a linear layer")
-        if kind == ".lora_A.weight" and (len(shape) != 2 or shape[1] != fan_in):
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
-                                   f"{module_path} (in_features {fan_in}): expected [r, {fan_in}]")
-        if kind == ".lora_B.weight" and (len(shape) != 2 or shape[0] != fan_out):
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
-                                   f"{module_path} (out_features {fan_out}): expected [{fan_out}, r]")
-        if kind == ".lora_magnitude_vector" and shape not in ((fan_out,), (1, fan_out)):
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: shape {list(shape)} does not fit "
-                                   f"{module_path} (out_features {fan_out})")
+        self.adapters.unload(adapter.key)
 
     @contextlib.contextmanager
-    def _using(self, adapter: TorchAdapter | None) -> Iterator[None]:
-        """Run the model with ``adapter`` (None: base model for an owned model, the model as
-        it is otherwise), in eval mode and inference mode."""
-        model = self._peft if self._peft is not None else self._hf
+    def _using(self, adapter: TorchAdapter | None) -> Iterator[Any]:
+        """Run with ``adapter`` (None: base model for an owned model, the model as it is
+        otherwise), in eval mode and inference mode; yields the forward that serves the call
+        (a :class:`LeanLlama` or a transformers model)."""
+        if adapter is not None and self._loaded.get(adapter.key) is not adapter:
+            raise ValueError(f"adapter {getattr(adapter, 'key', adapter)!r} is not loaded")
+        model = self._wrapper
         was_training = model.training
         if was_training:
             model.eval()
         try:
-            with torch.inference_mode(), self._adapter_selected(adapter):
-                yield
+            with torch.inference_mode(), self.adapters.active(
+                    None if adapter is None else adapter.key) as forward:
+                yield forward
         finally:
             if was_training:
                 model.train()
 
-    @contextlib.contextmanager
-    def _adapter_selected(self, adapter: TorchAdapter | None) -> Iterator[None]:
-        lean = self._lean
-        if lean is not None and not self._owns and adapter is None:
-            live = self._live_lora()  # the wrapped peft model's LoRA as it is now
-            if live is not None:
-                lean.activate(live)
-                self._running = lean
-                try:
-                    yield
-                finally:
-                    self._running = None
-                    lean.release(live)
-                return
-        if lean is not None and self._owns and (adapter is None or adapter.key in self._factors):
-            if adapter is not None and self._loaded.get(adapter.key) is not adapter:
-                raise ValueError(f"adapter {adapter.key!r} is not loaded")
-            lean.activate(None if adapter is None else self._factors[adapter.key])
-            self._running = lean
-            try:
-                yield
-            finally:
-                self._running = None
-            return
-        if self._switcher is not None and (adapter is None or adapter.key in self._merged):
-            if adapter is not None and self._loaded.get(adapter.key) is not adapter:
-                raise ValueError(f"adapter {adapter.key!r} is not loaded")
-            self._switcher.activate(None if adapter is None else self._merged[adapter.key])
-            if self._peft is None or adapter is not None:
-                yield
-                return
-        if adapter is None:
-            if self._owns and self._peft is not None:
-                with self._peft.disable_adapter():
-                    yield
-            else:
-                yield
-            return
-        if self._loaded.get(adapter.key) is not adapter or self._peft is None:
-            raise ValueError(f"adapter {adapter.key!r} is not loaded")
-        if self._peft.active_adapter != adapter.key:
-            self._peft.set_adapter(adapter.key)
-            if self._owns:
-                self._hf.requires_grad_(False)
-        yield
-
     # -- decoding ----------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        cache = kwargs.pop("cache", None)
-        if cache is not None:
-            kwargs[self._cache_kw] = cache
-        return self._hf(input_ids=input_ids, use_cache=cache is not None, **kwargs).logits
-
-    def _prefill(self, prompt: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
-                                                   torch.Tensor]:
-        """One batch-1 forward over ``prompt``. Returns per-layer (keys, values) of shape
-        (1, H, P, D) and the float32 logits (V,) of the token after the prompt."""
-        from transformers import DynamicCache
-
-        ids = torch.tensor([prompt], dtype=torch.int64, device=self._device)
-        last = torch.tensor([len(prompt) - 1], device=self._device)
-        if self._running is not None:
-            layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-            positions = torch.arange(len(prompt), device=self._device)[None]
-            logits = self._running.forward(ids, positions, cache=layers, logits_at=last)
-            return layers, logits[0, -1].float()
-        cache = DynamicCache()
-        # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
-        # is one matrix-vector product (a strided slice sends bf16 through a full weight copy).
-        logits = self._forward(ids, cache=cache, logits_to_keep=last)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return kv, logits[0, -1].float()
-
-    def generate(self, batch: list[SequenceRequest], adapter: Any | None) -> list[SequenceResult]:
-        """Decode ``batch`` together (see the module docstring), following base.py's semantics.
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following the contract's
+        semantics (:mod:`gridrl.engine.contract`).
 
         Args:
             batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
             adapter: a :class:`TorchAdapter` from :meth:`load_adapter`, or None.
+            observer: told each step's tokens and asked between steps whether to stop.
         Returns:
             one :class:`SequenceResult` per request, in order: token ids (stop token included
             when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
         Raises:
             ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
         """
         if not batch:
             return []
-        check_batch(batch)
-        with self._using(adapter):
-            return self._generate(batch)
+        check_batch(batch, self.identity.max_context)
+        with self._using(adapter) as forward:
+            return self._generate(batch, forward, observer)
 
-    def _generate(self, batch: list[SequenceRequest]) -> list[SequenceResult]:
+    def _steps(self, forward: Any) -> LeanSteps | ModelSteps:
+        if isinstance(forward, LeanLlama):
+            return LeanSteps(forward, self._device, self._dtype)
+        return ModelSteps(forward, self._device)
+
+    def _generate(self, batch: list[SequenceRequest], forward: Any,
+                  observer: DecodeObserver | None) -> list[SequenceResult]:
+        steps = self._steps(forward)
         start = time.perf_counter()
         dev = self._device
         n = len(batch)
@@ -609,14 +414,15 @@ class TorchBackend(Backend):
                        for r in batch]
         prefills, first_logits = [], []
         for prompt in prompt_index:
-            kv, logits = self._prefill(list(prompt))
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(0)
+            kv, logits = steps.prefill(list(prompt))
             prefills.append(kv)
             first_logits.append(logits)
         logits = torch.stack(first_logits).index_select(
             0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
         max_tokens = [r.sampling.max_tokens for r in batch]
-        cache = SlabCache.from_prefills(prefills, [len(p) for p in prompt_index], row_prefill,
-                                        max(max_tokens), self._dtype)
+        steps.start(prefills, [len(p) for p in prompt_index], row_prefill, max(max_tokens))
         del prefills, first_logits
 
         # 2. per-row state; `active` maps cache rows to batch indices.
@@ -632,7 +438,6 @@ class TorchBackend(Backend):
         active = torch.arange(n, device=dev)
         active_list = list(range(n))
         rows = sampling
-        cpu = dev.type == "cpu"
         step = 0
         self.last_first_token_s = None
         while True:
@@ -642,6 +447,8 @@ class TorchBackend(Backend):
             tokens, token_logprobs = draw_tokens(logits, logprobs, rows, u)
             out_tokens[active, step] = tokens
             out_logprobs[active, step] = token_logprobs
+            if observer is not None:
+                observer.on_tokens(list(active_list), tokens.tolist(), token_logprobs.tolist())
             if self.last_first_token_s is None:
                 self.last_first_token_s = time.perf_counter() - start
             hit_stop = (stop_table.index_select(0, active) == tokens[:, None]).any(dim=-1)
@@ -658,21 +465,15 @@ class TorchBackend(Backend):
                     break
                 keep = [row for row, d in enumerate(done_list) if not d]
                 keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
-                cache.keep_rows(keep_t)
+                steps.keep(keep_t)
                 active = active.index_select(0, keep_t)
                 active_list = [active_list[row] for row in keep]
                 tokens = tokens.index_select(0, keep_t)
                 rows = rows.select(keep_t)
             step += 1
-            positions = (cache.layers[0].length - cache.pad)[:, None]
-            # (the lean forward needs a mask only for padded rows; see next_step for the other)
-            mask = cache.next_step(always=cpu and self._running is None)
-            if self._running is not None:
-                logits = self._running.forward(tokens[:, None], positions, cache=cache,
-                                               attention_mask=mask)[:, -1]
-            else:
-                logits = self._forward(tokens[:, None], cache=cache, position_ids=positions,
-                                       attention_mask=mask)[:, -1]
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(step)
+            logits = steps.step(tokens)
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
@@ -684,7 +485,7 @@ class TorchBackend(Backend):
               adapter: Any | None) -> list[float]:
         """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids``: one forward over
         both (no cache), float32 logits at the positions that predict each completion token,
-        then the same transform as :meth:`generate` (base.py steps 1-3).
+        then the same transform as :meth:`generate` (contract.py steps 1-3).
 
         Returns:
             one float per completion token (natural log), ``-inf`` for tokens outside the
@@ -696,37 +497,20 @@ class TorchBackend(Backend):
             raise ValueError("prompt_ids is empty")
         if not completion_ids:
             return []
-        with self._using(adapter):
+        with self._using(adapter) as forward:
             ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64,
                                device=self._device)
-            if self._running is not None:
+            if isinstance(forward, LeanLlama):
                 positions = torch.arange(ids.shape[1], device=self._device)[None]
-                logits = self._running.forward(ids, positions)
+                logits = forward.forward(ids, positions)
             else:
-                logits = self._forward(ids)
+                logits = forward(input_ids=ids, use_cache=False).logits
             logits = logits[0, len(prompt_ids) - 1:-1].float()
             rows = RowSampling.from_configs([sampling] * len(completion_ids), logits.shape[-1],
                                             self._device)
             logprobs = transform_logits(logits, rows)
             target = torch.tensor(completion_ids, dtype=torch.int64, device=self._device)
             return logprobs.gather(-1, target[:, None]).squeeze(-1).cpu().tolist()
-
-
-def _lora_config(data: bytes) -> dict[str, Any]:
-    """Parse ``adapter_config.json`` of a LoRA adapter.
-
-    Raises:
-        AdapterLoadError: not JSON, or a peft_type other than LORA.
-    """
-    try:
-        cfg = json.loads(data)
-    except ValueError as e:
-        raise AdapterLoadError(f"{PEFT_CONFIG}: not JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise AdapterLoadError(f"{PEFT_CONFIG}: not a JSON object")
-    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterLoadError(f"{PEFT_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    return cfg
 
 
 def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
@@ -737,46 +521,3 @@ def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
         if s:
             table[i, :len(s)] = torch.tensor(sorted(s), dtype=torch.int64)
     return table.to(device)
-
-
-def _strip_lora(model: Any) -> None:
-    """Replace every peft LoRA layer inside ``model`` by the layer it wraps."""
-    from peft.tuners.lora import LoraLayer
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLayer) and hasattr(module, "get_base_layer"):
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, module.get_base_layer())
-    if "peft_config" in vars(model):  # set by peft on the model it injects into
-        del model.peft_config
-
-
-
-def _view_tensors(data: bytes | bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file in memory, as CPU tensors viewing ``data`` (copied
-    once first when ``data`` is read-only: torch only views writable buffers).
-
-    Raises:
-        AdapterLoadError: the file does not parse, or holds a dtype other than F32/F16/BF16/F64.
-    """
-    from gridrl.adapters import AdapterError
-    from gridrl.adapters import tensors as safetensors_codec
-
-    if not isinstance(data, bytearray):
-        data = bytearray(data)
-    try:
-        parsed = safetensors_codec.load(data, PEFT_WEIGHTS)
-    except AdapterError as e:
-        raise AdapterLoadError(f"{PEFT_WEIGHTS}: unreadable: {e}") from e
-    torch_dtypes = {code: getattr(torch, dtype_name)
-                    for dtype_name, code in safetensors_codec.FLOAT_CODES.items()}
-    out = {}
-    for name, t in parsed.tensors.items():
-        dtype = torch_dtypes.get(t.dtype)
-        if dtype is None:
-            raise AdapterLoadError(f"{PEFT_WEIGHTS}: {name}: dtype {t.dtype} is not a LoRA "
-                                   f"weight dtype ({', '.join(torch_dtypes)})")
-        flat = torch.frombuffer(t.data, dtype=dtype) if len(t.data) else torch.empty(0, dtype=dtype)
-        out[name] = flat.view(t.shape)
-    return out

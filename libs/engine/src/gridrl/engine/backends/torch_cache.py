@@ -1,7 +1,9 @@
-"""A preallocated, left-padded batch KV cache for transformers decoder models.
+"""A preallocated, left-padded batch KV cache for the lean forward
+(:class:`~gridrl.engine.backends.torch_llama.LeanLlama`; other forwards use transformers'
+``DynamicCache``).
 
-``DynamicCache`` concatenates every step (O(length) copies per token per layer). Here each
-layer holds one buffer written in place, and the model sees views of the filled prefix. The
+A growing cache concatenates every step (O(length) copies per token per layer). Here each
+layer holds one buffer written in place, and the forward reads views of the filled prefix. The
 buffer starts at the prompt plus :data:`FIRST_BLOCK` tokens and doubles when full, up to the
 batch's final length (longest prompt + largest ``max_tokens``), so a batch that may decode
 thousands of tokens but stops early never holds memory for all of them.
@@ -10,39 +12,46 @@ Rows are left-padded: row ``r``'s prompt occupies the last ``P_r`` columns befor
 ``prompt_len`` (the longest prompt), and the padding columns are masked out by
 :meth:`SlabCache.next_step`. Finished rows are dropped with :meth:`SlabCache.keep_rows`.
 
-Only full-attention decoders are supported (no sliding-window or linear-attention layers);
-:func:`supports` checks a config.
+Attention is over every cached column (no sliding window: a model with one is served with its
+context capped at the window, :mod:`gridrl.engine.families`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 FIRST_BLOCK = 128  # decode columns allocated at first
 
 
-def supports(config: Any) -> bool:
-    """True when every layer of ``config`` (a transformers config) is full attention."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        return all(t == "full_attention" for t in layer_types)
-    return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
+def left_padded(tensors: list[torch.Tensor], lengths: list[int], index: torch.Tensor
+                ) -> torch.Tensor:
+    """One layer's keys (or values) of a batch, from its distinct prompts' prefills.
+
+    Args:
+        tensors: per distinct prompt ``j``, shape (1, H, P_j, D).
+        lengths: ``P_j`` of each.
+        index: int64 (B,), the prompt of each batch row.
+    Returns:
+        (B, H, P, D) with ``P = max(lengths)``, row ``r``'s prompt in its last ``P_j``
+        columns and zeros before (a view that repeats one prompt when there is only one).
+    """
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first.expand(len(index), -1, -1, -1)
+    width = max(lengths)
+    out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    for j, t in enumerate(tensors):
+        out[j, :, width - lengths[j]:] = t[0]
+    return out.index_select(0, index)
 
 
-class _SlabLayer(DynamicLayer):
+class _SlabLayer:
     """One layer's keys and values in a preallocated (B, H, T, D) buffer; ``keys`` /
-    ``values`` are views of the first ``length`` columns (what ``DynamicLayer`` reads)."""
+    ``values`` are views of the first ``length`` columns."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        super().__init__()
         self.kbuf, self.vbuf = keys, values
         self.length = length
-        self.device = keys.device
-        self.is_initialized = True
         self._views()
 
     def _views(self) -> None:
@@ -60,8 +69,9 @@ class _SlabLayer(DynamicLayer):
             setattr(self, name, new)
         self._views()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, H, T, D) keys and values; returns every filled column's."""
         start = self.claim(key_states.shape[-2])
         self.kbuf[:, :, start:self.length] = key_states
         self.vbuf[:, :, start:self.length] = value_states
@@ -79,16 +89,13 @@ class _SlabLayer(DynamicLayer):
         self._views()
         return start
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.kbuf = self.kbuf.index_select(0, indices)
         self.vbuf = self.vbuf.index_select(0, indices)
         self._views()
 
 
-class SlabCache(Cache):
+class SlabCache:
     """The batch's KV cache: one :class:`_SlabLayer` per decoder layer.
 
     Build with :meth:`from_prefills`. ``prompt_len`` is the padded prompt length; column ``j``
@@ -97,7 +104,7 @@ class SlabCache(Cache):
 
     def __init__(self, layers: list[_SlabLayer], pad: torch.Tensor, prompt_len: int,
                  total: int, mask_dtype: torch.dtype) -> None:
-        super().__init__(layers=layers)
+        self.layers = layers
         self.pad = pad  # int64 (B,), left padding of each row
         self.prompt_len = prompt_len
         self.total = total  # the most columns the batch can need
@@ -131,19 +138,8 @@ class SlabCache(Cache):
             k0, v0 = prefills[0][layer]
             kbuf = k0.new_zeros((rows, k0.shape[1], width, k0.shape[3]))
             vbuf = v0.new_zeros((rows, v0.shape[1], width, v0.shape[3]))
-            if len(prefills) == 1:
-                kbuf[:, :, :prompt_len] = k0
-                vbuf[:, :, :prompt_len] = v0
-            else:
-                # Distinct prompts: stack them left-padded, then gather one row per sequence.
-                kp = k0.new_zeros((len(prefills), k0.shape[1], prompt_len, k0.shape[3]))
-                vp = v0.new_zeros((len(prefills), v0.shape[1], prompt_len, v0.shape[3]))
-                for j, kv in enumerate(prefills):
-                    p = lengths[j]
-                    kp[j, :, prompt_len - p:] = kv[layer][0][0]
-                    vp[j, :, prompt_len - p:] = kv[layer][1][0]
-                kbuf[:, :, :prompt_len] = kp.index_select(0, index)
-                vbuf[:, :, :prompt_len] = vp.index_select(0, index)
+            kbuf[:, :, :prompt_len] = left_padded([p[layer][0] for p in prefills], lengths, index)
+            vbuf[:, :, :prompt_len] = left_padded([p[layer][1] for p in prefills], lengths, index)
             layers.append(_SlabLayer(kbuf, vbuf, prompt_len))
         return cls(layers, pad, prompt_len, total, mask_dtype)
 
@@ -153,9 +149,6 @@ class SlabCache(Cache):
         (B, 1, 1, length + 1), 0 where a row may attend and the dtype's minimum on its
         padding; None when no row is padded, unless ``always``.
 
-        (On CPU a mask is worth giving even without padding: with one, transformers' SDPA
-        path packs the query heads of each key/value head together instead of using
-        ``enable_gqa``, as fast in float32 and about 4x faster in bfloat16.)
         """
         layer = self.layers[0]
         if layer.length + 1 > layer.kbuf.shape[2]:

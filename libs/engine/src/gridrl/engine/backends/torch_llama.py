@@ -35,10 +35,12 @@ follows its upcasts (RMSNorm and softmax in float32). Attention for one decode t
 ``G`` query heads that share a key/value head as ``G`` query rows (no key/value repeat). The
 KV cache holds keys in the reordered layout, so it is only read by this forward.
 
-Supported: ``model_type`` llama / mistral / qwen2 with full attention, SiLU MLP, no MLP bias,
+Supported: ``model_type`` llama / mistral / qwen2, SiLU MLP, no MLP bias,
 ``pretraining_tp == 1`` (:func:`unsupported_reason` says why not otherwise). Rotary embeddings
 come from the model's own ``rotary_emb`` module, so every rope scaling transformers implements
-is used as is.
+is used as is. Attention is over the whole context: a model with a sliding window (Mistral
+7B v0.1) is served with its context capped at the window (:mod:`gridrl.engine.families`),
+where the two are the same function.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ import torch
 import torch.nn.functional as F
 
 from gridrl.engine.backends import cpu_kernels
-from gridrl.engine.backends.torch_cache import SlabCache, supports
+from gridrl.engine.backends.torch_cache import SlabCache
+from gridrl.engine.backends.torch_memory import drop_mapped_pages
+from gridrl.engine.families import unsupported_layers
 
 _TYPES = ("llama", "mistral", "qwen2")
 
@@ -68,8 +72,9 @@ def unsupported_reason(model: Any) -> str | None:
     kind = getattr(cfg, "model_type", "")
     if kind not in _TYPES:
         return f"model_type {kind!r} is not one of {', '.join(_TYPES)}"
-    if not supports(model.config):
-        return "sliding-window attention"
+    refused = unsupported_layers(model.config.to_dict())
+    if refused is not None:
+        return refused
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "mlp_bias", False):
@@ -87,6 +92,40 @@ def unsupported_reason(model: Any) -> str | None:
                 and torch.equal(sin[..., :half], sin[..., half:])):
             return "a rotary embedding whose two halves differ"
     return None
+
+
+def _projections(layer: Any) -> list[torch.nn.Module]:
+    """The linear modules of a decoder layer that :class:`LeanLlama` packs."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj]
+
+
+def _own_the_rest(model: torch.nn.Module, taken: list[torch.nn.Module],
+                  keep_mapped: torch.Tensor) -> None:
+    """Copy every parameter and buffer of ``model`` but the ``taken`` modules' weights and
+    ``keep_mapped`` into memory of its own (out of a memory-mapped checkpoint, where
+    transformers maps safetensors files); parameters keep their identity, so tied weights stay
+    tied."""
+    skip = {id(m.weight) for m in taken} | {id(keep_mapped)}
+    with torch.no_grad():
+        for p in model.parameters():  # each shared (tied) parameter once
+            if id(p) not in skip and p.device.type != "meta":
+                p.data = p.data.clone()
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and buf.device.type != "meta":
+                    module._buffers[name] = buf.clone()
+
+
+def _release(modules: list[torch.nn.Module]) -> None:
+    """Replace each module's parameters by ``meta`` tensors of the same shape and dtype (the
+    pages of a memory-mapped checkpoint they viewed handed back at once)."""
+    drop_mapped_pages(p for module in modules for p in module.parameters(recurse=False))
+    for module in modules:
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -246,14 +285,33 @@ class LeanLlama:
     Holds its own (fused, prepacked) copies of the projection weights; embeddings, norms and
     the rotary module are shared with the model. Not thread-safe; call under
     ``torch.inference_mode()``.
+
+    Args:
+        model: a transformers llama-family causal LM (:func:`unsupported_reason` is None).
+        take_weights: the model is only read through this forward from now on (a node's own
+            model): each projection weight (and bias) of the decoder layers, and an output
+            head not tied to the embeddings, is replaced in the model by a ``meta`` tensor of
+            the same shape once packed, so the process holds one copy of it -- the packed one
+            (:mod:`.torch_memory`: pages of a memory-mapped checkpoint are handed back as
+            soon as a weight is packed). Norms and biases are copied into memory of their
+            own; the embedding table stays where it is (in a mapped checkpoint, resident
+            only in the rows looked up). The model's own forward cannot run afterwards (its
+            modules keep their shapes, for adapter checks).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, take_weights: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"lean llama forward: {reason}")
         cfg = _text_config(model.config)
         inner = model.model
+        head_weight = model.get_output_embeddings().weight
+        tied = head_weight is inner.embed_tokens.weight
+        if take_weights:
+            taken = [m for layer in inner.layers for m in _projections(layer)]
+            if not tied:
+                taken.append(model.get_output_embeddings())
+            _own_the_rest(model, taken, keep_mapped=inner.embed_tokens.weight)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
@@ -293,7 +351,16 @@ class LeanLlama:
                              norm=layer.post_attention_layernorm.weight, eps=self.eps,
                              swiglu=True),
                 down=proj(mlp.down_proj.weight)))
-        self.head = proj(model.get_output_embeddings().weight, norm=self.norm, eps=self.eps)
+            if take_weights:
+                _release(_projections(layer))
+        self.head = proj(head_weight, norm=self.norm, eps=self.eps)
+        if take_weights:
+            if not tied:
+                _release([model.get_output_embeddings()])
+            # Lookups read a few rows a step: the table can stay in the checkpoint's mapping,
+            # paged in row by row (packing the head read all of it when tied).
+            drop_mapped_pages([self.embed])
+        del head_weight
         # Decode attention on CPU as two batched products: SDPA's flash kernel costs ~100 us
         # a call at one query row over <~1k cached keys, the products ~50 (measured, 2 cores).
         self._product_attention = self.embed.device.type == "cpu"

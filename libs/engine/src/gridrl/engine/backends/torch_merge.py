@@ -104,24 +104,25 @@ def lora_pairs(cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     return out
 
 
-def merge_adapter(model: torch.nn.Module, directory: Path,
+def merge_adapter(model: torch.nn.Module,
+                  pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
                   base: dict[str, torch.Tensor]) -> MergedAdapter:
-    """Fold the peft adapter in ``directory`` into copies of ``model``'s weights.
+    """Fold a peft LoRA adapter into copies of ``model``'s weights.
 
     Args:
-        model: the transformers model (not a PeftModel); only read.
-        directory: a peft LoRA adapter (already checked to fit ``model``).
+        model: the transformers model (its modules' weights are only read).
+        pairs: the adapter's factors per module (:func:`lora_pairs` / :func:`read_lora`),
+            already checked to fit ``model``.
         base: module path -> the module's original weight tensor (filled in here for modules
             seen for the first time, so the base model can always be restored).
     Returns:
         the merged weights, one tensor per adapted module.
     Raises:
-        KeyError / ValueError: a tensor names a module the model lacks, or is not a LoRA A/B
-            weight, or A/B come unpaired (:func:`read_lora`).
+        AttributeError: a module path the model lacks.
     """
     merged = MergedAdapter()
     with torch.no_grad():
-        for path, (a, b, scale) in read_lora(directory).items():
+        for path, (a, b, scale) in pairs.items():
             module = model.get_submodule(path)
             w = base.setdefault(path, module.weight.data)
             a, b = a.float().to(w.device), b.float().to(w.device)

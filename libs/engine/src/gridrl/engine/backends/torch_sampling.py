@@ -96,7 +96,7 @@ def _key(c: SamplingConfig) -> tuple[float, float, int]:
 
 
 def transform_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
-    """Logprobs of the distribution each row's next token is drawn from (base.py steps 1-3).
+    """Logprobs of the distribution each row's next token is drawn from (contract.py steps 1-3).
 
     Args:
         logits: (N, V) next-token logits of any float dtype; computed in float32.
@@ -174,7 +174,7 @@ def _top_p_cut(desc: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def draw_tokens(logits: torch.Tensor, logprobs: torch.Tensor, rows: RowSampling,
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each row's token (base.py step 4) and its logprob under ``logprobs``.
+    """Pick each row's token (contract.py step 4) and its logprob under ``logprobs``.
 
     Greedy rows take ``argmax(logits)``. Other rows draw by inverse CDF: the first id whose
     cumulative probability (vocabulary order) exceeds ``u * total``.

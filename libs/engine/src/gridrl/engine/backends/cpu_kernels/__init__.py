@@ -125,8 +125,6 @@ def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
         padded columns are zero.
     """
     w = weight.detach().to("cpu", torch.float32)
-    if in_scale is not None:
-        w = w * in_scale.detach().to("cpu", torch.float32)
     n, k = w.shape
     halves = 2 if swiglu else 1
     if n % halves:
@@ -139,6 +137,8 @@ def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
     # (halves, blocks, NB, K) -> (blocks, K, halves, NB)
     out = _huge_page_empty((blocks, k, halves * NB))
     out.view(blocks, k, halves, NB).copy_(w.view(halves, blocks, NB, k).permute(1, 3, 0, 2))
+    if in_scale is not None:  # in place: no temporary the size of the weight
+        out.mul_(in_scale.detach().to("cpu", torch.float32)[None, :, None])
     return out
 
 

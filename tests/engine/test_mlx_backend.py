@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_helpers import chat_ids
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -30,12 +31,6 @@ CONFIGS = {
     "t0.7-top_k": SamplingConfig(max_tokens=8, temperature=0.7, top_k=20),
     "top_p0.9": SamplingConfig(max_tokens=8, temperature=1.0, top_p=0.9),
 }
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
 
 
 @pytest.fixture(scope="module")

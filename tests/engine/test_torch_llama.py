@@ -168,8 +168,8 @@ def test_in_process_peft_model_runs_lean_with_its_live_lora(tiny_llama_dir: Path
     """The trainer's use (TorchBackend.from_model over its peft model, base frozen, LoRA
     training): the lean forward reads the LoRA weights at every call, so an optimizer step
     between calls is served, and it agrees with the transformers/peft forward."""
+    from engine_helpers import PROMPT
     from peft import LoraConfig, get_peft_model
-    from rollout_helpers import PROMPT
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gridrl.engine.backends.torch import TorchBackend

@@ -1,21 +1,14 @@
 """torch vs mlx on the bundled SmolLM2-135M-Instruct: the same greedy tokens and the same
-logprobs (within float32 rounding across frameworks), and a peft adapter pushed to an mlx node
-serving what peft gives locally. (The mlx logprob invariant on this model is in
-test_mlx_backend.py.)"""
+logprobs (within float32 rounding across frameworks). (The mlx logprob invariant on this model
+is in test_mlx_backend.py; a peft adapter pushed to an mlx node is in
+tests/rollout/test_real_model.py.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from rollout_helpers import (
-    LiveNode,
-    chat_ids,
-    make_peft_adapter,
-    peft_reference,
-    push_dir,
-    reference_greedy,
-)
+from engine_helpers import chat_ids
 
 from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
@@ -64,23 +57,3 @@ def test_greedy_tokens_and_logprobs_agree(backends, prompts) -> None:
         st = torch_backend.score(prompt, t.token_ids, TRUNCATED, None)
         sm = mlx_backend.score(prompt, t.token_ids, TRUNCATED, None)
         assert st == pytest.approx(sm, abs=CROSS_TOL)
-
-
-def test_peft_push_to_an_mlx_node(backends, prompts, smollm2_dir, tmp_path) -> None:
-    """The node converts the peft push to mlx-lm and serves what peft gives locally."""
-    _, mlx_backend = backends
-    adapter = make_peft_adapter(smollm2_dir, tmp_path / "lora", seed=3,
-                                targets=["q_proj", "v_proj", "o_proj", "up_proj"], rank=8,
-                                alpha=16, std=0.12)
-    ref_tokens, ref_lps = reference_greedy(peft_reference(smollm2_dir, adapter), prompts[0], 6)
-    node = LiveNode(mlx_backend, tmp_path / "node")
-    try:
-        assert node.info().adapter_format == 2  # ADAPTER_FORMAT_MLX
-        response = push_dir(node.stub, adapter, "smol", 1)
-        assert response.converted and response.serving.version == 1
-        sample = node.generate(prompts[0], max_tokens=6, temperature=0).samples[0]
-        assert sample.adapter_version == 1
-        assert list(sample.token_ids) == ref_tokens
-        assert list(sample.logprobs) == pytest.approx(ref_lps, abs=CROSS_TOL)
-    finally:
-        node.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollout_helpers import PROMPT, peft_reference, reference_greedy
+from engine_helpers import PROMPT, peft_reference, reference_greedy
 
 from gridrl.engine.contract import AdapterLoadError, SamplingConfig, SequenceRequest
 

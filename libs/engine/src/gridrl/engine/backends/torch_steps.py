@@ -1,0 +1,127 @@
+"""The forward side of the torch backend's decode loop, one class per forward.
+
+``TorchBackend.generate`` owns the loop (prefill each distinct prompt alone, sample, drop
+finished rows); a *steps* object owns the forward and its KV cache:
+
+- :class:`LeanSteps` -- :class:`~gridrl.engine.backends.torch_llama.LeanLlama` with the
+  preallocated :class:`~gridrl.engine.backends.torch_cache.SlabCache`;
+- :class:`ModelSteps` -- the model's own transformers forward (any family transformers
+  implements, peft's layers included) with transformers' public cache API: a ``DynamicCache``
+  built from the prompts' keys and values, a 2-D padding mask and per-row positions from which
+  the model builds its own causal / sliding-window masks, and
+  ``DynamicCache.batch_select_indices`` to drop finished rows.
+
+Both take the same calls: :meth:`prefill` per distinct prompt, :meth:`start` once, then
+:meth:`step` and :meth:`keep` as the loop goes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from gridrl.engine.backends.torch_cache import SlabCache, left_padded
+from gridrl.engine.backends.torch_llama import LeanLlama
+
+#: per layer (keys, values), each (1, H, P, D): one prompt's prefill
+Prefill = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LeanSteps:
+    """Decode steps of the lean forward."""
+
+    def __init__(self, lean: LeanLlama, device: torch.device, dtype: torch.dtype) -> None:
+        self.lean, self.device, self.dtype = lean, device, dtype
+        self.cache: SlabCache | None = None
+
+    def prefill(self, prompt: list[int]) -> tuple[Prefill, torch.Tensor]:
+        """One batch-1 forward over ``prompt``: its keys/values and the float32 logits (V,)
+        of the token after it."""
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        last = torch.tensor([len(prompt) - 1], device=self.device)
+        layers: Prefill = []
+        positions = torch.arange(len(prompt), device=self.device)[None]
+        logits = self.lean.forward(ids, positions, cache=layers, logits_at=last)
+        return layers, logits[0, -1].float()
+
+    def start(self, prefills: list[Prefill], lengths: list[int], row_prefill: list[int],
+              max_new: int) -> None:
+        """The batch's cache: row ``r`` holds prompt ``row_prefill[r]`` (left-padded)."""
+        self.cache = SlabCache.from_prefills(prefills, lengths, row_prefill, max_new, self.dtype)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) in the model dtype after each live row's token ``tokens`` (N,)."""
+        cache = self.cache
+        assert cache is not None
+        positions = (cache.layers[0].length - cache.pad)[:, None]
+        mask = cache.next_step()  # only for padded rows
+        return self.lean.forward(tokens[:, None], positions, cache=cache,
+                                 attention_mask=mask)[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (int64 indices into the live rows), in that order."""
+        assert self.cache is not None
+        self.cache.keep_rows(rows)
+
+
+class ModelSteps:
+    """Decode steps of the model's own forward over transformers' ``DynamicCache``."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model, self.device = model, device
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # int64 (N, columns): 0 on left padding
+        self.positions: torch.Tensor | None = None  # int64 (N,): next token's position
+
+    def _new_cache(self, data: Any = None) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(data, config=self.model.config)
+
+    def prefill(self, prompt: list[int]) -> tuple[Prefill, torch.Tensor]:
+        """As :meth:`LeanSteps.prefill`, through the model with a fresh ``DynamicCache``."""
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        # An index (not the int 1) makes the last hidden state a contiguous copy, so the head
+        # is one matrix-vector product (a strided slice sends bf16 through a full weight copy).
+        last = torch.tensor([len(prompt) - 1], device=self.device)
+        cache = self._new_cache()
+        logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=last,
+                            **{self._cache_kw: cache}).logits
+        return [(keys, values) for keys, values, *_ in cache], logits[0, -1].float()
+
+    def start(self, prefills: list[Prefill], lengths: list[int], row_prefill: list[int],
+              max_new: int) -> None:
+        """The batch's ``DynamicCache``, its padding mask and positions (``max_new`` unused:
+        the cache grows as it goes)."""
+        index = torch.tensor(row_prefill, dtype=torch.int64, device=self.device)
+        layers = [(left_padded([p[i][0] for p in prefills], lengths, index),
+                   left_padded([p[i][1] for p in prefills], lengths, index))
+                  for i in range(len(prefills[0]))]
+        self.cache = self._new_cache(layers)
+        width = max(lengths)
+        rows = torch.tensor([lengths[j] for j in row_prefill], dtype=torch.int64,
+                            device=self.device)
+        self.mask = (torch.arange(width, device=self.device)[None, :]
+                     >= (width - rows)[:, None]).to(torch.int64)
+        self.positions = rows
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """As :meth:`LeanSteps.step`."""
+        assert self.mask is not None and self.positions is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask,
+                         position_ids=self.positions[:, None], use_cache=True,
+                         **{self._cache_kw: self.cache})
+        self.positions = self.positions + 1
+        return out.logits[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """As :meth:`LeanSteps.keep` (``DynamicCache.batch_select_indices``)."""
+        assert self.mask is not None and self.positions is not None
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
