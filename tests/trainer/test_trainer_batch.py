@@ -15,9 +15,15 @@ import pytest
 from gridrl.trainer import grpo
 from gridrl.trainer.backend import UpdateStats
 from gridrl.trainer.batch import build_batch
-from gridrl.trainer.evaluation import EvalResult
+from gridrl.trainer.evaluation import EvalResult, standard_error
 from gridrl.trainer.prefetch import StepRollouts
-from gridrl.trainer.records import STEP_REPORT_FIELDS, StepRecord, SyncOutcome, step_report
+from gridrl.trainer.records import (
+    IS_KEYS,
+    STEP_REPORT_FIELDS,
+    StepRecord,
+    SyncOutcome,
+    step_report,
+)
 from gridrl.trainer.rollouts import Group, RolloutSample
 from gridrl.trainer.tasks import TaskItem
 
@@ -108,17 +114,39 @@ def test_step_record_json_keeps_the_log_keys():
     stats = UpdateStats(loss=0.5, mismatch_kl=1e-3, per_sequence_mismatch_kl=[0.0] * 4,
                         clip_fraction=0.1, ref_kl=None, grad_norm=2.0, lr=1e-4, tokens=6)
     sync = SyncOutcome(pushed=True, seconds=0.2, synced_nodes=["a"], skipped_nodes={"b": "x"})
-    evaluation = EvalResult(score=0.75, exact=0.5, policy_version=5, n=4, seconds=3.0)
+    evaluation = EvalResult(score=0.75, exact=0.5, policy_version=5, n=4, seconds=3.0,
+                            stderr=0.125)
     full = StepRecord.of_step(batch, stats, sync, evaluation, {"b": "stale"}, **base)
     record = full.to_json()
     assert set(record) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens",
                                     "synced_nodes", "skipped_nodes", "lagging_nodes",
-                                    "eval_exact", "eval_s", "eval_examples"}
+                                    "eval_exact", "eval_stderr", "eval_n", "eval_s",
+                                    "eval_examples"}
     assert record["ref_kl"] is None and record["train_tokens"] == 6  # present though null
     assert (record["nodes_synced"], record["nodes_skipped"], record["sync_s"]) == (1, 1, 0.2)
     assert (record["eval_score"], record["eval_policy_version"]) == (0.75, 5)
+    assert (record["eval_stderr"], record["eval_n"]) == (0.125, 4)
     assert json.loads(json.dumps(record)) == record
     assert full.report() == step_report(record) == {k: record[k] for k in STEP_REPORT_FIELDS}
+    assert full.importance() == {}
+
+    corrected = UpdateStats(loss=0.5, mismatch_kl=1e-3, per_sequence_mismatch_kl=[0.0] * 4,
+                            tokens=6, is_weight_mean=1.25, is_weight_max=3.5,
+                            is_limited_fraction=0.25)
+    with_is = StepRecord.of_step(batch, corrected, SyncOutcome(), None, {}, **base)
+    assert set(with_is.to_json()) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl",
+                                               "train_tokens", *IS_KEYS}
+    assert with_is.importance() == {"is_weight_mean": 1.25, "is_weight_max": 3.5,
+                                    "is_limited_fraction": 0.25}
+
+
+def test_eval_standard_error_by_hand():
+    # scores 0, 1, 1, 0: mean 0.5, sample var = 4 * 0.25 / 3 = 1/3, se = sqrt(1/3 / 4)
+    assert standard_error([0.0, 1.0, 1.0, 0.0]) == pytest.approx(math.sqrt(1 / 12))
+    assert standard_error([0.4]) == 0.0 and standard_error([0.3, 0.3, 0.3]) == 0.0
+    # the worst case for scores in [0, 1] is 0.5 / sqrt(n - 1): 279 prompts give <= 0.03
+    half = [0.0, 1.0] * 139 + [0.0]
+    assert standard_error(half) <= 0.5 / math.sqrt(278) <= 0.03
 
 
 def test_the_loop_imports_no_tensor_framework():

@@ -185,6 +185,63 @@ def test_mismatch_kl_resolves_fp_noise():
     assert mean.item() == pytest.approx(5e-13, rel=0.1)
 
 
+# Importance-sampling correction: trainer/behaviour ratios 0.5, 1, 3 (row 0) and 4 + padding
+# (row 1); cap C = 2.
+IS_BEHAVIOUR = torch.log(torch.tensor([[0.4, 0.2, 0.1], [0.1, 0.3, 0.3]]))
+IS_TRAINER = torch.log(torch.tensor([[0.2, 0.2, 0.3], [0.4, 0.9, 0.9]]))
+IS_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(("correction", "level", "weights", "ratio", "limited"), [
+    # token: rho = (0.5, 1, 3 | 4, -, -); TIS min(rho, 2), MIS rho if rho <= 2 else 0
+    ("tis", "token", [[0.5, 1.0, 2.0], [2.0, 0.0, 0.0]], [[0.5, 1.0, 3.0], [4.0, 1.0, 1.0]],
+     [[False, False, True], [True, False, False]]),
+    ("mis", "token", [[0.5, 1.0, 0.0], [0.0, 0.0, 0.0]], [[0.5, 1.0, 3.0], [4.0, 1.0, 1.0]],
+     [[False, False, True], [True, False, False]]),
+    # sequence: rho_0 = 0.5 * 1 * 3 = 1.5 (kept), rho_1 = 4 (padding does not count)
+    ("tis", "sequence", [[1.5, 1.5, 1.5], [2.0, 0.0, 0.0]], [1.5, 4.0], [False, True]),
+    ("mis", "sequence", [[1.5, 1.5, 1.5], [0.0, 0.0, 0.0]], [1.5, 4.0], [False, True]),
+])
+def test_importance_weights_truncate_or_mask_by_hand(correction, level, weights, ratio, limited):
+    iw = grpo_torch.importance_weights(IS_TRAINER, IS_BEHAVIOUR, IS_MASK, correction=correction,
+                                       level=level, cap=2.0)
+    assert torch.allclose(iw.weights, torch.tensor(weights), atol=1e-6)
+    assert torch.allclose(iw.ratio, torch.tensor(ratio), atol=1e-6)
+    assert iw.limited.tolist() == limited
+    assert iw.units.tolist() == ([[True] * 3, [True, False, False]] if level == "token"
+                                 else [True, True])
+    assert iw.weights.dtype == torch.float32 and not iw.weights.requires_grad
+
+
+def test_importance_weights_refuse_bad_settings():
+    with pytest.raises(ValueError, match="correction"):
+        grpo_torch.importance_weights(IS_TRAINER, IS_BEHAVIOUR, IS_MASK, correction="none")
+    with pytest.raises(ValueError, match="level"):
+        grpo_torch.importance_weights(IS_TRAINER, IS_BEHAVIOUR, IS_MASK, correction="tis",
+                                      level="geometric")
+    with pytest.raises(ValueError, match="cap"):
+        grpo_torch.importance_weights(IS_TRAINER, IS_BEHAVIOUR, IS_MASK, correction="mis",
+                                      cap=0.0)
+
+
+def test_weighted_loss_ratio_runs_against_the_trainer_and_scales_the_gradient():
+    """With IS weights the surrogate's ratio is pi/sg(pi) = 1 (the behaviour ratio 3 would have
+    been clipped), the loss is -w*A and its gradient in logp is -w*A (TRL: per_token_loss *
+    importance_sampling_ratio)."""
+    logp = IS_TRAINER.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -2.0])
+    iw = grpo_torch.importance_weights(logp, IS_BEHAVIOUR, IS_MASK, correction="tis", cap=2.0)
+    out = grpo_torch.grpo_token_loss(logp, IS_BEHAVIOUR, adv, eps_low=0.2, is_weights=iw.weights)
+    want = -torch.tensor([[0.5, 1.0, 2.0], [-4.0, 0.0, 0.0]])
+    assert torch.allclose(out.loss, want, atol=1e-6)
+    assert not out.clipped.any()
+    (out.loss * IS_MASK).sum().backward()
+    assert torch.allclose(logp.grad, want, atol=1e-6)
+    # without weights: the behaviour ratio 3 with A = +1 takes the clipped branch, no gradient
+    plain = grpo_torch.grpo_token_loss(IS_TRAINER, IS_BEHAVIOUR, adv, eps_low=0.2)
+    assert plain.clipped[0, 2] and plain.loss[0, 2].item() == pytest.approx(-1.2)
+
+
 def test_framework_free_mismatch_kl_over_ragged_sequences():
     """grpo.mismatch_kl (lists, a flagged node's fresh check) is grpo_torch.mismatch_kl's
     mean over the same tokens."""

@@ -168,3 +168,16 @@ def test_metrics_endpoint_shows_step_metrics(served) -> None:
     assert 'gridrl_trainer_phase_seconds_total{phase="rollout"}' in values
     with pytest.raises(ValueError, match=r"^report\.loss"):
         metrics.record_step({"loss": "nan-ish"})
+
+
+def test_metrics_endpoint_shows_importance_weights(served) -> None:
+    """--is-correction: the step record's is_* keys go to Prometheus beside the report."""
+    _status, server, _stub = served
+    metrics.record_step({**step_report(8), "is_weight_mean": 1.25, "is_weight_max": 3.5,
+                         "is_limited_fraction": 0.125})
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line.startswith("gridrl_trainer_is_")}
+    assert values == {"gridrl_trainer_is_weight_mean": 1.25, "gridrl_trainer_is_weight_max": 3.5,
+                      "gridrl_trainer_is_limited_fraction": 0.125}

@@ -4,6 +4,7 @@ optimizer step on a tiny llama."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -304,3 +305,114 @@ def test_rng_state_round_trip():
     torch.manual_seed(99)
     set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def _behaviour_shifted(pol, shift_first: float) -> list[TrainSequence]:
+    """The test sequences with the policy's own logprobs as behaviour, the first sequence's
+    lowered by ``shift_first`` (its importance ratio is exp(shift_first) on every token)."""
+    pol.model.eval()
+    out = []
+    for i, s in enumerate(_sequences()):
+        lp = _unpadded_logprobs(pol, s, 1.0) - (shift_first if i == 0 else 0.0)
+        out.append(TrainSequence(s.prompt_ids, s.completion_ids, tuple(lp.tolist()),
+                                 s.advantage, s.group))
+    return out
+
+
+def _step(policy, seqs, **cfg):
+    pol = _fresh(policy)
+    opt = make_optimizer(pol.trainable_parameters(), lr=1e-2)
+    stats = grpo_update(pol, opt, None, seqs, UpdateConfig(temperature=1.0, max_tokens=8, **cfg))
+    return stats, pol.adapter_state()
+
+
+def _assert_same_state(a, b):
+    for k, v in a.items():
+        assert torch.allclose(b[k], v, atol=1e-6), k
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_masked_is_drops_the_off_policy_sequence(policy, level):
+    """Sequence 0 sampled by a policy e times less likely on each of its 3 tokens (ratio
+    e > cap 2, token or sequence level): MIS removes it, which is the uncorrected update of the
+    other, on-policy sequences with sequence 0's advantage set to 0."""
+    seqs = _behaviour_shifted(policy, 1.0)
+    stats, state = _step(policy, seqs, is_correction="mis", is_level=level, is_cap=2.0)
+    zeroed = [dataclasses.replace(seqs[0], advantage=0.0), *seqs[1:]]
+    ref_stats, ref_state = _step(policy, zeroed)
+    _assert_same_state(ref_state, state)
+    e3 = math.exp(3.0) if level == "sequence" else math.e
+    units = 4 if level == "sequence" else 14
+    assert stats.is_weight_max == pytest.approx(e3, rel=1e-4)
+    assert stats.is_limited_fraction == pytest.approx((1 if level == "sequence" else 3) / units)
+    assert stats.is_weight_mean == pytest.approx(
+        (e3 * (1 if level == "sequence" else 3) + units - (1 if level == "sequence" else 3))
+        / units, rel=1e-4)
+    assert ref_stats.is_weight_mean is None and ref_stats.is_limited_fraction is None
+
+
+def test_truncated_is_caps_the_weight_where_the_clip_would_zero_the_gradient(policy):
+    """Without correction, sequence 0 (ratio e, advantage +1) takes the PPO clip: no gradient.
+    TIS (cap 2) weighs it 2: the update of on-policy sequences with its advantage doubled."""
+    seqs = _behaviour_shifted(policy, 1.0)
+    plain, plain_state = _step(policy, seqs)
+    assert plain.clip_fraction == pytest.approx(3 / 14)
+    stats, state = _step(policy, seqs, is_correction="tis", is_cap=2.0)
+    on_policy = _behaviour_shifted(policy, 0.0)
+    doubled = [dataclasses.replace(on_policy[0], advantage=2.0), *on_policy[1:]]
+    _, ref_state = _step(policy, doubled)
+    _assert_same_state(ref_state, state)
+    assert stats.clip_fraction == 0.0 and stats.is_limited_fraction == pytest.approx(3 / 14)
+    with pytest.raises(AssertionError):
+        _assert_same_state(plain_state, state)
+
+
+def test_on_policy_is_correction_changes_nothing(policy):
+    seqs = _behaviour_shifted(policy, 0.0)
+    _, ref_state = _step(policy, seqs)
+    for correction in ("tis", "mis"):
+        stats, state = _step(policy, seqs, is_correction=correction, is_level="sequence")
+        _assert_same_state(ref_state, state)
+        assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-5)
+        assert stats.is_limited_fraction == 0.0
+
+
+class _GradientRecorder(torch.optim.SGD):
+    """Records the gradients at ``step`` and changes nothing (lr 0)."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+        self.params, self.grads = params, []
+
+    def step(self, closure=None):
+        self.grads = [p.grad.detach().clone() for p in self.params]
+
+
+def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy):
+    """--update-dtype bfloat16: the forward/backward under autocast gives the float32 update's
+    gradient to bfloat16 rounding (cosine > 0.99), and the LoRA weights, their gradients and
+    AdamW's state stay float32."""
+    seqs = _behaviour_shifted(policy, 0.0)
+    grads = {}
+    for dtype in ("float32", "bfloat16"):
+        pol = _fresh(policy)
+        with torch.no_grad():  # non-zero B so that every LoRA factor has a gradient
+            for name, p in pol.model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01)
+        rec = _GradientRecorder(pol.trainable_parameters())
+        stats = grpo_update(pol, rec, None, seqs, UpdateConfig(
+            temperature=1.0, max_tokens=8, update_dtype=dtype, max_grad_norm=0.0))
+        assert all(g.dtype == torch.float32 for g in rec.grads)
+        grads[dtype] = torch.cat([g.reshape(-1) for g in rec.grads])
+        if dtype == "bfloat16":
+            assert 0 < stats.mismatch_kl < 0.1  # bf16 rounding, within --mismatch-kl-max-16bit
+    cos = torch.nn.functional.cosine_similarity(grads["float32"], grads["bfloat16"], dim=0)
+    assert cos > 0.99
+    assert not torch.equal(grads["float32"], grads["bfloat16"])  # bf16 products did run
+    pol = _fresh(policy)
+    opt = make_optimizer(pol.trainable_parameters(), lr=1e-2)
+    grpo_update(pol, opt, None, seqs, UpdateConfig(max_tokens=8, update_dtype="bfloat16"))
+    assert all(p.dtype == torch.float32 for p in pol.trainable_parameters())
+    assert all(v.dtype == torch.float32 for st in opt.state.values() for k, v in st.items()
+               if k in ("exp_avg", "exp_avg_sq"))

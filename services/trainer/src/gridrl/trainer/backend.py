@@ -136,6 +136,16 @@ class UpdateConfig:
             ``softmax(logits / T)`` (as TRL does); the mismatch KL and :meth:`TrainerBackend.
             logprobs` use the sampler's own transform (engine contract steps 1-3), so
             truncation is not reported as a node mismatch.
+        is_correction: importance-sampling correction against the behaviour logprobs:
+            ``"none"`` (the surrogate's ratio runs against the behaviour logprobs and its clip
+            is the only guard), ``"tis"`` (truncated) or ``"mis"`` (masked)
+            (:func:`gridrl.trainer.grpo_torch.importance_weights`).
+        is_level: ``"token"`` or ``"sequence"`` ratios.
+        is_cap: the cap ``C`` of the ratio (TIS truncates to it, MIS drops what exceeds it).
+        update_dtype: ``"float32"``, or ``"bfloat16"``: the update's forward and backward
+            run under autocast (mixed precision, Micikevicius et al. 2018, arXiv:1710.03740:
+            float32 master weights, gradients and optimizer state; logprobs and the loss in
+            float32 from bfloat16 logits).
     """
 
     temperature: float = 1.0
@@ -149,6 +159,10 @@ class UpdateConfig:
     top_p: float = 1.0
     top_k: int = 0
     shared_prefix: bool = True
+    is_correction: str = "none"
+    is_level: str = "token"
+    is_cap: float = 2.0
+    update_dtype: str = "float32"
 
     @property
     def truncated(self) -> bool:
@@ -161,7 +175,8 @@ class UpdateConfig:
         return cls(temperature=cfg.temperature, eps_low=cfg.clip_eps, eps_high=cfg.clip_eps_high,
                    beta=cfg.kl_beta, aggregation=cfg.loss_aggregation, max_tokens=cfg.max_tokens,
                    micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                   top_p=cfg.top_p, top_k=cfg.top_k)
+                   top_p=cfg.top_p, top_k=cfg.top_k, is_correction=cfg.is_correction,
+                   is_level=cfg.is_level, is_cap=cfg.is_cap, update_dtype=cfg.update_dtype)
 
 
 @dataclass
@@ -178,6 +193,13 @@ class UpdateStats:
         grad_norm: the LoRA gradient's L2 norm before clipping.
         lr: learning rate used by this step.
         tokens: completion tokens trained on.
+        is_weight_mean: with an importance-sampling correction, the mean raw ratio
+            ``pi_trainer / pi_behaviour`` over the tokens (token level) or sequences (sequence
+            level) before truncation/masking (1 in expectation when the samples are on-policy);
+            None without a correction.
+        is_weight_max: the largest raw ratio; None without a correction.
+        is_limited_fraction: fraction of those tokens or sequences whose ratio exceeded the cap
+            (truncated by TIS, masked by MIS); None without a correction.
     """
 
     loss: float
@@ -188,6 +210,9 @@ class UpdateStats:
     grad_norm: float = 0.0
     lr: float = 0.0
     tokens: int = 0
+    is_weight_mean: float | None = None
+    is_weight_max: float | None = None
+    is_limited_fraction: float | None = None
 
 
 class TrainerBackend(abc.ABC):

@@ -156,6 +156,15 @@ class TrainConfig:
         "sequence", "sequence: mean per sequence then mean (GRPO); token: over all tokens "
         "(DAPO); constant: / (N * max_tokens) (Dr. GRPO).",
         choices=("sequence", "token", "constant"))
+    is_correction: str = setting(
+        "none", "Importance-sampling correction against the behaviour logprobs (stale or "
+        "16-bit samples): none (PPO clip against the behaviour policy only), tis (truncated "
+        "IS, Yao et al. 2025), mis (masked IS).", choices=("none", "tis", "mis"))
+    is_level: str = setting("token", "Importance ratio per token or per sequence.",
+                            choices=("token", "sequence"))
+    is_cap: float = setting(
+        2.0, "Cap C of the importance ratio: tis truncates to C, mis drops tokens (or "
+        "sequences) above C.", check=above(0))
     micro_batch_size: int = setting(
         0, "Sequences per forward/backward (0: all of a step at once).", check=NON_NEGATIVE)
     # optimiser
@@ -205,7 +214,9 @@ class TrainConfig:
     # eval, checkpoints, run directory
     eval_every: int = setting(10, "Held-out greedy eval every N steps.", check=POSITIVE,
                               on_resume=True)
-    eval_tasks: int = setting(16, "Held-out eval prompts.", check=POSITIVE)
+    eval_tasks: int = setting(
+        16, "Held-out eval prompts; the eval's standard error is reported with it (280 prompts "
+        "keep it <= 0.03 whatever the scores in [0, 1]).", check=POSITIVE)
     checkpoint_every: int = setting(10, "Checkpoint every K steps.", check=POSITIVE,
                                     on_resume=True)
     keep_checkpoints: int = setting(2, "Checkpoints kept.", check=POSITIVE, on_resume=True)
@@ -223,6 +234,11 @@ class TrainConfig:
                            choices=tuple(BACKENDS))
     device: str = setting("auto", "auto, cpu, cuda, cuda:1...", on_resume=True)
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16.")
+    update_dtype: str = setting(
+        "float32", "Dtype of the update's forward and backward (torch autocast); the LoRA master "
+        "weights, their gradients and the AdamW state stay float32. bfloat16 pays on CUDA and "
+        "on CPUs with AMX or AVX-512-bf16; it raises the mismatch KL against float32 nodes "
+        "(the 16-bit bound applies).", choices=("float32", "bfloat16"))
     threads: int = setting(
         0, "torch intra-op CPU threads (0: torch's default, one per core). On a machine "
         "shared with rollout nodes, give each process its share.", check=NON_NEGATIVE,

@@ -45,6 +45,10 @@ class SingleProcess:
         """Sum ``tensor`` over ranks, in place; returns it."""
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``tensor`` over ranks, in place; returns it."""
+        return tensor
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         return obj
@@ -89,12 +93,22 @@ class DataParallel(SingleProcess):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
         if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
             moved = tensor.to(self.device)
-            dist.all_reduce(moved)
+            dist.all_reduce(moved, op=op)
             tensor.copy_(moved.to(tensor.device))
             return tensor
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
         return tensor
 
     def broadcast(self, obj: Any) -> Any:

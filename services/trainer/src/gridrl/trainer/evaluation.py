@@ -7,7 +7,9 @@ report the wrong policy. Every result carries the policy version it measured.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,10 @@ class EvalResult:
         n: eval prompts.
         seconds: wall-clock time.
         examples: the first few (prompt, completion, score) for the log.
+        stderr: standard error of ``score`` as the mean of ``n`` draws,
+            ``s / sqrt(n)`` with ``s`` the sample (Bessel-corrected) std of the per-prompt
+            scores (0 when ``n < 2``). Two evals of one set differ by more than noise when
+            they are ~2 * sqrt(2) stderr apart.
     """
 
     score: float
@@ -33,6 +39,7 @@ class EvalResult:
     n: int
     seconds: float
     examples: list[dict[str, Any]] = field(default_factory=list)
+    stderr: float = 0.0
 
 
 class Evaluator:
@@ -86,4 +93,17 @@ class Evaluator:
                     for p, c, s in list(zip(prompts, completions, scores, strict=True))[:3]]
         return EvalResult(score=sum(scores) / n, exact=sum(s >= 1.0 for s in scores) / n,
                           policy_version=policy_version, n=n,
-                          seconds=time.perf_counter() - start, examples=examples)
+                          seconds=time.perf_counter() - start, examples=examples,
+                          stderr=standard_error(scores))
+
+
+def standard_error(scores: Sequence[float]) -> float:
+    """Standard error of the mean of ``scores``: ``sqrt(sum (x - mean)^2 / (n - 1)) / sqrt(n)``
+    (0 for fewer than 2 scores). For scores in [0, 1] it is at most ``0.5 / sqrt(n - 1)``:
+    279 prompts keep it <= 0.03 whatever the scores."""
+    n = len(scores)
+    if n < 2:
+        return 0.0
+    mean = sum(scores) / n
+    var = sum((x - mean) ** 2 for x in scores) / (n - 1)
+    return math.sqrt(var / n)

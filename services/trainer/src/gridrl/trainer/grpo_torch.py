@@ -14,13 +14,30 @@ Sources:
 - Decoupled clip range (clip-higher): DAPO, Yu et al. 2025, arXiv:2503.14476, eq. (10).
 - k3 estimator ``r - 1 - log r``: J. Schulman, "Approximating KL Divergence", 2020,
   http://joschu.net/blog/kl-approx.html.
+- Importance-sampling correction against the behaviour policy (:func:`importance_weights`):
+  truncated IS, F. Yao, L. Liu et al., "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training", 2025, https://fengyao.notion.site/off-policy-rl (TIS:
+  ``min(pi_trainer / pi_sampler, C)`` on the policy-gradient term); masked IS (MIS: weight 0
+  above ``C``) and the sequence-level ratio as TRL 1.16's GRPOTrainer computes them
+  (``vllm_importance_sampling_mode`` in ``{token,sequence}_{truncate,mask}``,
+  ``trl/trainer/grpo_trainer.py``: ``exp(old_logps - sampling_logps)``, summed over the
+  sequence for the sequence level, clamped or masked at ``vllm_importance_sampling_clip_max``)
+  and verl's rollout IS (``rollout_is`` level token/sequence, mode truncate/mask,
+  ``rollout_is_threshold``); the surrogate's ratio then runs against the trainer's own
+  (proximal) logprobs: decoupled PPO, Hilton et al. 2021, arXiv:2110.00641, eq. (6).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+ISCorrection = Literal["none", "tis", "mis"]
+ISLevel = Literal["token", "sequence"]
+IS_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
@@ -107,9 +124,84 @@ def clipped_surrogate(logp: torch.Tensor, behaviour_logp: torch.Tensor,
 
 
 
+@dataclass(frozen=True)
+class ImportanceWeights:
+    """Output of :func:`importance_weights`.
+
+    Attributes:
+        weights: (N, C) float32 weight of each token's policy-gradient term, no gradient: the
+            truncated (TIS) or masked (MIS) ratio, 0 on padding; at sequence level every token
+            of a sequence carries its sequence's weight.
+        ratio: (N, C) (token level) or (N,) (sequence level) float32 raw ratio
+            ``pi_trainer / pi_behaviour`` before truncation or masking (1 on padding).
+        limited: same shape as ``ratio``, bool: True where the ratio exceeded the cap (TIS:
+            truncated to it; MIS: weight set to 0); False on padding.
+        units: same shape as ``ratio``, bool: the real tokens (token level) or the non-empty
+            sequences (sequence level), over which the statistics are taken.
+    """
+
+    weights: torch.Tensor
+    ratio: torch.Tensor
+    limited: torch.Tensor
+    units: torch.Tensor
 
 
+def importance_weights(trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       mask: torch.Tensor, *, correction: ISCorrection, level: ISLevel = "token",
+                       cap: float = 2.0) -> ImportanceWeights:
+    """Importance weights that correct for samples drawn from a policy other than the
+    trainer's (a stale adapter version, a node in another precision or kernel).
 
+    ``rho_t = exp(l_t - b_t)`` per token (``l``: the trainer's logprob of the sampled token
+    before the update, ``b``: the behaviour logprob the node sampled it with); at sequence
+    level one ratio per sequence ``rho_i = exp(sum_t m_it (l_it - b_it))`` (TRL's
+    ``sequence_*`` modes; verl's ``rollout_is_level="sequence"``), broadcast over its tokens.
+
+    - ``"tis"`` (truncated IS; Yao et al. 2025, TRL ``*_truncate``, verl ``truncate``):
+      ``w = min(rho, C)``.
+    - ``"mis"`` (masked IS; TRL ``*_mask`` with ``clip_min=None``, verl ``mask``):
+      ``w = rho`` where ``rho <= C``, else 0 (the token, or the whole sequence, leaves the
+      gradient).
+
+    The weights multiply the per-token policy-gradient loss (:func:`grpo_token_loss`), whose
+    ratio then runs against the trainer's own detached logprobs (TRL's
+    ``per_token_loss * importance_sampling_ratio``).
+
+    Args:
+        trainer_logp: (N, C) the trainer's logprobs of the sampled tokens, under the sampler's
+            transform (detached here).
+        behaviour_logp: (N, C) the behaviour logprobs.
+        mask: (N, C) completion mask.
+        correction: ``"tis"`` or ``"mis"``.
+        level: ``"token"`` or ``"sequence"``.
+        cap: ``C`` > 0 (Yao et al. use 2; TRL's default ``clip_max`` is 3).
+    Returns:
+        :class:`ImportanceWeights`.
+    Raises:
+        ValueError: unknown correction or level, or ``cap <= 0``.
+    """
+    if correction not in ("tis", "mis"):
+        raise ValueError(f"correction must be 'tis' or 'mis', got {correction!r}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    m = mask.float()
+    diff = (trainer_logp.detach().float() - behaviour_logp.detach().float()) * m
+    if level == "sequence":
+        ratio = torch.exp(diff.sum(dim=1))
+        units = m.sum(dim=1) > 0
+    else:
+        ratio = torch.exp(diff)
+        units = m > 0
+    limited = (ratio > cap) & units
+    if correction == "tis":
+        weight = torch.clamp(ratio, max=cap)
+    else:
+        weight = torch.where(limited, torch.zeros_like(ratio), ratio)
+    if level == "sequence":
+        weight = weight.unsqueeze(-1)
+    return ImportanceWeights(weights=weight * m, ratio=ratio, limited=limited, units=units)
 
 
 @dataclass(frozen=True)
@@ -124,9 +216,17 @@ class TokenLoss:
 def grpo_token_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor,
                     advantages: torch.Tensor, *, eps_low: float = 0.2,
                     eps_high: float | None = None, beta: float = 0.0,
-                    ref_logp: torch.Tensor | None = None) -> TokenLoss:
+                    ref_logp: torch.Tensor | None = None,
+                    is_weights: torch.Tensor | None = None) -> TokenLoss:
     """The GRPO per-token loss: clipped surrogate (:func:`clipped_surrogate`) plus, when
     ``beta > 0``, ``beta * k3(pi_theta || pi_ref)`` (DeepSeekMath eq. (3)-(4)).
+
+    Without ``is_weights`` the surrogate's ratio is ``pi_theta / pi_behaviour``: the clip is
+    the only guard against off-policy samples. With ``is_weights`` (:func:`importance_weights`)
+    the ratio is ``pi_theta / sg(pi_theta)`` (value 1, the gradient of ``log pi_theta``; the
+    trainer takes one optimizer step per batch, so its proximal policy is itself) and the
+    surrogate is multiplied by the weights, as TRL does with ``vllm_importance_sampling_
+    correction`` (the KL term is not weighted).
 
     Args:
         logp, behaviour_logp: (N, C) trainer / behaviour logprobs of the sampled tokens.
@@ -134,11 +234,15 @@ def grpo_token_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor,
         eps_low, eps_high: clip ranges (DAPO clip-higher when ``eps_high > eps_low``).
         beta: KL coefficient; 0 disables the reference term.
         ref_logp: (N, C) reference-policy logprobs; required when ``beta > 0``.
+        is_weights: (N, C) importance weights (no gradient), or None (no correction).
     Raises:
         ValueError: ``beta > 0`` without ``ref_logp``.
     """
-    loss, clipped = clipped_surrogate(logp, behaviour_logp, advantages, eps_low=eps_low,
+    old = behaviour_logp if is_weights is None else logp.detach()
+    loss, clipped = clipped_surrogate(logp, old, advantages, eps_low=eps_low,
                                       eps_high=eps_high)
+    if is_weights is not None:
+        loss = loss * is_weights.detach().float()
     ref_kl = None
     if beta:
         if ref_logp is None:

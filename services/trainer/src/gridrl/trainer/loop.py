@@ -456,7 +456,7 @@ class Trainer:
             base = self._evaluate()
             st.baseline = base.score
             self.run_dir.append_log(baseline_record(base))
-            self.console.print(f"baseline eval {st.baseline:.3f} (exact "
+            self.console.print(f"baseline eval {st.baseline:.3f}±{base.stderr:.3f} (exact "
                                f"{base.exact:.2f}, policy version 0, "
                                f"{len(self.evaluator.items)} tasks)")
         if self.status is not None:
@@ -495,7 +495,7 @@ class Trainer:
                                         elapsed_s=st.elapsed_s, collect_s=collect_s,
                                         train_s=train_s)
             self.run_dir.append_log(record.to_json())
-            self._report(record.report())
+            self._report(record.report(), extra=record.importance())
             self._print_step(record)
             stopping = self._stop_reason is not None and step < cfg.steps
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
@@ -578,26 +578,32 @@ class Trainer:
         state = self.pool.node(node) if self.pool is not None else None
         return state is not None and state.dtype in ("bfloat16", "float16")
 
-    def _report(self, report: dict[str, Any], publish_metrics: bool = True) -> None:
-        """Publish a step's ``StepReport`` fields to TrainerService and Prometheus."""
+    def _report(self, report: dict[str, Any], publish_metrics: bool = True,
+                extra: dict[str, Any] | None = None) -> None:
+        """Publish a step's ``StepReport`` fields to TrainerService and Prometheus (``extra``:
+        more gauges for Prometheus only, e.g. the importance weights)."""
         if self.status is not None:
             self.status.report(report)
         if publish_metrics:
             from gridrl.trainer import metrics
 
-            metrics.record_step(report)
+            metrics.record_step({**report, **(extra or {})})
 
     def _print_step(self, r: StepRecord) -> None:
         cfg = self.cfg
         parts = [f"step {r.step:>4}/{cfg.steps}", f"reward {r.reward_mean:.3f}±{r.reward_std:.2f}"]
         if r.eval_score is not None:
-            parts.append(f"[bold green]eval {r.eval_score:.3f}@v{r.eval_policy_version}[/]")
+            parts.append(f"[bold green]eval {r.eval_score:.3f}±{r.eval_stderr or 0:.3f}"
+                         f"@v{r.eval_policy_version}[/]")
         stale = f"stale {r.staleness_mean:.1f}"
         if r.dropped_samples:
             stale += f" [red]dropped {r.dropped_samples}[/]"
         parts += [stale, f"kl {r.mismatch_kl:.1e}", f"loss {r.loss:+.4f}"
                   + (f" gnorm {r.grad_norm:.2f}" if r.grad_norm is not None else ""),
                   f"v{r.policy_version}"]
+        if r.is_weight_mean is not None:
+            parts.insert(-1, f"is {r.is_weight_mean:.2f}/max {r.is_weight_max:.2f} "
+                             f"capped {r.is_limited_fraction:.0%}")
         if not cfg.local:
             if r.synced_nodes is not None:
                 n_all = r.nodes_synced + r.nodes_skipped
@@ -635,17 +641,23 @@ class Trainer:
         self._plot()
         records = [r for r in self.run_dir.read_log() if r.get("step")]
         rewards = [r["reward_mean"] for r in records]
-        evals = [(r["step"], r["eval_score"], r["eval_policy_version"]) for r in records
-                 if r.get("eval_score") is not None]
+        evals = [(r["step"], r["eval_score"], r["eval_policy_version"], r.get("eval_stderr"),
+                  r.get("elapsed_s"), r.get("eval_s"))
+                 for r in records if r.get("eval_score") is not None]
         final = evals[-1] if evals else None
+        baseline = next((r for r in self.run_dir.read_log() if r.get("event") == "baseline"), {})
         summary = {
             "run_name": cfg.run_name, "model": cfg.model, "task": cfg.task,
             "steps": st.step, "total_steps": cfg.steps, "policy_version": st.version,
             "baseline_eval": st.baseline,
+            "baseline_eval_stderr": baseline.get("eval_stderr"),
             "final_eval": final[1] if final else None,
+            "final_eval_stderr": final[3] if final else None,
             "final_eval_policy_version": final[2] if final else None,
             "best_eval": max((e[1] for e in evals), default=None),
-            "evals": [{"step": s, "score": v, "policy_version": pv} for s, v, pv in evals],
+            "eval_tasks": len(self.evaluator.items),
+            "evals": [{"step": s, "score": v, "policy_version": pv, "stderr": se,
+                       "elapsed_s": el, "eval_s": es} for s, v, pv, se, el, es in evals],
             "reward_mean_first10": float(np.mean(rewards[:10])) if rewards else None,
             "reward_mean_last10": float(np.mean(rewards[-10:])) if rewards else None,
             "elapsed_s": st.elapsed_s,
@@ -664,7 +676,8 @@ class Trainer:
             self.status.finish()
         self.console.print(
             f"[bold]done[/]: {st.step} steps, eval {st.baseline:.3f} -> "
-            + (f"{final[1]:.3f} (policy version {final[2]})" if final else "n/a")
+            + (f"{final[1]:.3f}" + (f"±{final[3]:.3f}" if final[3] is not None else "")
+               + f" (policy version {final[2]})" if final else "n/a")
             + f", run directory {self.run_dir.path}")
         if self._flagged_ever:
             self.console.print("[bold red]nodes flagged during the run: " + "; ".join(

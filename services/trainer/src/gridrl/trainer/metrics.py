@@ -45,6 +45,15 @@ NODES_SKIPPED = Gauge("gridrl_trainer_nodes_skipped",
                       "Nodes skipped (unreachable or failed) at the last sync.")
 TOKENS_PER_SECOND = Gauge("gridrl_trainer_tokens_per_second",
                           "Completion tokens sampled per second of rollout, last step.")
+IS_WEIGHT_MEAN = Gauge("gridrl_trainer_is_weight_mean",
+                       "Mean importance ratio pi_trainer / pi_behaviour of the last step's tokens "
+                       "or sequences (--is-level), before truncation or masking; set only with "
+                       "--is-correction tis|mis.")
+IS_WEIGHT_MAX = Gauge("gridrl_trainer_is_weight_max",
+                      "Largest importance ratio of the last step (--is-correction tis|mis).")
+IS_LIMITED_FRACTION = Gauge("gridrl_trainer_is_limited_fraction",
+                            "Fraction of the last step's tokens or sequences whose importance "
+                            "ratio exceeded --is-cap (truncated by tis, masked by mis).")
 
 NODE_IN_ROTATION = Gauge("gridrl_trainer_node_in_rotation",
                          "1 while the node is given groups to sample, else 0.", ["node"])
@@ -82,13 +91,15 @@ _GAUGES = {"step": STEP, "policy_version": POLICY_VERSION, "reward_mean": REWARD
            "reward_std": REWARD_STD, "loss": LOSS, "mismatch_kl": MISMATCH_KL,
            "staleness_mean": STALENESS_MEAN, "rollout_s": ROLLOUT_SECONDS,
            "train_s": TRAIN_SECONDS, "sync_s": SYNC_SECONDS, "nodes_synced": NODES_SYNCED,
-           "nodes_skipped": NODES_SKIPPED, "tokens_per_s": TOKENS_PER_SECOND}
+           "nodes_skipped": NODES_SKIPPED, "tokens_per_s": TOKENS_PER_SECOND,
+           "is_weight_mean": IS_WEIGHT_MEAN, "is_weight_max": IS_WEIGHT_MAX,
+           "is_limited_fraction": IS_LIMITED_FRACTION}
 _PHASES = {"rollout_s": "rollout", "train_s": "train", "sync_s": "sync"}
 
 
 def record_step(report: Mapping[str, Any]) -> None:
     """Publish one step report (keys: field names of ``gridrl.v1.StepReport``, times in
-    seconds). Missing keys leave their gauge unchanged; ``eval_score`` None or absent leaves the
+    seconds, and the step record's importance-weight keys ``is_*``). Missing keys leave their gauge unchanged; ``eval_score`` None or absent leaves the
     last eval score; ``dropped_samples`` is added to the running counter.
 
     Raises:

@@ -24,7 +24,9 @@ STEP_REPORT_FIELDS = ("step", "policy_version", "reward_mean", "reward_std", "lo
 # Keys present only after an update, a sync or an eval (absent otherwise, not null).
 _UPDATE_KEYS = ("clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens")
 _SYNC_KEYS = ("synced_nodes", "skipped_nodes", "lagging_nodes")
-_EVAL_KEYS = ("eval_exact", "eval_s", "eval_examples")
+_EVAL_KEYS = ("eval_exact", "eval_stderr", "eval_n", "eval_s", "eval_examples")
+# Keys present only after an update with an importance-sampling correction (--is-correction).
+IS_KEYS = ("is_weight_mean", "is_weight_max", "is_limited_fraction")
 
 
 @dataclass
@@ -112,12 +114,18 @@ class StepRecord:
     lr: float | None = None
     ref_kl: float | None = None
     train_tokens: int | None = None
+    # after an update with an importance-sampling correction (UpdateStats.is_*)
+    is_weight_mean: float | None = None
+    is_weight_max: float | None = None
+    is_limited_fraction: float | None = None
     # at a push
     synced_nodes: list[str] | None = None
     skipped_nodes: dict[str, str] | None = None
     lagging_nodes: list[str] | None = None
     # with an eval
     eval_exact: float | None = None
+    eval_stderr: float | None = None
+    eval_n: int | None = None
     eval_s: float | None = None
     eval_examples: list[dict[str, Any]] | None = None
 
@@ -174,12 +182,16 @@ class StepRecord:
             record.clip_fraction, record.grad_norm, record.lr = (stats.clip_fraction,
                                                                  stats.grad_norm, stats.lr)
             record.ref_kl, record.train_tokens = stats.ref_kl, stats.tokens
+            record.is_weight_mean = stats.is_weight_mean
+            record.is_weight_max = stats.is_weight_max
+            record.is_limited_fraction = stats.is_limited_fraction
         if sync.pushed:
             record.synced_nodes = sync.synced_nodes
             record.skipped_nodes = sync.skipped_nodes
             record.lagging_nodes = sync.lagging_nodes
         if evaluation is not None:
             record.eval_exact, record.eval_s = evaluation.exact, evaluation.seconds
+            record.eval_stderr, record.eval_n = evaluation.stderr, evaluation.n
             record.eval_examples = evaluation.examples
         return record
 
@@ -194,7 +206,8 @@ class StepRecord:
             out[f.name] = value
         for keys, present in ((_UPDATE_KEYS, self.updated),
                               (_SYNC_KEYS, self.synced_nodes is not None),
-                              (_EVAL_KEYS, self.eval_score is not None)):
+                              (_EVAL_KEYS, self.eval_score is not None),
+                              (IS_KEYS, self.is_weight_mean is not None)):
             if not present:
                 for key in keys:
                     del out[key]
@@ -203,6 +216,11 @@ class StepRecord:
     def report(self) -> dict[str, Any]:
         """The ``gridrl.v1.StepReport`` fields of the record."""
         return step_report(self.to_json())
+
+    def importance(self) -> dict[str, float]:
+        """The importance-weight statistics of the step (:data:`IS_KEYS`; empty without a
+        correction or an update), for Prometheus beside the report."""
+        return {k: getattr(self, k) for k in IS_KEYS if getattr(self, k) is not None}
 
 
 def step_report(record: dict[str, Any]) -> dict[str, Any]:
@@ -214,5 +232,6 @@ def step_report(record: dict[str, Any]) -> dict[str, Any]:
 def baseline_record(evaluation: EvalResult) -> dict[str, Any]:
     """The ``log.jsonl`` record of the base model's eval (policy version 0), before step 1."""
     return {"event": "baseline", "eval_score": evaluation.score, "eval_exact": evaluation.exact,
+            "eval_stderr": evaluation.stderr, "eval_n": evaluation.n,
             "eval_policy_version": evaluation.policy_version,
             "eval_examples": evaluation.examples}

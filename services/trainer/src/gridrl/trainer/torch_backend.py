@@ -108,7 +108,8 @@ class TorchTrainerBackend(TrainerBackend):
         self.max_batch = max_batch
         self.tokenizer = policy.tokenizer
         self.identity = policy.identity
-        self.low_precision = policy.dtype in (torch.bfloat16, torch.float16)
+        self.low_precision = (policy.dtype in (torch.bfloat16, torch.float16)
+                              or update_cfg.update_dtype != "float32")
         self.rank = self.parallel.rank
         self.world_size = self.parallel.world_size
         self._sampler: Any = None

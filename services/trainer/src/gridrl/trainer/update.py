@@ -94,8 +94,11 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
     n = len(seqs)
-    # [loss, clipped tokens, tokens, mismatch kl sum, ref kl sum] + per-sequence mismatch kl
-    totals = torch.zeros(5 + n, dtype=torch.float64)
+    correct = cfg.is_correction != "none"
+    # [loss, clipped tokens, tokens, mismatch kl sum, ref kl sum, IS ratio sum, IS units,
+    #  IS limited units] + per-sequence mismatch kl
+    totals = torch.zeros(_TOTALS + n, dtype=torch.float64)
+    ratio_max = torch.zeros(1, dtype=torch.float64)
     for k, idx in enumerate(chunks):
         batch = collate([seqs[i] for i in idx], policy.pad_id, device)
         mask = batch["completion_mask"]
@@ -103,7 +106,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
+            with autocast(cfg, device):
+                logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
             logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"],
                                                   cfg.temperature)
             seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
@@ -111,14 +115,19 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             del logits
             ref_logp = None
             if cfg.beta:
-                ref_logits = policy.reference_logits(batch["input_ids"], batch["attention_mask"],
-                                                     width)
+                with autocast(cfg, device):
+                    ref_logits = policy.reference_logits(batch["input_ids"],
+                                                         batch["attention_mask"], width)
                 ref_logp = grpo_torch.completion_logprobs(ref_logits, batch["completion_ids"],
                                                           cfg.temperature)
                 del ref_logits
+            iw = (grpo_torch.importance_weights(
+                seen, batch["behaviour"], mask, correction=cfg.is_correction,  # type: ignore[arg-type]
+                level=cfg.is_level, cap=cfg.is_cap) if correct else None)  # type: ignore[arg-type]
             out = grpo_torch.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
                                              eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                             beta=cfg.beta, ref_logp=ref_logp)
+                                             beta=cfg.beta, ref_logp=ref_logp,
+                                             is_weights=iw.weights if iw else None)
             valid = mask > 0
             token_loss = torch.where(valid, out.loss, torch.zeros_like(out.loss))
             part = (token_loss * coef[idx].to(device).unsqueeze(-1)).sum()
@@ -132,8 +141,16 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             totals[3] += float((per_seq_kl * ntok).sum())
             if out.ref_kl is not None:
                 totals[4] += float((out.ref_kl * mask).sum())
-            totals[5 + torch.tensor(idx)] = per_seq_kl.double().cpu()
+            if iw is not None:
+                totals[5] += float(iw.ratio[iw.units].double().sum())
+                totals[6] += float(iw.units.sum())
+                totals[7] += float(iw.limited.sum())
+                if bool(iw.units.any()):
+                    ratio_max[0] = max(float(ratio_max[0]), float(iw.ratio[iw.units].max()))
+            totals[_TOTALS + torch.tensor(idx)] = per_seq_kl.double().cpu()
     par.all_reduce_sum(totals)
+    if correct:
+        par.all_reduce_max(ratio_max)
 
     params = policy.trainable_parameters()
     limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
@@ -144,12 +161,28 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = max(float(totals[2]), 1.0)
+    units = max(float(totals[6]), 1.0)
     return UpdateStats(
         loss=float(totals[0]), mismatch_kl=float(totals[3]) / tokens,
-        per_sequence_mismatch_kl=[float(v) for v in totals[5:]],
+        per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
         clip_fraction=float(totals[1]) / tokens,
         ref_kl=float(totals[4]) / tokens if cfg.beta else None,
-        grad_norm=grad_norm, lr=lr, tokens=int(totals[2]))
+        grad_norm=grad_norm, lr=lr, tokens=int(totals[2]),
+        is_weight_mean=float(totals[5]) / units if correct else None,
+        is_weight_max=float(ratio_max[0]) if correct else None,
+        is_limited_fraction=float(totals[7]) / units if correct else None)
+
+
+_TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mismatch KL
+
+
+def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bfloat16 on ``device`` when ``cfg.update_dtype`` is
+    ``"bfloat16"`` (products in bfloat16, parameters and their gradients stay float32), else a
+    no-op context."""
+    if cfg.update_dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],

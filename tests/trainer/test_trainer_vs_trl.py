@@ -1,0 +1,116 @@
+"""One fixed batch (same prompts, completions, advantages, LoRA weights) through gridrl's GRPO
+update and through TRL's ``GRPOTrainer`` loss: the loss and every LoRA gradient agree to float32
+rounding, for the loss aggregations the two share (gridrl ``sequence`` = TRL ``grpo``, ``token``
+= ``bnpo``, ``constant`` = ``dr_grpo``). TRL is a bench-only extra
+(``services/trainer[bench]``); without it these tests are skipped."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from gridrl.trainer import grpo  # noqa: E402
+from gridrl.trainer.backend import TrainSequence, UpdateConfig  # noqa: E402
+from gridrl.trainer.policy import LoraSettings, load_policy  # noqa: E402
+from gridrl.trainer.update import collate, grpo_update, sequence_logprobs  # noqa: E402
+
+GROUPS, GROUP_SIZE, MAX_TOKENS, TEMPERATURE = 2, 4, 6, 0.9
+TRL_LOSS = {"sequence": "grpo", "token": "bnpo", "constant": "dr_grpo"}
+
+
+class _GradientRecorder(torch.optim.SGD):
+    """An optimizer whose step records the gradients and changes nothing (lr 0)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params, lr=0.0)
+        self.params = params
+        self.grads: list[torch.Tensor] = []
+
+    def step(self, closure=None):
+        self.grads = [p.grad.detach().clone() for p in self.params]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama_dir):
+    pol = load_policy(str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8), seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LoRA B starts at 0: give it values so A's gradient is not zero
+        for name, p in pol.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return pol
+
+
+def _batch(policy, cfg: UpdateConfig) -> list[TrainSequence]:
+    """Two groups of four completions of different lengths with on-policy behaviour logprobs
+    (the trainer's own, so gridrl's ratio is exactly TRL's 1)."""
+    g = torch.Generator().manual_seed(5)
+    rewards = torch.rand(GROUPS, GROUP_SIZE, generator=g)
+    adv = grpo.group_advantages(rewards.numpy())
+    seqs = []
+    for i in range(GROUPS):
+        prompt = torch.randint(7, 500, (4 + 3 * i,), generator=g).tolist()
+        for j in range(GROUP_SIZE):
+            n = 1 + (i * GROUP_SIZE + j) % MAX_TOKENS
+            comp = torch.randint(7, 500, (n,), generator=g).tolist()
+            seqs.append(TrainSequence(tuple(prompt), tuple(comp), tuple([0.0] * n),
+                                      float(adv[i, j]), i))
+    own = sequence_logprobs(policy, seqs, cfg)
+    return [TrainSequence(s.prompt_ids, s.completion_ids, tuple(lp), s.advantage, s.group)
+            for s, lp in zip(seqs, own, strict=True)]
+
+
+def _trl_loss_and_grads(policy, seqs, aggregation, tmp_path):
+    from datasets import Dataset
+
+    model = copy.deepcopy(policy.model)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), loss_type=TRL_LOSS[aggregation], beta=0.0, epsilon=0.2,
+        temperature=TEMPERATURE, max_completion_length=MAX_TOKENS,
+        per_device_train_batch_size=GROUPS * GROUP_SIZE, num_generations=GROUP_SIZE,
+        gradient_checkpointing=False, bf16=False, use_cpu=True, report_to=[],
+        disable_dropout=True, max_steps=1)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
+        completions), args=args, train_dataset=Dataset.from_list([{"prompt": "a b"}] * 8),
+        processing_class=policy.tokenizer)
+    batch = collate(seqs, policy.pad_id, torch.device("cpu"))
+    p_width = batch["input_ids"].shape[1] - batch["completion_ids"].shape[1]
+    inputs = {"prompt_ids": batch["input_ids"][:, :p_width],
+              "prompt_mask": batch["attention_mask"][:, :p_width],
+              "completion_ids": batch["completion_ids"],
+              "completion_mask": batch["completion_mask"].long(),
+              "advantages": batch["advantages"], "old_per_token_logps": None,
+              "num_items_in_batch": batch["completion_mask"].sum()}
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in sorted(trainer.model.named_parameters())
+             if p.requires_grad}
+    return float(loss.detach()), grads
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+def test_one_batch_loss_and_lora_gradients_equal_trls(policy, aggregation, tmp_path):
+    cfg = UpdateConfig(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, aggregation=aggregation,
+                       max_grad_norm=0.0, eps_low=0.2, beta=0.0)
+    seqs = _batch(policy, cfg)
+    mine = copy.deepcopy(policy)
+    names = [n for n, p in sorted(mine.model.named_parameters()) if p.requires_grad]
+    recorder = _GradientRecorder(mine.trainable_parameters())
+    stats = grpo_update(mine, recorder, None, seqs, cfg)
+    trl_loss, trl_grads = _trl_loss_and_grads(policy, seqs, aggregation, tmp_path)
+
+    assert stats.clip_fraction == 0.0 and stats.mismatch_kl < 1e-10  # on-policy: ratio 1
+    assert stats.loss == pytest.approx(trl_loss, rel=1e-5, abs=1e-7)
+    assert names == sorted(trl_grads) and len(names) == len(recorder.grads) > 0
+    total = sum(float(g.norm() ** 2) for g in recorder.grads) ** 0.5
+    assert total > 1e-3  # a real gradient, not two zeros
+    for name, got in zip(names, recorder.grads, strict=True):
+        want = trl_grads[name]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * total), (
+            name, float((got - want).abs().max()))
