@@ -41,6 +41,7 @@ import grpc
 from gridrl.adapters import (
     AdapterError,
     AdapterManifest,
+    BaseModelInfo,
     build_manifest,
     check_fits,
     convert_files,
@@ -147,7 +148,8 @@ class AdapterManager:
         i = self.identity
         return {"model_id": i.model_id, "architecture": i.architecture,
                 "hidden_size": i.hidden_size, "num_layers": i.num_layers,
-                "vocab_size": i.vocab_size}
+                "vocab_size": i.vocab_size,
+                "weights_fingerprint": getattr(i, "weights_fingerprint", "")}
 
     def stored_refs(self) -> list[common_pb2.AdapterRef]:
         """Every stored push as an AdapterRef, by name then version, as the store holds them
@@ -452,6 +454,13 @@ class AdapterManager:
         t = time.perf_counter()
         staged = None
         directory = stored.path
+        recorded = stored.meta.get("manifest", {}).get("base_model")
+        if isinstance(recorded, dict):  # what it was pushed for: refuse another checkpoint
+            try:
+                check_fits(AdapterManifest(base_model=BaseModelInfo.from_any(recorded)),
+                           self.base_model())
+            except AdapterError as e:
+                raise failed_precondition(f"adapter: {e}") from e
         try:
             fmt = detect_format(p.name for p in directory.iterdir())
         except AdapterError as e:

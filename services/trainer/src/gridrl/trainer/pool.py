@@ -7,8 +7,9 @@
 
 Membership: nodes come from the master (``WatchNodes``, reconnecting if the master restarts)
 and/or from static ``--rollout`` addresses (probed with ``GetNodeInfo``). A node whose base
-model (architecture, hidden_size, num_layers, vocab_size) differs from ``model_identity`` is
-logged loudly and excluded from rollouts and sync.
+model (architecture, hidden_size, num_layers, vocab_size, and the weights' fingerprint when
+both sides know it: another fine-tune of the same architecture) differs from
+``model_identity`` is logged loudly and excluded from rollouts and sync.
 
 Rotation: a node takes groups while it is healthy (master status HEALTHY, or its last probe
 answered), usable (base model matches) and not benched. It is benched after
@@ -164,7 +165,7 @@ class NodePool:
         addresses: static rollout node addresses (host:port).
         model_identity: the trainer's base model: a mapping (or dataclass such as
             ``gridrl.models.ModelIdentity``) with architecture, hidden_size, num_layers,
-            vocab_size.
+            vocab_size, and optionally weights_fingerprint (compared when both are known).
         auth_token: bearer token the nodes and the master require, if any.
         request_timeout_s: deadline of one Generate call, seconds.
         max_consecutive_failures: failed Generate calls in a row that bench a node.
@@ -192,6 +193,7 @@ class NodePool:
         if missing:
             raise ValueError(f"model_identity: missing {', '.join(missing)}")
         self.identity = {k: identity[k] for k in IDENTITY_KEYS}
+        self.weights_fingerprint = str(identity.get("weights_fingerprint") or "")
         self.master = master
         self.auth_token = auth_token
         self.request_timeout_s = request_timeout_s
@@ -651,8 +653,14 @@ class NodePool:
     def _identity_problem(self, base: common_pb2.BaseModel) -> str:
         got = {"architecture": base.architecture, "hidden_size": base.hidden_size,
                "num_layers": base.num_layers, "vocab_size": base.vocab_size}
-        return ", ".join(f"{k} {got[k]!r} != {self.identity[k]!r}" for k in IDENTITY_KEYS
-                         if got[k] != self.identity[k])
+        problems = [f"{k} {got[k]!r} != {self.identity[k]!r}" for k in IDENTITY_KEYS
+                    if got[k] != self.identity[k]]
+        mine, theirs = self.weights_fingerprint, base.weights_fingerprint
+        if mine and theirs and mine != theirs:
+            problems.append(f"weights_fingerprint {theirs!r} != the trainer's {mine!r} (another "
+                            "checkpoint of this architecture: start the node on the trainer's "
+                            "--model)")
+        return ", ".join(problems)
 
     def _observe_served(self, node: _Node, name: str, version: int,
                         observed_at: float) -> list[NodeState]:
