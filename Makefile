@@ -13,6 +13,7 @@ MLX_EXTRA := $(if $(filter Darwin,$(UNAME)),mlx,mlx-cpu)
 PKG_FILES := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml) requirements-dev.txt
 NODES ?= torch
 DEMO_ARGS ?=
+SECURE ?=
 
 .PHONY: install tools protos check-protos lint test demo bench clean
 
@@ -54,7 +55,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

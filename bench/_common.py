@@ -99,6 +99,42 @@ class Proc:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class Channels:
+    """How the benchmark talks to the nodes it starts: plaintext, or with ``secure`` as across
+    machines (mutual TLS, the node accepting a trainer credential; certificates and tokens made
+    for the run, removed by :meth:`close`).
+
+    ``node_flags`` go on each ``gridrl-rollout serve``; ``security`` is what the benchmark
+    dials with (``gridrl.common.channel.dial(address, channels.security)``).
+    """
+
+    def __init__(self, secure: bool) -> None:
+        self.secure = secure
+        self.node_flags: list[str] = []
+        self.security = None
+        self._dir: Path | None = None
+        if secure:
+            from gridrl.common.auth import read_token_file
+            from gridrl.common.certs import local_identities
+            from gridrl.common.security import Security
+            from gridrl.common.tls import TlsFiles
+
+            self._dir = Path(tempfile.mkdtemp(prefix="bench-credentials-"))
+            ids = local_identities(self._dir, {"node": None, "bench": "trainer"})
+            self.node_flags = ids["node"].server_flags()
+            me = ids["bench"]
+            self.security = Security(tls=TlsFiles(str(me.cert), str(me.key), str(me.ca)),
+                                     token=read_token_file(me.token))
+
+    def describe(self) -> str:
+        return ("mutual TLS, trainer-scoped bearer token" if self.secure
+                else "plaintext, no credential (loopback)")
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
 def resident_mb(pid: int) -> tuple[float, float]:
     """(resident set size now, its peak so far) of process ``pid`` in MB (10^6 bytes), from
     /proc (Linux; (nan, nan) elsewhere)."""

@@ -14,7 +14,10 @@ Goal: <= 100 ms end to end. Pushes are 0.5 s apart, as a trainer's steps space i
 node writes each push to its store after replying; a push arriving during that write waits
 for it).
 
-    python bench/adapter_sync.py [--repeats 5]
+    python bench/adapter_sync.py [--repeats 5] [--secure]
+
+``--secure`` runs the node and the pushes as across machines: mutual TLS and a trainer-scoped
+credential (what TLS costs a push).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import Proc, machine, table
+from _common import Channels, Proc, machine, table
 
 
 def raw_tcp_ms(payload: bytes, repeats: int) -> list[float]:
@@ -63,7 +66,10 @@ def raw_tcp_ms(payload: bytes, repeats: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--secure", action="store_true",
+                    help="mutual TLS and a scoped credential, as across machines")
     args = ap.parse_args()
+    channels = Channels(args.secure)
 
     import torch
 
@@ -88,8 +94,8 @@ def main() -> None:
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
     node = Proc(["gridrl-rollout", "serve", "--backend", "torch", "--model", model_dir,
                  "--listen", "127.0.0.1:0", "--metrics-port", "-1",
-                 "--adapter-root", str(adapter_root)], "node")
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.address))
+                 "--adapter-root", str(adapter_root), *channels.node_flags], "node")
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.address, channels.security))
     grpc_ms, phases, disk_ms, sizes = [], [], [], 0
     files_ms, manifest_ms = [], []
     try:
@@ -125,6 +131,7 @@ def main() -> None:
             disk_ms.append((time.perf_counter() - start) * 1e3)
     finally:
         node.stop()
+        channels.close()
         shutil.rmtree(adapter_root, ignore_errors=True)
     tcp = raw_tcp_ms(files["adapter_model.safetensors"], args.repeats)
 
@@ -133,7 +140,8 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     print(f"adapter: rank 16, all linear layers, {n_params:,} parameters, {sizes / 1e6:.1f} MB "
-          f"over the wire; {args.repeats} repeats, median (min, max) in ms")
+          f"over the wire; {args.repeats} repeats, median (min, max) in ms; channel: "
+          f"{channels.describe()}")
     rows = [
         ["PushAdapter: trainer memory -> node serving", ms(grpc_ms), f"{statistics.median(grpc_ms) / statistics.median(tcp):.1f}x"],
         ["  of which trainer serialize (safetensors bytes)", ms(files_ms), ""],

@@ -12,12 +12,15 @@ used: the memory-bandwidth bound (every decode step reads all weights once: batc
 weight bytes) and the compute bound (a token costs ~2 FLOPs a parameter: GEMM peak FLOP/s /
 (2 * params), the peak measured with a large square product in the same run).
 
+    python bench/rollout_throughput.py [--repeats 3] [--skip-mlx] [--secure]
+
+``--secure``: the nodes serve mutual TLS and check a trainer-scoped credential, as across
+machines.
+
 A second table gives each node's resident memory (RSS from /proc: after start-up, after the
 decoding above, and its peak) against the bytes of its weights in the dtype it serves: the
 ratio RSS / weights, and the same for the model's part, RSS minus the runtime floor (RSS of a
 fresh interpreter with the node's libraries imported and the tokenizer loaded, no model).
-
-    python bench/rollout_throughput.py [--repeats 3] [--skip-mlx]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 from _common import (
+    Channels,
     Proc,
     machine,
     matmul_gflops,
@@ -88,22 +92,23 @@ def save_random_adapter(model_dir: str, out: Path) -> None:
     policy.save_adapter(out)
 
 
-def serve_adapter(address: str, path: str) -> None:
+def serve_adapter(address: str, path: str, security=None) -> None:
     """ReloadAdapter(path) on the node: it serves that adapter from then on."""
     from gridrl.common.channel import dial
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address, security))
     reply = stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(path=path), timeout=120)
     assert reply.serving.name, reply
 
 
-def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N) -> tuple[float, float]:
+def node_throughput(address: str, repeats: int, max_tokens: int, n: int = N,
+                    security=None) -> tuple[float, float]:
     """Generate through gRPC; returns (best tok/s, mean completion length)."""
     from gridrl.common.channel import dial
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address))
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(address, security))
     req = rollout_pb2.GenerateRequest(
         prompt_text=PROMPT, apply_chat_template=True,
         sampling=common_pb2.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
@@ -125,7 +130,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-mlx", action="store_true")
     ap.add_argument("--mlx-tokens", type=int, default=8, help="new tokens per MLX sample")
+    ap.add_argument("--secure", action="store_true",
+                    help="mutual TLS and a scoped credential, as across machines")
     args = ap.parse_args()
+    channels = Channels(args.secure)
 
     from gridrl.models import resolve_model
 
@@ -144,15 +152,16 @@ def main() -> None:
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     memory: list[list[str]] = []
     try:
-        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows,
+        measure_nodes(model_dir, adapter_root, args, base, bound, compute_bound, rows, channels,
                       Memory(model_dir, params, memory))
     finally:
+        channels.close()
         shutil.rmtree(adapter_root, ignore_errors=True)
     print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; GEMM peak "
           f"{flops['float32']:.0f} GFLOP/s float32, {flops['bfloat16']:.0f} bfloat16; "
           f"model {params / 1e6:.1f} M params")
     print(f"workload: 1 group of n={N} x up to {MAX_TOKENS} new tokens, temperature 1; best of "
-          f"{args.repeats}")
+          f"{args.repeats}; channel: {channels.describe()}")
     print(table(rows, ["engine", "dtype", "tok/s", "vs plain loop", "bandwidth bound tok/s",
                        "compute bound tok/s", "of the lower"]))
     print("\nresident memory (MB = 10^6 bytes); runtime floor: libraries and tokenizer, no model")
@@ -196,7 +205,8 @@ class Memory:
 
 
 def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, base: float,
-                  bound, compute_bound, rows: list[list[str]], memory: Memory) -> None:
+                  bound, compute_bound, rows: list[list[str]], channels: Channels,
+                  memory: Memory) -> None:
     """Start each node configuration in turn and add its rows to ``rows`` and ``memory``."""
     save_random_adapter(model_dir, adapter_root / "r16")
     for forward, dtype, nbytes, adapter in (("lean", "float32", 4, False),
@@ -206,13 +216,15 @@ def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, 
         node = Proc(["gridrl-rollout", "serve", "--backend", "torch", "--model", model_dir,
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--dtype", dtype,
                      "--forward", forward, "--capacity", "64",
-                     "--adapter-root", str(adapter_root)], f"torch-{forward}-{dtype}")
+                     "--adapter-root", str(adapter_root), *channels.node_flags],
+                    f"torch-{forward}-{dtype}")
         label = f"torch node via gRPC, {forward} forward" + (", r16 LoRA" if adapter else "")
         try:
             started, _ = resident_mb(node.proc.pid)
             if adapter:
-                serve_adapter(node.address, "r16")
-            tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS)
+                serve_adapter(node.address, "r16", channels.security)
+            tps, mean_len = node_throughput(node.address, args.repeats, MAX_TOKENS,
+                                            security=channels.security)
             memory.add(f"torch, {forward} forward, {dtype}" + (", r16 LoRA" if adapter else ""),
                        "torch", nbytes, started, node.proc.pid)
         finally:
@@ -223,10 +235,12 @@ def measure_nodes(model_dir: str, adapter_root: Path, args: argparse.Namespace, 
                      f"{tps / min(b, c):.0%}"])
     if not args.skip_mlx:
         node = Proc(["gridrl-rollout", "serve", "--backend", "mlx", "--model", model_dir,
-                     "--listen", "127.0.0.1:0", "--metrics-port", "-1"], "mlx")
+                     "--listen", "127.0.0.1:0", "--metrics-port", "-1", *channels.node_flags],
+                    "mlx")
         try:
             started, _ = resident_mb(node.proc.pid)
-            tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens)
+            tps, mean_len = node_throughput(node.address, 1, args.mlx_tokens,
+                                            security=channels.security)
             memory.add("mlx, float32", "mlx", 4, started, node.proc.pid)
         finally:
             node.stop()

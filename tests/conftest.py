@@ -1,14 +1,17 @@
-"""Fixtures shared by every test package: models on disk and service subprocesses."""
+"""Fixtures shared by every test package: models on disk, service subprocesses, and real
+certificates and credentials (``pki``, ``creds``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,35 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gridrl.models.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class ReservedPort(int):
+    """A port number whose holding socket :meth:`release` closes (idempotent)."""
+
+    _sock: socket.socket | None = None
+
+    def release(self) -> int:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        return int(self)
+
+
+@pytest.fixture
+def reserved_port() -> Iterator[ReservedPort]:
+    """A loopback port kept for this test: bound (never listening) until the test calls
+    ``release()`` to start a server on it. Connecting to it meanwhile is refused. gRPC servers
+    do not share ports (``SO_REUSEPORT`` is off, see gridrl.common.server.NO_REUSEPORT), so the
+    holder lets go immediately before the bind instead of seconds before it, as a picked and
+    closed port would. A server restarted on it after a kill binds it again on its own."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = ReservedPort(sock.getsockname()[1])
+    port._sock = sock
+    try:
+        yield port
+    finally:
+        sock.close()
 
 
 @pytest.fixture
@@ -142,3 +174,90 @@ def service_factory(tmp_path: Path) -> Iterator:
     yield factory
     for svc in reversed(started):
         svc.stop()
+
+
+@dataclass(frozen=True)
+class Pki:
+    """Certificates made for the test session with ``gridrl.common.certs`` (the
+    ``cryptography`` package): a CA; ``server`` for localhost, 127.0.0.1 and ::1; ``client``
+    and ``node`` signed by the same CA; and ``rogue``, a certificate for localhost from another
+    CA that nothing trusts."""
+
+    root: Path
+
+    def crt(self, name: str) -> str:
+        return str(self.root / f"{name}.crt")
+
+    def key(self, name: str) -> str:
+        return str(self.root / f"{name}.key")
+
+    @property
+    def ca(self) -> str:
+        return str(self.root / "ca.crt")
+
+    def tls(self, name: str | None, ca: bool = True):
+        """``TlsFiles`` with ``name``'s certificate and key (None: none) and the CA."""
+        from gridrl.common.tls import TlsFiles
+
+        return TlsFiles(self.crt(name) if name else None, self.key(name) if name else None,
+                        self.ca if ca else None)
+
+    def flags(self, name: str | None, ca: bool = True) -> list[str]:
+        """The same as ``--tls-*`` flags."""
+        out = ["--tls-cert", self.crt(name), "--tls-key", self.key(name)] if name else []
+        return out + (["--tls-ca", self.ca] if ca else [])
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    from gridrl.common.certs import make_ca, make_cert
+
+    root = tmp_path_factory.mktemp("pki")
+    make_ca(root)
+    make_cert(root, "server", ["localhost", "127.0.0.1", "::1"])
+    make_cert(root, "node", ["localhost", "127.0.0.1"])
+    make_cert(root, "client", ["client.test"])
+    rogue = root / "rogue"
+    make_ca(rogue)
+    make_cert(rogue, "rogue", ["localhost", "127.0.0.1"])
+    for ext in ("crt", "key"):
+        (root / f"rogue.{ext}").write_bytes((rogue / f"rogue.{ext}").read_bytes())
+    (root / "rogue.key").chmod(0o600)
+    return Pki(root)
+
+
+@dataclass(frozen=True)
+class Creds:
+    """An authorized-tokens file minted with ``gridrl.common.auth.mint``: one credential per
+    scope (ids ``node-1``, ``trainer-1``, ``reader``), their tokens and token files, and
+    ``wrong``, a well-formed token the file does not list."""
+
+    authorized: Path
+    tokens: dict[str, str]
+    files: dict[str, Path]
+
+    def security(self, scope: str | None, tls=None, authorized: bool = False):
+        """A client ``Security`` sending ``scope``'s token (None: no token)."""
+        from gridrl.common.auth import AuthorizedTokens
+        from gridrl.common.security import Security
+        from gridrl.common.tls import TlsFiles
+
+        return Security(tls=tls or TlsFiles(), token=self.tokens[scope] if scope else None,
+                        authorized=AuthorizedTokens(self.authorized) if authorized else None)
+
+
+@pytest.fixture(scope="session")
+def creds(tmp_path_factory: pytest.TempPathFactory) -> Creds:
+    from gridrl.common.auth import mint, new_token
+
+    root = tmp_path_factory.mktemp("creds")
+    authorized = root / "authorized_tokens"
+    files = {}
+    for scope, cid in (("node", "node-1"), ("trainer", "trainer-1"), ("read", "reader")):
+        files[scope] = root / f"{scope}.token"
+        mint(authorized, files[scope], scope, cid)
+    files["wrong"] = root / "wrong.token"
+    files["wrong"].write_text(new_token() + "\n")
+    files["wrong"].chmod(0o600)
+    tokens = {k: p.read_text().strip() for k, p in files.items()}
+    return Creds(authorized, tokens, files)

@@ -69,3 +69,23 @@ def test_import_pulls_neither_torch_nor_mlx() -> None:
     exe = Path(sys.executable).parent / "gridrl-adapters"
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
     assert "convert" in out.stdout and "inspect" in out.stdout
+
+
+def test_convert_only_adapter_leaves_checkpoint_state_behind(peft_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """A gridrl checkpoint directory holds the peft files next to the trainer's state."""
+    ckpt = tmp_path / "step-000010"
+    ckpt.mkdir()
+    for name, data in read_dir(peft_dir).items():
+        (ckpt / name).write_bytes(data)
+    for name in ("optimizer.pt", "rng.pt", "state.json", "config.json"):
+        (ckpt / name).write_bytes(b"trainer state")
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", str(ckpt), str(tmp_path / "mlx"), "--to", "mlx",
+                               "--num-layers", "2", "--only-adapter"])
+    assert res.exit_code == 0, res.output
+    assert sorted(read_dir(tmp_path / "mlx")) == ["adapter_config.json", "adapters.safetensors"]
+    res = runner.invoke(main, ["convert", str(ckpt), str(tmp_path / "all"), "--to", "mlx",
+                               "--num-layers", "2"])
+    assert res.exit_code == 0, res.output
+    assert "optimizer.pt" in read_dir(tmp_path / "all")  # by default other files travel along

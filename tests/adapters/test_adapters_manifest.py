@@ -147,6 +147,10 @@ def test_read_write_dir(tmp_path: Path) -> None:
     files = {"adapter_config.json": b"{}", "sub/x.bin": b"\0\1"}
     out = write_dir(files, tmp_path / "a")
     assert read_dir(out) == files
+    # the directory gets the permissions mkdir would give it (not mkdtemp's 0700)
+    (tmp_path / "by-mkdir").mkdir()
+    assert out.stat().st_mode == (tmp_path / "by-mkdir").stat().st_mode
+    (tmp_path / "by-mkdir").rmdir()
     (out / ".hidden").write_bytes(b"skip")
     assert read_dir(out) == files
     write_dir({"only.json": b"1"}, out)  # replaces the directory as a whole

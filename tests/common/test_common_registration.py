@@ -4,7 +4,6 @@ without its store), outages logged once, auth, misbehaving callbacks, deregistra
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,12 +43,6 @@ class Node:
         return self.load
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_until(pred: Callable[[], bool], timeout: float = 10.0, every: float = 0.01) -> float:
     """Seconds until ``pred()`` held; AssertionError after ``timeout``."""
     t0 = time.monotonic()
@@ -58,6 +51,14 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0, every: float = 0
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(every)
     return time.monotonic() - t0
+
+
+def failures_logged(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
+    """(warnings, debug retries) the registrar logged: one warning per outage, then one debug
+    record per further failed attempt (needs caplog at DEBUG for LOGGER)."""
+    mine = [r for r in caplog.records if r.name == LOGGER]
+    return (sum(r.levelno >= logging.WARNING for r in mine),
+            sum(r.levelno == logging.DEBUG and "failed" in r.getMessage() for r in mine))
 
 
 def records(master: Master) -> dict[str, registry_pb2.NodeRecord]:
@@ -74,11 +75,11 @@ def records(master: Master) -> dict[str, registry_pb2.NodeRecord]:
 def masters() -> Iterator[Callable[..., Master]]:
     started: list[Master] = []
 
-    def start(port: int = 0, store_path: str | None = None, auth_token: str | None = None):
-        master = Master(f"127.0.0.1:{port}", store_path=store_path, auth_token=auth_token,
+    def start(port: int = 0, store_path: str | None = None, security=None, token=None):
+        master = Master(f"127.0.0.1:{port}", store_path=store_path, security=security,
                         heartbeat_interval_s=HEARTBEAT_S, unhealthy_after_s=UNHEALTHY_S,
                         expire_after_s=EXPIRE_S, grace_s=1).start()
-        master.token = auth_token
+        master.token = token  # what records() reads with
         started.append(master)
         return master
 
@@ -138,9 +139,9 @@ def test_registers_heartbeats_and_deregisters(masters, registrars) -> None:
 
 @pytest.mark.parametrize("with_store", [True, False], ids=["store", "no-store"])
 def test_back_within_an_interval_after_master_restart(masters, registrars, tmp_path, caplog,
-                                                      with_store) -> None:
+                                                      with_store, reserved_port) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    port = free_port()
+    port = reserved_port.release()  # the master restarts on the same port
     store = str(tmp_path / "master.sqlite") if with_store else None
     first = masters(port, store_path=store)
     node = Node("10.0.0.1:6000")
@@ -180,33 +181,32 @@ def test_back_within_an_interval_after_master_restart(masters, registrars, tmp_p
         assert any("registering again" in m for m in messages)
 
 
-def test_unreachable_master_at_start(masters, registrars, caplog) -> None:
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    port = free_port()
+def test_unreachable_master_at_start(masters, registrars, caplog, reserved_port) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    port = reserved_port  # held, not listening: every attempt is refused until the master runs
     node = Node("10.0.0.1:6000")
     registrar = registrars(f"127.0.0.1:{port}", node.info_fn, retry_interval_s=0.1)
     t0 = time.monotonic()
     registrar.start()
     assert time.monotonic() - t0 < 0.5
-    time.sleep(0.8)
+    wait_until(lambda: failures_logged(caplog)[1] >= 3)  # several attempts failed
     assert registrar.node_id is None and not registrar.registered
-    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
-    assert len(warnings) == 1
-    master = masters(port)
+    assert failures_logged(caplog)[0] == 1  # one warning for the whole outage
+    master = masters(reserved_port.release())
     assert wait_until(lambda: registrar.registered) < 1.0
     assert set(records(master)) == {node_id_for("10.0.0.1:6000")}
 
 
-def test_auth_token(masters, registrars, caplog) -> None:
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    master = masters(auth_token="s3cret")
+def test_node_credential(masters, registrars, creds, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    master = masters(security=creds.security(None, authorized=True), token=creds.tokens["read"])
     good_node, bad_node = Node("10.0.0.1:6000"), Node("10.0.0.2:6000")
-    good = registrars(master.address, good_node.info_fn, auth_token="s3cret")
+    good = registrars(master.address, good_node.info_fn, security=creds.tokens["node"])
     bad = registrars(master.address, bad_node.info_fn, retry_interval_s=0.1)
     good.start()
     bad.start()
     wait_until(lambda: good.registered)
-    time.sleep(0.5)
+    wait_until(lambda: failures_logged(caplog)[1] >= 3)  # bad was refused several times
     assert not bad.registered
     assert set(records(master)) == {good.node_id}
     refused = [r.getMessage() for r in caplog.records

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gridrl.common.address import parse_address
 from gridrl.common.channel import dial
 from gridrl.common.errors import StatusError, invalid_argument
+from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -28,15 +29,16 @@ class _Trainer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 @pytest.fixture
-def server():
-    srv = GrpcServer("127.0.0.1:0", metrics_port=0, auth_token="s3cret", grace_s=1)
+def server(creds):
+    srv = GrpcServer("127.0.0.1:0", metrics_port=0, security=creds.security(None, authorized=True),
+                     grace_s=1)
     srv.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, _Trainer(), SERVICE)
     srv.start()
     yield srv
     srv.stop(0)
 
 
-def test_status_error_auth_and_metrics(server: GrpcServer) -> None:
+def test_status_error_auth_and_metrics(server: GrpcServer, creds) -> None:
     assert server.port > 0
     # Health stays open without a token.
     health = health_pb2_grpc.HealthStub(dial(server.address))
@@ -47,8 +49,8 @@ def test_status_error_auth_and_metrics(server: GrpcServer) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # With the token, the StatusError becomes INVALID_ARGUMENT naming the field.
-    stub = trainer_pb2_grpc.TrainerServiceStub(dial(server.address, auth_token="s3cret"))
+    # With a read credential, the StatusError becomes INVALID_ARGUMENT naming the field.
+    stub = trainer_pb2_grpc.TrainerServiceStub(dial(server.address, creds.tokens["read"]))
     with pytest.raises(grpc.RpcError) as e:
         stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -77,7 +79,8 @@ def test_metrics_bind_the_listen_host(server: GrpcServer) -> None:
     """A service listening on loopback serves /metrics on loopback too, not on every
     interface; one listening on 0.0.0.0 serves both on every interface."""
     assert _listening_hosts(server.metrics_port) == {"127.0.0.1"}
-    wide = GrpcServer("0.0.0.0:0", metrics_port=0, grace_s=0).start()
+    wide = GrpcServer("0.0.0.0:0", metrics_port=0, security=Security(insecure=True),
+                      grace_s=0).start()
     try:
         assert _listening_hosts(wide.metrics_port) == {"0.0.0.0"}
     finally:

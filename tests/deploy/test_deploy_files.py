@@ -2,6 +2,9 @@
 and the Grafana dashboard's metric names, against the real tools and the real CLIs.
 
 - units pass ``systemd-analyze verify`` (copies whose ExecStart points at this venv);
+- units take their secrets with ``LoadCredential=`` and point the flags at the credentials
+  directory (``%d``); started as systemd would (credentials copied, ``%d`` expanded), they
+  serve mutual TLS with scoped credentials;
 - every ``GRIDRL_*`` variable a unit or plist sets is read by the command it starts (a click
   flag of that very command, or a process-wide variable the code reads), and its value is
   valid for the flag's type;
@@ -40,7 +43,7 @@ ALERTS_YML = DEPLOY / "prometheus" / "alerts.yml"
 ALERTS_TEST = Path(__file__).with_name("alerts_test.yml")
 DASHBOARD = DEPLOY / "grafana" / "gridrl.json"
 DEPLOYED_VENV_BIN = "/opt/gridrl/.venv/bin/"
-SCRIPTS = ("gridrl-master", "gridrl-rollout", "gridrl-trainer", "gridrl-adapters")
+SCRIPTS = ("gridrl-master", "gridrl-rollout", "gridrl-trainer", "gridrl-adapters", "gridrl-auth")
 # job name in prometheus.yml -> the console script whose `serve`/`run` it scrapes
 JOBS = {"gridrl-master": "gridrl-master", "gridrl-rollout": "gridrl-rollout",
         "gridrl-trainer": "gridrl-trainer"}
@@ -88,6 +91,47 @@ def _unit_environment(path: Path) -> dict[str, str]:
                 assert sep, f"{path.name}: Environment={value!r} is not NAME=VALUE"
                 env[name] = val
     return env
+
+
+def _unit_credentials(path: Path) -> dict[str, str]:
+    """``{name: source}`` of the unit's ``LoadCredential=name:source`` lines."""
+    out = {}
+    for key, value in _unit_sections(path)["Service"]:
+        if key == "LoadCredential":
+            name, sep, source = value.partition(":")
+            assert sep and source.startswith("/"), f"{path.name}: LoadCredential={value!r}"
+            out[name] = source
+    return out
+
+
+def _install_etc(etc: Path, pki, creds) -> None:
+    """What an operator puts in /etc/gridrl (deploy/README.md): the machine's certificate
+    and key (for 127.0.0.1 here), the CA, the authorized tokens, each service's token."""
+    (etc / "tls").mkdir(parents=True, exist_ok=True)
+    for src, dst in ((pki.crt("server"), "tls/host.crt"), (pki.key("server"), "tls/host.key"),
+                     (pki.ca, "tls/ca.crt"), (creds.authorized, "authorized_tokens"),
+                     (creds.files["node"], "rollout.token"),
+                     (creds.files["trainer"], "trainer.token")):
+        shutil.copyfile(src, etc / dst)
+    for secret in ("tls/host.key", "rollout.token", "trainer.token"):
+        (etc / secret).chmod(0o600)
+
+
+def _deployed_environment(unit: Path, tmp_path: Path, pki, creds) -> dict[str, str]:
+    """The unit's ``Environment=`` as systemd would run it with /etc/gridrl, /var/lib/gridrl
+    and /var/cache/gridrl mapped into ``tmp_path``: /etc/gridrl installed, every
+    ``LoadCredential=`` copied into a credentials directory (mode 0400), ``%d`` expanded."""
+    etc = tmp_path / "etc"
+    _install_etc(etc, pki, creds)
+    credentials = tmp_path / "credentials" / unit.stem
+    credentials.mkdir(parents=True)
+    for name, source in _unit_credentials(unit).items():
+        shutil.copyfile(source.replace("/etc/gridrl", str(etc)), credentials / name)
+        (credentials / name).chmod(0o400)
+    return {k: v.replace("%d", str(credentials)).replace("/etc/gridrl", str(etc))
+            .replace("/var/lib/gridrl", str(tmp_path / "state"))
+            .replace("/var/cache/gridrl", str(tmp_path / "cache"))
+            for k, v in _unit_environment(unit).items()}
 
 
 def _unit_exec_start(path: Path) -> str:
@@ -167,6 +211,25 @@ def test_systemd_verify_catches_broken_units(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_unit_takes_secrets_as_credentials_and_serves_tls_with_scoped_credentials(
+        unit: Path) -> None:
+    """Every unit serves TLS with its CA (mutual) and the authorized tokens; the private key
+    and any token come through LoadCredential (read from %d), never from a path the service
+    user could read directly or from the environment itself."""
+    env = _unit_environment(unit)
+    credentials = _unit_credentials(unit)
+    for name in ("GRIDRL_TLS_CERT", "GRIDRL_TLS_KEY", "GRIDRL_TLS_CA",
+                 "GRIDRL_AUTHORIZED_TOKENS"):
+        assert env.get(name), f"{unit.name}: no {name}"
+    assert "GRIDRL_AUTH_TOKEN" not in env and not [k for k in env if k.endswith("_INSECURE")]
+    secrets = [v for k, v in env.items() if k in ("GRIDRL_TLS_KEY", "GRIDRL_AUTH_TOKEN_FILE")]
+    assert secrets and all(v.startswith("%d/") for v in secrets), (unit.name, secrets)
+    loaded = {v.removeprefix("%d/") for v in env.values() if v.startswith("%d/")}
+    assert loaded == set(credentials), (unit.name, loaded, credentials)
+    assert (unit.stem != "gridrl-master") == ("GRIDRL_AUTH_TOKEN_FILE" in env), unit.name
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_unit_starts_a_real_command_with_env_vars_it_reads(unit: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     script, sub = _command_of(_unit_exec_start(unit), unit.name)
@@ -192,6 +255,10 @@ def test_plist_parses_and_starts_a_real_command(plist: Path,
     env = data.get("EnvironmentVariables", {})
     assert all(isinstance(v, str) for v in env.values()), "plist environment values are strings"
     _check_env(env, script, sub, plist.name, monkeypatch)
+    for name in ("GRIDRL_TLS_CERT", "GRIDRL_TLS_KEY", "GRIDRL_TLS_CA",
+                 "GRIDRL_AUTHORIZED_TOKENS"):  # it listens on 0.0.0.0: TLS and credentials
+        assert Path(env.get(name, "")).is_absolute(), f"{plist.name}: {name}"
+    assert "GRIDRL_AUTH_TOKEN" not in env, "tokens come from a file (GRIDRL_AUTH_TOKEN_FILE)"
 
 
 def _check_env(env: dict[str, str], script: str, sub: str, where: str,
@@ -253,9 +320,20 @@ def test_every_gridrl_variable_named_in_deploy_exists() -> None:
 # ----------------------------------------------------------------------------- prometheus
 
 
-def test_promtool_check_config_and_rules() -> None:
+def test_promtool_check_config_and_rules(tmp_path: Path, pki) -> None:
+    """promtool checks the config fully, TLS files included: it runs on a copy whose
+    /etc/prometheus/gridrl files (CA, Prometheus' client certificate and key) exist."""
     promtool = _tool("promtool")
-    for argv in (["check", "config", str(PROMETHEUS_YML)], ["check", "rules", str(ALERTS_YML)],
+    files = tmp_path / "gridrl"
+    files.mkdir()
+    for src, dst in ((pki.ca, "ca.crt"), (pki.crt("client"), "prometheus.crt"),
+                     (pki.key("client"), "prometheus.key")):
+        shutil.copyfile(src, files / dst)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(PROMETHEUS_YML.read_text().replace("/etc/prometheus/gridrl", str(files)))
+    for name in ("alerts.yml", "gridrl-rollout-nodes.yml"):
+        shutil.copyfile(PROMETHEUS_YML.parent / name, tmp_path / name)
+    for argv in (["check", "config", str(config)], ["check", "rules", str(ALERTS_YML)],
                  ["test", "rules", str(ALERTS_TEST)]):
         proc = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=120,
                               cwd=ALERTS_TEST.parent if argv[0] == "test" else None)
@@ -291,6 +369,14 @@ def _job_ports(job: dict) -> set[int]:
                 targets += [t for group in yaml.safe_load(f.read_text()) for t in group["targets"]]
     assert targets, f"job {job['job_name']} has no example target"
     return {int(t.rsplit(":", 1)[1]) for t in targets}
+
+
+def test_every_job_scrapes_https_with_a_client_certificate() -> None:
+    """/metrics of a TLS service is HTTPS and, under mutual TLS, wants a client certificate."""
+    for name, job in _scrape_jobs().items():
+        assert job.get("scheme") == "https", name
+        tls = job.get("tls_config") or {}
+        assert {"ca_file", "cert_file", "key_file"} <= set(tls), (name, tls)
 
 
 def test_scrape_ports_match_units_plists_and_cli_defaults() -> None:
@@ -410,15 +496,14 @@ def _systemd_command(exec_start: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path,
-                                                         tiny_llama_dir: Path) -> None:
+def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path, tiny_llama_dir: Path,
+                                                         pki, creds) -> None:
     """What systemd does with gridrl-trainer.service: the first start (empty state directory)
     trains from scratch; a restart after that (crash, reboot) resumes from the checkpoint in
     the same run directory instead of starting over or refusing to start."""
     unit = DEPLOY / "systemd" / "gridrl-trainer.service"
-    state, cache = tmp_path / "state", tmp_path / "cache"
-    env = {k: v.replace("/var/lib/gridrl", str(state)).replace("/var/cache/gridrl", str(cache))
-           for k, v in _unit_environment(unit).items()}
+    state = tmp_path / "state"
+    env = _deployed_environment(unit, tmp_path, pki, creds)
     # /etc/gridrl/trainer.env (EnvironmentFile, read after Environment=): a tiny, quick run.
     env_file = {"GRIDRL_TRAINER_MODEL": str(tiny_llama_dir), "GRIDRL_TRAINER_ROLLOUT": "local",
                 "GRIDRL_TRAINER_STEPS": "1", "GRIDRL_TRAINER_CHECKPOINT_EVERY": "1",
@@ -447,13 +532,11 @@ def test_trainer_unit_starts_a_fresh_run_then_resumes_it(tmp_path: Path,
     assert [s for s in steps if s is not None] == [1, 2], steps
 
 
-def _start_unit(unit: Path, tmp_path: Path, env_file: dict[str, str],
-                name: str) -> tuple[subprocess.Popen, dict, Path]:
-    """Run a unit's ExecStart with its Environment= (state and cache directories mapped into
-    ``tmp_path``) plus ``env_file`` (as /etc/gridrl/<x>.env would), until its ready file."""
-    env = {k: v.replace("/var/lib/gridrl", str(tmp_path / "state"))
-           .replace("/var/cache/gridrl", str(tmp_path / "cache"))
-           for k, v in _unit_environment(unit).items()}
+def _start_unit(unit: Path, tmp_path: Path, env_file: dict[str, str], name: str,
+                pki, creds) -> tuple[subprocess.Popen, dict, Path]:
+    """Run a unit's ExecStart with its Environment= as deployed (:func:`_deployed_environment`)
+    plus ``env_file`` (as /etc/gridrl/<x>.env would), until its ready file."""
+    env = _deployed_environment(unit, tmp_path / name, pki, creds)
     ready = tmp_path / f"{name}.ready.json"
     service = name.upper()
     base = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
@@ -481,35 +564,41 @@ def _sigterm(proc: subprocess.Popen) -> int:
 
 
 def test_master_and_rollout_units_serve_with_their_environment(tmp_path: Path,
-                                                              tiny_llama_dir: Path) -> None:
+                                                              tiny_llama_dir: Path,
+                                                              pki, creds) -> None:
     """The master and rollout units' own environment (store, adapter root, cache, backend)
     gives working services: the node registers with the master, state lands in the unit's
     StateDirectory, and SIGTERM (systemctl stop, launchctl bootout) exits 0, which is what
     Restart=on-failure and KeepAlive.SuccessfulExit=false count as a clean stop."""
     master, master_info, master_log = _start_unit(
         DEPLOY / "systemd" / "gridrl-master.service", tmp_path,
-        {"GRIDRL_MASTER_LISTEN": "127.0.0.1:0", "GRIDRL_MASTER_METRICS_PORT": "0"}, "master")
+        {"GRIDRL_MASTER_LISTEN": "127.0.0.1:0", "GRIDRL_MASTER_METRICS_PORT": "0"}, "master",
+        pki, creds)
     node = None
     try:
-        assert (tmp_path / "state" / "master.sqlite").is_file(), master_log.read_text()
+        assert (tmp_path / "master" / "state" / "master.sqlite").is_file(), \
+            master_log.read_text()
+        assert "mutual TLS; 3 authorized credential(s)" in master_log.read_text()
         node, node_info, node_log = _start_unit(
             DEPLOY / "systemd" / "gridrl-rollout.service", tmp_path,
             {"GRIDRL_ROLLOUT_MODEL": str(tiny_llama_dir), "GRIDRL_ROLLOUT_DEVICE": "cpu",
              "GRIDRL_ROLLOUT_THREADS": "1", "GRIDRL_ROLLOUT_LISTEN": "127.0.0.1:0",
              "GRIDRL_ROLLOUT_METRICS_PORT": "0",
-             "GRIDRL_ROLLOUT_MASTER": master_info["address"]}, "rollout")
+             "GRIDRL_ROLLOUT_MASTER": master_info["address"]}, "rollout", pki, creds)
         deadline = time.monotonic() + 30
         while True:
             out = subprocess.run([str(BIN / "gridrl-master"), "nodes", "--address",
-                                  master_info["address"], "--json"], capture_output=True,
-                                 text=True, timeout=60)
+                                  master_info["address"], "--json", *pki.flags("client"),
+                                  "--auth-token-file", str(creds.files["read"])],
+                                 capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             nodes = json.loads(out.stdout)["nodes"]
             if nodes or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert [n["info"]["address"] for n in nodes] == [node_info["address"]], nodes
-        assert (tmp_path / "state" / "adapters").is_dir(), node_log.read_text()
+        assert (tmp_path / "rollout" / "state" / "adapters").is_dir(), node_log.read_text()
+        assert "credential 'node-1' holds" in master_log.read_text()
         assert _sigterm(node) == 0, node_log.read_text()
         node = None
     finally:

@@ -1,11 +1,12 @@
 """The Grafana dashboard and the alert rules against a real Prometheus scraping a real cluster.
 
 A master, a rollout node on the tiny llama (registered with the master) and a trainer run on
-the tiny llama (finding the node through the master) run on port 0 with metrics ports 0; a
-few ``gridrl-rollout generate`` calls (one of them refused) add client traffic. A real
-``prometheus`` scrapes them every second with the job names of
+the tiny llama (finding the node through the master) run on port 0 with metrics ports 0, with
+mutual TLS and scoped credentials as deployed; a few ``gridrl-rollout generate`` calls (one of
+them refused) add client traffic. A real ``prometheus`` scrapes them every second over HTTPS
+with a client certificate, with the job names, scheme and TLS settings of
 ``deploy/prometheus/prometheus.yml`` (its discovery replaced by file_sd files this test
-writes) and loads ``deploy/prometheus/alerts.yml``. Then every PromQL expression of every
+writes, its certificate paths by the test's) and loads ``deploy/prometheus/alerts.yml``. Then every PromQL expression of every
 panel of ``deploy/grafana/gridrl.json`` (dashboard variables substituted) must return at
 least one series with a number, its legend's labels must exist, every variable's query must
 find values, and every alert rule must load and evaluate without error.
@@ -17,7 +18,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -41,29 +41,34 @@ JOB_OF_SERVICE = {"master": "gridrl-master", "rollout": "gridrl-rollout",
 # ----------------------------------------------------------------------------- Prometheus
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Prometheus's web listener logs the address it bound (exporter-toolkit, at info level).
+_LISTENING = re.compile(r'msg="Listening on" address=127\.0\.0\.1:(\d+)')
 
 
 class Prometheus:
-    """A real ``prometheus`` on a free port with a tmp storage dir; targets via file_sd."""
+    """A real ``prometheus`` on port 0 (the bound port read back from its log) with a tmp
+    storage dir; targets via file_sd."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, pki) -> None:
         self.tmp = tmp
+        self.pki = pki
         self.targets = tmp / "targets"
         self.targets.mkdir(parents=True)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""  # once started
         self.log_path = tmp / "prometheus.log"
         self.proc: subprocess.Popen | None = None
 
     def write_config(self) -> Path:
-        """The deployed config with 1 s intervals, the repo's alert rules, and each job's
-        discovery replaced by a file_sd file of this test (job names and every other job
-        setting kept)."""
-        config = yaml.safe_load(PROMETHEUS_YML.read_text())
+        """The deployed config with 1 s intervals, the repo's alert rules, each job's
+        discovery replaced by a file_sd file of this test and its TLS files by the test's CA
+        and client certificate (job names, scheme and every other job setting kept)."""
+        text = PROMETHEUS_YML.read_text()
+        for deployed, ours in (("/etc/prometheus/gridrl/ca.crt", self.pki.ca),
+                               ("/etc/prometheus/gridrl/prometheus.crt", self.pki.crt("client")),
+                               ("/etc/prometheus/gridrl/prometheus.key", self.pki.key("client"))):
+            assert deployed in text, deployed
+            text = text.replace(deployed, ours)
+        config = yaml.safe_load(text)
         config["global"].update(scrape_interval="1s", scrape_timeout="1s",
                                 evaluation_interval="1s")
         config["rule_files"] = [str(PROMETHEUS_YML.parent / f) for f in config["rule_files"]]
@@ -88,9 +93,14 @@ class Prometheus:
         config = self.write_config()
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+             "--web.listen-address=127.0.0.1:0", "--log.level=info"],
             stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
+        while not (bound := _LISTENING.search(self.log())):
+            assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"prometheus did not bind:\n{self.log()}"
+            time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{bound.group(1)}"
         while True:
             assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
             try:
@@ -250,19 +260,21 @@ def _check_panels(prom: Prometheus, rate_interval: str) -> tuple[list[str], int]
 
 @pytest.mark.slow
 def test_every_panel_query_returns_series_from_a_real_cluster(
-        service_factory, tiny_llama_dir: Path, tmp_path: Path) -> None:
+        service_factory, tiny_llama_dir: Path, tmp_path: Path, pki, creds) -> None:
     t0 = time.time()
-    prom = Prometheus(tmp_path / "prom")
+    prom = Prometheus(tmp_path / "prom", pki)
     services = []
+    secure = [*pki.flags("server"), "--authorized-tokens", str(creds.authorized)]
     try:
         master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
-                                  "--metrics-port", "0", "--store", ""], "master")
+                                  "--metrics-port", "0", "--store", "", *secure], "master")
         services.append(master)
         node = service_factory(["gridrl-rollout", "serve", "--backend", "torch",
                                 "--model", str(tiny_llama_dir), "--device", "cpu",
                                 "--listen", "127.0.0.1:0", "--metrics-port", "0",
                                 "--threads", "1", "--master", master.address,
-                                "--adapter-root", str(tmp_path / "adapters")], "rollout")
+                                "--adapter-root", str(tmp_path / "adapters"), *secure,
+                                "--auth-token-file", str(creds.files["node"])], "rollout")
         services.append(node)
         prom.start()
         prom.set_targets("gridrl-master", [f"127.0.0.1:{master.metrics_port}"])
@@ -271,7 +283,8 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
         # Client traffic: two Generate calls and one the node refuses (top_p out of range).
         generate = [str(BIN / "gridrl-rollout"), "generate", "--address", node.address,
                     "--prompt", "reverse: red green blue", "--n", "2", "--max-tokens", "4",
-                    "--json"]
+                    "--json", *pki.flags("client"), "--auth-token-file",
+                    str(creds.files["trainer"])]
         for seed in ("1", "2"):
             out = subprocess.run([*generate, "--seed", seed], capture_output=True, text=True,
                                  timeout=120)
@@ -287,7 +300,8 @@ def test_every_panel_query_returns_series_from_a_real_cluster(
              "--steps", "1000", "--group-size", "2", "--max-tokens", "4",
              "--eval-every", "2", "--eval-tasks", "2", "--checkpoint-every", "1000",
              "--run-dir", str(tmp_path / "run"), "--device", "cpu",
-             "--listen", "127.0.0.1:0", "--metrics-port", "0"], "trainer",
+             "--listen", "127.0.0.1:0", "--metrics-port", "0", *secure,
+             "--auth-token-file", str(creds.files["trainer"])], "trainer",
             env={"OMP_NUM_THREADS": "1"})  # 2 shared cores: one torch thread is faster
         services.append(trainer)
         prom.set_targets("gridrl-trainer", [f"127.0.0.1:{trainer.metrics_port}"])

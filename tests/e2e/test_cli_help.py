@@ -26,8 +26,11 @@ SCRIPTS = {
     "gridrl-rollout": ("gridrl.rollout.cli:main", ("GRIDRL_ROLLOUT_",)),
     "gridrl-trainer": ("gridrl.trainer.cli:main", ("GRIDRL_TRAINER_",)),
     "gridrl-adapters": ("gridrl.adapters.cli:main", ("GRIDRL_ADAPTERS_",)),
+    "gridrl-auth": ("gridrl.common.auth_cli:main", ("GRIDRL_AUTH_",)),
 }
-SHARED_ENV = {"GRIDRL_AUTH_TOKEN"}  # one token for every service and client
+# One TLS identity and one credential per machine: every service and client reads these.
+SHARED_ENV = {"GRIDRL_AUTH_TOKEN", "GRIDRL_AUTH_TOKEN_FILE", "GRIDRL_AUTHORIZED_TOKENS",
+              "GRIDRL_TLS_CERT", "GRIDRL_TLS_KEY", "GRIDRL_TLS_CA"}
 # Top-level modules a CLI module must not import before a command runs.
 HEAVY = ("torch", "mlx", "mlx_lm")
 HELP_SECONDS = 5.0  # --help of a light CLI takes ~0.2 s; importing torch alone takes longer

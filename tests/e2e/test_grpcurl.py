@@ -1,6 +1,8 @@
 """The real ``grpcurl`` binary against the real servers: reflection lists and describes each
 gridrl service next to health and reflection, ``grpc.health.v1.Health/Check`` answers
-SERVING, and one JSON call per service goes through (what an operator does by hand)."""
+SERVING, and one JSON call per service goes through (what an operator does by hand). The
+master runs with mutual TLS and scoped credentials, as across machines: grpcurl presents a
+client certificate and a bearer token, and a plaintext grpcurl is refused."""
 
 from __future__ import annotations
 
@@ -16,9 +18,14 @@ REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 HEALTH = "grpc.health.v1.Health"
 
 
-def grpcurl(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``grpcurl -plaintext ARGS``; with ``check``, fail the test on a non-zero exit."""
-    proc = subprocess.run([str(GRPCURL), "-plaintext", "-max-time", "30", *args],
+PLAINTEXT = ("-plaintext",)
+
+
+def grpcurl(*args: str, check: bool = True, timeout: float = 60,
+            transport: tuple[str, ...] = PLAINTEXT) -> subprocess.CompletedProcess:
+    """Run ``grpcurl TRANSPORT ARGS`` (``-plaintext``, or ``-cacert``/``-cert``/``-key`` for
+    TLS); with ``check``, fail the test on a non-zero exit."""
+    proc = subprocess.run([str(GRPCURL), *transport, "-max-time", "30", *args],
                           capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, (f"grpcurl {' '.join(args)} exited {proc.returncode}:\n"
@@ -27,21 +34,22 @@ def grpcurl(*args: str, check: bool = True, timeout: float = 60) -> subprocess.C
 
 
 def call(address: str, method: str, request: dict | None = None,
-         headers: tuple[str, ...] = ()) -> dict:
+         headers: tuple[str, ...] = (), transport: tuple[str, ...] = PLAINTEXT) -> dict:
     """``grpcurl -d JSON ADDRESS METHOD``, the response parsed (grpcurl 1.8 prints the
     proto field names, snake_case; 64-bit integers as strings)."""
     args = [a for h in headers for a in ("-H", h)]
-    proc = grpcurl(*args, "-d", json.dumps(request or {}), address, method)
+    proc = grpcurl(*args, "-d", json.dumps(request or {}), address, method, transport=transport)
     return json.loads(proc.stdout)
 
 
-def check_reflection_and_health(address: str, service: str, rpcs: set[str]) -> None:
+def check_reflection_and_health(address: str, service: str, rpcs: set[str],
+                                transport: tuple[str, ...] = PLAINTEXT) -> None:
     """``list`` shows the service, health and reflection; ``describe`` shows its RPCs, each
     with its comment from the .proto; Health/Check answers SERVING overall and for the
-    service."""
-    listed = set(grpcurl(address, "list").stdout.split())
+    service. None of it needs a credential."""
+    listed = set(grpcurl(address, "list", transport=transport).stdout.split())
     assert {service, HEALTH, REFLECTION} <= listed, listed
-    described = grpcurl(address, "describe", service).stdout
+    described = grpcurl(address, "describe", service, transport=transport).stdout
     assert f"{service} is a service" in described, described
     lines = described.splitlines()
     assert {line.split()[1].split("(")[0] for line in lines
@@ -50,12 +58,13 @@ def check_reflection_and_health(address: str, service: str, rpcs: set[str]) -> N
     for i, line in enumerate(lines):  # reflection serves the comments (common/reflection.py)
         if line.strip().startswith("rpc "):
             assert lines[i - 1].strip().startswith("// "), f"undocumented: {line}\n{described}"
-    methods = set(grpcurl(address, "list", service).stdout.split())
+    methods = set(grpcurl(address, "list", service, transport=transport).stdout.split())
     assert methods == {f"{service}.{rpc}" for rpc in rpcs}, methods
-    assert call(address, f"{HEALTH}/Check") == {"status": "SERVING"}
-    assert call(address, f"{HEALTH}/Check", {"service": service}) == {"status": "SERVING"}
+    assert call(address, f"{HEALTH}/Check", transport=transport) == {"status": "SERVING"}
+    assert call(address, f"{HEALTH}/Check", {"service": service},
+                transport=transport) == {"status": "SERVING"}
     unknown = grpcurl("-d", '{"service": "no.such.Service"}', address, f"{HEALTH}/Check",
-                      check=False)
+                      check=False, transport=transport)
     assert unknown.returncode != 0 and "NotFound" in unknown.stderr, unknown.stderr
 
 
@@ -64,42 +73,66 @@ def test_grpcurl_binary_is_installed() -> None:
     assert out.returncode == 0 and "1.8.6" in out.stdout + out.stderr
 
 
-def test_master_through_grpcurl(service_factory) -> None:
-    token = "e2e-token"
+def test_master_through_grpcurl_over_mutual_tls(service_factory, pki, creds) -> None:
     master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
-                              "--metrics-port", "-1", "--store", "", "--auth-token", token],
-                             "master")
+                              "--metrics-port", "-1", "--store", "", *pki.flags("server"),
+                              "--authorized-tokens", str(creds.authorized)], "master")
     address = master.address
-    # Reflection and health stay open without the token (systemd probes, operators).
+    tls = ("-cacert", pki.ca, "-cert", pki.crt("client"), "-key", pki.key("client"))
+    # Reflection and health stay open without a token (systemd probes, operators), not
+    # without a client certificate: mutual TLS comes first.
     check_reflection_and_health(address, "gridrl.v1.RegistryService",
                                 {"RegisterNode", "Heartbeat", "ListNodes", "WatchNodes",
-                                 "DeregisterNode"})
-    denied = grpcurl("-d", "{}", address, "gridrl.v1.RegistryService/ListNodes", check=False)
+                                 "DeregisterNode"}, transport=tls)
+    # Refused: plaintext, TLS without a client certificate, a certificate of another CA.
+    for transport in (PLAINTEXT, ("-cacert", pki.ca),
+                      ("-cacert", pki.ca, "-cert", pki.crt("rogue"), "-key", pki.key("rogue"))):
+        refused = grpcurl("-connect-timeout", "5", address, "list", check=False,
+                          transport=transport)
+        assert refused.returncode != 0, refused.stdout
+        assert "Failed to dial target host" in refused.stderr, (transport, refused.stderr)
+    denied = grpcurl("-d", "{}", address, "gridrl.v1.RegistryService/ListNodes", check=False,
+                     transport=tls)
     assert denied.returncode != 0 and "Unauthenticated" in denied.stderr, denied.stderr
-    auth = (f"authorization: Bearer {token}",)
-    assert call(address, "gridrl.v1.RegistryService/ListNodes", headers=auth) == {}
+    read = (f"authorization: Bearer {creds.tokens['read']}",)
+    node_auth = (f"authorization: Bearer {creds.tokens['node']}",)
+    assert call(address, "gridrl.v1.RegistryService/ListNodes", headers=read,
+                transport=tls) == {}
 
     node = {"address": "127.0.0.1:50999", "role": "NODE_ROLE_ROLLOUT", "backend": "BACKEND_TORCH",
             "adapter_format": "ADAPTER_FORMAT_PEFT", "capacity": 8,
             "base_model": {"model_id": "tiny", "architecture": "llama", "num_layers": 2}}
+    denied = grpcurl("-H", read[0], "-d", json.dumps({"node": node}), address,
+                     "gridrl.v1.RegistryService/RegisterNode", check=False, transport=tls)
+    assert denied.returncode != 0 and "PermissionDenied" in denied.stderr, denied.stderr
+    assert "credential 'reader' has scope read; this RPC needs scope node" in denied.stderr
     registered = call(address, "gridrl.v1.RegistryService/RegisterNode", {"node": node},
-                      headers=auth)
+                      headers=node_auth, transport=tls)
     assert registered["node_id"] and registered["heartbeat_interval"].endswith("s")
     listed = call(address, "gridrl.v1.RegistryService/ListNodes", {"role": "NODE_ROLE_ROLLOUT"},
-                  headers=auth)
+                  headers=read, transport=tls)
     [record] = listed["nodes"]
     assert record["node_id"] == registered["node_id"]
     assert record["info"]["address"] == "127.0.0.1:50999"
     assert record["info"]["backend"] == "BACKEND_TORCH"
     assert record["status"] == "NODE_STATUS_HEALTHY"
-    # The same record through the project's own client.
+    # The same record through the project's own client, over mutual TLS with a read token.
     out = subprocess.run([str(BIN / "gridrl-master"), "nodes", "--address", address, "--json",
-                          "--auth-token", token], capture_output=True, text=True, timeout=60)
+                          *pki.flags("client"), "--auth-token-file", str(creds.files["read"])],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "127.0.0.1:50999" in out.stdout
+    # and a plaintext client against the TLS server fails cleanly: one line, with the fix
+    out = subprocess.run([str(BIN / "gridrl-master"), "nodes", "--address", address,
+                          "--auth-token-file", str(creds.files["read"]), "--timeout", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.startswith("error: UNAVAILABLE: ") and out.stderr.count("\n") == 1
+    assert "if it serves TLS, give --tls-ca" in out.stderr, out.stderr
     call(address, "gridrl.v1.RegistryService/DeregisterNode",
-         {"node_id": registered["node_id"]}, headers=auth)
-    assert call(address, "gridrl.v1.RegistryService/ListNodes", headers=auth) == {}
+         {"node_id": registered["node_id"]}, headers=node_auth, transport=tls)
+    assert call(address, "gridrl.v1.RegistryService/ListNodes", headers=read,
+                transport=tls) == {}
 
 
 def test_rollout_node_through_grpcurl(service_factory, tiny_llama_dir: Path) -> None:

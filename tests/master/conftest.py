@@ -38,8 +38,8 @@ def stub_for() -> Iterator[Callable[[Master], registry_pb2_grpc.RegistryServiceS
     """``stub_for(master)``: a RegistryService stub on a fresh channel (closed at teardown)."""
     channels = []
 
-    def make(master: Master, auth_token: str | None = None):
-        channel = dial(master.address, auth_token)
+    def make(master: Master, security=None):
+        channel = dial(master.address, security)
         channels.append(channel)
         return registry_pb2_grpc.RegistryServiceStub(channel)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,6 @@ def stub(address: str) -> registry_pb2_grpc.RegistryServiceStub:
 
 def register(s, info) -> str:
     return s.RegisterNode(registry_pb2.RegisterNodeRequest(node=info), timeout=10).node_id
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_nodes_table_and_json(service_factory) -> None:
@@ -94,8 +87,8 @@ def test_nodes_table_and_json(service_factory) -> None:
     assert json.loads(result.output) == {"nodes": []}
 
 
-def test_nodes_reports_rpc_errors() -> None:
-    result = CliRunner().invoke(main, ["nodes", "--address", f"127.0.0.1:{free_port()}",
+def test_nodes_reports_rpc_errors(reserved_port) -> None:
+    result = CliRunner().invoke(main, ["nodes", "--address", f"127.0.0.1:{reserved_port}",
                                        "--timeout", "2"])
     assert result.exit_code == 1
     assert result.output.startswith("error: UNAVAILABLE: ")
@@ -119,9 +112,9 @@ def test_sigterm_exits_zero_promptly_with_open_watch(service_factory, tmp_path) 
     assert store.exists()
 
 
-def test_store_survives_a_crash(service_factory, tmp_path) -> None:
+def test_store_survives_a_crash(service_factory, tmp_path, reserved_port) -> None:
     store = str(tmp_path / "master.sqlite")
-    listen = f"127.0.0.1:{free_port()}"
+    listen = f"127.0.0.1:{reserved_port.release()}"  # the same port after the crash
     argv = ["gridrl-master", "serve", "--listen", listen, "--metrics-port", "-1",
             "--store", store]
     first = service_factory(argv, "first")
@@ -156,14 +149,16 @@ def test_help_is_instant_and_shows_every_env_variable() -> None:
     out = subprocess.run([BIN, "serve", "--help"], capture_output=True, text=True, timeout=30,
                          check=True).stdout
     assert time.monotonic() - t0 < 5
-    for env in ("GRIDRL_MASTER_LISTEN", "GRIDRL_MASTER_METRICS_PORT", "GRIDRL_AUTH_TOKEN",
-                "GRIDRL_MASTER_LOG_LEVEL", "GRIDRL_MASTER_READY_FILE", "GRIDRL_MASTER_STORE",
+    for env in ("GRIDRL_MASTER_LISTEN", "GRIDRL_MASTER_METRICS_PORT",
+                "GRIDRL_AUTHORIZED_TOKENS", "GRIDRL_TLS_CERT", "GRIDRL_TLS_KEY", "GRIDRL_TLS_CA",
+                "GRIDRL_MASTER_INSECURE", "GRIDRL_MASTER_LOG_LEVEL", "GRIDRL_MASTER_READY_FILE", "GRIDRL_MASTER_STORE",
                 "GRIDRL_MASTER_HEARTBEAT_INTERVAL", "GRIDRL_MASTER_UNHEALTHY_AFTER",
                 "GRIDRL_MASTER_EXPIRE_AFTER"):
         assert env in out
     out = subprocess.run([BIN, "nodes", "--help"], capture_output=True, text=True, timeout=30,
                          check=True).stdout
-    for env in ("GRIDRL_MASTER_ADDRESS", "GRIDRL_AUTH_TOKEN", "GRIDRL_MASTER_NODES_JSON",
+    for env in ("GRIDRL_MASTER_ADDRESS", "GRIDRL_AUTH_TOKEN_FILE", "GRIDRL_AUTH_TOKEN",
+                "GRIDRL_TLS_CA", "GRIDRL_TLS_CERT", "GRIDRL_TLS_KEY", "GRIDRL_MASTER_NODES_JSON",
                 "GRIDRL_MASTER_NODES_ROLE", "GRIDRL_MASTER_NODES_BACKEND",
                 "GRIDRL_MASTER_NODES_MODEL", "GRIDRL_MASTER_NODES_STATUS",
                 "GRIDRL_MASTER_NODES_TIMEOUT"):
@@ -179,8 +174,9 @@ def test_master_never_imports_tensor_libraries() -> None:
     assert out.strip() == "[]"
 
 
-def test_auth_token_is_required_when_set(service_factory) -> None:
-    master = service_factory(serve_argv(), "master", env={"GRIDRL_AUTH_TOKEN": "s3cret"})
+def test_credentials_are_required_when_authorized_tokens_are_given(service_factory,
+                                                                   creds) -> None:
+    master = service_factory(serve_argv("--authorized-tokens", str(creds.authorized)), "master")
     try:
         stub(master.address).ListNodes(registry_pb2.ListNodesRequest(), timeout=10)
         raise AssertionError("expected UNAUTHENTICATED")
@@ -189,6 +185,33 @@ def test_auth_token_is_required_when_set(service_factory) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["nodes", "--address", master.address])
     assert result.exit_code == 1 and result.output.startswith("error: UNAUTHENTICATED")
-    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"],
-                           env={"GRIDRL_AUTH_TOKEN": "s3cret"})
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json",
+                                  "--auth-token-file", str(creds.files["read"])])
     assert result.exit_code == 0 and json.loads(result.output) == {"nodes": []}
+    # containers: the token itself in the environment
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"],
+                           env={"GRIDRL_AUTH_TOKEN": creds.tokens["trainer"]})
+    assert result.exit_code == 0 and json.loads(result.output) == {"nodes": []}
+    result = runner.invoke(main, ["nodes", "--address", master.address, "--json"],
+                           env={"GRIDRL_AUTH_TOKEN_FILE": str(creds.files["node"])})
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: PERMISSION_DENIED: RegistryService/ListNodes: "
+                                    "credential 'node-1' has scope node; this RPC needs "
+                                    "scope read"), result.output
+
+
+def test_a_token_value_on_the_command_line_is_refused(creds) -> None:
+    runner = CliRunner()
+    for argv in (["nodes", "--auth-token", creds.tokens["read"]],
+                 ["serve", *serve_argv()[2:], "--auth-token", creds.tokens["read"]]):
+        result = runner.invoke(main, argv)
+        assert result.exit_code == 2, result.output
+        assert "Invalid value for --auth-token: a token given as a value shows in `ps`" \
+            in result.output and "--auth-token-file FILE" in result.output
+        assert creds.tokens["read"] not in result.output
+    # a server reads credentials from --authorized-tokens; a token variable alone would have
+    # protected it before, so it is refused rather than silently ignored
+    result = runner.invoke(main, ["serve", *serve_argv()[2:]],
+                           env={"GRIDRL_AUTH_TOKEN": creds.tokens["read"]})
+    assert result.exit_code == 2 and "GRIDRL_AUTH_TOKEN is set, but a server checks the " \
+        "credentials listed in --authorized-tokens" in result.output, result.output

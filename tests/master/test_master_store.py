@@ -6,6 +6,7 @@ import sqlite3
 
 from master_helpers import node_info
 
+from gridrl.master.claims import Claim
 from gridrl.master.store import SqliteStore, default_store_path
 from gridrl.v1 import registry_pb2
 
@@ -42,6 +43,27 @@ def test_unreadable_file_is_moved_aside(tmp_path) -> None:
     store.close()
     aside = [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
     assert len(aside) == 1 and aside[0].startswith("master.sqlite.corrupt-")
+
+
+def test_a_version_1_store_is_upgraded_in_place_with_its_records(tmp_path) -> None:
+    """Stores written before address claims existed keep their records and gain the claims
+    table (they are not moved aside as unreadable)."""
+    path = tmp_path / "master.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE nodes (node_id TEXT PRIMARY KEY, record BLOB NOT NULL)")
+        conn.execute("INSERT INTO nodes VALUES (?, ?)", ("id-a:1",
+                                                          record("a:1").SerializeToString()))
+        conn.execute("PRAGMA user_version=1")
+    store = SqliteStore(path)
+    assert [r.info.address for r in store.load()] == ["a:1"] and store.load_claims() == []
+    store.put_claim(Claim("n-1", "a:1", "node-a"))
+    store.close()
+    reopened = SqliteStore(path)
+    assert reopened.load_claims() == [Claim("n-1", "a:1", "node-a")]
+    reopened.close()
+    assert not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
 
 
 def test_undecodable_row_is_skipped(tmp_path) -> None:

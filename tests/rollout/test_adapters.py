@@ -250,10 +250,10 @@ def test_push_interrupts_the_generate_in_flight(live_node, tiny_llama_dir, tiny_
     pool = concurrent.futures.ThreadPoolExecutor(2)
     in_flight = pool.submit(node.generate, max_tokens=8, temperature=0)
     wait_until(lambda: gated.entered == 1)
-    push = pool.submit(push_dir, node.stub, tiny_adapters["b"], "a", 2)
-    wait_until(node.engine.preempt_pending)  # queued, asking the batch to stop
+    # the held batch stops at its first step for the push; the gate holds its second run
+    assert push_dir(node.stub, tiny_adapters["b"], "a", 2).serving.version == 2
+    assert not in_flight.done()
     gated.gate.set()
-    assert push.result(30).serving.version == 2
     sample = in_flight.result(30).samples[0]
     assert sample.adapter_version == 2 and list(sample.token_ids) == new_tokens
     stopped, redone = node.engine.recent_batches()[-2:]
@@ -295,10 +295,17 @@ def test_reload_adapter(live_node, tiny_llama_dir, tiny_adapters, tmp_path) -> N
     outside = tmp_path / "outside"
     write_dir(read_dir(tiny_adapters["a"]), outside)
     (root / "link").symlink_to(outside)
+    # a directory inside the root whose weights file is a symlink to the adapter outside
+    write_dir(read_dir(tiny_adapters["b"]), root / "ops" / "trap")
+    weights = next(p for p in (root / "ops" / "trap").iterdir() if p.suffix == ".safetensors")
+    weights.unlink()
+    weights.symlink_to(outside / weights.name)
     for target, code, starts in (
             ({"path": "../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/../../outside"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": str(outside)}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
             ({"path": "link"}, grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ({"path": "ops/trap"}, grpc.StatusCode.INVALID_ARGUMENT, "path: 'ops/trap': "),
             ({"path": "nope"}, grpc.StatusCode.NOT_FOUND, "path: "),
             ({"path": "pushed"}, grpc.StatusCode.FAILED_PRECONDITION, "path: "),
             ({"version": 9}, grpc.StatusCode.NOT_FOUND, "version: "),

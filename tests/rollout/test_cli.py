@@ -6,13 +6,17 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from engine_helpers import PROMPT
+from rollout_helpers import wait_until
 
+from gridrl.common.channel import dial
 from gridrl.rollout.cli import main
+from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
 def test_cli_import_is_light() -> None:
@@ -105,6 +109,48 @@ def test_client_commands(served, tiny_adapters) -> None:
     assert "forward: lean (llama model, " in start_up[0], start_up
     assert "adapters: lean LoRA factors (the node runs the lean forward)" in start_up[0], \
         start_up
+
+
+def _active_sequences(metrics_port: int) -> float:
+    """``gridrl_rollout_active_sequences`` scraped from a node's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("gridrl_rollout_active_sequences "):
+                return float(line.split()[1])
+    return 0.0
+
+
+@pytest.mark.parametrize(("backend", "busy"), [
+    ("torch", True),
+    pytest.param("mlx", False, marks=pytest.mark.mlx),
+    pytest.param("mlx", True, marks=pytest.mark.mlx),
+], ids=["torch-decoding", "mlx-idle", "mlx-decoding"])
+def test_sigterm_exits_zero(service_factory, tiny_llama_dir: Path, tmp_path: Path, backend: str,
+                            busy: bool) -> None:
+    """SIGTERM ends a node with exit 0, idle or while it decodes a batch (the batch's caller
+    is cancelled, the batch stopped): no thread is left inside torch or MLX as the
+    interpreter exits. (The torch node's idle SIGTERM is in test_client_commands.)"""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        pytest.importorskip("mlx_lm")
+    node = service_factory(["gridrl-rollout", "serve", "--backend", backend, "--model",
+                            str(tiny_llama_dir), "--listen", "127.0.0.1:0", "--metrics-port",
+                            "0", "--adapter-root", str(tmp_path / "adapters"), "--max-n", "8"],
+                           f"rollout-{backend}")
+    channel = dial(node.address)
+    try:
+        if busy:
+            call = rollout_pb2_grpc.RolloutServiceStub(channel).Generate.future(
+                rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling=(
+                    common_pb2.SamplingParams(n=8, max_tokens=480, temperature=1.0))),
+                timeout=300)
+            wait_until(lambda: call.done() or _active_sequences(node.metrics_port) > 0, 120)
+        code = node.stop(signal.SIGTERM, timeout=120)
+    finally:
+        channel.close()
+    log = node.log()
+    assert code == 0, log[-3000:]
+    assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_serve_refuses_bad_flags(tmp_path: Path) -> None:

@@ -155,6 +155,27 @@ def test_close_fails_waiting_requests(tiny_backend) -> None:
         engine.submit(_job(n=1))
 
 
+def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
+    """A node stopping: the batch in flight ends at its next decode step with UNAVAILABLE,
+    the scheduler thread is joined, and the backend decodes again for a later engine."""
+    backend = GatedBackend(tiny_backend)
+    engine = Engine(backend, capacity=4, batch_window_s=0.0).start()
+    running = engine.submit(_job(n=2))
+    wait_until(lambda: backend.entered == 1)  # held at the gate: in flight
+    assert engine.scheduler_alive
+    engine.close(timeout=30, interrupt=True)  # the held batch goes on and stops at once
+    with pytest.raises(StatusError) as e:
+        running.result(0)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.message
+    assert not engine.scheduler_alive
+    assert engine.recent_batches() == []  # no batch completed
+    again = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
+    try:
+        assert len(again.generate(_job(n=2), timeout=30).samples) == 2
+    finally:
+        again.close()
+
+
 def test_backend_failure_fails_only_its_batch(tiny_backend) -> None:
     engine = Engine(tiny_backend, capacity=8, batch_window_s=0.0).start()
     try:

@@ -3,8 +3,6 @@ serving while the master is down, registers again when it returns, deregisters o
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from rollout_helpers import push_dir, wait_until
 
@@ -13,12 +11,6 @@ from gridrl.master.server import Master
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S = 0.2, 0.6, 1.2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _master(port: int) -> Master:
@@ -36,13 +28,12 @@ def _nodes(address: str) -> list[registry_pb2.NodeRecord]:
 
 
 @pytest.fixture
-def start_master():
+def start_master(reserved_port):
     """``start_master()`` starts a master, always on the same port (a restart)."""
-    port = _free_port()
     masters: list[Master] = []
 
     def start() -> Master:
-        masters.append(_master(port))
+        masters.append(_master(reserved_port.release()))
         return masters[-1]
 
     yield start

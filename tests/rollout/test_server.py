@@ -214,14 +214,18 @@ def test_metrics(live_node) -> None:
     assert 'gridrl_rollout_samples_total{finish_reason="length"}' in body
 
 
-def test_auth_token_is_required(live_node) -> None:
+def test_credentials_are_required(live_node, creds) -> None:
     from gridrl.common.channel import dial
     from gridrl.v1 import rollout_pb2_grpc
 
-    node = live_node(auth_token="s3cret")
+    node = live_node(security=creds.security(None, authorized=True))
     request = rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT,
                                           sampling=common_pb2.SamplingParams(max_tokens=2))
     e = rpc_error(lambda: node.stub.Generate(request, timeout=30))
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED
-    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address, auth_token="s3cret"))
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address, creds.tokens["read"]))
+    e = rpc_error(lambda: stub.Generate(request, timeout=30))
+    assert e.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=30).info.capacity > 0
+    stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address, creds.tokens["trainer"]))
     assert len(stub.Generate(request, timeout=30).samples) == 1

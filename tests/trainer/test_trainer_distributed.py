@@ -3,8 +3,8 @@ the same fixed batch."""
 
 from __future__ import annotations
 
+import glob
 import os
-import socket
 
 import pytest
 import torch
@@ -57,12 +57,25 @@ def _train(model_dir: str, parallel_factory, micro_batch_size: int,
     return state
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _gloo_threads() -> list[str]:
+    """Names of this process's native threads that belong to gloo (Linux: /proc)."""
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return sorted(n for n in names if "gloo" in n)
+
+
+def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # two ranks on shared cores
     from gridrl.trainer.distributed import DataParallel, init_process_group
 
-    init_process_group(torch.device("cpu"), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A FileStore rendezvous: no port to pick in advance (gloo binds its own on port 0).
+    init_process_group(torch.device("cpu"), init_method=f"file://{store}", rank=rank,
                        world_size=world, timeout_s=120)
     holder = {}
 
@@ -75,13 +88,14 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> No
     # rank 1 draws a different LoRA init: DDP's broadcast of rank 0's parameters must undo it
     state = _train(model_dir, factory, micro_batch_size=3, seed=rank)
     torch.save(state, f"{out}.rank{rank}")
+    # close() ends gloo's worker threads while Python runs: a worker still alive when the
+    # interpreter finalizes can abort the process as it frees a collective's tensors
+    # (DataParallel.close).
+    if os.path.isdir("/proc/self/task"):
+        assert "pt_gloo_runloop" in _gloo_threads()
     holder["p"].close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if os.path.isdir("/proc/self/task"):
+        assert _gloo_threads() == [], _gloo_threads()
 
 
 @pytest.mark.slow
@@ -91,7 +105,8 @@ def test_two_gloo_ranks_match_one_process(tiny_llama_dir, tmp_path):
     from gridrl.trainer.distributed import SingleProcess
 
     out = str(tmp_path / "adapter")
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tiny_llama_dir), out), nprocs=2, join=True)
+    store = str(tmp_path / "rendezvous")
+    mp.spawn(_rank_main, args=(2, store, str(tiny_llama_dir), out), nprocs=2, join=True)
     single = _train(str(tiny_llama_dir), lambda p: SingleProcess(p.model), micro_batch_size=0)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     assert set(ranks[0]) == set(single)
@@ -119,8 +134,8 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
                             capture_output=True, text=True, timeout=300, env=ENV)
     assert single.returncode == 0, single.stderr[-3000:]
     env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
-    ddp = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(_free_port()),
+    # --standalone: torchrun's rendezvous store binds port 0 and the ranks read its port back
+    ddp = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
                           *run_args(tiny_llama_dir, data, reward, ddp_dir, steps)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
@@ -135,5 +150,10 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
     w1 = load_file(single_dir / "adapter" / "adapter_model.safetensors")
     w2 = load_file(ddp_dir / "adapter" / "adapter_model.safetensors")
     assert w1.keys() == w2.keys()
+    # Same adapter up to float32 summation order: DDP sums the ranks' gradients in another
+    # order than one process, and Adam divides each entry by sqrt(v), so an entry whose gradient
+    # is near zero can move by a visible fraction of lr (2e-2 here) while the tensor as a whole
+    # agrees to ~1e-5 relative (seen on an AVX2 CPU: one entry of 512 off by 3e-5).
     for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4), k
+        assert torch.linalg.norm(w1[k] - w2[k]) <= 1e-4 * torch.linalg.norm(w1[k]), k
+        assert (w1[k] - w2[k]).abs().max() <= 1e-3, k

@@ -235,14 +235,10 @@ def test_bfloat16_node_is_held_to_the_16_bit_mismatch_bound(tiny_llama_dir, tmp_
             assert "16-bit bound" in steps[0]["flagged_nodes"][node.address]
 
 
-def test_failed_start_leaves_no_run_directory(tiny_llama_dir, tmp_path):
+def test_failed_start_leaves_no_run_directory(tiny_llama_dir, tmp_path, reserved_port):
     """No node answers within --node-wait-s: a clear error, exit 1, and no half-made run
     directory; --resume of a directory without a checkpoint: exit 2 naming the flag."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    nobody = f"127.0.0.1:{reserved_port}"
     run_dir = tmp_path / "run"
     args = trainer_args(tiny_llama_dir, run_dir, [nobody], steps=2)
     args[args.index("--node-wait-s") + 1] = "2"

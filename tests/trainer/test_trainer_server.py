@@ -29,10 +29,11 @@ def step_report(step: int, **over) -> dict:
 
 
 @pytest.fixture
-def served():
+def served(creds):
     status = RunStatus()
-    server = serve_trainer(status, "127.0.0.1:0", metrics_port=0, auth_token="tok")
-    channel = dial(server.address, auth_token="tok")
+    server = serve_trainer(status, "127.0.0.1:0", metrics_port=0,
+                           security=creds.security(None, authorized=True))
+    channel = dial(server.address, creds.tokens["read"])
     yield status, server, trainer_pb2_grpc.TrainerServiceStub(channel)
     channel.close()
     server.stop(0)
@@ -69,6 +70,16 @@ def test_watch_run_history_then_live_until_finished(served) -> None:
     status.begin("run-1", "/runs/run-1", total_steps=4, model_id="tiny")
     status.report(step_report(1))
     status.report(step_report(2))
+    # A live-only watch starts at the report count it reads when its handler starts.
+    subscribed = threading.Event()
+    history_length = status.history_length
+
+    def history_length_read() -> int:
+        n = history_length()
+        subscribed.set()
+        return n
+
+    status.history_length = history_length_read
     with_history = stub.WatchRun(trainer_pb2.WatchRunRequest(include_history=True), timeout=10)
     live_only = stub.WatchRun(trainer_pb2.WatchRunRequest(), timeout=10)
     got_history, got_live = [], []
@@ -77,7 +88,7 @@ def test_watch_run_history_then_live_until_finished(served) -> None:
     for t in readers:
         t.start()
     wait_until(lambda: got_history == [1, 2], 5, "the history")
-    time.sleep(0.2)  # the live-only stream is subscribed by now
+    assert subscribed.wait(5), "the live-only WatchRun never started"
     status.report(step_report(3))
     status.report(step_report(4))
     status.finish()
@@ -95,6 +106,14 @@ def test_watch_run_history_then_live_until_finished(served) -> None:
 def test_server_stop_ends_watch_streams(served) -> None:
     status, server, stub = served
     status.begin("run-1", "/runs/run-1", total_steps=4, model_id="tiny")
+    waiting = threading.Event()
+    wait_reports = status.wait_reports
+
+    def wait_reports_entered(*args, **kwargs):
+        waiting.set()
+        return wait_reports(*args, **kwargs)
+
+    status.wait_reports = wait_reports_entered
     stream = stub.WatchRun(trainer_pb2.WatchRunRequest(), timeout=30)
     result = []
 
@@ -107,7 +126,7 @@ def test_server_stop_ends_watch_streams(served) -> None:
 
     reader = threading.Thread(target=read)
     reader.start()
-    time.sleep(0.2)
+    assert waiting.wait(10), "WatchRun never started waiting for reports"
     start = time.monotonic()
     server.stop(grace_s=5)
     reader.join(8)

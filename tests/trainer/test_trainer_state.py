@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
+from scripted_nodes import wait_until
 
 from gridrl.common.errors import StatusError
 from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -52,6 +52,34 @@ def test_checkpoint_round_trip_restores_rng_and_state(tmp_path):
 
     set_rng_state(ckpt.rng)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+class _Payload:
+    """Pickles as a call that creates a file: what a crafted checkpoint would run on load."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng.pt"])
+def test_a_crafted_checkpoint_cannot_run_code(tmp_path, name):
+    """Checkpoints load with weights_only=True: a .pt file whose pickle calls a function is
+    refused, and the function never runs."""
+    import pickle
+
+    opt, sched = _optimizer()
+    path = save_checkpoint(tmp_path, step=1, adapter_files={"adapter_config.json": b"{}"},
+                           optimizer=opt, scheduler=sched, state={}, config={})
+    marker = tmp_path / "pwned"
+    torch.save({"state": _Payload(marker)}, path / name)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_checkpoint(path)
+    assert not marker.exists()
 
 
 def test_checkpoints_keep_the_newest_and_latest_points_at_a_complete_one(tmp_path):
@@ -107,10 +135,15 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
         TrainConfig(rollout=["local", "h:1"]).finalize()
     with pytest.raises(StatusError, match="--run-name"):
         TrainConfig(run_name="my run/1").finalize()
-    cfg = TrainConfig(auth_token="secret", run_dir=str(tmp_path)).finalize()
+    from gridrl.common.security import Security
+
+    cfg = TrainConfig(security=Security(token="gridrl_secret-never-saved"),
+                      run_dir=str(tmp_path)).finalize()
     cfg.save(tmp_path / "config.json")
+    assert "gridrl_secret-never-saved" not in (tmp_path / "config.json").read_text()
+    assert "security" not in json.loads((tmp_path / "config.json").read_text())
     loaded = TrainConfig.load(tmp_path / "config.json")
-    assert loaded.auth_token is None and loaded.run_name == cfg.run_name
+    assert loaded.security is None and loaded.run_name == cfg.run_name
 
 
 def test_node_monitor_flags_after_consecutive_bad_steps_and_recovers():
@@ -156,19 +189,23 @@ def test_prefetcher_runs_ahead_by_depth_and_no_further():
     def generate(step):
         with lock:
             calls.append(step)
-        time.sleep(0.05)
         return [step]
+
+    def requested() -> list[int]:
+        with lock:
+            return list(calls)
 
     pre = Prefetcher(generate, depth=2, last_step=4)
     first = pre.get(1)
-    assert first.groups == [1] and first.generate_s >= 0.05
-    time.sleep(0.2)
-    assert sorted(calls) == [1, 2, 3]  # steps 2 and 3 sampled while step 1 "trains"
-    assert pre.get(2).wait_s < 0.05
-    time.sleep(0.1)
-    assert sorted(calls) == [1, 2, 3, 4]  # never beyond last_step
+    assert first.groups == [1] and first.generate_s >= 0
+    # steps 2 and 3 are sampled while step 1 "trains" (one worker: in order, one at a time)
+    wait_until(lambda: len(requested()) >= 3, 10, "steps 2 and 3 prefetched")
+    assert requested() == [1, 2, 3]
+    assert pre.get(2).groups == [2]  # taken from the prefetch: not generated again
+    wait_until(lambda: len(requested()) >= 4, 10, "step 4 prefetched")
     assert [pre.get(s).groups for s in (3, 4)] == [[3], [4]]
-    pre.close()
+    pre.close()  # waits for anything in flight
+    assert requested() == [1, 2, 3, 4]  # each step once, never beyond last_step
     sync = Prefetcher(lambda s: [s], depth=0, last_step=3)
     assert sync.get(2).groups == [2]
 

@@ -3,7 +3,7 @@ deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign a
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 from prometheus_client import REGISTRY
@@ -27,13 +27,16 @@ def farm():
 def make_sync():
     made: list[tuple[NodePool, AdapterSync]] = []
 
-    def make(nodes, deadline_s: float = 5.0, known_versions=None,
+    def make(nodes, deadline_s: float = 5.0, known_versions=None, listeners=(),
              **kw) -> tuple[NodePool, AdapterSync]:
+        """``listeners``: more pool listeners, called after the sync's."""
         kw.setdefault("probe_interval_s", 0.2)
         pool = NodePool(master=None, addresses=[n.address for n in nodes],
                         model_identity=IDENTITY, **kw)
         sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"],
                            deadline_s=deadline_s, known_versions=known_versions)
+        for fn in listeners:
+            pool.add_listener(fn)
         made.append((pool, sync))
         pool.start()
         return pool, sync
@@ -154,9 +157,12 @@ def test_same_name_adapter_of_an_earlier_run_reset_to_base(farm, make_sync) -> N
 
 def test_resumed_run_keeps_a_node_on_its_own_lineage(farm, make_sync) -> None:
     node = farm.start(adapter=(NAME, 7))
-    pool, _sync = make_sync([node], known_versions=lambda: {0: 0, 6: 3, 7: 4})
+    seen = threading.Event()
+    pool, sync = make_sync([node], known_versions=lambda: {0: 0, 6: 3, 7: 4},
+                           listeners=[lambda state: seen.set()])
     pool.wait_for_nodes(1, timeout_s=10)
-    time.sleep(0.5)  # the listener has run (the node is in the pool); no reset followed
+    assert seen.wait(10), "the pool never announced the node"  # the sync's listener ran
+    sync.close()  # a reset the listener submitted would have run by now
     assert node.reloads == 0 and node.adapter == (NAME, 7)
 
 

@@ -6,6 +6,7 @@ numpy + safetensors-format only: importing this package imports neither torch no
     mlx_files = convert_files(files, "mlx", num_layers=30)    # peft -> mlx-lm, in memory
     manifest = build_manifest(mlx_files, name="run-a", version=3)
     verify_files(manifest, mlx_files); check_fits(mlx_files, {"hidden_size": 576, ...})
+    merge_dir("models/base", "runs/a/adapter", "models/merged")  # W' = W + scale * B @ A
 """
 
 from gridrl.adapters.adapter import LoraAdapter, LoraModule
@@ -26,6 +27,7 @@ from gridrl.adapters.manifest import (
     check_fits,
     verify_files,
 )
+from gridrl.adapters.merge import MergeResult, check_mergeable, merge_dir
 
 __version__ = "0.1.0"
 
@@ -37,12 +39,15 @@ __all__ = [
     "BaseModelInfo",
     "LoraAdapter",
     "LoraModule",
+    "MergeResult",
     "build_manifest",
     "check_fits",
+    "check_mergeable",
     "check_relpath",
     "convert_dir",
     "convert_files",
     "detect_format",
+    "merge_dir",
     "read_adapter",
     "read_dir",
     "verify_files",

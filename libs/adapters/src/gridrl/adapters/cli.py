@@ -1,7 +1,10 @@
-"""``gridrl-adapters``: convert adapters between peft and mlx-lm, and inspect them.
+"""``gridrl-adapters``: convert adapters between peft and mlx-lm, inspect them, and fold one
+into its base model.
 
     gridrl-adapters convert SRC DST [--to mlx|peft] [--num-layers N] [--dtype D] [--force]
+                            [--only-adapter]
     gridrl-adapters inspect DIR [--json]
+    gridrl-adapters merge --base MODEL_DIR --adapter ADAPTER_DIR --out OUT_DIR [--force]
 
 Every flag also reads ``GRIDRL_ADAPTERS_<FLAG>``. Exit status 1 with ``Error: <reason>`` when
 an adapter cannot be read or converted.
@@ -17,6 +20,7 @@ import click
 from gridrl.adapters.convert import convert_dir, detect_format
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.manifest import AdapterManifest, build_manifest
+from gridrl.adapters.merge import merge_dir
 
 
 def _option(*decls: str, env: str, **kwargs):
@@ -25,7 +29,7 @@ def _option(*decls: str, env: str, **kwargs):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Exact LoRA adapter conversion between peft and mlx-lm, and adapter manifests."""
+    """Exact LoRA adapter conversion between peft and mlx-lm, adapter manifests, and merges."""
 
 
 @main.command()
@@ -40,19 +44,56 @@ def main() -> None:
          default=None, help="Cast the tensors (default: keep each tensor's dtype).")
 @_option("--force", env="FORCE", is_flag=True, default=False,
          help="Replace DST if it exists.")
+@_option("--only-adapter", env="ONLY_ADAPTER", is_flag=True, default=False,
+         help="Write only the adapter's config and weights, not SRC's other files (e.g. the "
+              "optimizer state of a gridrl checkpoint directory).")
 def convert(src: Path, dst: Path, to: str | None, num_layers: int | None, dtype: str | None,
-            force: bool) -> None:
-    """Convert the adapter directory SRC into DST (written atomically)."""
+            force: bool, only_adapter: bool) -> None:
+    """Convert the adapter directory SRC into DST (written atomically). Other files of SRC
+    (README.md...) are copied unchanged unless --only-adapter."""
     if dst.exists() and not force:
         raise click.ClickException(f"{dst} exists; pass --force to replace it")
     try:
         names = [p.name for p in src.iterdir()]
         fmt = detect_format(names)
         target = to or ("mlx" if fmt == "peft" else "peft")
-        convert_dir(src, dst, target, num_layers, dtype=dtype)  # type: ignore[arg-type]
+        convert_dir(src, dst, target, num_layers, dtype=dtype,  # type: ignore[arg-type]
+                    only_adapter=only_adapter)
     except AdapterError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{src} ({fmt}) -> {dst} ({target})")
+
+
+@main.command()
+@_option("--base", env="BASE", required=True,
+         type=click.Path(exists=True, file_okay=False, path_type=Path),
+         help="The base model: a local Hugging Face directory with safetensors weights.")
+@_option("--adapter", env="ADAPTER", required=True,
+         type=click.Path(exists=True, file_okay=False, path_type=Path),
+         help="The LoRA adapter directory, peft or mlx-lm layout (e.g. RUN_DIR/adapter).")
+@_option("--out", env="OUT", required=True, type=click.Path(path_type=Path),
+         help="The merged model directory to write.")
+@_option("--force", env="FORCE", is_flag=True, default=False,
+         help="Replace OUT if it exists.")
+def merge(base: Path, adapter: Path, out: Path, force: bool) -> None:
+    """Write OUT: the base model with the adapter folded into its weights
+    (W' = W + scale * B @ A), loadable by transformers, vLLM, TGI or mlx-lm without peft.
+
+    The fold is computed in float32 and rounded once to each weight's stored dtype; config,
+    tokenizer and generation files are copied. DoRA and other adapters that are not a pure
+    LoRA product are refused."""
+    if out.exists() and not force:
+        raise click.ClickException(f"{out} exists; pass --force to replace it")
+    try:
+        result = merge_dir(base, adapter, out)
+    except AdapterError as e:
+        raise click.ClickException(str(e)) from e
+    dtypes = ", ".join(result.dtypes)
+    click.echo(f"{adapter} ({result.adapter_format}) + {base} -> {out}: folded "
+               f"{len(result.modules)} LoRA modules into {len(result.weight_files)} weight "
+               f"file(s), computed in {result.compute_dtype}, stored as {dtypes}")
+    if result.skipped:
+        click.echo(f"left out (unmerged weights in other files): {', '.join(result.skipped)}")
 
 
 @main.command()

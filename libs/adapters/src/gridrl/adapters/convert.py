@@ -184,8 +184,12 @@ def convert_files(files: Mapping[str, bytes], to: Format, num_layers: int | None
 
 
 def convert_dir(src: Path | str, dst: Path | str, to: Format | None = None,
-                num_layers: int | None = None, *, dtype: str | None = None) -> Path:
+                num_layers: int | None = None, *, dtype: str | None = None,
+                only_adapter: bool = False) -> Path:
     """Convert the adapter directory ``src`` into ``dst`` (see :func:`convert_files`).
+
+    ``only_adapter`` leaves behind every file of ``src`` but the adapter's config and weights
+    (e.g. the optimizer and trainer state of a gridrl checkpoint directory).
 
     ``to`` None means the other format. Without ``num_layers``, a local base model directory
     named by the adapter config (peft ``base_model_name_or_path``, mlx ``model``) is asked
@@ -202,6 +206,8 @@ def convert_dir(src: Path | str, dst: Path | str, to: Format | None = None,
         raise AdapterError(f"{dst}: source and destination are the same directory")
     files = read_dir(src)
     fmt = detect_format(files)
+    if only_adapter:
+        files = {k: v for k, v in files.items() if k in (CONFIG, WEIGHTS[fmt])}
     target: str = to or ("mlx" if fmt == "peft" else "peft")
     if num_layers is None and fmt == "peft" and target == "mlx":
         from gridrl.adapters.base_model import local_identity

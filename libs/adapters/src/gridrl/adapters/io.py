@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gridrl.adapters.errors import AdapterError
@@ -46,8 +46,12 @@ def read_dir(path: Path | str) -> dict[str, bytes]:
     return dict(sorted(files.items()))
 
 
-def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
+def write_dir(files: Mapping[str, bytes | Iterable[bytes]], path: Path | str) -> Path:
     """Write ``files`` (relative path -> bytes) as the directory ``path``, atomically.
+
+    A value may also be an iterable of byte chunks (bytes or memoryviews), written one after
+    the other: a large file is then produced while it is written, never held whole in memory.
+    An exception raised by the iterable aborts the write like any other (nothing is left).
 
     The files go into a temporary sibling directory (fsynced), which is renamed to ``path``;
     an existing ``path`` is first renamed aside and removed after, so ``path`` is never
@@ -62,13 +66,18 @@ def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
     old: Path | None = None
     try:
         for name, data in files.items():
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "wb") as f:
-                f.write(data)
+                if isinstance(data, bytes | bytearray | memoryview):
+                    f.write(data)
+                else:
+                    for chunk in data:
+                        f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
         if dst.exists() or dst.is_symlink():
@@ -86,6 +95,19 @@ def write_dir(files: Mapping[str, bytes], path: Path | str) -> Path:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return dst
+
+
+def _umask() -> int:
+    """The process umask (read from /proc where it can be, else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(path: Path) -> None:

@@ -225,13 +225,23 @@ def to_float64(t: Tensor) -> np.ndarray:
     Raises:
         AdapterError: another dtype.
     """
+    return to_float(t, np.float64)
+
+
+def to_float(t: Tensor, dtype: type[np.floating] = np.float32) -> np.ndarray:
+    """Decode a floating tensor (F64, F32, F16, BF16) to a new ``dtype`` array (float32 or
+    float64) with ``t.shape``; exact except F64 -> float32, which rounds to nearest.
+
+    Raises:
+        AdapterError: another dtype.
+    """
     if t.dtype == "BF16":
         values = (_uint_view(t).astype(np.uint32) << 16).view("<f4")
     elif t.dtype in ("F64", "F32", "F16"):
         values = np.frombuffer(t.data, dtype={"F64": "<f8", "F32": "<f4", "F16": "<f2"}[t.dtype])
     else:
         raise AdapterError(f"cannot decode dtype {t.dtype} as floating point")
-    return values.astype(np.float64).reshape(t.shape)
+    return values.astype(dtype).reshape(t.shape)
 
 
 def cast(t: Tensor, dtype: str) -> Tensor:

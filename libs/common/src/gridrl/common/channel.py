@@ -1,13 +1,21 @@
-"""Client channels with the project's message-size limits and optional bearer token."""
+"""Client channels with the project's message-size limits, TLS and bearer token."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
+from gridrl.common.address import parse_address
 from gridrl.common.auth import TokenInterceptor
+from gridrl.common.errors import StatusError
+from gridrl.common.security import Security, is_loopback
+
+log = logging.getLogger(__name__)
 
 # 64 MiB: a Generate response with large n fits; adapters are streamed in chunks anyway.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_warned_plaintext: set[str] = set()
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -22,13 +30,61 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
     ]
 
 
-def dial(address: str, auth_token: str | None = None,
+def dial(address: str, security: Security | str | None = None,
          max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """An insecure channel to ``address`` (host:port) that sends ``auth_token`` on every call.
+    """A channel to ``address`` (host:port): TLS when ``security.tls`` has a CA (mutual TLS
+    when it also has a certificate), sending ``security.token`` on every call. A bare string is
+    a token over plaintext (tests, loopback tools).
 
-    The channel is lazy: nothing connects until the first call.
+    The channel is lazy: nothing connects until the first call. A token sent over plaintext
+    to a non-loopback address is logged once as a warning (anyone on the path can read it).
+
+    Raises:
+        TlsError: unreadable or malformed TLS files (naming the flag).
     """
-    channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
-    if auth_token:
-        channel = grpc.intercept_channel(channel, TokenInterceptor(auth_token))
+    if isinstance(security, str):
+        security = Security(token=security)
+    security = security or Security()
+    options = channel_options(max_message_bytes)
+    if security.tls.dials_tls:
+        credentials = security.tls.channel_credentials()
+        if security.token:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(security.token))
+        return grpc.secure_channel(address, credentials, options=options)
+    channel = grpc.insecure_channel(address, options=options)
+    if security.token:
+        try:
+            host = parse_address(address)[0]
+        except StatusError:  # a malformed address fails at the first call, with its own error
+            host = address
+        if not is_loopback(host) and address not in _warned_plaintext:
+            _warned_plaintext.add(address)
+            log.warning("sending a token to %s without TLS: anyone on the network path can "
+                        "read it (give --tls-ca)", address)
+        channel = grpc.intercept_channel(channel, TokenInterceptor(security.token))
     return channel
+
+
+def connection_hint(code: str, details: str, security: Security | str | None) -> str:
+    """`` (hint)`` for an UNAVAILABLE call that looks like a TLS mismatch, else ``""``:
+    a plaintext client cannot talk to a TLS server (nor the other way round), a TLS client
+    must trust the server's CA and dial a host its certificate names, and a mutual-TLS server
+    closes connections from clients without a certificate its CA signed."""
+    if code != "UNAVAILABLE":
+        return ""
+    text = details.lower()
+    tls = getattr(security, "tls", None)
+    if tls is None or not tls.dials_tls:
+        return (" (is the server up? if it serves TLS, give --tls-ca, and --tls-cert/--tls-key "
+                "for mutual TLS)")
+    if "wrong_version_number" in text:
+        return " (the server does not serve TLS: drop --tls-ca, or start it with --tls-cert)"
+    if "hostname verification" in text:
+        return " (the server's certificate does not name the host dialed; dial a name it lists)"
+    if "certificate_verify_failed" in text or "handshake failed" in text:
+        return " (the server's certificate did not verify: --tls-ca must be the CA that signed it)"
+    if "socket closed" in text or "connection reset" in text:
+        return (" (the server closed the connection: is it up? a mutual-TLS server refuses "
+                "clients without a --tls-cert/--tls-key its CA signed)")
+    return " (is the server up?)"

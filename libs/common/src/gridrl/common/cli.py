@@ -1,13 +1,14 @@
 """click helpers: every flag readable from an environment variable, shown in ``--help``.
 
     @click.command()
-    @env_option("--listen", env="GRIDRL_MASTER_LISTEN", default="0.0.0.0:50050", help="...")
+    @env_option("--listen", env="GRIDRL_MASTER_LISTEN", default="127.0.0.1:50050", help="...")
 
 Precedence: command-line flag > environment variable > default (click's own rule).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import click
 import grpc
+from click.core import ParameterSource
 from google.protobuf.json_format import MessageToDict
 
 ENV_PREFIX = "GRIDRL_"
@@ -29,32 +31,163 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
-def server_options(service: str, listen: str, metrics_port: int) -> Callable[[Any], Any]:
-    """The flags every ``serve`` command takes: --listen, --metrics-port, --auth-token,
-    --log-level, with ``GRIDRL_<SERVICE>_...`` / ``GRIDRL_AUTH_TOKEN`` variables."""
+def server_options(service: str, listen: str, metrics_port: int,
+                   client: bool = False) -> Callable[[Any], Any]:
+    """The flags every ``serve`` command takes: --listen, --metrics-port, --log-level,
+    --ready-file (``GRIDRL_<SERVICE>_...``) and the security flags, which the command receives
+    as one ``security: Security``:
+
+    * ``--tls-cert``/``--tls-key``/``--tls-ca`` (``GRIDRL_TLS_*``): TLS, mutual with a CA;
+    * ``--authorized-tokens`` (``GRIDRL_AUTHORIZED_TOKENS``): the credentials it accepts;
+    * ``--insecure`` (``GRIDRL_<SERVICE>_INSECURE``): listen beyond loopback without them;
+    * with ``client`` (a server that also calls others: a node registering with the master, a
+      trainer calling nodes): ``--auth-token-file`` (or ``GRIDRL_AUTH_TOKEN``), the token it
+      sends; its TLS files serve for those calls too.
+
+    A non-loopback ``--listen`` without TLS and credentials is refused here, before the
+    command loads anything (:func:`gridrl.common.security.check_exposure`).
+    """
     s = service.upper()
 
     def decorate(f: Any) -> Any:
-        f = env_option("--ready-file", env=f"GRIDRL_{s}_READY_FILE", default=None,
+        @functools.wraps(f)
+        def with_security(*args: Any, **kwargs: Any) -> Any:
+            security = _build_security(kwargs, server=True, client=client)
+            from gridrl.common.address import parse_listen
+            from gridrl.common.errors import StatusError
+            from gridrl.common.security import ExposedError, check_exposure
+
+            try:
+                check_exposure(parse_listen(kwargs["listen"], "--listen")[0], security)
+            except StatusError as e:
+                raise click.BadParameter(e.message, param_hint="--listen") from None
+            except ExposedError as e:
+                raise click.UsageError(str(e)) from None
+            return f(*args, security=security, **kwargs)
+
+        g = with_security
+        g = env_option("--ready-file", env=f"GRIDRL_{s}_READY_FILE", default=None,
                        type=click.Path(dir_okay=False), show_default=False,
                        help="Once serving, write JSON {address, port, metrics_port, pid} here "
-                            "(for supervisors and tests that bind port 0).")(f)
-        f = env_option("--log-level", env=f"GRIDRL_{s}_LOG_LEVEL", default="info",
+                            "(for supervisors and tests that bind port 0).")(g)
+        g = env_option("--log-level", env=f"GRIDRL_{s}_LOG_LEVEL", default="info",
                        type=click.Choice(["debug", "info", "warning", "error"]),
-                       help="Logging level.")(f)
-        f = auth_option(f)
-        f = env_option("--metrics-port", env=f"GRIDRL_{s}_METRICS_PORT", default=metrics_port,
-                       type=int, help="Prometheus /metrics port (0: any free port, -1: off).")(f)
-        f = env_option("--listen", env=f"GRIDRL_{s}_LISTEN", default=listen,
-                       help="host:port to serve gRPC on (port 0: any free port).")(f)
-        return f
+                       help="Logging level.")(g)
+        g = _client_token_options(g) if client else _rejected_token_option(g)
+        g = env_option("--insecure", env=f"GRIDRL_{s}_INSECURE", is_flag=True, default=False,
+                       help="Serve on a non-loopback --listen without TLS and credentials "
+                            "(anyone on the network can call every RPC).")(g)
+        g = env_option("--authorized-tokens", env="GRIDRL_AUTHORIZED_TOKENS", default=None,
+                       show_default=False, type=click.Path(dir_okay=False),
+                       help="File of the credentials this server accepts (sha256 of each "
+                            "token, scope, id; `gridrl-auth mint` writes it). Unset: no "
+                            "credential is checked (loopback or --insecure only).")(g)
+        g = _tls_options(g, "Server certificate (PEM); with --tls-key: serve TLS"
+                            + (", and present it when calling others" if client else "") + ".",
+                         "CA certificate (PEM): require client certificates it signed "
+                         "(mutual TLS)" + ("; verify the servers this one calls" if client
+                                           else "") + ".")
+        g = env_option("--metrics-port", env=f"GRIDRL_{s}_METRICS_PORT", default=metrics_port,
+                       type=int, help="Prometheus /metrics port (0: any free port, -1: off); "
+                                      "HTTPS when the server serves TLS.")(g)
+        g = env_option("--listen", env=f"GRIDRL_{s}_LISTEN", default=listen,
+                       help="host:port to serve gRPC on (port 0: any free port). Beyond "
+                            "loopback it needs TLS and --authorized-tokens, or --insecure.")(g)
+        return g
 
     return decorate
 
 
-auth_option = env_option(
-    "--auth-token", env="GRIDRL_AUTH_TOKEN", default=None, show_default=False,
-    help="Shared bearer token; servers require it, clients send it.")
+def client_security_options(f: Any) -> Any:
+    """The flags of every client command: ``--auth-token-file`` (or ``GRIDRL_AUTH_TOKEN`` in the
+    environment), ``--tls-ca`` (speak TLS, verify the server), ``--tls-cert``/``--tls-key``
+    (mutual TLS). The command receives them as one ``security: Security``."""
+
+    @functools.wraps(f)
+    def with_security(*args: Any, **kwargs: Any) -> Any:
+        return f(*args, security=_build_security(kwargs, server=False, client=True), **kwargs)
+
+    g = _client_token_options(with_security)
+    return _tls_options(g, "Client certificate (PEM) presented to a mutual-TLS server "
+                           "(with --tls-key).",
+                        "CA certificate (PEM) that signed the server's certificate: speak TLS "
+                        "and verify the server.")
+
+
+def _tls_options(f: Any, cert_help: str, ca_help: str) -> Any:
+    f = env_option("--tls-ca", env="GRIDRL_TLS_CA", default=None, show_default=False,
+                   type=click.Path(dir_okay=False), help=ca_help)(f)
+    f = env_option("--tls-key", env="GRIDRL_TLS_KEY", default=None, show_default=False,
+                   type=click.Path(dir_okay=False),
+                   help="Private key (PEM, unencrypted, mode 0600) of --tls-cert.")(f)
+    return env_option("--tls-cert", env="GRIDRL_TLS_CERT", default=None, show_default=False,
+                      type=click.Path(dir_okay=False), help=cert_help)(f)
+
+
+def _client_token_options(f: Any) -> Any:
+    f = _rejected_token_option(f)
+    return env_option("--auth-token-file", env="GRIDRL_AUTH_TOKEN_FILE", default=None,
+                      show_default=False, type=click.Path(dir_okay=False),
+                      help="File holding the token to send (`gridrl-auth mint` writes one). "
+                           "A container may set GRIDRL_AUTH_TOKEN to the token instead.")(f)
+
+
+TOKEN_ON_COMMAND_LINE = (
+    "a token given as a value shows in `ps` and in shell history; write it to a file "
+    "(chmod 600) and pass --auth-token-file FILE, or set GRIDRL_AUTH_TOKEN in the environment "
+    "(containers)")
+
+
+def _refuse_token_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Refuse ``--auth-token VALUE`` as soon as it is parsed (before other errors)."""
+    if value is not None and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
+        raise click.BadParameter(TOKEN_ON_COMMAND_LINE, ctx=ctx, param_hint="--auth-token")
+    return value
+
+
+# Kept only to say what replaced it; the value is read from GRIDRL_AUTH_TOKEN (containers).
+_rejected_token_option = click.option("--auth-token", "auth_token", envvar="GRIDRL_AUTH_TOKEN",
+                                      default=None, hidden=True, callback=_refuse_token_value)
+
+
+def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
+    """Pop the security flags from ``kwargs`` into a ``Security``; bad values -> click errors
+    naming the flag."""
+    from gridrl.common.auth import AuthError, AuthorizedTokens, check_token, read_token_file
+    from gridrl.common.security import Security
+    from gridrl.common.tls import TlsError, TlsFiles
+
+    value = kwargs.pop("auth_token", None)
+    token_file = kwargs.pop("auth_token_file", None)
+    authorized_path = kwargs.pop("authorized_tokens", None) if server else None
+    insecure = kwargs.pop("insecure", False) if server else False
+    tls = TlsFiles(kwargs.pop("tls_cert", None), kwargs.pop("tls_key", None),
+                   kwargs.pop("tls_ca", None))
+    token = None
+    try:
+        if client:
+            if value is not None and token_file:
+                raise click.BadParameter("both --auth-token-file and GRIDRL_AUTH_TOKEN are "
+                                         "set; use one", param_hint="--auth-token-file")
+            if token_file:
+                token = read_token_file(token_file)
+            elif value is not None:
+                token = check_token(value.strip(), "GRIDRL_AUTH_TOKEN")
+        elif value is not None and not authorized_path:
+            raise click.UsageError(
+                "GRIDRL_AUTH_TOKEN is set, but a server checks the credentials listed in "
+                "--authorized-tokens (GRIDRL_AUTHORIZED_TOKENS); the token variable is what "
+                "clients send. Mint credentials with `gridrl-auth mint` and pass "
+                "--authorized-tokens FILE, or unset GRIDRL_AUTH_TOKEN.")
+        authorized = AuthorizedTokens(authorized_path) if authorized_path else None
+    except AuthError as e:
+        flag = str(e).split(":", 1)[0]
+        raise click.BadParameter(str(e).split(": ", 1)[1], param_hint=flag) from None
+    try:
+        tls.check("server" if server else "client")
+    except TlsError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1], param_hint=e.flag) from None
+    return Security(tls=tls, authorized=authorized, token=token, insecure=insecure)
 
 
 def setup_logging(level: str) -> None:
@@ -71,8 +204,8 @@ def print_json(message_or_obj: Any) -> None:
 
 
 def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for client commands: a failed call prints ``error: CODE: details``, exits 1."""
-    import functools
+    """Decorator for client commands: a failed call prints ``error: CODE: details`` (with a
+    hint when the connection failed the way a TLS mismatch does), exits 1."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -81,7 +214,10 @@ def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError as e:
             code = e.code().name if hasattr(e, "code") else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
-            click.echo(f"error: {code}: {details}", err=True)
+            from gridrl.common.channel import connection_hint
+
+            hint = connection_hint(code, details, kwargs.get("security"))
+            click.echo(f"error: {code}: {details}{hint}", err=True)
             sys.exit(1)
 
     return wrapped

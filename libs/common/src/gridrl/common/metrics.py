@@ -6,7 +6,12 @@ service's own ``metrics.py`` on the same default registry.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from gridrl.common.tls import TlsFiles
 
 RPC_REQUESTS = Counter(
     "gridrl_rpc_requests_total",
@@ -27,12 +32,19 @@ def split_method(full_method: str) -> tuple[str, str]:
     return service, method
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> int:
+def start_metrics_server(port: int, host: str = "0.0.0.0", tls: TlsFiles | None = None) -> int:
     """Serve the default registry on ``http://host:port/metrics``; port 0 picks a free one.
 
-    Returns the bound port. A negative port disables the endpoint and returns -1.
+    With ``tls`` (a certificate and key) it serves ``https://`` with that certificate; when
+    ``tls`` also has a CA, a scraper must present a client certificate the CA signed (as every
+    gRPC client must under mutual TLS). Returns the bound port. A negative port disables the
+    endpoint and returns -1.
     """
     if port < 0:
         return -1
-    server, _thread = start_http_server(port, addr=host)
+    kwargs = {}
+    if tls is not None:
+        kwargs = {"certfile": tls.cert, "keyfile": tls.key, "client_cafile": tls.ca,
+                  "client_auth_required": bool(tls.ca)}
+    server, _thread = start_http_server(port, addr=host, **kwargs)
     return int(server.server_port)

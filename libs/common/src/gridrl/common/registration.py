@@ -24,7 +24,8 @@ from collections.abc import Callable
 import grpc
 
 from gridrl.common.address import parse_address
-from gridrl.common.channel import dial
+from gridrl.common.channel import connection_hint, dial
+from gridrl.common.security import Security
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class NodeRegistrar:
             queue depth...); called at each registration and each heartbeat.
         load_fn: returns busy slots / capacity in [0, 1]; clamped into [0, 1], NaN or an
             exception read as 0. None: always 0.
-        auth_token: bearer token the master requires, if any.
+        security: the node's TLS files and token for the master (a bare string: a token
+            over plaintext), if any.
         retry_interval_s: seconds between attempts while the master is unreachable (capped at
             the heartbeat interval).
 
@@ -60,7 +62,8 @@ class NodeRegistrar:
     """
 
     def __init__(self, master_address: str, info_fn: Callable[[], common_pb2.NodeInfo],
-                 load_fn: Callable[[], float] | None = None, auth_token: str | None = None,
+                 load_fn: Callable[[], float] | None = None,
+                 security: Security | str | None = None,
                  retry_interval_s: float = 2.0) -> None:
         parse_address(master_address, field="master_address")
         if not retry_interval_s > 0:
@@ -68,7 +71,7 @@ class NodeRegistrar:
         self.master_address = master_address
         self._info_fn = info_fn
         self._load_fn = load_fn
-        self._auth_token = auth_token
+        self._security = security
         self.retry_interval_s = retry_interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -127,7 +130,7 @@ class NodeRegistrar:
         node_id = self._node_id
         self._registered = False
         if deregister and node_id is not None:
-            channel = dial(self.master_address, self._auth_token)
+            channel = dial(self.master_address, self._security)
             try:
                 registry_pb2_grpc.RegistryServiceStub(channel).DeregisterNode(
                     registry_pb2.DeregisterNodeRequest(node_id=node_id), timeout=CALL_TIMEOUT_S)
@@ -232,7 +235,7 @@ class NodeRegistrar:
             if self._stop.is_set():
                 raise _Stopped
             if self._channel is None:
-                self._channel = dial(self.master_address, self._auth_token)
+                self._channel = dial(self.master_address, self._security)
             return registry_pb2_grpc.RegistryServiceStub(self._channel)
 
     def _drop_channel(self) -> None:
@@ -248,7 +251,8 @@ class NodeRegistrar:
         code = e.code()
         if code in _RECONNECT_CODES:
             self._drop_channel()
-        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}")
+        hint = connection_hint(code.name, e.details() or "", self._security)
+        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}{hint}")
 
     def _note_failure(self, kind: str, message: str) -> None:
         """Log once per outage and kind of failure; later attempts log at debug level."""

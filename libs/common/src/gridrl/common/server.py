@@ -1,8 +1,9 @@
-"""Wiring of a gridrl gRPC server: health, reflection, size limits, metrics, auth, shutdown.
+"""Wiring of a gridrl gRPC server: health, reflection, size limits, metrics, TLS, credentials
+and scopes, shutdown.
 
 Every service builds its server with :class:`GrpcServer`:
 
-    server = GrpcServer(listen="0.0.0.0:50051", metrics_port=9401, auth_token=None)
+    server = GrpcServer(listen="127.0.0.1:50051", metrics_port=9401, security=Security(...))
     server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer,
                rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name)
     server.start()          # binds; server.port is the bound port (listen port 0 -> free port)
@@ -28,10 +29,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gridrl.common import reflection
 from gridrl.common.address import join_address, parse_listen
-from gridrl.common.auth import check_token
+from gridrl.common.auth import AuthorizedTokens, authorize, calling_as
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
 from gridrl.common.errors import StatusError
 from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
+from gridrl.common.security import Security, check_exposure
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +45,18 @@ SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# Never share a port: with SO_REUSEPORT (grpc's default on Linux) a second node started on the
+# same port binds silently and the kernel splits the calls between the two processes.
+NO_REUSEPORT = [("grpc.so_reuseport", 0)]
 
 
 class _ServerInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer token, turns :class:`StatusError` into a status, and records
-    ``gridrl_rpc_requests_total`` / ``gridrl_rpc_duration_seconds`` for every call."""
+    """Checks the caller's credential and scope (:func:`gridrl.common.auth.authorize`), makes
+    it :func:`gridrl.common.auth.caller` inside the handler, turns :class:`StatusError` into a
+    status, and records ``gridrl_rpc_requests_total`` / ``gridrl_rpc_duration_seconds``."""
 
-    def __init__(self, auth_token: str | None) -> None:
-        self._token = auth_token
+    def __init__(self, tokens: AuthorizedTokens | None) -> None:
+        self._tokens = tokens
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -58,7 +64,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         service, name = split_method(method)
-        denied = check_token(self._token, method, handler_call_details.invocation_metadata)
+        decision = authorize(self._tokens, method, handler_call_details.invocation_metadata)
 
         def finish(context: grpc.ServicerContext, start: float, code: grpc.StatusCode | None) -> None:
             code = code or context.code() or grpc.StatusCode.OK
@@ -70,11 +76,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
                 start = time.perf_counter()
-                if denied:
-                    finish(context, start, grpc.StatusCode.UNAUTHENTICATED)
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
+                if decision.code is not None:
+                    finish(context, start, decision.code)
+                    context.abort(decision.code, decision.message)
                 try:
-                    response = behavior(request_or_iterator, context)
+                    with calling_as(decision.credential):
+                        response = behavior(request_or_iterator, context)
                 except StatusError as e:
                     finish(context, start, e.code)
                     context.abort(e.code, e.message)
@@ -92,11 +99,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 start = time.perf_counter()
-                if denied:
-                    finish(context, start, grpc.StatusCode.UNAUTHENTICATED)
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, denied)
+                if decision.code is not None:
+                    finish(context, start, decision.code)
+                    context.abort(decision.code, decision.message)
                 try:
-                    yield from behavior(request_or_iterator, context)
+                    with calling_as(decision.credential):
+                        yield from behavior(request_or_iterator, context)
                 except StatusError as e:
                     finish(context, start, e.code)
                     context.abort(e.code, e.message)
@@ -144,28 +152,41 @@ def freeze_long_lived() -> None:
 
 
 class GrpcServer:
-    """A gRPC server with health, reflection, metrics, auth and graceful shutdown.
+    """A gRPC server with health, reflection, metrics, TLS, credentials and graceful shutdown.
 
     Args:
         listen: ``host:port`` to bind; port 0 picks a free port (read it back from ``.port``).
-        metrics_port: Prometheus ``/metrics`` port, on the host ``listen`` binds; 0 picks a
-            free one, negative disables.
-        auth_token: when set, every call but health/reflection needs ``Bearer <token>``.
+        metrics_port: Prometheus ``/metrics`` port, on the host ``listen`` binds (HTTPS with
+            the server's certificate when it serves TLS, requiring a client certificate under
+            mutual TLS); 0 picks a free one, negative disables.
+        security: TLS files (a certificate: TLS; and a CA: mutual TLS) and the authorized
+            tokens every call but health/reflection must carry (None: no TLS, no credentials).
         max_workers: threads serving calls; streams hold one each for their duration.
         max_message_bytes: explicit send/receive message size limit.
         grace_s: seconds calls in flight get to finish on stop.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT ``listen: ...`` for a malformed address.
+        ExposedError: ``listen`` is not loopback and ``security`` lacks TLS or credentials
+            without ``insecure`` (:func:`gridrl.common.security.check_exposure`).
+        TlsError: unreadable or malformed TLS files.
     """
 
-    def __init__(self, listen: str, metrics_port: int = -1, auth_token: str | None = None,
+    def __init__(self, listen: str, metrics_port: int = -1, security: Security | None = None,
                  max_workers: int = 32, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  grace_s: float = 10.0) -> None:
         self._host, self._requested_port = parse_listen(listen)
+        self.security = security or Security()
+        check_exposure(self._host, self.security)
+        self._credentials = (self.security.tls.server_credentials()
+                             if self.security.tls.serves_tls else None)
         self._metrics_port_requested = metrics_port
         self.grace_s = grace_s
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-            interceptors=[_ServerInterceptor(auth_token)],
-            options=[*channel_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS],
+            interceptors=[_ServerInterceptor(self.security.authorized)],
+            options=[*channel_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS,
+                     *NO_REUSEPORT],
             maximum_concurrent_rpcs=max_workers * 4,
         )
         self._health = health.HealthServicer(experimental_non_blocking=True)
@@ -200,20 +221,43 @@ class GrpcServer:
         return join_address(host, self.port)
 
     def start(self) -> GrpcServer:
-        """Bind, start serving, mark every service SERVING, start /metrics. Returns self."""
-        self.port = self._server.add_insecure_port(join_address(self._host, self._requested_port))
+        """Bind, start /metrics, start serving, mark every service SERVING. Returns self.
+
+        Raises:
+            OSError: ``listen: ...`` or ``metrics_port: ...`` when the port cannot be bound
+                (taken: servers never share a port, see :data:`NO_REUSEPORT`).
+        """
+        target = join_address(self._host, self._requested_port)
+        try:
+            self.port = (self._server.add_secure_port(target, self._credentials)
+                         if self._credentials is not None
+                         else self._server.add_insecure_port(target))
+        except RuntimeError:  # grpcio >= 1.60 raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"listen: could not bind {self._host}:{self._requested_port}")
+            raise OSError(f"listen: could not bind {target} (in use, or not an address of "
+                          "this machine)")
+        # /metrics binds the gRPC listen host: a loopback service is not scraped from afar.
+        tls = self.security.tls
+        metrics_host = self._host.strip("[]") or "0.0.0.0"
+        try:
+            self.metrics_port = start_metrics_server(self._metrics_port_requested,
+                                                     host=metrics_host,
+                                                     tls=tls if tls.serves_tls else None)
+        except OSError as e:
+            self._server.stop(None)
+            raise OSError(f"metrics_port: could not bind {metrics_host}:"
+                          f"{self._metrics_port_requested}: {e.strerror or e}") from e
         names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable(names, self._server)
         self._server.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         for name in self._service_names:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        # /metrics binds the gRPC listen host: a loopback service is not scraped from afar.
-        self.metrics_port = start_metrics_server(self._metrics_port_requested,
-                                                 host=self._host.strip("[]") or "0.0.0.0")
-        log.info("serving %s on %s (%s)", ", ".join(self._service_names), self.address,
+        log.info("serving %s on %s (%s; %s; %s)", ", ".join(self._service_names), self.address,
+                 "mutual TLS" if tls.mutual else "TLS" if tls.serves_tls else "plaintext",
+                 f"{len(self.security.authorized.credentials)} authorized credential(s)"
+                 if self.security.authorized else "no credentials checked",
                  f"metrics port {self.metrics_port}" if self.metrics_port >= 0 else "metrics off")
         return self
 

@@ -168,7 +168,8 @@ class Backend(abc.ABC):
         eos_token_ids: ids that end a sequence besides per-request stop ids.
 
     Threading: the engine calls every method from its single scheduler thread, so no two calls
-    overlap and an adapter is never swapped during a batch.
+    overlap and an adapter is never swapped during a batch; a batch in progress is stopped
+    through its :class:`DecodeObserver`.
     """
 
     name: str

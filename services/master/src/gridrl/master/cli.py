@@ -1,7 +1,9 @@
 """``gridrl-master``: serve the registry, or print it.
 
-    gridrl-master serve --listen 0.0.0.0:50050 --store ~/.local/state/gridrl/master.sqlite
+    gridrl-master serve [--listen 127.0.0.1:50050] [--store ~/.local/state/gridrl/master.sqlite]
+        [--tls-cert C --tls-key K --tls-ca CA --authorized-tokens FILE]
     gridrl-master nodes --master 127.0.0.1:50050 [--json] [--role rollout]
+        [--tls-ca CA --tls-cert C --tls-key K --auth-token-file FILE]
 
 Imports stay light (click, grpc, protobuf): ``--help`` is instant and the master never loads
 torch, mlx or numpy.
@@ -14,7 +16,7 @@ import sys
 import click
 
 from gridrl.common.cli import (
-    auth_option,
+    client_security_options,
     env_option,
     exit_on_rpc_error,
     print_json,
@@ -22,6 +24,7 @@ from gridrl.common.cli import (
     setup_logging,
     write_ready_file,
 )
+from gridrl.common.security import Security
 from gridrl.master.store import default_store_path
 
 
@@ -31,7 +34,7 @@ def main() -> None:
 
 
 @main.command()
-@server_options("master", listen="0.0.0.0:50050", metrics_port=9400)
+@server_options("master", listen="127.0.0.1:50050", metrics_port=9400)
 @env_option("--store", env="GRIDRL_MASTER_STORE", default=default_store_path(),
             help="sqlite file the registrations persist to ('' or ':memory:': none).")
 @env_option("--heartbeat-interval", env="GRIDRL_MASTER_HEARTBEAT_INTERVAL", default=5.0,
@@ -43,7 +46,7 @@ def main() -> None:
 @env_option("--expire-after", env="GRIDRL_MASTER_EXPIRE_AFTER", default=60.0,
             type=click.FloatRange(min=0, min_open=True),
             help="Seconds without a heartbeat before a node is removed.")
-def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
+def serve(listen: str, metrics_port: int, security: Security, log_level: str,
           ready_file: str | None, store: str, heartbeat_interval: float,
           unhealthy_after: float, expire_after: float) -> None:
     """Serve RegistryService until SIGTERM/SIGINT."""
@@ -56,14 +59,18 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     from gridrl.master.server import Master
 
     try:
-        master = Master(listen, metrics_port=metrics_port, auth_token=auth_token,
+        master = Master(listen, metrics_port=metrics_port, security=security,
                         store_path=store, heartbeat_interval_s=heartbeat_interval,
                         unhealthy_after_s=unhealthy_after, expire_after_s=expire_after)
     except StatusError as e:
         raise click.BadParameter(e.message, param_hint="--listen") from e
     except Exception as e:  # sqlite3.Error, OSError
         raise click.BadParameter(str(e), param_hint="--store") from e
-    master.start()
+    try:
+        master.start()
+    except OSError as e:  # the port is taken (servers never share one)
+        master.stop(grace_s=0)
+        raise click.UsageError(str(e)) from None
     write_ready_file(ready_file, master.address, master.port, master.metrics_port)
     master.wait()
 
@@ -72,7 +79,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
 @env_option("--master", "--address", "address", env="GRIDRL_MASTER_ADDRESS",
             default="127.0.0.1:50050",
             help="host:port of the master (--master, as the other services call it).")
-@auth_option
+@client_security_options
 @env_option("--json", "as_json", env="GRIDRL_MASTER_NODES_JSON", is_flag=True, default=False,
             help="Print {\"nodes\": [...]} as JSON instead of a table.")
 @env_option("--role", env="GRIDRL_MASTER_NODES_ROLE", default=None, show_default=False,
@@ -87,7 +94,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
 @env_option("--timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", default=10.0, type=float,
             help="Seconds to wait for the master.")
 @exit_on_rpc_error
-def nodes(address: str, auth_token: str | None, as_json: bool, role: str | None,
+def nodes(address: str, security: Security, as_json: bool, role: str | None,
           backend: str | None, model: str | None, status: str | None, timeout: float) -> None:
     """Print the registry: address, role, backend, model, adapter, status, last seen."""
     from gridrl.common.channel import dial
@@ -99,7 +106,7 @@ def nodes(address: str, auth_token: str | None, as_json: bool, role: str | None,
         backend=common_pb2.Backend.Value(f"BACKEND_{backend.upper()}") if backend else 0,
         model_id=model or "",
         status=common_pb2.NodeStatus.Value(f"NODE_STATUS_{status.upper()}") if status else 0)
-    channel = dial(address, auth_token)
+    channel = dial(address, security)
     try:
         response = registry_pb2_grpc.RegistryServiceStub(channel).ListNodes(request,
                                                                             timeout=timeout)

@@ -1,6 +1,6 @@
 """RegistryService over gRPC, and the wiring of a master process (server, store, sweeper).
 
-    master = Master(listen="0.0.0.0:50050", metrics_port=9400, store_path="/var/lib/m.sqlite")
+    master = Master(listen="127.0.0.1:50050", metrics_port=9400, store_path="/var/lib/m.sqlite")
     master.start()   # binds; master.address / master.port
     master.wait()    # until SIGTERM/SIGINT or master.stop()
 """
@@ -13,8 +13,11 @@ import threading
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from gridrl.common.auth import caller
+from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.master import metrics
+from gridrl.master.claims import Claims
 from gridrl.master.registry import NodeFilter, Registry
 from gridrl.master.store import NO_STORE, SqliteStore
 from gridrl.master.validate import (
@@ -44,8 +47,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     """gRPC face of a :class:`Registry`. Handlers raise ``StatusError``; the shared server
     interceptor turns it into the status the client sees."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, claims: Claims | None = None) -> None:
         self._registry = registry
+        self._claims = claims
 
     def RegisterNode(self, request: registry_pb2.RegisterNodeRequest,
                      context: grpc.ServicerContext) -> registry_pb2.RegisterNodeResponse:
@@ -56,9 +60,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             StatusError: INVALID_ARGUMENT naming ``node``, ``node.address`` (missing, not
                 host:port, a wildcard host), ``node.role`` (unset or unknown),
                 ``node.backend`` (unknown, or unset on a rollout node) or
-                ``node.adapter_format`` (unknown).
+                ``node.adapter_format`` (unknown); PERMISSION_DENIED ``node.address`` when
+                the caller's credential is bound to another address or another credential
+                holds this one (:mod:`gridrl.master.claims`).
         """
         validate_register(request)
+        credential = caller()
+        if credential is not None and self._claims is not None:
+            self._claims.register(request.node.address, credential)
         record, existed = self._registry.register(request.node)
         metrics.REGISTRATIONS.labels(metrics.enum_label(common_pb2.NodeRole, record.info.role),
                                      str(existed).lower()).inc()
@@ -76,9 +85,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         Raises:
             StatusError: INVALID_ARGUMENT naming ``node_id`` (empty), ``load`` (outside
                 [0, 1]) or ``status`` (UNHEALTHY or unknown); NOT_FOUND for an unknown
-                ``node_id`` (the node must register again).
+                ``node_id`` (the node must register again); PERMISSION_DENIED ``node_id``
+                when another credential holds the node's address.
         """
         validate_heartbeat(request)
+        self._check_holder(request.node_id, "heartbeat")
         self._registry.heartbeat(request.node_id, request.adapter, request.queue_depth,
                                  request.load, request.status)
         metrics.HEARTBEATS.inc()
@@ -133,13 +144,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Remove the node (clean shutdown).
 
         Raises:
-            StatusError: INVALID_ARGUMENT for an empty ``node_id``; NOT_FOUND for an unknown one.
+            StatusError: INVALID_ARGUMENT for an empty ``node_id``; NOT_FOUND for an unknown
+                one; PERMISSION_DENIED when another credential holds the node's address.
         """
         validate_node_id(request.node_id)
+        self._check_holder(request.node_id, "deregister")
         record = self._registry.deregister(request.node_id)
         metrics.DEREGISTRATIONS.inc()
         log.info("deregistered %s (%s)", record.info.address, record.node_id)
         return registry_pb2.DeregisterNodeResponse()
+
+    def _check_holder(self, node_id: str, action: str) -> None:
+        credential = caller()
+        if credential is not None and self._claims is not None:
+            self._claims.check(node_id, credential, action)
 
 
 class Sweeper:
@@ -178,32 +196,38 @@ class Master:
     Args:
         listen: host:port to serve on (port 0: any free port; read ``.port`` after start).
         metrics_port: Prometheus port (0: any free port, negative: off).
-        auth_token: bearer token every call but health/reflection must carry (None: open).
-        store_path: sqlite file for the records; None, "" or ":memory:" for no persistence.
+        security: TLS files and authorized tokens (:class:`gridrl.common.security.Security`;
+            None: plaintext, no credentials, loopback only). With credentials, node
+            credentials hold the addresses they register (:mod:`gridrl.master.claims`).
+        store_path: sqlite file for the records and claims; None, "" or ":memory:" for no
+            persistence.
         heartbeat_interval_s, unhealthy_after_s, expire_after_s: liveness, in seconds
             (see :class:`Registry`).
         grace_s: seconds unary calls in flight get to finish on stop (watch streams end at once).
 
     Raises:
         ValueError: for non-increasing durations. OSError / sqlite3.Error: unusable store path.
+        ExposedError, TlsError: see :class:`gridrl.common.server.GrpcServer`.
     """
 
-    def __init__(self, listen: str = "0.0.0.0:50050", metrics_port: int = -1,
-                 auth_token: str | None = None, store_path: str | None = None,
+    def __init__(self, listen: str = "127.0.0.1:50050", metrics_port: int = -1,
+                 security: Security | None = None, store_path: str | None = None,
                  heartbeat_interval_s: float = 5.0, unhealthy_after_s: float = 15.0,
                  expire_after_s: float = 60.0, grace_s: float = 5.0) -> None:
         self.store = None if store_path in (None, *NO_STORE) else SqliteStore(store_path)
         try:
             self.registry = Registry(heartbeat_interval_s, unhealthy_after_s, expire_after_s,
                                      store=self.store, max_watchers=MAX_WATCHERS)
-            self.server = GrpcServer(listen, metrics_port=metrics_port, auth_token=auth_token,
+            self.server = GrpcServer(listen, metrics_port=metrics_port, security=security,
                                      max_workers=MAX_WORKERS, grace_s=grace_s)
+            tokens = self.server.security.authorized
+            self.claims = Claims(tokens.active, self.store) if tokens is not None else None
         except Exception:
             if self.store is not None:
                 self.store.close()
             raise
         self.server.add(registry_pb2_grpc.add_RegistryServiceServicer_to_server,
-                        RegistryServicer(self.registry), SERVICE_NAME)
+                        RegistryServicer(self.registry, self.claims), SERVICE_NAME)
         self.server.on_stopping(self.registry.close_watchers)
         self.server.on_stop(self._shutdown)
         self._sweeper = Sweeper(self.registry, max(0.02, min(heartbeat_interval_s,

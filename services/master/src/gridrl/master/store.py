@@ -1,4 +1,5 @@
-"""sqlite persistence of the registry: one row per node, the NodeRecord as protobuf bytes.
+"""sqlite persistence of the registry: one row per node, the NodeRecord as protobuf bytes; and
+one row per address claim (which node credential holds it, :mod:`gridrl.master.claims`).
 
 The store is a cache that lets a restarted master know its nodes at once; losing it costs at
 most one heartbeat interval (nodes get NOT_FOUND and register again). So a file that is not a
@@ -15,11 +16,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from gridrl.master.claims import Claim
 from gridrl.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+# 2 added the claims table; a version-1 file is upgraded in place.
+SCHEMA_VERSION = 2
 # Values of --store that mean "no persistence".
 NO_STORE = ("", ":memory:")
 
@@ -62,10 +65,12 @@ class SqliteStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, 1, SCHEMA_VERSION):
                 raise sqlite3.DatabaseError(f"schema version {version}, expected {SCHEMA_VERSION}")
             conn.execute("CREATE TABLE IF NOT EXISTS nodes ("
                          "node_id TEXT PRIMARY KEY, record BLOB NOT NULL)")
+            conn.execute("CREATE TABLE IF NOT EXISTS claims (node_id TEXT PRIMARY KEY, "
+                         "address TEXT NOT NULL, credential_id TEXT NOT NULL)")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError:
             conn.close()
@@ -102,6 +107,19 @@ class SqliteStore:
             return
         with self._lock, self._conn:
             self._conn.executemany("DELETE FROM nodes WHERE node_id = ?", rows)
+
+    def load_claims(self) -> list[Claim]:
+        """Every stored address claim."""
+        with self._lock:
+            rows = self._conn.execute("SELECT node_id, address, credential_id FROM claims")\
+                .fetchall()
+        return [Claim(*row) for row in rows]
+
+    def put_claim(self, claim: Claim) -> None:
+        """Insert or replace the claim on ``claim.node_id``."""
+        with self._lock, self._conn:
+            self._conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?)",
+                               (claim.node_id, claim.address, claim.credential_id))
 
     def close(self) -> None:
         """Close the database. Idempotent."""

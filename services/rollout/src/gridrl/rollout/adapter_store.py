@@ -202,20 +202,30 @@ class AdapterStore:
     def resolve(self, rel: str) -> Path:
         """The directory ``rel`` (relative to the root), symlinks followed.
 
+        Nothing outside the root is ever read: the directory, and every file or directory in
+        it, must resolve (``..`` and symlinks followed) to a path inside the root.
+
         Raises:
-            StatusError: INVALID_ARGUMENT (``path``) when empty, absolute or leaving the root;
-                NOT_FOUND when it is not a directory.
+            StatusError: INVALID_ARGUMENT (``path``) when empty, absolute, leaving the root, or
+                holding a symlink that leads out of it; NOT_FOUND when it is not a directory.
         """
         if not rel:
             raise invalid_argument("path", "is empty")
         if os.path.isabs(rel) or "\0" in rel:
             raise invalid_argument("path", f"{rel!r} must be relative to the adapter root")
         path = (self.root / rel).resolve()
-        if path != self.root and self.root not in path.parents:
+        if not self._inside(path):
             raise invalid_argument("path", f"{rel!r} leaves the adapter root")
         if path.name.startswith(STAGING_PREFIX) or not path.is_dir():
             raise not_found(f"path: {rel!r} is not an adapter directory under the adapter root")
+        for entry in path.rglob("*"):
+            if not self._inside(entry.resolve()):
+                raise invalid_argument("path", f"{rel!r}: {entry.relative_to(path)} is a link "
+                                               "leading out of the adapter root")
         return path
+
+    def _inside(self, resolved: Path) -> bool:
+        return resolved == self.root or self.root in resolved.parents
 
     def describe(self, path: Path) -> StoredAdapter:
         """Read a directory's name and version from its metadata; without metadata the name is

@@ -1,13 +1,16 @@
 """``gridrl-rollout``: serve a rollout node, or talk to one.
 
     gridrl-rollout serve --backend torch --model smollm2-135m-instruct [--master m:50050]
+        [--listen 0.0.0.0:50051 --tls-cert C --tls-key K --tls-ca CA
+         --authorized-tokens FILE --auth-token-file NODE_TOKEN]
     gridrl-rollout generate --address 127.0.0.1:50051 --prompt "Hi" --n 4 --max-tokens 32
     gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
     gridrl-rollout reload-adapter --address 127.0.0.1:50051 (--version 3 | --path P | --base)
     gridrl-rollout info --address 127.0.0.1:50051 [--json]
 
 Imports stay light (click, grpc, protobuf): torch and mlx are imported only inside ``serve``,
-so ``--help`` is instant.
+so ``--help`` is instant. Every client command takes ``--tls-ca``/``--tls-cert``/``--tls-key``
+and ``--auth-token-file`` (:func:`gridrl.common.cli.client_security_options`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import click
 
 from gridrl.common.cli import (
-    auth_option,
+    client_security_options,
     env_option,
     exit_on_rpc_error,
     print_json,
@@ -28,6 +31,7 @@ from gridrl.common.cli import (
     setup_logging,
     write_ready_file,
 )
+from gridrl.common.security import Security
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _FINISH = {1: "stop", 2: "length"}
@@ -61,7 +65,7 @@ def main() -> None:
 
 
 @main.command()
-@server_options("rollout", listen="0.0.0.0:50051", metrics_port=9401)
+@server_options("rollout", listen="127.0.0.1:50051", metrics_port=9401, client=True)
 @env_option("--backend", env="GRIDRL_ROLLOUT_BACKEND", default="torch",
             type=click.Choice(["torch", "mlx"]), help="Inference backend.")
 @env_option("--model", env="GRIDRL_ROLLOUT_MODEL", default="smollm2-135m-instruct",
@@ -110,7 +114,7 @@ def main() -> None:
             help="host:port to register with the master [default: the bound address].")
 @env_option("--name", env="GRIDRL_ROLLOUT_NAME", default=None, show_default=False,
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
-def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str,
+def serve(listen: str, metrics_port: int, security: Security, log_level: str,
           ready_file: str | None, backend: str, model: str, device: str, dtype: str,
           forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           keep_adapters: int, keep_runs: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
@@ -143,7 +147,7 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     except FileNotFoundError as e:
         raise click.BadParameter(str(e), param_hint="--model") from e
     config = NodeConfig(
-        listen=listen, metrics_port=metrics_port, auth_token=auth_token, capacity=capacity,
+        listen=listen, metrics_port=metrics_port, security=security, capacity=capacity,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
         max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters, keep_runs=keep_runs,
         adapter_root=adapter_root,
@@ -183,9 +187,27 @@ def serve(listen: str, metrics_port: int, auth_token: str | None, log_level: str
     # the decode speed on 2 cores (docs/benchmarks.md).
     node = run_on_engine_thread(load)
     freeze_long_lived()  # the model lives as long as the node
-    node.start()
+    try:
+        node.start()
+    except OSError as e:  # the port is taken (servers never share one)
+        node.stop(grace_s=0)
+        raise click.UsageError(str(e)) from None
     write_ready_file(ready_file, node.address, node.port, node.metrics_port)
     node.wait()
+    if node.engine.scheduler_alive:
+        # The stop interrupted the batch in progress, but the scheduler thread is still inside
+        # torch / MLX (a step slower than the engine's close timeout). Finalizing the
+        # interpreter now would end that thread inside C++ code as it takes the GIL back:
+        # std::terminate, exit 134. Everything else is stopped and flushed by now, so leave
+        # without interpreter cleanup.
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "the engine's scheduler is still in the backend; exiting without cleanup")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _parse_ids(value: str | None, flag: str) -> list[int]:
@@ -200,7 +222,7 @@ def _parse_ids(value: str | None, flag: str) -> list[int]:
 
 @main.command()
 @_address_option("sample from")
-@auth_option
+@client_security_options
 @env_option("--prompt", env="GRIDRL_ROLLOUT_GENERATE_PROMPT", default=None, show_default=False,
             help="Prompt text (tokenized by the node).")
 @env_option("--prompt-ids", env="GRIDRL_ROLLOUT_GENERATE_PROMPT_IDS", default=None,
@@ -224,7 +246,7 @@ def _parse_ids(value: str | None, flag: str) -> list[int]:
 @_json_option("GENERATE")
 @_timeout_option("GENERATE", 300.0)
 @exit_on_rpc_error
-def generate(address: str, auth_token: str | None, prompt: str | None, prompt_ids: str | None,
+def generate(address: str, security: Security, prompt: str | None, prompt_ids: str | None,
              n: int, max_tokens: int, temperature: float, top_k: int, top_p: float,
              seed: int | None, stop_ids: str | None, chat: bool, as_json: bool,
              timeout: float) -> None:
@@ -247,7 +269,7 @@ def generate(address: str, auth_token: str | None, prompt: str | None, prompt_id
         request.apply_chat_template = chat
     else:
         request.prompt_token_ids.extend(_parse_ids(prompt_ids, "--prompt-ids"))
-    channel = dial(address, auth_token)
+    channel = dial(address, security)
     try:
         response = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(request, timeout=timeout)
     finally:
@@ -265,7 +287,7 @@ def generate(address: str, auth_token: str | None, prompt: str | None, prompt_id
 
 @main.command("push-adapter")
 @_address_option("push to")
-@auth_option
+@client_security_options
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @env_option("--name", env="GRIDRL_ROLLOUT_PUSH_NAME", default=None, show_default=False,
             help="Adapter name [default: the directory's name].")
@@ -277,7 +299,7 @@ def generate(address: str, auth_token: str | None, prompt: str | None, prompt_id
 @_json_option("PUSH")
 @_timeout_option("PUSH", 120.0)
 @exit_on_rpc_error
-def push_adapter(address: str, auth_token: str | None, directory: str, name: str | None,
+def push_adapter(address: str, security: Security, directory: str, name: str | None,
                  version: int | None, stage_only: bool, as_json: bool, timeout: float) -> None:
     """Stream the peft or mlx-lm adapter in DIRECTORY to a node (PushAdapter)."""
     from pathlib import Path
@@ -288,7 +310,7 @@ def push_adapter(address: str, auth_token: str | None, directory: str, name: str
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
     name = name or re.sub(r"[^A-Za-z0-9._-]", "-", Path(directory).resolve().name).lstrip(".")
-    channel = dial(address, auth_token)
+    channel = dial(address, security)
     try:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         if version is None:
@@ -316,7 +338,7 @@ def push_adapter(address: str, auth_token: str | None, directory: str, name: str
 
 @main.command("reload-adapter")
 @_address_option("switch")
-@auth_option
+@client_security_options
 @env_option("--version", "version", env="GRIDRL_ROLLOUT_RELOAD_VERSION", default=None,
             type=click.IntRange(min=1), show_default=False, help="A version pushed earlier.")
 @env_option("--path", env="GRIDRL_ROLLOUT_RELOAD_PATH", default=None, show_default=False,
@@ -326,7 +348,7 @@ def push_adapter(address: str, auth_token: str | None, directory: str, name: str
 @_json_option("RELOAD")
 @_timeout_option("RELOAD", 120.0)
 @exit_on_rpc_error
-def reload_adapter(address: str, auth_token: str | None, version: int | None, path: str | None,
+def reload_adapter(address: str, security: Security, version: int | None, path: str | None,
                    base: bool, as_json: bool, timeout: float) -> None:
     """Switch a node to an adapter it already has, or to the base model (ReloadAdapter)."""
     if sum((version is not None, path is not None, base)) != 1:
@@ -340,7 +362,7 @@ def reload_adapter(address: str, auth_token: str | None, version: int | None, pa
         request = rollout_pb2.ReloadAdapterRequest(path=path)
     else:
         request = rollout_pb2.ReloadAdapterRequest(base_model=True)
-    channel = dial(address, auth_token)
+    channel = dial(address, security)
     try:
         response = rollout_pb2_grpc.RolloutServiceStub(channel).ReloadAdapter(request,
                                                                               timeout=timeout)
@@ -354,16 +376,16 @@ def reload_adapter(address: str, auth_token: str | None, version: int | None, pa
 
 @main.command()
 @_address_option("describe")
-@auth_option
+@client_security_options
 @_json_option("INFO")
 @_timeout_option("INFO", 10.0)
 @exit_on_rpc_error
-def info(address: str, auth_token: str | None, as_json: bool, timeout: float) -> None:
+def info(address: str, security: Security, as_json: bool, timeout: float) -> None:
     """Print what a node serves: model, backend, adapter, bounds, queue depth, uptime."""
     from gridrl.common.channel import dial
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
-    channel = dial(address, auth_token)
+    channel = dial(address, security)
     try:
         response = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
             rollout_pb2.GetNodeInfoRequest(), timeout=timeout)

@@ -154,19 +154,6 @@ class _Command:
     preempt: bool = False
 
 
-class _Preemption:
-    """The scheduler's decode observer: stop the batch once a preempting command waits."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def on_tokens(self, rows, token_ids, logprobs) -> None:
-        """Tokens are only used once the batch ends."""
-
-    def interrupted(self) -> bool:
-        return self._engine.preempt_pending()
-
-
 class Engine:
     """Batches Generate jobs over one backend and swaps adapters between batches.
 
@@ -197,6 +184,9 @@ class Engine:
         self._active_sequences = 0
         self._history: collections.deque[BatchRecord] = collections.deque(maxlen=history)
         self._closing = False
+        self._scheduler_done = False
+        self._interrupting = False  # close(interrupt=True): stop the batch in progress
+        self._observer = _SchedulerObserver(self)
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -231,16 +221,34 @@ class Engine:
             self.claim_thread()
         self._run()
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, let the batch
-        in progress finish, and join the scheduler. Idempotent."""
+    def close(self, timeout: float | None = 30.0, interrupt: bool = False) -> None:
+        """Refuse new work, fail waiting requests and commands with UNAVAILABLE, and join the
+        scheduler. Idempotent.
+
+        Args:
+            timeout: seconds to wait for the scheduler thread (None: no limit).
+            interrupt: stop the batch in progress at its next decode step (its requests get
+                UNAVAILABLE) instead of letting it finish: for a node whose callers are gone
+                (its gRPC server has stopped), so the thread, and the framework's work on it,
+                ends before the process does.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            if interrupt:
+                self._interrupting = True  # the batch in progress stops at its next step
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the scheduler thread is still running after %s s", timeout)
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def scheduler_alive(self) -> bool:
+        """Whether the scheduler thread still runs (after :meth:`close`: it did not stop
+        within the timeout, e.g. a decode step slower than that)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def serving(self) -> ServingAdapter:
@@ -377,6 +385,8 @@ class Engine:
                 self._run_command(command)
             elif items:
                 self._run_batch(items)
+        with self._cond:
+            self._scheduler_done = True
         self._shutdown()
 
     def _wait_for_company(self) -> None:
@@ -427,12 +437,18 @@ class Engine:
         metrics.BATCH_SIZE.observe(len(batch))
         start = time.perf_counter()
         try:
-            results = self.backend.generate(batch, adapter.handle, _Preemption(self))
+            results = self.backend.generate(batch, adapter.handle, observer=self._observer)
             if len(results) != len(batch):
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
         except DecodeInterrupted as e:
-            self._requeue_started(items, index, adapter, time.perf_counter() - start, e.steps)
+            if self._interrupting:
+                log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
+                self._fail_batch(items, StatusError(
+                    grpc.StatusCode.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
+            else:
+                self._requeue_started(items, index, adapter, time.perf_counter() - start,
+                                      e.steps)
             return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
@@ -543,3 +559,18 @@ class Engine:
             if command.future.set_running_or_notify_cancel():
                 command.future.set_exception(unavailable)
         metrics.QUEUE_DEPTH.set(0)
+
+
+class _SchedulerObserver:
+    """The :class:`~gridrl.engine.contract.DecodeObserver` of every batch: stops it between
+    decode steps once :meth:`Engine.close` was asked to interrupt (any thread), or once a
+    preempting command waits (module docstring, "Preemption")."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def on_tokens(self, rows: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        pass
+
+    def interrupted(self) -> bool:
+        return self._engine._interrupting or self._engine.preempt_pending()

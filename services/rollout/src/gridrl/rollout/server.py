@@ -1,7 +1,7 @@
 """RolloutService over gRPC, and the wiring of a rollout node (backend, engine, adapter store,
 server, registration with the master).
 
-    node = RolloutNode(backend, NodeConfig(listen="0.0.0.0:50051", master="m:50050"))
+    node = RolloutNode(backend, NodeConfig(listen="127.0.0.1:50051", master="m:50050"))
     node.start()   # binds; node.address / node.port
     node.wait()    # until SIGTERM/SIGINT or node.stop()
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 from gridrl.common.errors import StatusError
+from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
 from gridrl.engine.contract import Backend
@@ -56,7 +57,9 @@ class NodeConfig:
     Attributes:
         listen: host:port to bind (port 0: any free port).
         metrics_port: Prometheus port (0: any free port, negative: off).
-        auth_token: bearer token required on every call, and sent to the master.
+        security: TLS files, the credentials the node accepts, and the token it sends to the
+            master (:class:`gridrl.common.security.Security`; None: plaintext, no
+            credentials, loopback only).
         capacity: most sequences per batch.
         max_queue: most requests waiting; past it RESOURCE_EXHAUSTED.
         max_n: largest ``sampling.n``.
@@ -73,9 +76,9 @@ class NodeConfig:
         grace_s: seconds calls in flight get to finish on shutdown.
     """
 
-    listen: str = "0.0.0.0:50051"
+    listen: str = "127.0.0.1:50051"
     metrics_port: int = -1
-    auth_token: str | None = None
+    security: Security | None = None
     capacity: int = 64
     max_queue: int = 128
     max_n: int = 64
@@ -178,13 +181,13 @@ class RolloutNode:
                                        keep_names=config.keep_runs)
         workers = min(1024, config.max_queue + config.capacity + 16)
         self.server = GrpcServer(config.listen, metrics_port=config.metrics_port,
-                                 auth_token=config.auth_token, max_workers=workers,
+                                 security=config.security, max_workers=workers,
                                  grace_s=config.grace_s)
         self.server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
         self.server.on_stopping(self._stop_registrar)
-        self.server.on_stop(self.engine.close)
+        self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
 
     @property
@@ -219,12 +222,17 @@ class RolloutNode:
 
             self.registrar = NodeRegistrar(self.config.master, info_fn=self.info,
                                            load_fn=self.engine.load,
-                                           auth_token=self.config.auth_token)
+                                           security=self.config.security)
             self.registrar.start()
         log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
         return self
+
+    def _close_engine(self) -> None:
+        """On stop (every call has ended by then): stop the batch in progress, whose callers
+        are gone, and join the scheduler thread before the process exits."""
+        self.engine.close(interrupt=True)
 
     def _flush_adapters(self) -> None:
         """On stop: let a push being stored in the background finish writing."""

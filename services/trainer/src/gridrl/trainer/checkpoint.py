@@ -31,6 +31,11 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+# Checkpoints load with torch.load(weights_only=True): tensors, containers and numbers only, no
+# code from the file runs. numpy's RNG state (a uint32 array) is the one other type a checkpoint
+# holds; these are the globals that rebuild a plain uint32 array.
+_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                        np._core.multiarray._reconstruct]
 
 
 @dataclass
@@ -141,20 +146,24 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint directory.
+    """Read a checkpoint directory. The ``.pt`` files load with ``weights_only=True`` (a
+    crafted file cannot run code); the adapter is safetensors.
 
     Raises:
         FileNotFoundError: a file is missing.
+        pickle.UnpicklingError: a ``.pt`` file holds anything but tensors, containers, numbers
+            and numpy arrays.
     """
     adapter = {p.name: p.read_bytes() for p in path.iterdir()
                if p.name.startswith("adapter_")}
     sched = path / "scheduler.pt"
-    return Checkpoint(
-        path=path,
-        state=json.loads((path / "state.json").read_text()),
-        adapter_files=adapter,
-        optimizer=torch.load(path / "optimizer.pt", weights_only=False),
-        scheduler=torch.load(sched, weights_only=False) if sched.exists() else None,
-        rng=torch.load(path / "rng.pt", weights_only=False),
-        config=json.loads((path / "config.json").read_text()),
-    )
+    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        return Checkpoint(
+            path=path,
+            state=json.loads((path / "state.json").read_text()),
+            adapter_files=adapter,
+            optimizer=torch.load(path / "optimizer.pt", weights_only=True),
+            scheduler=torch.load(sched, weights_only=True) if sched.exists() else None,
+            rng=torch.load(path / "rng.pt", weights_only=True),
+            config=json.loads((path / "config.json").read_text()),
+        )

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from gridrl.common.cli import (
-    auth_option,
+    client_security_options,
     env_option,
     exit_on_rpc_error,
     print_json,
@@ -130,6 +130,10 @@ _ALL_OPTIONS = [
     _opt("--device", default="auto", help="auto, cpu, cuda, cuda:1..."),
     _opt("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                                          "bfloat16."),
+    _opt("--report-to", default="none",
+         help="Experiment trackers for the per-step metrics, comma-separated: tensorboard, "
+              "wandb, trackio (optional extras: pip install 'gridrl-trainer[wandb]'...), or "
+              "none. TRL's metric names (train/reward, eval/reward...)."),
     _opt("--threads", type=click.IntRange(min=0), default=0,
          help="torch intra-op CPU threads (0: torch's default, one per core). On a machine "
               "shared with rollout nodes, give each process its share."),
@@ -184,9 +188,9 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
 
 @main.command()
 @_options
-@server_options("trainer", listen="0.0.0.0:50052", metrics_port=9402)
+@server_options("trainer", listen="127.0.0.1:50052", metrics_port=9402, client=True)
 @click.pass_context
-def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | None,
+def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         log_level: str, ready_file: str | None, **params: Any) -> None:
     """Train: rollouts -> rewards -> GRPO update -> adapter sync, with held-out evals,
     checkpoints and a run directory. Serves TrainerService (GetRunStatus, WatchRun) and
@@ -195,12 +199,12 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
     from gridrl.common.errors import StatusError
 
     setup_logging(log_level)
-    params.update(listen=listen, metrics_port=metrics_port, auth_token=auth_token,
-                  log_level=log_level)
+    params.update(listen=listen, metrics_port=metrics_port, log_level=log_level)
     try:
         cfg, resume = build_config(ctx, params)
     except StatusError as e:
         raise click.UsageError(e.message) from None
+    cfg.security = security  # from this start's flags; never saved with the run
 
     import os
 
@@ -213,7 +217,10 @@ def run(ctx: click.Context, listen: str, metrics_port: int, auth_token: str | No
         from gridrl.trainer.status import RunStatus
 
         status = RunStatus()
-        server = serve_trainer(status, cfg.listen, cfg.metrics_port, cfg.auth_token)
+        try:
+            server = serve_trainer(status, cfg.listen, cfg.metrics_port, security)
+        except (OSError, ValueError) as e:  # port taken; a resumed run's saved --listen
+            raise click.UsageError(str(e)) from None  # exposed without TLS and credentials
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
@@ -260,14 +267,14 @@ def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
             help="Print the GetRunStatus response as JSON.")
 @env_option("--timeout-s", env="GRIDRL_TRAINER_TIMEOUT_S", type=float, default=10.0,
             help="Call deadline.")
-@auth_option
+@client_security_options
 @exit_on_rpc_error
-def status(address: str, as_json: bool, timeout_s: float, auth_token: str | None) -> None:
+def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None:
     """Show a running trainer's state and its last step report."""
     from gridrl.common.channel import dial
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-    with dial(address, auth_token) as channel:
+    with dial(address, security) as channel:
         response = trainer_pb2_grpc.TrainerServiceStub(channel).GetRunStatus(
             trainer_pb2.GetRunStatusRequest(), timeout=timeout_s)
     if as_json:

@@ -21,9 +21,9 @@ from gridrl.common.errors import invalid_argument
 # Fields a resumed run may take from the new command line (where the nodes are, how long to
 # run, how to serve); everything that shapes the learning comes from the saved config.
 RESUME_OVERRIDABLE = frozenset({
-    "steps", "master", "rollout", "auth_token", "listen", "metrics_port", "request_timeout_s",
+    "steps", "master", "rollout", "listen", "metrics_port", "request_timeout_s",
     "sync_deadline_s", "min_nodes", "node_wait_s", "eval_every", "checkpoint_every",
-    "keep_checkpoints", "device", "threads", "log_level",
+    "keep_checkpoints", "device", "threads", "log_level", "report_to",
 })
 
 
@@ -82,7 +82,6 @@ class TrainConfig:
     node_wait_s: float = 120.0
     request_timeout_s: float = 120.0
     sync_deadline_s: float = 30.0
-    auth_token: str | None = None
     # eval, checkpoints, run directory
     eval_every: int = 10
     eval_tasks: int = 16
@@ -94,9 +93,13 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
-    listen: str = "0.0.0.0:50052"
+    listen: str = "127.0.0.1:50052"
     metrics_port: int = 9402
     log_level: str = "info"
+    report_to: list[str] = field(default_factory=list)  # experiment trackers (trackers.py)
+    # TLS files, accepted credentials and token (gridrl.common.security.Security): given by
+    # every start's flags, never saved in config.json.
+    security: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ derived
 
@@ -129,6 +132,9 @@ class TrainConfig:
             self.run_name = time.strftime("grpo-%Y%m%d-%H%M%S")
         if self.run_dir is None:
             self.run_dir = str(Path("runs") / self.run_name)
+        from gridrl.trainer.trackers import parse_report_to
+
+        self.report_to = parse_report_to(self.report_to)
         self.validate()
         return self
 
@@ -187,21 +193,20 @@ class TrainConfig:
         """Staleness the sync cadence and prefetching produce on healthy nodes."""
         return (0 if self.local else self.sync_every - 1) + self.async_steps
 
-    def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
-        """Plain JSON-able dict; the auth token is left out unless ``secrets``."""
-        d = dataclasses.asdict(self)
-        if not secrets:
-            d["auth_token"] = None
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict, without ``security`` (credentials are never saved)."""
+        d = dataclasses.asdict(dataclasses.replace(self, security=None))
+        del d["security"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (older or newer runs)."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"security"}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def save(self, path: Path) -> None:
-        """Write ``config.json`` atomically (without the auth token)."""
+        """Write ``config.json`` atomically (without ``security``)."""
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
         tmp.replace(path)

@@ -9,7 +9,12 @@ run directory and the plot; every process is stopped (also on Ctrl-C) and nothin
 listening. Exit status: 0 when the held-out eval climbed above the baseline, 1 when it did not,
 2 when a process failed.
 
-    python -m gridrl.trainer.demo [--nodes torch,mlx] [--steps N] [-- extra trainer flags]
+    python -m gridrl.trainer.demo [--nodes torch,mlx] [--secure] [-- extra trainer flags]
+
+With ``--secure`` every process runs as it would across machines: a CA and a certificate per
+process are made in the scratch directory, every channel is mutual TLS, and each process holds
+a credential of its scope (nodes: ``node``, the trainer: ``trainer``; the demo prints a
+``read`` one's flags for ``gridrl-master nodes`` / ``gridrl-trainer status``).
 
 The demo's defaults (:data:`DEMO_FLAGS`) are chosen for wall-clock learning on a small CPU
 machine; every flag can be overridden after ``--``, e.g. the single-process reference settings:
@@ -89,8 +94,11 @@ class Service:
               help="Run directory (default: runs/demo-<time>).")
 @click.option("--node-threads", type=int, default=0, show_default=True,
               help="torch threads per rollout node (0: torch's default).")
+@click.option("--secure", is_flag=True, default=False,
+              help="Mutual TLS on every channel and a scoped credential per process, made "
+                   "for this run (what a cluster across machines runs with).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
+def main(model: str, nodes: str, run_dir: str | None, node_threads: int, secure: bool,
          trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
     from gridrl.models import resolve_model
@@ -115,16 +123,18 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
     trainer: subprocess.Popen | None = None
     start = time.monotonic()
     code = 2
+    flags = _secure_flags(work, len(backends)) if secure else None
     try:
         master = Service("master", ["gridrl-master", "serve", "--listen", "127.0.0.1:0",
-                                    "--metrics-port", "0", "--store", ":memory:"], work)
+                                    "--metrics-port", "0", "--store", ":memory:",
+                                    *(flags["master"] if flags else [])], work)
         services.append(master)
         click.echo(f"master        {master.address}  (metrics :{master.metrics_port})")
         for i, backend in enumerate(backends):
             argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", model,
                     "--listen", "127.0.0.1:0", "--metrics-port", "0", "--master", master.address,
                     "--adapter-root", str(work / f"adapters-{i}-{backend}"),
-                    "--name", f"demo-{backend}-{i}"]
+                    "--name", f"demo-{backend}-{i}", *(flags[f"node-{i}"] if flags else [])]
             if backend == "torch" and node_threads:
                 argv += ["--threads", str(node_threads)]
             node = Service(f"rollout-{i}-{backend}", argv, work)
@@ -134,8 +144,11 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
         argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--master", master.address, "--min-nodes", str(len(backends)),
                 "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                *DEMO_FLAGS, *trainer_args]
+                *(flags["trainer"] if flags else []), *DEMO_FLAGS, *trainer_args]
         click.echo("trainer       " + " ".join(argv[1:]))
+        if flags:
+            click.echo(f"secure        mutual TLS, scoped credentials in {work}; read-only "
+                       f"client flags: {' '.join(flags['operator'])}")
         trainer = subprocess.Popen(argv, start_new_session=True)
         rc = trainer.wait()
         if rc != 0:
@@ -172,6 +185,20 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int,
             s.stop()
         _clean_work_dir(work, keep_logs=code not in (0, 130))
     sys.exit(code)
+
+
+def _secure_flags(work: Path, nodes: int) -> dict[str, list[str]]:
+    """Certificates and credentials for ``--secure``, made in ``work``: the flags of the
+    master, of each node (``node-<i>``), of the trainer, and of an ``operator`` client with
+    the read scope."""
+    from gridrl.common.certs import local_identities
+
+    scopes: dict[str, str | None] = {"master": None, "trainer": "trainer", "operator": "read"}
+    scopes.update({f"node-{i}": "node" for i in range(nodes)})
+    ids = local_identities(work / "credentials", scopes)
+    flags = {name: ids[name].server_flags() for name in scopes if name != "operator"}
+    flags["operator"] = ids["operator"].client_flags()
+    return flags
 
 
 def _clean_work_dir(work: Path, keep_logs: bool) -> None:

@@ -52,8 +52,9 @@ class SingleProcess:
     def barrier(self) -> None:
         """Wait for every rank."""
 
-    def close(self) -> None:
-        """Leave the process group."""
+    def close(self, wait: bool = True) -> None:
+        """Leave the process group; ``wait``: also end its communication threads (see
+        :meth:`DataParallel.close`)."""
 
 
 class DataParallel(SingleProcess):
@@ -109,11 +110,40 @@ class DataParallel(SingleProcess):
 
         dist.barrier()
 
-    def close(self) -> None:
-        import torch.distributed as dist
+    def close(self, wait: bool = True) -> None:
+        """Leave the process group.
 
-        if dist.is_initialized():
+        Args:
+            wait: every rank is past its last collective (the run ended or stopped): also end
+                the group's gloo threads, which waits for any collective still running. False
+                after a failure, when a collective may be in flight for up to the group's
+                timeout; the threads then live until the process exits.
+
+        Why the threads must end here: gloo runs each collective on a worker thread, which
+        drops its references to the collective's tensors just after waking the caller. When
+        the caller's Python tensor is already gone, that release decrefs the tensor's Python
+        object and takes the GIL. If the interpreter has begun finalizing by then, CPython ends
+        the thread inside a noexcept destructor: ``terminate called without an active
+        exception``, SIGABRT (rank 1 exits right after its last broadcast: 1 run in ~11 on two
+        shared cores). ``destroy_process_group`` alone does not stop the threads (gloo has no
+        ``shutdown()``): they end when the last reference to the group is released, and DDP's
+        reducer holds one from C++. So DDP goes first, then the group's registrations, then
+        our own reference, whose release (torch's holder drops the GIL for it, so a worker
+        can finish its release) joins the worker threads while Python still runs.
+        """
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not dist.is_initialized():
+            return
+        if not wait:
             dist.destroy_process_group()
+            return
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.model.module  # the reducer, and its reference, go with DDP
+        group = dist.group.WORLD
+        dist.destroy_process_group()
+        del group  # the last reference: ~ProcessGroupGloo joins the worker threads
 
 
 def launched_by_torchrun() -> bool:
@@ -133,6 +163,12 @@ def init_process_group(device: torch.device, *, init_method: str | None = None,
 
     if dist.is_initialized():
         return
+    # torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when first
+    # imported (DDP's constructor imports it through torch._dynamo). Imported after the group
+    # exists, those defaults hold the group, and its gloo threads, until interpreter shutdown,
+    # past destroy_process_group (see DataParallel.close). Imported now, they hold None.
+    import torch.distributed.nn.functional
+
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gridrl.trainer import grpo
+from gridrl.trainer import grpo, trackers
 from gridrl.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -138,6 +138,7 @@ class Trainer:
         self.prefetcher: Any = None
         self.parallel: Any = None
         self.run_dir: RunDir | None = None
+        self.trackers: Any = None  # --report-to (rank 0)
         self._last_eval: dict[str, Any] | None = None
         self._flagged_ever: dict[str, str] = {}
         self._stop_reason: str | None = None
@@ -162,6 +163,7 @@ class Trainer:
         from gridrl.trainer.update import make_optimizer, make_scheduler
 
         cfg = self.cfg
+        trackers.require(cfg.report_to)  # a missing package fails before the model loads
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if launched_by_torchrun():
@@ -208,6 +210,9 @@ class Trainer:
         if self.is_main:
             assert self.run_dir is not None
             cfg.save(self.run_dir.config)
+            self.trackers = trackers.open_trackers(cfg, resumed_at=self.state.step
+                                                   if self.resume else None)
+            self.run_dir.listeners.append(self.trackers.log)  # every log.jsonl record
             self._setup_rollouts()
         if self.freeze_gc:
             from gridrl.common.server import freeze_long_lived
@@ -283,7 +288,7 @@ class Trainer:
             from gridrl.trainer.sync import AdapterSync
 
             self.pool = NodePool(master=cfg.master, addresses=[a for a in cfg.rollout],
-                                 model_identity=self.policy.identity, auth_token=cfg.auth_token,
+                                 model_identity=self.policy.identity, security=cfg.security,
                                  request_timeout_s=cfg.request_timeout_s)
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
@@ -450,15 +455,15 @@ class Trainer:
             StatusError: bad configuration; RuntimeError: no rollout node can serve;
             TimeoutError: not enough nodes in time. The status is marked FAILED first.
         """
+        ended = False  # every collective of the run done on this rank
         try:
             if self.status is not None:  # STARTING while the model loads
                 self.status.begin(self.cfg.run_name or "", str(self.cfg.run_dir),
                                   self.cfg.steps, self.cfg.model)
             self._setup()
-            if self.is_main:
-                return self._run_main()
-            self._run_worker()
-            return None
+            summary = self._run_main() if self.is_main else self._run_worker()
+            ended = True
+            return summary
         except BaseException as e:
             if self.status is not None:
                 self.status.fail(f"{type(e).__name__}: {e}")
@@ -469,17 +474,19 @@ class Trainer:
                     pass
             raise
         finally:
-            self._close()
+            self._close(ended)
 
-    def _close(self) -> None:
-        for closer in (self.prefetcher, self.sync, self.source):
+    def _close(self, ended: bool) -> None:
+        """Release the run's resources. ``ended``: no collective can be in flight, so the
+        process group's threads are ended too (``DataParallel.close``)."""
+        for closer in (self.prefetcher, self.sync, self.source, self.trackers):
             if closer is not None:
                 try:
                     closer.close()
                 except Exception:
                     log.exception("closing %r failed", closer)
         if self.parallel is not None:
-            self.parallel.close()
+            self.parallel.close(wait=ended)
 
     def _run_worker(self) -> None:
         """Ranks > 0: train on the broadcast sequences until rank 0 says stop."""

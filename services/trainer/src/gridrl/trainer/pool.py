@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from gridrl.common.channel import dial
+from gridrl.common.security import Security
 from gridrl.trainer import metrics
 from gridrl.trainer.rollouts import Group, group_seed, sample_from_proto
 from gridrl.trainer.watch import MasterWatch
@@ -166,7 +167,8 @@ class NodePool:
         model_identity: the trainer's base model: a mapping (or dataclass such as
             ``gridrl.models.ModelIdentity``) with architecture, hidden_size, num_layers,
             vocab_size, and optionally weights_fingerprint (compared when both are known).
-        auth_token: bearer token the nodes and the master require, if any.
+        security: TLS files and token for the nodes and the master
+            (:class:`gridrl.common.security.Security`), if any.
         request_timeout_s: deadline of one Generate call, seconds.
         max_consecutive_failures: failed Generate calls in a row that bench a node.
         probe_interval_s: seconds between GetNodeInfo probes of unreachable or benched nodes.
@@ -178,7 +180,7 @@ class NodePool:
     """
 
     def __init__(self, *, master: str | None, addresses: Sequence[str],
-                 model_identity: Mapping[str, Any] | Any, auth_token: str | None = None,
+                 model_identity: Mapping[str, Any] | Any, security: Security | None = None,
                  request_timeout_s: float = 120.0, max_consecutive_failures: int = 3,
                  probe_interval_s: float = 5.0, max_workers: int = 64) -> None:
         if not master and not addresses:
@@ -195,7 +197,7 @@ class NodePool:
         self.identity = {k: identity[k] for k in IDENTITY_KEYS}
         self.weights_fingerprint = str(identity.get("weights_fingerprint") or "")
         self.master = master
-        self.auth_token = auth_token
+        self.security = security
         self.request_timeout_s = request_timeout_s
         self.max_consecutive_failures = max_consecutive_failures
         self.probe_interval_s = probe_interval_s
@@ -211,7 +213,7 @@ class NodePool:
         self._probe_thread = threading.Thread(target=self._probe_loop, name="node-prober",
                                               daemon=True)
         self._watch = (MasterWatch(master, on_event=self._on_master_event,
-                                   on_connect=self._on_master_connect, auth_token=auth_token)
+                                   on_connect=self._on_master_connect, security=security)
                        if master else None)
         for address in dict.fromkeys(addresses):
             self._nodes[address] = _Node(address, "static")
@@ -599,7 +601,7 @@ class NodePool:
     def _probe(self, address: str) -> None:
         """GetNodeInfo on a fresh channel (no reconnect backoff); update the node."""
         started = time.monotonic()
-        channel = dial(address, self.auth_token)
+        channel = dial(address, self.security)
         try:
             info = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
                 rollout_pb2.GetNodeInfoRequest(), timeout=min(5.0, self.request_timeout_s)).info
@@ -752,7 +754,7 @@ class NodePool:
         with self._lock:
             node = self._nodes[address]
             if node.channel is None:
-                node.channel = dial(address, self.auth_token)
+                node.channel = dial(address, self.security)
             return node.channel
 
     def _usable(self) -> int:

@@ -9,6 +9,7 @@
         adapter-mlx/         # the same, converted for mlx-lm
         summary.json         # totals and scores of the run
         plot.png             # reward, eval and staleness against step
+        tensorboard/, wandb/ # with --report-to (see trackers.py)
 
 ``versions.jsonl`` is append-only and survives resumes, so a resumed run never reuses a version
 number a node may already hold from the killed run.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,21 @@ class RunDir:
         self.adapter_mlx = self.path / "adapter-mlx"
         self.summary = self.path / "summary.json"
         self.plot = self.path / "plot.png"
+        # Called with every record once it is on disk (the experiment trackers).
+        self.listeners: list[Callable[[Mapping[str, Any]], None]] = []
 
     # ---------------------------------------------------------------- log.jsonl
 
     def append_log(self, record: Mapping[str, Any]) -> None:
         """Append one record as a JSON line and fsync (a kill loses at most the line being
-        written, which :meth:`read_log` skips)."""
+        written, which :meth:`read_log` skips), then pass it to each of :attr:`listeners`."""
         line = json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
         with open(self.log, "a") as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        for listener in self.listeners:
+            listener(record)
 
     def read_log(self) -> list[dict[str, Any]]:
         """Every complete record of ``log.jsonl`` (a torn last line is skipped)."""

@@ -1,6 +1,6 @@
 """TrainerService over gRPC: a read-only view of the run in :class:`RunStatus`.
 
-    server = serve_trainer(status, listen="0.0.0.0:50052", metrics_port=9402)
+    server = serve_trainer(status, listen="127.0.0.1:50052", metrics_port=9402)
     ...                      # the loop calls status.report(...) each step
     server.stop()
 
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.trainer import metrics
 from gridrl.trainer.status import RunStatus
@@ -65,19 +66,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 def serve_trainer(status: RunStatus, listen: str, metrics_port: int,
-                  auth_token: str | None = None) -> GrpcServer:
+                  security: Security | None = None) -> GrpcServer:
     """Start TrainerService on ``listen`` (host:port, port 0: any free port) with Prometheus
-    ``/metrics`` on ``metrics_port`` (0: any free port, negative: off).
+    ``/metrics`` on ``metrics_port`` (0: any free port, negative: off), with ``security``'s TLS
+    files and authorized tokens (see :class:`gridrl.common.server.GrpcServer`).
 
     Returns:
         the started server; ``.address`` / ``.port`` / ``.metrics_port`` are bound.
     Raises:
         StatusError: INVALID_ARGUMENT ``listen: ...`` for a malformed address.
         OSError: when the port cannot be bound.
+        ExposedError, TlsError: see :class:`gridrl.common.server.GrpcServer`.
     """
     metrics.mark_started()  # the trainer's gauges exist (step 0) from the first scrape
     servicer = TrainerServicer(status)
-    server = GrpcServer(listen, metrics_port=metrics_port, auth_token=auth_token, grace_s=5.0)
+    server = GrpcServer(listen, metrics_port=metrics_port, security=security, grace_s=5.0)
     server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)
     server.on_stopping(servicer.stop)
     return server.start()

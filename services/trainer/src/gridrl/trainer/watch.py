@@ -22,6 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from gridrl.common.channel import dial
+from gridrl.common.security import Security
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,18 @@ class MasterWatch:
         address: host:port of the master.
         on_event: called with each ``WatchNodesResponse``, in stream order, from the thread.
         on_connect: called before the first message of every new stream.
-        auth_token: bearer token the master requires, if any.
+        security: TLS files and token for the master (:class:`gridrl.common.security.Security`),
+            if any.
         retry_s: most seconds between reconnection attempts (backoff starts at a tenth).
     """
 
     def __init__(self, address: str, on_event: Callable[[registry_pb2.WatchNodesResponse], None],
-                 on_connect: Callable[[], None], auth_token: str | None = None,
+                 on_connect: Callable[[], None], security: Security | None = None,
                  retry_s: float = 2.0) -> None:
         self.address = address
         self._on_event = on_event
         self._on_connect = on_connect
-        self._auth_token = auth_token
+        self._security = security
         self.retry_s = retry_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -71,7 +73,7 @@ class MasterWatch:
         backoff = self.retry_s / 10
         outage_since: float | None = None
         while not self._stop.is_set():
-            channel = dial(self.address, self._auth_token)
+            channel = dial(self.address, self._security)
             try:
                 call = registry_pb2_grpc.RegistryServiceStub(channel).WatchNodes(
                     registry_pb2.WatchNodesRequest(role=common_pb2.NODE_ROLE_ROLLOUT))

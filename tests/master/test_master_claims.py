@@ -1,0 +1,111 @@
+"""A node credential registers, heartbeats and deregisters only its own address: the first
+credential to register an address holds it (across expiry and master restarts, through the
+store) until it is revoked; a credential minted with an address registers only that one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from master_helpers import node_info
+
+from gridrl.common.auth import AuthorizedTokens, mint, read_token_file, revoke
+from gridrl.common.channel import dial
+from gridrl.common.security import Security
+from gridrl.master.registry import node_id_for
+from gridrl.v1 import registry_pb2, registry_pb2_grpc
+
+A, B = "10.0.0.1:6000", "10.0.0.2:6000"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, make_master):
+    """Three node credentials (``one``, ``two``; ``bound`` may register only B) and a
+    master reading them, with its store in ``tmp_path``."""
+    authorized = tmp_path / "authorized_tokens"
+    tokens = {}
+    for cid, address in (("one", None), ("two", None), ("bound", B)):
+        mint(authorized, tmp_path / cid, "node", cid, address)
+        tokens[cid] = read_token_file(tmp_path / cid)
+
+    def start():
+        return make_master(store_path=str(tmp_path / "master.sqlite"),
+                              security=Security(authorized=AuthorizedTokens(authorized)))
+
+    return start, tokens, authorized
+
+
+def _stub(master, token: str) -> registry_pb2_grpc.RegistryServiceStub:
+    return registry_pb2_grpc.RegistryServiceStub(dial(master.address, token))
+
+
+def _code(fn) -> grpc.StatusCode:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        _code.details = e.details()
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def _register(stub, address: str):
+    return lambda: stub.RegisterNode(registry_pb2.RegisterNodeRequest(node=node_info(address)),
+                                     timeout=10)
+
+
+def _heartbeat(stub, address: str):
+    return lambda: stub.Heartbeat(registry_pb2.HeartbeatRequest(node_id=node_id_for(address)),
+                                  timeout=10)
+
+
+def _deregister(stub, address: str):
+    return lambda: stub.DeregisterNode(
+        registry_pb2.DeregisterNodeRequest(node_id=node_id_for(address)), timeout=10)
+
+
+def test_a_node_credential_holds_the_address_it_registered(cluster) -> None:
+    start, tokens, authorized = cluster
+    master = start()
+    one, two = _stub(master, tokens["one"]), _stub(master, tokens["two"])
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    assert _code(_register(one, A)) == grpc.StatusCode.OK
+    assert _code(_register(one, A)) == grpc.StatusCode.OK  # the node restarting
+    assert _code(_register(two, A)) == denied
+    assert _code.details == (f"node.address: {A} is held by credential 'one'; credential 'two' "
+                             "may not register it")
+    assert _code(_heartbeat(two, A)) == denied
+    assert _code.details.startswith(f"node_id: {node_id_for(A)} ({A}) is held by credential "
+                                    "'one'; credential 'two' may not heartbeat it")
+    assert _code(_deregister(two, A)) == denied
+    assert "may not deregister it" in _code.details
+    assert _code(_heartbeat(one, A)) == grpc.StatusCode.OK
+    # the claim outlives the node leaving, and the master restarting (it is in the store)
+    assert _code(_deregister(one, A)) == grpc.StatusCode.OK
+    assert _code(_register(two, A)) == denied
+    master.stop(0)
+    master = start()
+    two = _stub(master, tokens["two"])
+    assert _code(_register(two, A)) == denied
+    # revoking the holder frees the address for the next credential
+    revoke(authorized, "one")
+    assert _code(_register(two, A)) == grpc.StatusCode.OK
+    assert _code(_heartbeat(two, A)) == grpc.StatusCode.OK
+
+
+def test_a_credential_bound_to_an_address_registers_only_that_one(cluster) -> None:
+    start, tokens, _ = cluster
+    master = start()
+    bound = _stub(master, tokens["bound"])
+    assert _code(_register(bound, A)) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code.details == f"node.address: credential 'bound' may register only {B}, not {A}"
+    assert _code(_register(bound, B)) == grpc.StatusCode.OK
+    assert _code(_register(_stub(master, tokens["one"]), B)) == \
+        grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_without_credentials_no_claim_is_checked(make_master) -> None:
+    master = make_master()
+    stub = registry_pb2_grpc.RegistryServiceStub(dial(master.address))
+    assert _code(_register(stub, A)) == grpc.StatusCode.OK
+    assert master.claims is None
