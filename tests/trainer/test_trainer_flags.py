@@ -22,8 +22,8 @@ class DefectiveNode:
     """Odd-indexed groups come from a node with ``defect``: "stale" (always samples the base
     model, version 0) or "mismatched" (claims the current version, logprobs 0.5 nats lower)."""
 
-    def __init__(self, policy, version, defect: str) -> None:
-        self.local = LocalRollout(policy, version)
+    def __init__(self, backend, version, defect: str) -> None:
+        self.local = LocalRollout(backend, version)
         self.defect = defect
 
     def generate_groups(self, prompts, **kw):

@@ -1,56 +1,77 @@
-"""GRPO maths on fixed tensors against values computed by hand."""
+"""GRPO maths on fixed arrays and tensors against values computed by hand: the framework-free
+part (advantages, aggregation weights: numpy) and torch's per-token loss."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from gridrl.trainer import grpo
+from gridrl.trainer import grpo, grpo_torch
 
 
 def test_advantages_std_scaled_unbiased_std_and_eps():
     # row 0: mean 0.5, centred (+-0.5), unbiased var = 4*0.25/3 = 1/3, std = 0.577350
     # A = 0.5 / (0.577350 + 1e-4) = 0.865876; row 1: equal rewards -> 0
-    adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.2, 0.2, 0.2, 0.2]]))
-    expected = torch.tensor([[0.865876, -0.865876, -0.865876, 0.865876], [0.0, 0.0, 0.0, 0.0]])
-    assert torch.allclose(adv, expected, atol=1e-5)
+    adv = grpo.group_advantages([[1.0, 0.0, 0.0, 1.0], [0.2, 0.2, 0.2, 0.2]])
+    expected = [[0.865876, -0.865876, -0.865876, 0.865876], [0.0, 0.0, 0.0, 0.0]]
+    assert adv.dtype == np.float32
+    np.testing.assert_allclose(adv, expected, atol=1e-5)
 
 
 def test_advantages_without_std_scaling_dr_grpo():
-    adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), scale_std=False)
-    assert torch.allclose(adv, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+    adv = grpo.group_advantages(np.array([[1.0, 0.0, 0.0, 0.0]]), scale_std=False)
+    np.testing.assert_allclose(adv, [[0.75, -0.25, -0.25, -0.25]])
 
 
 def test_advantages_with_mask_leave_dropped_samples_out():
     # valid [1, 0, 3]: mean 4/3, centred (-1/3, -4/3, 5/3), var = (1+16+25)/9/2 = 7/3,
     # std = 1.527525 -> A = (-0.218207, -0.872826, 1.091033); the dropped sample gets 0.
-    rewards = torch.tensor([[1.0, 0.0, 3.0, 99.0]])
-    mask = torch.tensor([[1, 1, 1, 0]])
+    rewards = np.array([[1.0, 0.0, 3.0, 99.0]])
+    mask = np.array([[1, 1, 1, 0]])
     adv = grpo.group_advantages(rewards, mask=mask, eps=0.0)
-    assert torch.allclose(adv, torch.tensor([[-0.218218, -0.872872, 1.091089, 0.0]]), atol=1e-5)
+    np.testing.assert_allclose(adv, [[-0.218218, -0.872872, 1.091089, 0.0]], atol=1e-5)
     unscaled = grpo.group_advantages(rewards, mask=mask, scale_std=False)
-    assert torch.allclose(unscaled, torch.tensor([[-1 / 3, -4 / 3, 5 / 3, 0.0]]))
+    np.testing.assert_allclose(unscaled, [[-1 / 3, -4 / 3, 5 / 3, 0.0]], rtol=1e-6)
 
 
 def test_group_with_one_valid_sample_has_no_signal():
-    adv = grpo.group_advantages(torch.tensor([[1.0, 0.0]]), mask=torch.tensor([[1, 0]]))
-    assert torch.equal(adv, torch.zeros(1, 2))
+    adv = grpo.group_advantages([[1.0, 0.0]], mask=[[1, 0]])
+    assert np.array_equal(adv, np.zeros((1, 2)))
+    with pytest.raises(ValueError, match="rewards must be"):
+        grpo.group_advantages([1.0, 0.0])
+    with pytest.raises(ValueError, match="mask shape"):
+        grpo.group_advantages([[1.0, 0.0]], mask=[[1, 0, 1]])
+
+
+def test_advantages_equal_the_torch_formula_on_random_groups():
+    """The numpy advantages are those of the same formula in torch (the trainer's before the
+    backend seam), to float32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6, 8, generator=g)
+    mask = (torch.rand(6, 8, generator=g) > 0.2).float()
+    n = mask.sum(1, keepdim=True)
+    centred = (rewards - (rewards * mask).sum(1, keepdim=True) / n.clamp(min=1)) * mask
+    std = ((centred ** 2).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    want = torch.where(n >= 2, centred / (std + 1e-4), torch.zeros_like(centred))
+    got = grpo.group_advantages(rewards.numpy(), mask=mask.numpy())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_completion_logprobs_apply_temperature():
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])  # (1, 2, V=2)
     tokens = torch.tensor([[1, 0]])
     # T=1: softmax = (0.25, 0.75)
-    lp1 = grpo.completion_logprobs(logits, tokens, 1.0)
+    lp1 = grpo_torch.completion_logprobs(logits, tokens, 1.0)
     assert torch.allclose(lp1, torch.tensor([[math.log(0.75), math.log(0.25)]]))
     # T=2: z = (0, ln3/2), p1 = sqrt3 / (1 + sqrt3) = 0.633975
-    lp2 = grpo.completion_logprobs(logits, tokens, 2.0)
+    lp2 = grpo_torch.completion_logprobs(logits, tokens, 2.0)
     assert torch.allclose(lp2, torch.tensor([[math.log(0.633975), math.log(0.366025)]]),
                           atol=1e-6)
     with pytest.raises(ValueError):
-        grpo.completion_logprobs(logits, tokens, 0.0)
+        grpo_torch.completion_logprobs(logits, tokens, 0.0)
 
 
 def test_completion_logprobs_match_log_softmax_in_bf16_input():
@@ -58,7 +79,7 @@ def test_completion_logprobs_match_log_softmax_in_bf16_input():
     logits = torch.randn(3, 5, 17).to(torch.bfloat16)
     tokens = torch.randint(0, 17, (3, 5))
     ref = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[..., None])[..., 0]
-    assert torch.allclose(grpo.completion_logprobs(logits, tokens, 0.7), ref, atol=1e-5)
+    assert torch.allclose(grpo_torch.completion_logprobs(logits, tokens, 0.7), ref, atol=1e-5)
 
 
 def _ratios(ratios):
@@ -69,7 +90,7 @@ def _ratios(ratios):
 def test_clipped_surrogate_four_cases():
     logp, behaviour = _ratios([1.5, 1.5, 0.5, 0.5])
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    loss, clipped = grpo.clipped_surrogate(logp[:, None], behaviour[:, None], adv, eps_low=0.2)
+    loss, clipped = grpo_torch.clipped_surrogate(logp[:, None], behaviour[:, None], adv, eps_low=0.2)
     # r=1.5,A=+1: min(1.5, 1.2)=1.2 (clipped); r=1.5,A=-1: min(-1.5,-1.2)=-1.5;
     # r=0.5,A=+1: min(0.5, 0.8)=0.5;           r=0.5,A=-1: min(-0.5,-0.8)=-0.8 (clipped)
     assert torch.allclose(loss[:, 0], torch.tensor([-1.2, 1.5, -0.5, 0.8]), atol=1e-6)
@@ -80,7 +101,7 @@ def test_clipped_surrogate_gradient_is_zero_where_clipped():
     logp, behaviour = _ratios([1.5, 1.5, 0.5, 0.5])
     logp = logp[:, None].clone().requires_grad_(True)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    loss, _ = grpo.clipped_surrogate(logp, behaviour[:, None], adv, eps_low=0.2)
+    loss, _ = grpo_torch.clipped_surrogate(logp, behaviour[:, None], adv, eps_low=0.2)
     loss.sum().backward()
     # d/dlogp of -ratio*A = -ratio*A where unclipped
     assert torch.allclose(logp.grad[:, 0], torch.tensor([0.0, 1.5, -0.5, 0.0]), atol=1e-6)
@@ -90,16 +111,16 @@ def test_clip_higher_dapo():
     logp, behaviour = _ratios([1.25, 0.75])
     logp, behaviour = logp[:, None], behaviour[:, None]
     adv = torch.tensor([1.0, -1.0])
-    sym, sym_clip = grpo.clipped_surrogate(logp, behaviour, adv, eps_low=0.2)
+    sym, sym_clip = grpo_torch.clipped_surrogate(logp, behaviour, adv, eps_low=0.2)
     assert torch.allclose(sym[:, 0], torch.tensor([-1.2, 0.8]))
     assert sym_clip[:, 0].tolist() == [True, True]
-    hi, hi_clip = grpo.clipped_surrogate(logp, behaviour, adv, eps_low=0.2, eps_high=0.28)
+    hi, hi_clip = grpo_torch.clipped_surrogate(logp, behaviour, adv, eps_low=0.2, eps_high=0.28)
     assert torch.allclose(hi[:, 0], torch.tensor([-1.25, 0.8]))  # upper bound moved to 1.28
     assert hi_clip[:, 0].tolist() == [False, True]
 
 
-MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])
+MASK = np.array([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+LOSS = np.array([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])
 
 
 @pytest.mark.parametrize(("aggregation", "expected"), [
@@ -109,14 +130,16 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0]])
 ])
 def test_aggregation_and_masking(aggregation, expected):
     got = grpo.aggregate(LOSS, MASK, aggregation, max_tokens=4)
-    assert got.item() == pytest.approx(expected)
+    assert got == pytest.approx(expected)
 
 
 def test_weights_are_additive_over_micro_batches():
     for aggregation in grpo.AGGREGATIONS:
         w = grpo.loss_weights(MASK, aggregation, max_tokens=4)
         parts = sum((w[i:i + 1] * LOSS[i:i + 1]).sum() for i in range(2))
-        assert parts.item() == pytest.approx(grpo.aggregate(LOSS, MASK, aggregation, 4).item())
+        assert parts == pytest.approx(grpo.aggregate(LOSS, MASK, aggregation, 4))
+        c = grpo.sequence_weights(MASK.sum(axis=1), aggregation, max_tokens=4)
+        assert c.dtype == np.float32 and np.array_equal(w, MASK * c[:, None])
 
 
 def test_unknown_aggregation_and_constant_without_max_tokens():
@@ -128,27 +151,27 @@ def test_unknown_aggregation_and_constant_without_max_tokens():
 
 def test_k3_kl_value_and_zero_at_equality():
     # p = 0.5, q = 0.25: r = 0.5, k3 = 0.5 - 1 - ln 0.5 = 0.193147
-    got = grpo.k3_kl(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)]))
+    got = grpo_torch.k3_kl(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)]))
     assert got.item() == pytest.approx(0.193147, abs=1e-6)
-    assert grpo.k3_kl(torch.tensor([-1.3]), torch.tensor([-1.3])).item() == 0.0
+    assert grpo_torch.k3_kl(torch.tensor([-1.3]), torch.tensor([-1.3])).item() == 0.0
 
 
 def test_grpo_token_loss_adds_beta_times_reference_kl():
     logp = torch.log(torch.tensor([[0.5]]))
     ref = torch.log(torch.tensor([[0.25]]))
-    out = grpo.grpo_token_loss(logp, logp, torch.tensor([2.0]), beta=0.1, ref_logp=ref)
+    out = grpo_torch.grpo_token_loss(logp, logp, torch.tensor([2.0]), beta=0.1, ref_logp=ref)
     # surrogate at ratio 1: -A = -2; plus 0.1 * 0.193147
     assert out.loss.item() == pytest.approx(-2.0 + 0.0193147, abs=1e-6)
     with pytest.raises(ValueError):
-        grpo.grpo_token_loss(logp, logp, torch.tensor([2.0]), beta=0.1)
-    assert grpo.grpo_token_loss(logp, logp, torch.tensor([2.0])).ref_kl is None
+        grpo_torch.grpo_token_loss(logp, logp, torch.tensor([2.0]), beta=0.1)
+    assert grpo_torch.grpo_token_loss(logp, logp, torch.tensor([2.0])).ref_kl is None
 
 
 def test_mismatch_kl_mean_and_per_sequence():
     behaviour = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.9]]))
     trainer = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.1]]))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    mean, per_seq = grpo.mismatch_kl(trainer, behaviour, mask)
+    mean, per_seq = grpo_torch.mismatch_kl(trainer, behaviour, mask)
     # token (0,0): r = 0.25/0.5 -> 0.193147; others equal -> 0; masked token ignored
     assert per_seq.tolist() == pytest.approx([0.193147 / 2, 0.0], abs=1e-6)
     assert mean.item() == pytest.approx(0.193147 / 3, abs=1e-6)
@@ -158,5 +181,17 @@ def test_mismatch_kl_resolves_fp_noise():
     # d = 1e-6 nats per token: KL ~ d^2 / 2 = 5e-13, which exp(d) - d - 1 in float32 rounds to 0
     behaviour = torch.tensor([[-2.0]])
     trainer = behaviour + 1e-6
-    mean, _ = grpo.mismatch_kl(trainer, behaviour, torch.ones(1, 1))
+    mean, _ = grpo_torch.mismatch_kl(trainer, behaviour, torch.ones(1, 1))
     assert mean.item() == pytest.approx(5e-13, rel=0.1)
+
+
+def test_framework_free_mismatch_kl_over_ragged_sequences():
+    """grpo.mismatch_kl (lists, a flagged node's fresh check) is grpo_torch.mismatch_kl's
+    mean over the same tokens."""
+    behaviour = [[math.log(0.5), math.log(0.5)], [math.log(0.5)]]
+    trainer = [[math.log(0.25), math.log(0.5)], [math.log(0.5)]]
+    assert grpo.mismatch_kl(trainer, behaviour) == pytest.approx(0.193147 / 3, abs=1e-6)
+    assert grpo.mismatch_kl([[-2.0 + 1e-6]], [[-2.0]]) == pytest.approx(5e-13, rel=0.1)
+    assert grpo.mismatch_kl([[], []], [[], []]) is None
+    with pytest.raises(ValueError):
+        grpo.mismatch_kl([[-1.0]], [[-1.0, -2.0]])

@@ -90,7 +90,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     """A node 10x slower than another (MLX on a Linux CPU beside torch): once both latencies
     are measured, groups go to the fast node, queueing there, instead of a batch waiting for
     the slow node; the slow node is tried again after sitting idle long enough."""
-    from gridrl.trainer import pool as pool_module
+    from gridrl.trainer import scheduling
 
     fast = farm.start(capacity=4, generate_s=0.05)  # 2 groups at a time
     slow = farm.start(capacity=4, generate_s=0.5)
@@ -111,8 +111,8 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
         assert {g.node for g in groups} == {fast.address}
     assert len(slow.generates) == slow_calls
     # idle for REEXPLORE_AFTER latencies (min REEXPLORE_MIN_S): tried again
-    monkeypatch.setattr(pool_module, "REEXPLORE_MIN_S", 0.0)
-    monkeypatch.setattr(pool_module, "REEXPLORE_AFTER", 0.5)
+    monkeypatch.setattr(scheduling, "REEXPLORE_MIN_S", 0.0)
+    monkeypatch.setattr(scheduling, "REEXPLORE_AFTER", 0.5)
     time.sleep(0.3)
     groups = pool.generate_groups(prompts(6), **SAMPLING)
     assert slow.address in {g.node for g in groups}
@@ -322,3 +322,43 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
     finally:
         for r in registrars:
             r.stop(deregister=False)
+
+
+# ------------------------------------------------------------------------ waiting for nodes
+
+
+def test_no_node_in_rotation_waits_reports_and_goes_on(farm, make_pool) -> None:
+    """The only node dies mid-step: the batch waits (reporting what for and how long is
+    left, also as metrics) instead of failing, and finishes once the node answers again."""
+    from prometheus_client import REGISTRY
+
+    node = farm.start(capacity=2)
+    reports = []
+    pool = make_pool([node.address], max_consecutive_failures=1, wait_for_nodes_s=30,
+                     on_wait=reports.append)
+    pool.wait_for_nodes(1, timeout_s=10)
+    node.down = True
+    with concurrent_call(lambda: pool.generate_groups(prompts(3), **SAMPLING)) as batch:
+        wait_until(lambda: len(reports) >= 2, 10, "the wait to be reported")
+        wait = reports[-1]
+        assert wait is not None and 0 < wait.left_s <= 30 and wait.waited_s >= 0
+        assert node.address in wait.waiting_for and "benched" in wait.waiting_for
+        assert REGISTRY.get_sample_value("gridrl_trainer_node_wait_left_seconds") > 0
+        node.down = False  # it wakes up: the prober sees it, the batch goes on
+    groups = batch.result()
+    assert [g.prompt_index for g in groups] == [0, 1, 2]
+    assert {g.node for g in groups} == {node.address}
+    assert reports[-1] is None  # the wait ended
+    assert REGISTRY.get_sample_value("gridrl_trainer_node_wait_left_seconds") == 0
+
+
+def test_every_node_gone_fails_after_the_wait(farm, make_pool) -> None:
+    a, b = farm.start(), farm.start()
+    pool = make_pool([a.address, b.address], request_timeout_s=5, wait_for_nodes_s=0.5)
+    pool.wait_for_nodes(2, timeout_s=10)
+    a.kill()
+    b.kill()
+    with pytest.raises(RuntimeError) as e:
+        pool.generate_groups(prompts(4), **SAMPLING)
+    assert "(0 in rotation) after waiting" in str(e.value) and "--wait-for-nodes-s" in str(e.value)
+    assert a.address in str(e.value) and b.address in str(e.value)

@@ -215,24 +215,38 @@ def test_nodes_from_the_master(tiny_llama_dir, tmp_path, service_factory):
 def test_bfloat16_node_is_held_to_the_16_bit_mismatch_bound(tiny_llama_dir, tmp_path,
                                                              service_factory):
     """A healthy bf16 node disagrees with the fp32 trainer by its rounding: it is judged by
-    --mismatch-kl-max-16bit, not by the fp32 bound (here set below any rounding)."""
+    --mismatch-kl-max-16bit, not by the fp32 bound (here set below any rounding). With a
+    16-bit bound below its rounding too it is flagged, and the flag acts: benched from the
+    next step on (the fp32 node samples alone), its fresh checks failing."""
     node = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-bf16",
                       extra=("--dtype", "bfloat16"))
+    helper = serve_node(service_factory, tiny_llama_dir, tmp_path, "node-fp32")
     for low_bound, flagged in ((0.1, False), (1e-9, True)):
         run_dir = tmp_path / f"run-{low_bound}"
-        args = trainer_args(tiny_llama_dir, run_dir, [node.address], steps=3, sync_every=1,
-                            flag_after=1, mismatch_kl_max=1e-9,
+        nodes = [node.address, helper.address] if flagged else [node.address]
+        args = trainer_args(tiny_llama_dir, run_dir, nodes, steps=3, sync_every=1,
+                            flag_after=1, min_nodes=len(nodes),
+                            mismatch_kl_max=1e-2 if flagged else 1e-9,
                             mismatch_kl_max_16bit=low_bound)
         args[args.index("nodes-run")] = f"bf16-run-{int(flagged)}"  # another run: reset first
-        run_trainer(args)
+        done = run_trainer(args)
         steps = step_records(run_dir)
         assert [r["step"] for r in steps] == [1, 2, 3]
+        kl = steps[0]["nodes"][node.address]["fresh_mismatch_kl"]
+        assert 1e-9 < kl < 0.1, steps[0]["nodes"]  # bf16 rounding: visible, far below 0.1
         for r in steps:
-            kl = r["nodes"][node.address]["fresh_mismatch_kl"]
-            assert 1e-9 < kl < 0.1, r["nodes"]  # bf16 rounding: visible, far below 0.1
             assert (node.address in r["flagged_nodes"]) == flagged, r["flagged_nodes"]
+            assert helper.address not in r["flagged_nodes"]
+            if not flagged:
+                kl = r["nodes"][node.address]["fresh_mismatch_kl"]
+                assert 1e-9 < kl < 0.1, r["nodes"]
+            elif r["step"] > 1:  # benched: no group, the other node samples the step
+                assert list(r["nodes"]) == [helper.address], r["nodes"]
+                assert r["nodes"][helper.address]["samples"] == 16
         if flagged:
             assert "16-bit bound" in steps[0]["flagged_nodes"][node.address]
+            assert "benched: no new groups" in done.stdout
+            assert f"node {node.address} stays benched: failed its fresh check" in done.stdout
 
 
 def test_failed_start_leaves_no_run_directory(tiny_llama_dir, tmp_path, reserved_port):

@@ -122,19 +122,25 @@ def test_mlx_nodes_receive_converted_files(farm, make_sync) -> None:
     assert set(mlx_node.pushed_files[0]) == {"adapter_config.json", "adapters.safetensors"}
 
 
-def test_restarted_node_is_caught_up(farm, make_sync) -> None:
+def test_restarted_node_is_caught_up_before_its_samples_are_used(farm, make_sync) -> None:
+    """A node that lost its adapter (restarted between two steps, unnoticed) answers a group
+    with base-model samples: the group is discarded, the node waits out of rotation for the
+    current adapter, gets it, and the group is sampled again on it, at version 1."""
     node = farm.start()
-    pool, sync = make_sync([node])
+    pool, sync = make_sync([node], wait_for_nodes_s=10)
     pool.wait_for_nodes(1, timeout_s=10)
     files, manifest = adapter(1)
     assert sync.push(1, files, manifest).synced == [node.address]
 
     node.adapter = ("", 0)  # the process restarted: it serves the base model again
     groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
-    assert {s.policy_version for s in groups[0].samples} == {0}  # honest about what it sampled
-    wait_until(lambda: node.adapter == (NAME, 1), 5, "the restarted node to get v1 again")
+    assert {s.policy_version for s in groups[0].samples} == {1}  # sampled after the catch-up
+    assert node.adapter == (NAME, 1)
     assert len(node.pushes) == 2 and node.pushed_files[-1] == files
-    wait_until(lambda: sync.lagging_nodes(1) == [], 5, "the pool to see v1 served")
+    assert len(node.generates) == 2  # the base-model group, then the one kept
+    state = pool.node(node.address)
+    assert state.in_rotation and not state.syncing
+    assert sync.lagging_nodes(1) == []
 
 
 def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> None:

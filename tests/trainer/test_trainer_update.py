@@ -1,4 +1,5 @@
-"""Policy forward passes, adapter serialization, and one GRPO optimizer step on a tiny llama."""
+"""The torch backend's pieces: policy forward passes, adapter serialization, and one GRPO
+optimizer step on a tiny llama."""
 
 from __future__ import annotations
 
@@ -8,16 +9,10 @@ import math
 import pytest
 import torch
 
-from gridrl.trainer import grpo
+from gridrl.trainer import grpo_torch
+from gridrl.trainer.backend import TrainSequence, UpdateConfig
 from gridrl.trainer.policy import LoraSettings, load_policy
-from gridrl.trainer.update import (
-    TrainSequence,
-    UpdateConfig,
-    collate,
-    grpo_update,
-    make_optimizer,
-    make_scheduler,
-)
+from gridrl.trainer.update import collate, grpo_update, make_optimizer, make_scheduler
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def _unpadded_logprobs(policy, seq, temperature):
     ids = torch.tensor([list(seq.prompt_ids) + list(seq.completion_ids)])
     with torch.no_grad():
         logits = policy.model(input_ids=ids).logits[:, len(seq.prompt_ids) - 1:-1]
-    return grpo.completion_logprobs(logits, torch.tensor([seq.completion_ids]), temperature)[0]
+    return grpo_torch.completion_logprobs(logits, torch.tensor([seq.completion_ids]), temperature)[0]
 
 
 def test_padded_batch_logprobs_equal_unpadded(policy):
@@ -50,7 +45,7 @@ def test_padded_batch_logprobs_equal_unpadded(policy):
     with torch.no_grad():
         logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"],
                                           batch["completion_mask"].shape[1])
-    lp = grpo.completion_logprobs(logits, batch["completion_ids"], 0.7)
+    lp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], 0.7)
     for i, s in enumerate(seqs):
         n = len(s.completion_ids)
         assert torch.allclose(lp[i, :n], _unpadded_logprobs(policy, s, 0.7), atol=1e-5)
@@ -199,10 +194,13 @@ def test_lr_schedules():
 
 def test_mismatch_kl_uses_the_samplers_truncation(policy):
     from gridrl.trainer.local import LocalRollout
+    from gridrl.trainer.torch_backend import TorchTrainerBackend
 
     pol = _fresh(policy)
     prompts = [list(s.prompt_ids) for s in _sequences()[:2]]
-    groups = LocalRollout(pol, lambda: 0).generate_groups(
+    sampler = TorchTrainerBackend(pol, make_optimizer(pol.trainable_parameters(), lr=1e-3), None,
+                                  UpdateConfig())
+    groups = LocalRollout(sampler, lambda: 0).generate_groups(
         prompts, group_size=3, max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3)
     seqs = [TrainSequence(tuple(g.prompt_ids), tuple(s.token_ids), tuple(s.logprobs),
                           advantage=0.5 - j % 2, group=b)
@@ -223,7 +221,7 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir)
 
     In float64: the two paths sum in different orders, and float32 rounding of gradients up to
     ~20 differs by CPU kernel (AVX2 vs AVX-512) by more than the tolerance below (logprobs are
-    float32 by design, see grpo.completion_logprobs)."""
+    float32 by design, see grpo_torch.completion_logprobs)."""
     policy = load_policy(str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8), seed=0,
                          dtype="float64")
     g = torch.Generator().manual_seed(3)
@@ -245,7 +243,7 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir)
         else:
             logits = policy.shared_prefix_logits([s.prompt_ids for s in seqs],
                                                  batch["completion_ids"])
-        lp = grpo.completion_logprobs(logits, batch["completion_ids"], 0.9)
+        lp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], 0.9)
         (lp * batch["completion_mask"]).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
         results.append((lp.detach() * batch["completion_mask"], grads))
@@ -286,3 +284,23 @@ def test_stored_tensor_refuses_what_it_cannot_store():
         stored_tensor(torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous"):
         stored_tensor(torch.zeros(3, 4).t())
+
+
+def test_rng_state_round_trip():
+    """rng.pt of a torch checkpoint: python, numpy and torch streams continue where they were."""
+    import random
+
+    import numpy as np
+
+    from gridrl.trainer.torch_backend import rng_state, set_rng_state
+
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    state = rng_state()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    set_rng_state(state)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected

@@ -223,8 +223,10 @@ def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def write_ready_file(path: str | None, address: str, port: int, metrics_port: int) -> None:
-    """Atomically write the ready file of ``server_options`` (no-op when ``path`` is None)."""
+def write_ready_file(path: str | None, address: str, port: int, metrics_port: int,
+                     **extra: Any) -> None:
+    """Atomically write the ready file of ``server_options`` (no-op when ``path`` is None);
+    ``extra`` adds service-specific keys (e.g. the rollout node's ``openai_base_url``)."""
     if not path:
         return
     import os
@@ -232,5 +234,5 @@ def write_ready_file(path: str | None, address: str, port: int, metrics_port: in
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"address": address, "port": port, "metrics_port": metrics_port,
-                   "pid": os.getpid()}, f)
+                   "pid": os.getpid(), **extra}, f)
     os.replace(tmp, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -54,7 +55,8 @@ def resolve_model(model: str, cache_dir: Path | None = None, progress: bool = Tr
     """Turn ``--model`` into something ``from_pretrained`` / ``mlx_lm.load`` accept.
 
     - an alias in :data:`ALIASES` -> a cached directory, converted from the wheel's GGUF on
-      first use (about 20 s for the 135M model; later calls return at once);
+      first use (about 20 s for the 135M model, shown as a status line with ``progress``:
+      :class:`gridrl.common.progress.StatusLine`; later calls return at once);
     - an existing local directory -> that directory;
     - anything else is returned unchanged as a hub id (loaded from the network or HF cache).
 
@@ -112,15 +114,18 @@ def _materialize_alias(name: str, alias: Alias, root: Path, progress: bool) -> P
 def _convert_gguf(src: Path, out: Path, progress: bool) -> None:
     """Dequantize a GGUF checkpoint to an fp32 safetensors Hugging Face directory."""
     import torch
-    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"converting {src.name}", disable=not progress, unit="step") as bar:
+    from gridrl.common.progress import StatusLine
+
+    what = f"converting {src.name} once (step {{}}/3: {{}})"
+    line = StatusLine(what.format(1, "tokenizer"), logger=log)
+    with line if progress else contextlib.nullcontext():
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        bar.update()
+        line.update(what.format(2, "dequantizing the weights"))
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                      dtype=torch.float32)
-        bar.update()
+        line.update(what.format(3, "saving"))
         # transformers refuses to serialize a GGUF-loaded model while its quantizer is set; the
         # weights are already dequantized to fp32, so the result is a plain checkpoint.
         model.hf_quantizer = None
@@ -128,7 +133,7 @@ def _convert_gguf(src: Path, out: Path, progress: bool) -> None:
             del model.config.quantization_config
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        bar.update()
+        line.update(f"converting {src.name} once")
 
 
 def model_identity(path: Path | str, model_id: str | None = None) -> ModelIdentity:

@@ -175,6 +175,7 @@ class GetRunStatusResponse(_message.Message):
     BASELINE_EVAL_FIELD_NUMBER: _builtins.int
     MODEL_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    NODE_WAIT_FIELD_NUMBER: _builtins.int
     run_name: _builtins.str
     """Run name."""
     run_dir: _builtins.str
@@ -197,6 +198,10 @@ class GetRunStatusResponse(_message.Message):
     def last_report(self) -> Global___StepReport:
         """Report of the last finished step."""
 
+    @_builtins.property
+    def node_wait(self) -> Global___NodeWait:
+        """Set while the run waits for a rollout node (none in rotation); absent otherwise."""
+
     def __init__(
         self,
         *,
@@ -210,16 +215,47 @@ class GetRunStatusResponse(_message.Message):
         baseline_eval: _builtins.float | None = ...,
         model_id: _builtins.str = ...,
         error: _builtins.str = ...,
+        node_wait: Global___NodeWait | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "last_report", b"last_report"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "last_report", b"last_report", "node_wait", b"node_wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "error", b"error", "last_report", b"last_report", "model_id", b"model_id", "policy_version", b"policy_version", "run_dir", b"run_dir", "run_name", b"run_name", "state", b"state", "step", b"step", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "error", b"error", "last_report", b"last_report", "model_id", b"model_id", "node_wait", b"node_wait", "policy_version", b"policy_version", "run_dir", b"run_dir", "run_name", b"run_name", "state", b"state", "step", b"step", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__baseline_eval: _TypeAlias = _typing.Literal["baseline_eval"]  # noqa: Y015
     _WhichOneofArgType__baseline_eval: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__baseline_eval) -> _WhichOneofReturnType__baseline_eval | None: ...
 
 Global___GetRunStatusResponse: _TypeAlias = GetRunStatusResponse  # noqa: Y015
+
+@_typing.final
+class NodeWait(_message.Message):
+    """A run waiting for a rollout node: every node is dead, restarting, benched or catching up."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITING_FOR_FIELD_NUMBER: _builtins.int
+    WAITED_S_FIELD_NUMBER: _builtins.int
+    LEFT_S_FIELD_NUMBER: _builtins.int
+    waiting_for: _builtins.str
+    """What it waits for: every known node and why it is out of rotation, and the master."""
+    waited_s: _builtins.float
+    """Seconds waited so far."""
+    left_s: _builtins.float
+    """Seconds left before the run fails (--wait-for-nodes-s)."""
+    def __init__(
+        self,
+        *,
+        waiting_for: _builtins.str = ...,
+        waited_s: _builtins.float = ...,
+        left_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["left_s", b"left_s", "waited_s", b"waited_s", "waiting_for", b"waiting_for"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeWait: _TypeAlias = NodeWait  # noqa: Y015
 
 @_typing.final
 class WatchRunRequest(_message.Message):

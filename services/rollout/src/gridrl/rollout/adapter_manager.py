@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -301,8 +302,8 @@ class AdapterManager:
                 return self._switch(existing, deadline)
             t = time.perf_counter()
             if stage_only:  # check that it loads, store it, keep serving what serves
-                self._call(lambda: self.backend.unload_adapter(self._load_files(files)),
-                           deadline, what)
+                self._call(lambda: self.backend.unload_adapter(
+                    self._load_files(files, name, version)), deadline, what)
                 self._store(files, meta)
                 serving = self.engine.serving
             else:
@@ -325,7 +326,7 @@ class AdapterManager:
                    stored_after: list[tuple[str, int]]) -> ServingAdapter:
         """On the scheduler thread: load ``files`` from memory and, if still in time, serve
         them (the stored-adapters snapshot becomes ``stored_after``)."""
-        handle = self._load_files(files)
+        handle = self._load_files(files, name, version)
         self._swap_in_time(ServingAdapter(name=name, version=version, handle=handle), deadline,
                            what, stored_after)
         return self.engine.serving
@@ -344,11 +345,19 @@ class AdapterManager:
         if stored_after is not None:
             self._stored = tuple(stored_after)
 
-    def _load_files(self, files: dict[str, bytes]):
+    def _key(self, name: str, version: int) -> str:
+        """A backend key never used before by this node, naming the adapter (a vLLM backend
+        serves it under this name): ``<name>-v<version>-<n>``, characters other than letters,
+        digits, '-' and '_' replaced by '_'."""
+        return f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}-v{version}-{next(self._keys)}"
+
+    def _load_files(self, files: dict[str, bytes], name: str, version: int):
         try:
-            return self.backend.load_adapter_files(files, f"adapter{next(self._keys)}")
+            return self.backend.load_adapter_files(files, self._key(name, version))
         except AdapterLoadError as e:
             raise failed_precondition(f"adapter: {e}") from e
+        except ConnectionError as e:  # the backend's server (vLLM) is unreachable
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"adapter: {e}") from e
 
     def _store(self, files: dict[str, bytes], meta: dict) -> None:
         """Write a push into the store (staging directory, then renamed) and prune old
@@ -385,11 +394,13 @@ class AdapterManager:
         finally:
             self._lock.release()
 
-    def _load(self, directory: Path):
+    def _load(self, directory: Path, name: str, version: int):
         try:
-            return self.backend.load_adapter(directory, f"adapter{next(self._keys)}")
+            return self.backend.load_adapter(directory, self._key(name, version))
         except AdapterLoadError as e:
             raise failed_precondition(f"adapter: {e}") from e
+        except ConnectionError as e:  # the backend's server (vLLM) is unreachable
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"adapter: {e}") from e
 
     def _swap(self, adapter: ServingAdapter) -> None:
         """On the scheduler thread: serve ``adapter``, free the previous one."""
@@ -477,7 +488,7 @@ class AdapterManager:
             what = f"{stored.name} v{stored.version}"
 
             def apply() -> None:
-                handle = self._load(directory)
+                handle = self._load(directory, stored.name, stored.version)
                 self._swap_in_time(ServingAdapter(name=stored.name, version=stored.version,
                                                   handle=handle), deadline, what)
 

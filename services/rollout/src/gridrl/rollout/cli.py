@@ -2,7 +2,8 @@
 
     gridrl-rollout serve --backend torch --model smollm2-135m-instruct [--master m:50050]
         [--listen 0.0.0.0:50051 --tls-cert C --tls-key K --tls-ca CA
-         --authorized-tokens FILE --auth-token-file NODE_TOKEN]
+         --authorized-tokens FILE --auth-token-file NODE_TOKEN] [--openai-listen 127.0.0.1:8000]
+    gridrl-rollout serve --backend vllm --vllm-url http://127.0.0.1:8000 --model DIR
     gridrl-rollout generate --address 127.0.0.1:50051 --prompt "Hi" --n 4 --max-tokens 32
     gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
     gridrl-rollout reload-adapter --address 127.0.0.1:50051 (--version 3 | --path P | --base)
@@ -67,9 +68,17 @@ def main() -> None:
 @main.command()
 @server_options("rollout", listen="127.0.0.1:50051", metrics_port=9401, client=True)
 @env_option("--backend", env="GRIDRL_ROLLOUT_BACKEND", default="torch",
-            type=click.Choice(["torch", "mlx"]), help="Inference backend.")
+            type=click.Choice(["torch", "mlx", "vllm"]),
+            help="Inference backend (vllm: front a vLLM server on this machine, --vllm-url).")
 @env_option("--model", env="GRIDRL_ROLLOUT_MODEL", default="smollm2-135m-instruct",
-            help="Hub id, local directory, or alias (smollm2-135m-instruct works offline).")
+            help="Hub id, local directory, or alias (smollm2-135m-instruct works offline); "
+                 "vllm: the model vLLM serves (tokenizer and config are read from it).")
+@env_option("--vllm-url", env="GRIDRL_ROLLOUT_VLLM_URL", default=None, show_default=False,
+            help="vllm: base URL of the vLLM OpenAI server, e.g. http://127.0.0.1:8000 (vLLM "
+                 "reads pushed adapters from this machine's --adapter-root).")
+@env_option("--vllm-api-key-file", env="GRIDRL_ROLLOUT_VLLM_API_KEY_FILE", default=None,
+            show_default=False, type=click.Path(exists=True, dir_okay=False),
+            help="vllm: file holding one of vLLM's --api-key values.")
 @env_option("--device", env="GRIDRL_ROLLOUT_DEVICE", default="auto", callback=_check_device,
             help="auto, cpu, cuda, cuda:N or mps (mlx: auto, cpu, or mps for the Apple GPU).")
 @env_option("--dtype", env="GRIDRL_ROLLOUT_DTYPE", default="auto",
@@ -114,11 +123,17 @@ def main() -> None:
             help="host:port to register with the master [default: the bound address].")
 @env_option("--name", env="GRIDRL_ROLLOUT_NAME", default=None, show_default=False,
             help="Node name for logs and the default adapter root [default: <hostname>-<port>].")
+@env_option("--openai-listen", env="GRIDRL_ROLLOUT_OPENAI_LISTEN", default=None,
+            show_default=False,
+            help="host:port of an OpenAI-compatible HTTP endpoint (/v1/models, /v1/completions, "
+                 "/v1/chat/completions; port 0: any free port) [default: off]. It shares the "
+                 "engine queue and the bearer token with gRPC; needs gridrl-rollout[openai].")
 def serve(listen: str, metrics_port: int, security: Security, log_level: str,
-          ready_file: str | None, backend: str, model: str, device: str, dtype: str,
+          ready_file: str | None, backend: str, model: str, vllm_url: str | None,
+          vllm_api_key_file: str | None, device: str, dtype: str,
           forward: str, threads: int, capacity: int, max_queue: int, max_n: int, max_tokens: int, max_adapter_bytes: int,
           keep_adapters: int, keep_runs: int, adapter_root: str | None, master: str | None, advertise_address: str | None,
-          name: str | None) -> None:
+          name: str | None, openai_listen: str | None) -> None:
     """Serve RolloutService until SIGTERM/SIGINT."""
     setup_logging(log_level)
     from gridrl.common.address import parse_address, parse_listen
@@ -126,7 +141,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
 
     for flag, value, parse in (("--listen", listen, parse_listen), ("--master", master,
                                parse_address), ("--advertise-address", advertise_address,
-                                                parse_address)):
+                                                parse_address),
+                               ("--openai-listen", openai_listen, parse_listen)):
         if value is not None:
             try:
                 parse(value, flag)
@@ -138,8 +154,25 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
     if backend == "mlx" and device.startswith("cuda"):
         raise click.BadParameter("the mlx backend runs on cpu or the Apple GPU (mps)",
                                  param_hint="--device")
+    vllm_api_key = _check_vllm_flags(backend, vllm_url, vllm_api_key_file, device, dtype)
+    if openai_listen:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise click.BadParameter(f"needs the openai extra ({e}): pip install "
+                                     "'gridrl-rollout[openai]'",
+                                     param_hint="--openai-listen") from e
+        from gridrl.common.security import ExposedError, check_exposure
+
+        try:  # the HTTP endpoint follows the gRPC side's rule: loopback, or TLS + credentials
+            check_exposure(parse_listen(openai_listen, "--openai-listen")[0], security,
+                           "--openai-listen")
+        except ExposedError as e:
+            raise click.UsageError(str(e)) from None
     from gridrl.common.server import freeze_long_lived
     from gridrl.models import resolve_model
+    from gridrl.rollout import server as node_server
     from gridrl.rollout.server import NodeConfig, RolloutNode, run_on_engine_thread
 
     try:
@@ -151,7 +184,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         max_queue=max_queue, max_n=max_n, max_tokens=max_tokens,
         max_adapter_bytes=max_adapter_bytes, keep_adapters=keep_adapters, keep_runs=keep_runs,
         adapter_root=adapter_root,
-        advertise_address=advertise_address, master=master, name=name)
+        advertise_address=advertise_address, master=master, name=name,
+        openai_listen=openai_listen)
 
     def load() -> RolloutNode:
         try:
@@ -170,6 +204,15 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
                 engine_backend = TorchBackend.from_pretrained(
                     model_dir, device=device, dtype=dtype, model_id=model,
                     lean=forward == "lean")
+            elif backend == "vllm":
+                from gridrl.engine.backends.vllm import VllmBackend, VllmError
+
+                try:
+                    engine_backend = VllmBackend.connect(
+                        vllm_url, model_dir, node_server.adapter_root(config) / ".vllm",
+                        api_key=vllm_api_key, model_id=model, max_concurrency=capacity)
+                except VllmError as e:
+                    raise click.ClickException(str(e)) from e
             else:
                 from gridrl.engine.backends.mlx import MlxBackend
 
@@ -192,7 +235,8 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
     except OSError as e:  # the port is taken (servers never share one)
         node.stop(grace_s=0)
         raise click.UsageError(str(e)) from None
-    write_ready_file(ready_file, node.address, node.port, node.metrics_port)
+    openai = {"openai_base_url": node.openai.base_url} if node.openai else {}
+    write_ready_file(ready_file, node.address, node.port, node.metrics_port, **openai)
     node.wait()
     if node.engine.scheduler_alive:
         # The stop interrupted the batch in progress, but the scheduler thread is still inside
@@ -208,6 +252,36 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _check_vllm_flags(backend: str, url: str | None, key_file: str | None, device: str,
+                      dtype: str) -> str | None:
+    """Check the --vllm-* flags against --backend; returns the API key read from its file."""
+    if backend != "vllm":
+        for flag, value in (("--vllm-url", url), ("--vllm-api-key-file", key_file)):
+            if value is not None:
+                raise click.BadParameter("only with --backend vllm", param_hint=flag)
+        return None
+    from urllib.parse import urlsplit
+
+    if url is None:
+        raise click.BadParameter("required with --backend vllm", param_hint="--vllm-url")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("",
+                                                                                         "/"):
+        raise click.BadParameter(f"{url!r} is not a base URL like http://127.0.0.1:8000",
+                                 param_hint="--vllm-url")
+    for flag, value in (("--device", device), ("--dtype", dtype)):
+        if value != "auto":
+            raise click.BadParameter("vLLM chooses its own; set it on vLLM", param_hint=flag)
+    if key_file is None:
+        return None
+    from pathlib import Path
+
+    key = Path(key_file).read_text().strip()
+    if not key:
+        raise click.BadParameter(f"{key_file} is empty", param_hint="--vllm-api-key-file")
+    return key
 
 
 def _parse_ids(value: str | None, flag: str) -> list[int]:

@@ -19,7 +19,8 @@ Adapters: every backend call happens on the scheduler thread. Commands queued wi
 :meth:`Engine.call_between_batches` run there too, between two batches and never while a
 request has samples both decoded and still waiting, so every sample of a request is produced by
 the same adapter: requests that started decoding finish on the adapter they started with, and
-requests started after a swap get the new one.
+requests started after a swap get the new one. A request submitted with ``base_model=True``
+decodes without any adapter whatever is serving; a batch holds requests of one adapter only.
 
 Preemption (adapter pushes): a command queued with ``preempt=True`` does not wait for the batch
 in progress. The scheduler's :class:`~gridrl.engine.contract.DecodeObserver` answers
@@ -31,7 +32,14 @@ fix every draw, so nothing of the interrupted work is visible but the time it co
 of a request still comes from one adapter, now the new one. So a push takes effect within one
 decode step of a batch of any length, instead of after it (the design of vLLM's ``abort``
 pause mode). A preempting command cancelled before it runs (its caller's deadline passed)
-interrupts nothing more and never runs.
+interrupts nothing more and never runs. A streamed request (below) that preemption
+interrupts fails with ABORTED instead: its caller has tokens of the old adapter already.
+
+Streams: a request submitted with a :class:`TokenSink` is told its adapter when it starts and
+its tokens after every decode step of the batches it is in (the backend's decode hooks, routed
+per request), so a caller can stream them before the batch ends. A sink that says it is
+``abandoned`` gets nothing more: its samples still waiting are dropped, and a batch whose every
+request is abandoned stops at the next decode step (its requests fail with CANCELLED).
 """
 
 from __future__ import annotations
@@ -42,10 +50,10 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -75,6 +83,32 @@ class ServingAdapter:
 
 
 BASE_MODEL = ServingAdapter()
+
+
+def _same_adapter(a: ServingAdapter, b: ServingAdapter) -> bool:
+    return a.handle is b.handle and a.name == b.name and a.version == b.version
+
+
+class TokenSink(Protocol):
+    """Where the engine sends one request's tokens as they are decoded.
+
+    Every method runs on the scheduler thread between the backend's decode steps: it must
+    return at once (hand the tokens to a queue or an event loop) and should not raise (an
+    exception is logged and the sink gets nothing more; the batch goes on).
+    """
+
+    def started(self, adapter: ServingAdapter) -> None:
+        """The request's first batch is about to decode with ``adapter`` (called once)."""
+
+    def on_tokens(self, samples: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> None:
+        """One decode step's tokens of this request: ``token_ids[j]`` (behaviour logprob
+        ``logprobs[j]``, natural log) was drawn for sample index ``samples[j]``. A sample's
+        tokens, concatenated over the calls, equal its final ``SequenceResult.token_ids``."""
+
+    def abandoned(self) -> bool:
+        """True once the caller wants no more tokens of this request (it went away, or it has
+        all it needs): see the module docstring, "Streams"."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +176,8 @@ class _Request:
     done_samples: int = 0
     results: list[SequenceResult | None] = field(default_factory=list)
     adapter: ServingAdapter | None = None
+    sink: TokenSink | None = None
+    base_model: bool = False
     started: float = 0.0
     first_token: float | None = None
     batches: list[int] = field(default_factory=list)
@@ -278,10 +314,16 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def submit(self, job: GenerateJob) -> Future:
+    def submit(self, job: GenerateJob, sink: TokenSink | None = None,
+               base_model: bool = False) -> Future:
         """Queue ``job``; the future resolves to a :class:`GenerateOutcome`.
 
         Cancelling the future before the job starts decoding drops it from the queue.
+
+        Args:
+            job: the validated request.
+            sink: told the adapter and every decode step's tokens (module docstring, "Streams").
+            base_model: decode without an adapter, whatever is serving.
 
         Raises:
             StatusError: RESOURCE_EXHAUSTED when ``max_queue`` requests are already waiting;
@@ -297,7 +339,8 @@ class Engine:
                     f"queue full: {len(self._waiting)} requests waiting (--max-queue "
                     f"{self.max_queue}); retry later or on another node")
             req = _Request(id=next(self._ids), job=job, future=future,
-                           arrival=time.perf_counter(), results=[None] * job.n)
+                           arrival=time.perf_counter(), results=[None] * job.n, sink=sink,
+                           base_model=base_model)
             self._waiting.append(req)
             metrics.QUEUE_DEPTH.set(len(self._waiting))
             self._cond.notify_all()
@@ -402,20 +445,31 @@ class Engine:
 
     def _take_batch(self) -> list[tuple[_Request, int]]:
         """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
-        started requests first, then waiting ones in arrival order."""
+        started requests first, then waiting ones in arrival order, all of one adapter (the
+        first waiting request of another adapter ends the batch). Abandoned requests are
+        dropped with CANCELLED."""
         room = self.capacity
         items: list[tuple[_Request, int]] = []
+        adapter: ServingAdapter | None = None
         now = time.perf_counter()
         for source in (self._partial, self._waiting):
             while source and room > 0:
                 req = source[0]
                 if source is self._waiting:
+                    wanted = BASE_MODEL if req.base_model else self._serving
+                    if adapter is not None and not _same_adapter(adapter, wanted):
+                        break  # the next batch starts with it
                     if not req.future.running() and \
                             not req.future.set_running_or_notify_cancel():
                         source.popleft()  # cancelled while queued
                         continue
-                    req.adapter = self._serving
+                    req.adapter = wanted
                     req.started = req.started or now
+                if _abandoned(req):
+                    source.popleft()
+                    req.future.set_exception(_cancelled())
+                    continue
+                adapter = req.adapter
                 take = min(room, req.job.n - req.next_sample)
                 items.extend((req, i) for i in range(req.next_sample, req.next_sample + take))
                 req.next_sample += take
@@ -435,9 +489,13 @@ class Engine:
         self._active_sequences = len(batch)
         metrics.ACTIVE_SEQUENCES.set(len(batch))
         metrics.BATCH_SIZE.observe(len(batch))
+        observer = (_BatchObserver(items, self) if any(req.sink for req, _ in items)
+                    else self._observer)
         start = time.perf_counter()
         try:
-            results = self.backend.generate(batch, adapter.handle, observer=self._observer)
+            if isinstance(observer, _BatchObserver):
+                observer.start()
+            results = self.backend.generate(batch, adapter.handle, observer)
             if len(results) != len(batch):
                 raise RuntimeError(f"backend returned {len(results)} results for "
                                    f"{len(batch)} sequences")
@@ -446,7 +504,11 @@ class Engine:
                 log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
                 self._fail_batch(items, StatusError(
                     grpc.StatusCode.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
-            else:
+            elif all(_abandoned(req) for req, _ in items):
+                log.debug("batch %d of %d sequences stopped after %d steps: every request in "
+                          "it was abandoned", index, len(batch), e.steps)
+                self._fail_batch(items, _cancelled())
+            else:  # a preempting command (an adapter push) waits
                 self._requeue_started(items, index, adapter, time.perf_counter() - start,
                                       e.steps)
             return
@@ -500,6 +562,11 @@ class Engine:
         decode again, whole, on what serves after the preempting command. Returns them."""
         started = {req.id: req for req in (*reqs, *self._partial) if not req.future.done()}
         self._partial.clear()
+        for req in [r for r in started.values() if r.sink is not None]:
+            del started[req.id]  # its caller holds tokens of the old adapter: it cannot restart
+            req.future.set_exception(StatusError(
+                grpc.StatusCode.ABORTED, "the node switched adapters (a push or reload) while "
+                "this streamed request was decoding; nothing more will come: send it again"))
         for req in sorted(started.values(), key=lambda r: r.id, reverse=True):
             req.next_sample = req.done_samples = 0
             req.results = [None] * req.job.n
@@ -528,8 +595,13 @@ class Engine:
         failed = {req.id: req for req, _ in items}
         with self._cond:
             self._partial = collections.deque(r for r in self._partial if r.id not in failed)
-        status = error if isinstance(error, StatusError) else StatusError(
-            grpc.StatusCode.INTERNAL, f"decoding failed: {type(error).__name__}: {error}")
+        if isinstance(error, StatusError):
+            status = error
+        elif isinstance(error, ConnectionError):  # a backend's server (vLLM) is unreachable
+            status = StatusError(grpc.StatusCode.UNAVAILABLE, f"decoding failed: {error}")
+        else:
+            status = StatusError(grpc.StatusCode.INTERNAL,
+                                 f"decoding failed: {type(error).__name__}: {error}")
         for req in failed.values():
             if not req.future.done():
                 req.future.set_exception(status)
@@ -574,3 +646,61 @@ class _SchedulerObserver:
 
     def interrupted(self) -> bool:
         return self._engine._interrupting or self._engine.preempt_pending()
+
+
+def _cancelled() -> StatusError:
+    return StatusError(grpc.StatusCode.CANCELLED, "request abandoned by its caller")
+
+
+def _abandoned(req: _Request) -> bool:
+    if req.sink is None:
+        return False
+    try:
+        return bool(req.sink.abandoned())
+    except Exception:
+        log.exception("token sink of request %d failed; dropping the request", req.id)
+        return True
+
+
+class _BatchObserver:
+    """Routes a batch's decode steps to the sinks of its requests (the backend's
+    :class:`~gridrl.engine.contract.DecodeObserver`), and stops the batch once every request
+    in it is abandoned or the engine is closing with ``interrupt``. A sink that raises is logged
+    and dropped; the batch goes on."""
+
+    def __init__(self, items: list[tuple[_Request, int]], engine: Engine) -> None:
+        self._engine = engine
+        self._rows = [(req, i) for req, i in items]
+        self._requests = list({req.id: req for req, _ in items}.values())
+        self._broken: set[int] = set()
+
+    def start(self) -> None:
+        """Tell each request decoding for the first time which adapter it got."""
+        for req in self._requests:
+            if req.sink is not None and not req.batches:
+                self._call(req, "started", req.adapter or BASE_MODEL)
+
+    def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float]) -> None:
+        steps: dict[int, tuple[_Request, list[int], list[int], list[float]]] = {}
+        for row, token, logprob in zip(rows, token_ids, logprobs, strict=True):
+            req, i = self._rows[row]
+            if req.sink is None or req.id in self._broken:
+                continue
+            step = steps.setdefault(req.id, (req, [], [], []))
+            step[1].append(i)
+            step[2].append(int(token))
+            step[3].append(float(logprob))
+        for req, samples, tokens, lps in steps.values():
+            self._call(req, "on_tokens", samples, tokens, lps)
+
+    def interrupted(self) -> bool:
+        return self._engine._interrupting or self._engine.preempt_pending() or all(
+            _abandoned(req) for req in self._requests)
+
+    def _call(self, req: _Request, method: str, *args: Any) -> None:
+        try:
+            getattr(req.sink, method)(*args)
+        except Exception:
+            log.exception("token sink of request %d failed; it gets no more tokens", req.id)
+            self._broken.add(req.id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.metadata
 import logging
+import math
 import os
 import socket
 import threading
@@ -19,10 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from gridrl.common.errors import StatusError
+from gridrl.common.faults import pause_in_stream, pause_point
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
@@ -32,13 +35,14 @@ from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
 from gridrl.rollout.adapter_store import AdapterStore
 from gridrl.rollout.engine import Engine, GenerateOutcome
 from gridrl.rollout.text import TextCodec
-from gridrl.rollout.validation import Limits, validate_generate
+from gridrl.rollout.validation import MIN_TEMPERATURE, Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX}
+_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
+             "vllm": common_pb2.BACKEND_VLLM}
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
@@ -74,6 +78,8 @@ class NodeConfig:
         name: node name, for logs and the default adapter root (None: ``<host>-<port>``).
         batch_window_s: how long an idle scheduler waits for concurrent requests.
         grace_s: seconds calls in flight get to finish on shutdown.
+        openai_listen: host:port of the OpenAI-compatible HTTP endpoint (None: off; see
+            :mod:`gridrl.rollout.openai_server`).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -92,6 +98,7 @@ class NodeConfig:
     name: str | None = None
     batch_window_s: float = 0.005
     grace_s: float = 10.0
+    openai_listen: str | None = None
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -119,6 +126,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         job = validate_generate(request, node.limits, node.codec.encode)
         future = node.engine.submit(job)
         context.add_callback(future.cancel)  # drops it from the queue if the client leaves
+        pause_point("rollout.generate")  # test-only (gridrl.common.faults): kill here
         try:
             outcome: GenerateOutcome = future.result()
         except concurrent.futures.CancelledError as e:
@@ -136,7 +144,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     ) -> rollout_pb2.PushAdapterResponse:
         """Receive an adapter (header, then chunks), verify, convert, store and serve it.
         See :meth:`gridrl.rollout.adapter_manager.AdapterManager.push` for the errors."""
-        return self._node.adapters.push(request_iterator, ApplyDeadline.of_rpc(context))
+        # test-only pause after the header (gridrl.common.faults): kill mid-push
+        return self._node.adapters.push(pause_in_stream(request_iterator, "rollout.push"),
+                                        ApplyDeadline.of_rpc(context))
 
     def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
                       context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
@@ -167,16 +177,16 @@ class RolloutNode:
         self.backend = backend
         self.started = time.monotonic()
         identity = backend.identity
+        low, high = getattr(backend, "temperature_range", (MIN_TEMPERATURE, math.inf))
         self.limits = Limits(max_n=config.max_n, max_tokens=config.max_tokens,
                              vocab_size=getattr(backend, "vocab_size", identity.vocab_size),
-                             max_context=identity.max_context)
+                             max_context=identity.max_context, min_temperature=low,
+                             max_temperature=high)
         self.codec = TextCodec(backend.tokenizer)
         self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
                              batch_window_s=config.batch_window_s)
-        self.name = config.name or _default_name(config.listen)
-        root = Path(config.adapter_root) if config.adapter_root else \
-            cache_root() / "rollout" / self.name / "adapters"
-        self.adapters = AdapterManager(self.engine, AdapterStore(root), identity,
+        self.name = node_name(config)
+        self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
                                        config.max_adapter_bytes, keep=config.keep_adapters,
                                        keep_names=config.keep_runs)
         workers = min(1024, config.max_queue + config.capacity + 16)
@@ -187,6 +197,14 @@ class RolloutNode:
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
         self.server.on_stopping(self._stop_registrar)
+        self.openai = None
+        if config.openai_listen:
+            from gridrl.rollout.openai_server import OpenAIServer
+
+            self.openai = OpenAIServer(self.engine, self.codec, self.limits,
+                                       config.openai_listen, security=config.security,
+                                       grace_s=config.grace_s)
+            self.server.on_stopping(self.openai.stop)
         self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
 
@@ -209,9 +227,16 @@ class RolloutNode:
         return self.config.advertise_address or self.server.address
 
     def start(self) -> RolloutNode:
-        """Start the engine, bind and serve, then register with the master (if any)."""
+        """Start the engine, bind and serve (gRPC, and the OpenAI endpoint when configured),
+        then register with the master (if any)."""
         self.engine.start()
         self.server.start()
+        if self.openai is not None:
+            try:
+                self.openai.start()
+            except BaseException:
+                self.server.stop(0)
+                raise
         if self.config.master:
             from gridrl.common.registration import NodeRegistrar
 
@@ -224,6 +249,7 @@ class RolloutNode:
                                            load_fn=self.engine.load,
                                            security=self.config.security)
             self.registrar.start()
+            self._watch_waits(self.registrar)
         log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
@@ -233,6 +259,22 @@ class RolloutNode:
         """On stop (every call has ended by then): stop the batch in progress, whose callers
         are gone, and join the scheduler thread before the process exits."""
         self.engine.close(interrupt=True)
+
+    def _watch_waits(self, registrar: Any) -> None:
+        """Status lines while the node waits for the master to accept it and for the trainer's
+        first adapter (:class:`gridrl.common.progress.StatusLine`: on a terminal, live lines;
+        in logs, plain lines at growing intervals); they end by themselves."""
+        from gridrl.common.progress import StatusLine
+
+        lines = [StatusLine(f"waiting for the master at {self.config.master} to register this "
+                            "node", until=lambda: registrar.registered, logger=log),
+                 StatusLine("waiting for a first adapter; serving the base model until one "
+                            "is pushed", until=lambda: self.engine.serving.version > 0
+                            or bool(self.engine.serving.name), logger=log,
+                            max_log_every_s=300.0)]
+        for line in lines:
+            line.start()
+            self.server.on_stopping(lambda line=line: line.stop("stopped"))
 
     def _flush_adapters(self) -> None:
         """On stop: let a push being stored in the background finish writing."""
@@ -272,6 +314,20 @@ class RolloutNode:
             max_n=self.config.max_n, max_tokens=self.config.max_tokens,
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
             software_version=software_version())
+
+
+def node_name(config: NodeConfig) -> str:
+    """``config.name``, else ``<hostname>-<port>`` (``pid<pid>`` for port 0)."""
+    return config.name or _default_name(config.listen)
+
+
+def adapter_root(config: NodeConfig) -> Path:
+    """The node's adapter directory: ``config.adapter_root``, else
+    ``<gridrl cache>/rollout/<node name>/adapters`` (a vllm backend lands adapters under it
+    before the node starts)."""
+    if config.adapter_root:
+        return Path(config.adapter_root)
+    return cache_root() / "rollout" / node_name(config) / "adapters"
 
 
 def _loopback(address: str) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gridrl.common.errors import invalid_argument
@@ -33,17 +33,38 @@ class TextCodec:
             StatusError: INVALID_ARGUMENT ``apply_chat_template`` when the tokenizer has no
                 chat template.
         """
+        if chat:
+            return self.encode_chat([{"role": "user", "content": text}], "apply_chat_template")
         with self._lock:
-            if not chat:
-                return list(self.tokenizer(text)["input_ids"])
-            if not self.has_chat_template:
-                raise invalid_argument("apply_chat_template",
-                                       "the model's tokenizer has no chat template")
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], field: str) -> list[int]:
+        """Token ids of ``messages`` (``{"role", "content"}`` dicts) rendered by the tokenizer's
+        chat template with the assistant turn opened (its special tokens come from the
+        template, none are added).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT ``field`` when the tokenizer has no chat template or
+                the template refuses the messages (e.g. roles out of order).
+        """
+        if not self.has_chat_template:
+            raise invalid_argument(field, "the model's tokenizer has no chat template")
+        with self._lock:
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    [dict(m) for m in messages], add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja2's TemplateError, or what the template raises
+                raise invalid_argument(field, f"the model's chat template refused them: "
+                                              f"{e}") from e
             return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """``token_ids`` as text, special tokens skipped."""
         with self._lock:
             return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token on its own as text, special tokens included (e.g. ``"</s>"``); a token
+        holding part of a UTF-8 character decodes to U+FFFD."""
+        with self._lock:
+            return [self.tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]

@@ -32,12 +32,16 @@ class Limits:
         max_tokens: largest ``sampling.max_tokens``.
         vocab_size: token ids must be in [0, vocab_size).
         max_context: prompt tokens + max_tokens must not exceed this.
+        min_temperature: smallest positive temperature (0 is greedy).
+        max_temperature: largest temperature (vLLM samples up to 2).
     """
 
     max_n: int
     max_tokens: int
     vocab_size: int
     max_context: int
+    min_temperature: float = MIN_TEMPERATURE
+    max_temperature: float = math.inf
 
 
 def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
@@ -49,8 +53,8 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
             an id outside the vocabulary), ``prompt_text`` (both prompts set, tokenizes to
             nothing), ``apply_chat_template`` (with token ids), ``sampling.n``,
             ``sampling.max_tokens`` (out of bounds, or prompt + max_tokens beyond the
-            context), ``sampling.temperature`` (< 0, not finite, or positive but below
-            :data:`MIN_TEMPERATURE`), ``sampling.top_p``
+            context), ``sampling.temperature`` (< 0, not finite, positive but below
+            ``limits.min_temperature``, above ``limits.max_temperature``), ``sampling.top_p``
             (outside (0, 1]), ``sampling.top_k`` (< 0), ``sampling.stop_token_ids[i]``
             (outside the vocabulary).
     """
@@ -72,10 +76,15 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise invalid_argument("sampling.temperature",
                                f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
-    if 0 < s.temperature < MIN_TEMPERATURE:
+    if 0 < s.temperature < limits.min_temperature:
+        why = "logits / T would overflow" if limits.min_temperature <= MIN_TEMPERATURE else \
+            "its backend samples no lower"
         raise invalid_argument("sampling.temperature",
-                               f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (logits / T would "
-                               f"overflow), got {s.temperature}")
+                               f"must be 0 (greedy) or >= {limits.min_temperature} on this node "
+                               f"({why}), got {s.temperature}")
+    if s.temperature > limits.max_temperature:
+        raise invalid_argument("sampling.temperature", f"must be <= {limits.max_temperature} on "
+                                                       f"this node, got {s.temperature}")
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise invalid_argument("sampling.top_p", f"must be in (0, 1], got {top_p}")

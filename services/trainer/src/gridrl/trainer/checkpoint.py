@@ -4,12 +4,14 @@ Layout under ``<run_dir>/checkpoints/``::
 
     step-000010/
         adapter_config.json, adapter_model.safetensors   # the LoRA adapter (peft files)
-        optimizer.pt      # AdamW state
-        scheduler.pt      # learning-rate schedule state
-        rng.pt            # python, numpy, torch (and CUDA) RNG states
+        optimizer.pt, scheduler.pt, rng.pt  # the backend's state (these are torch's; see
+                                            # TrainerBackend.checkpoint_files)
         state.json        # step, policy version, version lineage, data position, baseline...
         config.json       # the run's config
     latest                # text: name of the newest complete checkpoint
+
+This module is framework-free: the backend turns its optimizer, schedule and random states
+into files (:meth:`gridrl.trainer.backend.TrainerBackend.checkpoint_files`) and back.
 
 A checkpoint is written into a hidden temporary directory, every file fsynced, then renamed
 into place (``gridrl.adapters.io.write_dir``), and only then is ``latest`` replaced
@@ -21,21 +23,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+from gridrl.trainer.backend import RESERVED_CHECKPOINT_FILES
 
 LATEST = "latest"
-# Checkpoints load with torch.load(weights_only=True): tensors, containers and numbers only, no
-# code from the file runs. numpy's RNG state (a uint32 array) is the one other type a checkpoint
-# holds; these are the globals that rebuild a plain uint32 array.
-_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                        np._core.multiarray._reconstruct]
+STATE = "state.json"
+CONFIG = "config.json"
 
 
 @dataclass
@@ -45,42 +43,18 @@ class Checkpoint:
     Attributes:
         path: its directory.
         state: ``state.json`` (at least ``step``, ``policy_version``, ``data_position``).
-        adapter_files: peft files, name -> bytes.
-        optimizer: optimizer state dict.
-        scheduler: scheduler state dict (or None).
-        rng: RNG states (see :func:`rng_state`).
+        files: the backend's files (adapter, optimizer, schedule, RNG), name -> bytes.
         config: the saved config dict.
     """
 
     path: Path
     state: dict[str, Any]
-    adapter_files: dict[str, bytes]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    rng: dict[str, Any]
+    files: dict[str, bytes]
     config: dict[str, Any]
 
     @property
     def step(self) -> int:
         return int(self.state["step"])
-
-
-def rng_state() -> dict[str, Any]:
-    """Python ``random``, numpy and torch (CPU and every CUDA device) RNG states."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -92,42 +66,38 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _torch_bytes(obj: Any) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def save_checkpoint(root: Path, *, step: int, adapter_files: dict[str, bytes],
-                    optimizer: torch.optim.Optimizer, scheduler: Any | None,
-                    state: dict[str, Any], config: dict[str, Any], keep: int = 2) -> Path:
+def save_checkpoint(root: Path, *, step: int, files: Mapping[str, bytes], state: dict[str, Any],
+                    config: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` atomically under ``root`` (``<run_dir>/checkpoints``), point
     ``latest`` at it, and delete all but the newest ``keep`` checkpoints.
 
     Args:
         root: the checkpoints directory (created).
         step: the last finished step.
-        adapter_files: peft files in memory.
+        files: the backend's checkpoint files (``TrainerBackend.checkpoint_files()``).
         state: JSON-able trainer state; ``step`` is added.
         config: the run's config dict.
         keep: checkpoints to keep (>= 1).
     Returns:
         the checkpoint directory.
+    Raises:
+        ValueError: ``files`` uses a name the checkpoint keeps for itself.
     """
     from gridrl.adapters.io import write_dir
+    from gridrl.common.faults import pause_point
+    from gridrl.common.progress import StatusLine
 
+    clash = sorted(RESERVED_CHECKPOINT_FILES & set(files))
+    if clash:
+        raise ValueError(f"files: {', '.join(clash)} is the checkpoint's own file")
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    files = dict(adapter_files)
-    files["optimizer.pt"] = _torch_bytes(optimizer.state_dict())
-    if scheduler is not None:
-        files["scheduler.pt"] = _torch_bytes(scheduler.state_dict())
-    files["rng.pt"] = _torch_bytes(rng_state())
-    files["state.json"] = json.dumps({**state, "step": step}, indent=2).encode()
-    files["config.json"] = json.dumps(config, indent=2, sort_keys=True).encode()
-    final = write_dir(files, root / name)  # fsynced temporary directory renamed into place
+    out = dict(files)
+    out[STATE] = json.dumps({**state, "step": step}, indent=2).encode()
+    out[CONFIG] = json.dumps(config, indent=2, sort_keys=True).encode()
+    with StatusLine(f"writing checkpoint {root / name}"):  # shows only when it is slow
+        final = write_dir(out, root / name)  # fsynced temporary directory renamed into place
+    pause_point("trainer.checkpoint")  # test-only (gridrl.common.faults): kill here
     _write_atomic(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -139,31 +109,20 @@ def latest_checkpoint(root: Path) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         target = root / pointer.read_text().strip()
-        if (target / "state.json").is_file():
+        if (target / STATE).is_file():
             return target
-    complete = sorted(p for p in root.glob("step-*") if (p / "state.json").is_file())
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE).is_file())
     return complete[-1] if complete else None
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a checkpoint directory. The ``.pt`` files load with ``weights_only=True`` (a
-    crafted file cannot run code); the adapter is safetensors.
+    """Read a checkpoint directory.
 
     Raises:
-        FileNotFoundError: a file is missing.
-        pickle.UnpicklingError: a ``.pt`` file holds anything but tensors, containers, numbers
-            and numpy arrays.
+        FileNotFoundError: ``state.json`` or ``config.json`` is missing.
     """
-    adapter = {p.name: p.read_bytes() for p in path.iterdir()
-               if p.name.startswith("adapter_")}
-    sched = path / "scheduler.pt"
-    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-        return Checkpoint(
-            path=path,
-            state=json.loads((path / "state.json").read_text()),
-            adapter_files=adapter,
-            optimizer=torch.load(path / "optimizer.pt", weights_only=True),
-            scheduler=torch.load(sched, weights_only=True) if sched.exists() else None,
-            rng=torch.load(path / "rng.pt", weights_only=True),
-            config=json.loads((path / "config.json").read_text()),
-        )
+    files = {p.name: p.read_bytes() for p in sorted(path.iterdir())
+             if p.is_file() and not p.name.startswith(".")
+             and p.name not in RESERVED_CHECKPOINT_FILES}
+    return Checkpoint(path=path, state=json.loads((path / STATE).read_text()), files=files,
+                      config=json.loads((path / CONFIG).read_text()))

@@ -1,7 +1,9 @@
 """``gridrl-trainer``: ``run`` (GRPO training with TrainerService) and ``status`` (a client).
 
-Every flag has a ``GRIDRL_TRAINER_<FLAG>`` environment variable. torch is imported only inside
-``run`` so ``--help`` is instant.
+The flags of ``run`` are generated from the settings declared in ``config.py``
+(:func:`gridrl.trainer.config.click_options`; each with its ``GRIDRL_TRAINER_<FLAG>``
+environment variable); the server flags come from ``gridrl.common.cli.server_options``. torch is
+imported only inside ``run`` so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -23,127 +25,9 @@ from gridrl.common.cli import (
     setup_logging,
     write_ready_file,
 )
+from gridrl.trainer.config import click_options, default_of
 
 log = logging.getLogger("gridrl.trainer")
-
-
-def _opt(flag: str, *names: str, **kw: Any):
-    """A flag with the environment variable ``GRIDRL_TRAINER_<FLAG>``."""
-    env = "GRIDRL_TRAINER_" + flag.lstrip("-").split("/")[0].replace("-", "_").upper()
-    return env_option(flag, *names, env=env, **kw)
-
-
-_ALL_OPTIONS = [
-    # model and task
-    _opt("--model", default="smollm2-135m-instruct",
-         help="Base model: alias, local Hugging Face directory or hub id (needs a chat "
-              "template)."),
-    _opt("--task", default="reverse-words",
-         help="'reverse-words' or a JSONL file with prompt/answer columns."),
-    _opt("--min-words", type=int, default=3, help="reverse-words: fewest words per phrase."),
-    _opt("--max-words", type=int, default=6, help="reverse-words: most words per phrase."),
-    _opt("--system-prompt", default=None, show_default=False,
-         help="System message (default: the task's own; reverse-words has one with a worked "
-              "example)."),
-    _opt("--prompt-column", default="prompt", help="JSONL task: the prompt column."),
-    _opt("--answer-column", default="answer", help="JSONL task: the answer column."),
-    _opt("--eval-file", default=None, show_default=False,
-         help="JSONL task: held-out eval rows (default: --eval-tasks rows held out of --task)."),
-    _opt("--reward-file", "reward_files", multiple=True,
-         help="Python file of TRL-signature reward functions f(prompts, completions, "
-              "**columns) -> list[float] (repeatable; replaces the task's score)."),
-    _opt("--reward-weights", default=None, show_default=False,
-         help="Comma-separated weight per reward function (default: all 1)."),
-    # GRPO
-    _opt("--steps", type=int, default=60, help="GRPO steps (optimizer updates)."),
-    _opt("--prompts-per-step", type=int, default=1, help="B: prompts (groups) per step."),
-    _opt("--group-size", type=int, default=8, help="G: completions per prompt."),
-    _opt("--max-tokens", type=int, default=40, help="New tokens per completion (and eval)."),
-    _opt("--temperature", type=float, default=1.0,
-         help="Sampling temperature; the trainer's logprobs use logits / temperature too."),
-    _opt("--top-p", type=float, default=1.0, help="Nucleus sampling mass."),
-    _opt("--top-k", type=int, default=0, help="Top-k sampling (0: off)."),
-    _opt("--scale-rewards/--no-scale-rewards", default=True,
-         help="Divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)."),
-    _opt("--advantage-eps", type=float, default=1e-4, help="Added to the std before dividing."),
-    _opt("--clip-eps", type=float, default=0.2, help="PPO clip range (lower side)."),
-    _opt("--clip-eps-high", type=float, default=None, show_default=False,
-         help="Upper clip range (DAPO clip-higher; default: --clip-eps)."),
-    _opt("--kl-beta", type=float, default=0.0,
-         help="Coefficient of the k3 KL to the reference (base) policy; 0: off."),
-    _opt("--loss-aggregation", type=click.Choice(["sequence", "token", "constant"]),
-         default="sequence",
-         help="sequence: mean per sequence then mean (GRPO); token: over all tokens (DAPO); "
-              "constant: / (N * max_tokens) (Dr. GRPO)."),
-    _opt("--micro-batch-size", type=int, default=0,
-         help="Sequences per forward/backward (0: all of a step at once)."),
-    # optimiser
-    _opt("--lr", type=float, default=1e-4, help="AdamW learning rate."),
-    _opt("--weight-decay", type=float, default=0.0, help="AdamW weight decay."),
-    _opt("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]),
-         default="constant", help="Learning-rate schedule after warmup."),
-    _opt("--warmup-steps", type=int, default=0, help="Linear warmup steps."),
-    _opt("--max-grad-norm", type=float, default=1.0, help="Gradient clipping (0: off)."),
-    # LoRA
-    _opt("--lora-rank", type=int, default=16, help="LoRA rank r."),
-    _opt("--lora-alpha", type=float, default=32.0, help="LoRA alpha."),
-    _opt("--lora-dropout", type=float, default=0.0, help="LoRA dropout."),
-    _opt("--lora-target-modules", default="all-linear",
-         help="'all-linear' or comma-separated module names (q_proj,v_proj)."),
-    _opt("--rslora/--no-rslora", default=False, help="Rank-stabilised LoRA scaling."),
-    # rollouts and sync
-    _opt("--master", default=None, show_default=False,
-         help="Master host:port: use the rollout nodes it registers (WatchNodes)."),
-    _opt("--rollout", "rollout", multiple=True,
-         help="Rollout node host:port (repeatable), or 'local' to sample in-process "
-              "(default when no --master)."),
-    _opt("--sync-every", type=int, default=1, help="Push the adapter to every node every N "
-                                                   "steps."),
-    _opt("--max-staleness", type=int, default=None, show_default=False,
-         help="Drop samples more than this many versions behind the trainer (default: "
-              "(sync-every - 1) + async-steps)."),
-    _opt("--async-steps", type=int, default=0,
-         help="Sample the next K steps' rollouts while the current step trains."),
-    _opt("--mismatch-kl-max", type=float, default=0.01,
-         help="Flag a node whose samples of the trainer's own version disagree with the "
-              "trainer's logprobs by more than this KL (nats/token)."),
-    _opt("--mismatch-kl-max-16bit", type=float, default=0.1,
-         help="--mismatch-kl-max for a bf16/fp16 node or trainer (its rounding: ~1e-2)."),
-    _opt("--flag-after", type=int, default=2,
-         help="Consecutive stale or mismatched steps that flag a node."),
-    _opt("--min-nodes", type=int, default=1, help="Rollout nodes to wait for before step 1."),
-    _opt("--node-wait-s", type=float, default=120.0, help="Seconds to wait for them."),
-    _opt("--request-timeout-s", type=float, default=120.0, help="Deadline of one Generate."),
-    _opt("--sync-deadline-s", type=float, default=30.0, help="Deadline of one node's push."),
-    # eval, checkpoints, run directory
-    _opt("--eval-every", type=int, default=10, help="Held-out greedy eval every N steps."),
-    _opt("--eval-tasks", type=int, default=16, help="Held-out eval prompts."),
-    _opt("--checkpoint-every", type=int, default=10, help="Checkpoint every K steps."),
-    _opt("--keep-checkpoints", type=int, default=2, help="Checkpoints kept."),
-    _opt("--seed", type=int, default=0, help="Seed of data order, sampling and LoRA init."),
-    _opt("--run-dir", default=None, show_default=False,
-         help="Run directory (default: runs/<run-name>)."),
-    _opt("--run-name", default=None, show_default=False,
-         help="Run name, also the adapter name on nodes (default: grpo-<time>)."),
-    _opt("--resume", default=None, show_default=False, type=click.Path(file_okay=False),
-         help="Continue the run in this directory from its latest checkpoint."),
-    _opt("--device", default="auto", help="auto, cpu, cuda, cuda:1..."),
-    _opt("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
-                                         "bfloat16."),
-    _opt("--report-to", default="none",
-         help="Experiment trackers for the per-step metrics, comma-separated: tensorboard, "
-              "wandb, trackio (optional extras: pip install 'gridrl-trainer[wandb]'...), or "
-              "none. TRL's metric names (train/reward, eval/reward...)."),
-    _opt("--threads", type=click.IntRange(min=0), default=0,
-         help="torch intra-op CPU threads (0: torch's default, one per core). On a machine "
-              "shared with rollout nodes, give each process its share."),
-]
-
-
-def _options(f: Any) -> Any:
-    for option in reversed(_ALL_OPTIONS):
-        f = option(f)
-    return f
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -158,9 +42,8 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
 
     from gridrl.trainer.config import RESUME_OVERRIDABLE, TrainConfig
 
-    values = {k: v for k, v in params.items() if k in TrainConfig.__dataclass_fields__}
-    values["reward_files"] = list(params.get("reward_files") or [])
-    values["rollout"] = list(params.get("rollout") or [])
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()
+              if k in TrainConfig.__dataclass_fields__}
     resume = params.get("resume")
     if not resume:
         return TrainConfig(**values).finalize(), False
@@ -187,8 +70,12 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
 
 
 @main.command()
-@_options
-@server_options("trainer", listen="127.0.0.1:50052", metrics_port=9402, client=True)
+@click_options
+@env_option("--resume", env="GRIDRL_TRAINER_RESUME", default=None, show_default=False,
+            type=click.Path(file_okay=False),
+            help="Continue the run in this directory from its latest checkpoint.")
+@server_options("trainer", listen=default_of("listen"), metrics_port=default_of("metrics_port"),
+                client=True)
 @click.pass_context
 def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         log_level: str, ready_file: str | None, **params: Any) -> None:
@@ -305,6 +192,10 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
             ("time", f"rollout {r.rollout_s:.1f}s, train {r.train_s:.1f}s, "
                      f"{r.tokens_per_s:.0f} tok/s, elapsed {r.elapsed_s:.0f}s"),
         ]
+    if response.HasField("node_wait"):
+        w = response.node_wait
+        rows.append(("waiting", f"for a rollout node {w.waited_s:.0f}s, {w.left_s:.0f}s left: "
+                                f"{w.waiting_for}"))
     if response.error:
         rows.append(("error", response.error))
     for k, v in rows:

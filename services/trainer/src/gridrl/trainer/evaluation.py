@@ -36,36 +36,35 @@ class EvalResult:
 
 
 class Evaluator:
-    """Greedy eval of a task's held-out items with an in-process sampler.
+    """Greedy eval of a task's held-out items on the trainer's own weights.
 
     Args:
-        sampler: a :class:`gridrl.trainer.local.LocalRollout` over the policy (its
-            ``generate`` runs the trainer's own model).
-        tokenizer: the policy's tokenizer.
+        backend: the :class:`gridrl.trainer.backend.TrainerBackend` being trained (its
+            ``generate`` decodes with the current weights; its tokenizer encodes and decodes).
         task: the task (its ``eval_items`` and ``score``).
         max_tokens: new tokens per eval completion.
         rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`, used when the task
             cannot score (a JSONL task without an answer column).
     """
 
-    def __init__(self, sampler: Any, tokenizer: Any, task: Task, *, max_tokens: int,
+    def __init__(self, backend: Any, task: Task, *, max_tokens: int,
                  rewards: Any | None = None) -> None:
-        self.sampler = sampler
+        self.backend = backend
         self.task = task
         self.max_tokens = max_tokens
         self.rewards = rewards
+        self.tokenizer = backend.tokenizer
         self.items: list[TaskItem] = task.eval_items()
-        self.prompt_ids = [encode_chat(tokenizer, item.messages) for item in self.items]
-        self.tokenizer = tokenizer
+        self.prompt_ids = [encode_chat(self.tokenizer, item.messages) for item in self.items]
 
     def run(self, policy_version: int) -> EvalResult:
-        """Decode every eval prompt greedily (one batch per ``max_batch`` of the sampler) and
-        score it. ``policy_version`` is the trainer's version, recorded with the result."""
+        """Decode every eval prompt greedily (temperature 0) with the backend and score it.
+        ``policy_version`` is the trainer's version, recorded with the result."""
         from gridrl.engine.contract import SamplingConfig
 
         start = time.perf_counter()
         config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
-        results = self.sampler.generate(self.prompt_ids, config, [0] * len(self.prompt_ids))
+        results = self.backend.generate(self.prompt_ids, config, [0] * len(self.prompt_ids))
         completions = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
                        for r in results]
         prompts = [item.prompt for item in self.items]

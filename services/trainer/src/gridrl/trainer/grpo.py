@@ -1,34 +1,35 @@
-"""GRPO maths on tensors: group-relative advantages, completion logprobs, the clipped
-surrogate, loss aggregation, and the KL estimators. Pure torch, no model, no I/O.
+"""The GRPO maths that does not depend on a tensor framework (numpy): group-relative
+advantages and the loss aggregation weights. The training loop computes advantages here for
+every backend, and every backend's update weighs its per-token loss with
+:func:`sequence_weights`, so the same rollouts give the same targets on torch and on MLX. The
+per-token loss itself runs on the backend's framework (torch: :mod:`gridrl.trainer.grpo_torch`).
 
 Notation (shapes): ``B`` prompts per step, ``G`` completions per prompt (a group), ``N = B*G``
-sequences, ``C`` completion positions (padded), ``V`` vocabulary size. Masks are 1.0 on
-completion tokens and 0.0 on padding; every per-token function ignores masked positions.
+sequences, ``C`` completion positions (padded). Masks are 1.0 on completion tokens and 0.0 on
+padding.
 
 Sources:
-- GRPO objective, group-normalised advantages and the k3 KL to the reference policy:
-  DeepSeekMath, Shao et al. 2024, arXiv:2402.03300, eq. (3)-(4) and §4.1.2.
+- Group-normalised advantages: DeepSeekMath, Shao et al. 2024, arXiv:2402.03300, §4.1.2;
+  per-sequence mean (eq. (3)).
 - Mean-centred advantages without std scaling and the constant length normaliser:
   Dr. GRPO ("Understanding R1-Zero-Like Training"), Liu et al. 2025, arXiv:2503.20783, §3.
-- Decoupled clip range (clip-higher) and token-level aggregation: DAPO, Yu et al. 2025,
-  arXiv:2503.14476, eq. (8)-(10).
-- k3 estimator ``r - 1 - log r``: J. Schulman, "Approximating KL Divergence", 2020,
-  http://joschu.net/blog/kl-approx.html.
+- Token-level aggregation: DAPO, Yu et al. 2025, arXiv:2503.14476, eq. (8).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
-import torch
+import numpy as np
+from numpy.typing import ArrayLike
 
 Aggregation = Literal["sequence", "token", "constant"]
 AGGREGATIONS: tuple[str, ...] = ("sequence", "token", "constant")
 
 
-def group_advantages(rewards: torch.Tensor, *, scale_std: bool = True, eps: float = 1e-4,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+def group_advantages(rewards: ArrayLike, *, scale_std: bool = True, eps: float = 1e-4,
+                     mask: ArrayLike | None = None) -> np.ndarray:
     """Group-relative advantages ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps)``.
 
     DeepSeekMath (arXiv:2402.03300, §4.1.2) scales by the group's std; Dr. GRPO
@@ -38,7 +39,7 @@ def group_advantages(rewards: torch.Tensor, *, scale_std: bool = True, eps: floa
     rewards at advantage 0 rather than 0/0.
 
     Args:
-        rewards: (B, G) float rewards, one row per prompt.
+        rewards: (B, G) rewards, one row per prompt (any array-like; computed in float32).
         scale_std: divide by the group std (GRPO) or not (Dr. GRPO).
         eps: added to the std before dividing.
         mask: optional (B, G) bool/float, 1 for samples that take part (others, e.g. dropped as
@@ -49,108 +50,26 @@ def group_advantages(rewards: torch.Tensor, *, scale_std: bool = True, eps: floa
     Raises:
         ValueError: ``rewards`` is not 2-D or ``mask`` has another shape.
     """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be (B, G), got shape {tuple(rewards.shape)}")
-    r = rewards.to(torch.float32)
-    m = torch.ones_like(r) if mask is None else mask.to(torch.float32)
+    r = np.asarray(rewards, dtype=np.float32)
+    if r.ndim != 2:
+        raise ValueError(f"rewards must be (B, G), got shape {r.shape}")
+    m = np.ones_like(r) if mask is None else np.asarray(mask, dtype=np.float32)
     if m.shape != r.shape:
-        raise ValueError(f"mask shape {tuple(m.shape)} != rewards shape {tuple(r.shape)}")
-    n = m.sum(dim=1, keepdim=True)
-    mean = (r * m).sum(dim=1, keepdim=True) / n.clamp(min=1)
+        raise ValueError(f"mask shape {m.shape} != rewards shape {r.shape}")
+    n = m.sum(axis=1, keepdims=True)
+    mean = (r * m).sum(axis=1, keepdims=True) / np.maximum(n, np.float32(1))
     centred = (r - mean) * m
     if scale_std:
-        var = (centred ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
-        centred = centred / (var.sqrt() + eps)
-    return torch.where(n >= 2, centred, torch.zeros_like(centred))
+        var = (centred ** 2).sum(axis=1, keepdims=True) / np.maximum(n - 1, np.float32(1))
+        centred = centred / (np.sqrt(var) + np.float32(eps))
+    return np.where(n >= 2, centred, np.float32(0)).astype(np.float32)
 
 
-def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                        temperature: float = 1.0) -> torch.Tensor:
-    """Logprob of each completion token under ``softmax(logits / temperature)``.
-
-    The trainer must score completions under the temperature they were sampled with (as TRL
-    does), or its logprobs are not comparable with the behaviour logprobs of the Samples.
-
-    Args:
-        logits: (N, C, V) any float dtype; ``logits[:, t]`` is the distribution of
-            ``tokens[:, t]`` (already shifted by one position against the input).
-        tokens: (N, C) int64 token ids (padding positions may hold any valid id).
-        temperature: > 0.
-    Returns:
-        (N, C) float32 natural-log probabilities, computed as
-        ``z[token] - logsumexp(z)`` with ``z = logits.float() / temperature`` (no (N, C, V)
-        log-softmax tensor is materialised besides ``z``).
-    Raises:
-        ValueError: temperature <= 0 or shapes do not match.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:2] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} do not match tokens {tuple(tokens.shape)}")
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    picked = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
-
-
-def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of ``KL(p || q)`` per token, for tokens drawn from ``p``:
-    ``r - 1 - log r`` with ``r = q/p = exp(other_logp - logp)``. Non-negative, unbiased.
-
-    With ``p`` = the current policy and ``q`` = the reference this is DeepSeekMath's eq. (4)
-    penalty ``pi_ref/pi_theta - log(pi_ref/pi_theta) - 1``.
-
-    Args:
-        logp: (...) float logprobs of the sampled tokens under ``p``.
-        other_logp: same shape, under ``q``.
-    Returns:
-        same shape, float32 (float64 when an input is float64), nats. Computed as
-        ``expm1(d) - d`` with ``d = other_logp - logp``: ``exp(d) - d - 1`` cancels to exactly
-        0 in float32 for the ~1e-6 differences of numerically identical policies.
-    """
-    d = other_logp - logp
-    if d.dtype != torch.float64:
-        d = d.float()
-    return torch.expm1(d) - d
-
-
-def clipped_surrogate(logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                      advantages: torch.Tensor, *, eps_low: float = 0.2,
-                      eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss of GRPO/PPO (to be minimised).
-
-    ``ratio = exp(logp - behaviour_logp)``;
-    ``loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``
-    (DeepSeekMath eq. (3); DAPO eq. (10) decouples ``eps_high`` from ``eps_low``, clip-higher).
-
-    Args:
-        logp: (N, C) trainer logprobs of the sampled tokens (carry the gradient).
-        behaviour_logp: (N, C) logprobs the rollout engine sampled with (no gradient).
-        advantages: (N,) one advantage per sequence, broadcast over its tokens, or (N, C).
-        eps_low: lower clip range, > 0.
-        eps_high: upper clip range; None means ``eps_low`` (symmetric PPO clip).
-    Returns:
-        ``(loss, clipped)``: (N, C) float32 per-token loss, and (N, C) bool, True where the
-        clipped branch was taken (the gradient is zero there).
-    """
-    eps_high = eps_low if eps_high is None else eps_high
-    adv = advantages.float()
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(-1)
-    ratio = torch.exp(logp.float() - behaviour_logp.float())
-    unclipped = ratio * adv
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    clipped_obj = clipped_ratio * adv
-    loss = -torch.minimum(unclipped, clipped_obj)
-    took_clip = clipped_obj < unclipped
-    return loss, took_clip
-
-
-def sequence_weights(lengths: torch.Tensor, aggregation: Aggregation,
-                     max_tokens: int | None = None) -> torch.Tensor:
+def sequence_weights(lengths: ArrayLike, aggregation: Aggregation,
+                     max_tokens: int | None = None) -> np.ndarray:
     """Weight of every token of each sequence, so that the step's loss is
-    ``sum_i sum_t c_i * m_it * loss_it`` (see :func:`loss_weights`).
+    ``sum_i sum_t c_i * m_it * loss_it`` (see :func:`loss_weights`). Fixed once over the whole
+    step, it makes the loss additive over micro-batches and data-parallel ranks.
 
     Args:
         lengths: (N,) number of completion tokens of each sequence of the whole step.
@@ -161,23 +80,24 @@ def sequence_weights(lengths: torch.Tensor, aggregation: Aggregation,
     Raises:
         ValueError: unknown aggregation, or ``"constant"`` without ``max_tokens``.
     """
-    n_tok = lengths.to(torch.float32)
-    n = max(int(n_tok.shape[0]), 1)
+    n_tok = np.asarray(lengths, dtype=np.float32).reshape(-1)
+    n = np.float32(max(int(n_tok.shape[0]), 1))
+    one = np.float32(1)
     if aggregation == "sequence":
-        c = 1.0 / (n_tok.clamp(min=1) * n)
+        c = one / (np.maximum(n_tok, one) * n)
     elif aggregation == "token":
-        c = torch.full_like(n_tok, 1.0) / n_tok.sum().clamp(min=1)
+        c = np.full_like(n_tok, one) / np.maximum(n_tok.sum(dtype=np.float32), one)
     elif aggregation == "constant":
         if not max_tokens or max_tokens < 1:
             raise ValueError("aggregation 'constant' needs max_tokens >= 1")
-        c = torch.full_like(n_tok, 1.0 / (n * max_tokens))
+        c = np.full_like(n_tok, one / (n * np.float32(max_tokens)))
     else:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    return torch.where(n_tok > 0, c, torch.zeros_like(c))
+    return np.where(n_tok > 0, c, np.float32(0)).astype(np.float32)
 
 
-def loss_weights(mask: torch.Tensor, aggregation: Aggregation,
-                 max_tokens: int | None = None) -> torch.Tensor:
+def loss_weights(mask: ArrayLike, aggregation: Aggregation,
+                 max_tokens: int | None = None) -> np.ndarray:
     """Per-token weights ``w`` such that the step's loss is ``sum(w * per_token_loss)``.
 
     - ``"sequence"`` (GRPO, arXiv:2402.03300 eq. (3)): mean over each sequence's tokens, then
@@ -186,9 +106,6 @@ def loss_weights(mask: torch.Tensor, aggregation: Aggregation,
       ``w_it = m_it / sum(m)``.
     - ``"constant"`` (Dr. GRPO, arXiv:2503.20783 §3): a constant normaliser independent of
       lengths: ``w_it = m_it / (N * max_tokens)``.
-
-    Computing the weights once over the whole step makes the loss additive over micro-batches
-    and data-parallel ranks: each part contributes ``sum(w_part * loss_part)``.
 
     Args:
         mask: (N, C) float/bool completion mask of the whole step.
@@ -199,79 +116,45 @@ def loss_weights(mask: torch.Tensor, aggregation: Aggregation,
     Raises:
         ValueError: unknown aggregation, or ``"constant"`` without ``max_tokens``.
     """
-    m = mask.to(torch.float32)
-    return m * sequence_weights(m.sum(dim=1), aggregation, max_tokens).unsqueeze(-1)
+    m = np.asarray(mask, dtype=np.float32)
+    return m * sequence_weights(m.sum(axis=1), aggregation, max_tokens)[:, None]
 
 
-def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation,
-              max_tokens: int | None = None) -> torch.Tensor:
+def aggregate(per_token_loss: ArrayLike, mask: ArrayLike, aggregation: Aggregation,
+              max_tokens: int | None = None) -> float:
     """Scalar loss of a whole step: ``sum(loss_weights(mask, ...) * per_token_loss)``.
 
     Args:
         per_token_loss: (N, C) float.
         mask: (N, C) completion mask.
-    Returns:
-        0-d float32 tensor (differentiable through ``per_token_loss``).
     """
     w = loss_weights(mask, aggregation, max_tokens)
-    return (w * per_token_loss.float()).sum()
+    return float((w * np.asarray(per_token_loss, dtype=np.float32)).sum())
 
 
-@dataclass(frozen=True)
-class TokenLoss:
-    """Output of :func:`grpo_token_loss`; every tensor is (N, C) float32 (``clipped`` bool)."""
-
-    loss: torch.Tensor  # surrogate + beta * KL to the reference; has the gradient
-    clipped: torch.Tensor  # the clipped branch of the surrogate was taken
-    ref_kl: torch.Tensor | None  # k3 KL(pi_theta || pi_ref) per token (None when beta == 0)
-
-
-def grpo_token_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                    advantages: torch.Tensor, *, eps_low: float = 0.2,
-                    eps_high: float | None = None, beta: float = 0.0,
-                    ref_logp: torch.Tensor | None = None) -> TokenLoss:
-    """The GRPO per-token loss: clipped surrogate (:func:`clipped_surrogate`) plus, when
-    ``beta > 0``, ``beta * k3(pi_theta || pi_ref)`` (DeepSeekMath eq. (3)-(4)).
+def mismatch_kl(trainer_logprobs: Sequence[Sequence[float]],
+                behaviour_logprobs: Sequence[Sequence[float]]) -> float | None:
+    """Mean per token of the k3 estimate of ``KL(pi_behaviour || pi_trainer)`` over sampled
+    tokens: ``expm1(d) - d`` with ``d = trainer - behaviour`` (Schulman's k3, the same estimate
+    as the update's, :func:`gridrl.trainer.grpo_torch.mismatch_kl`), accumulated in float64.
 
     Args:
-        logp, behaviour_logp: (N, C) trainer / behaviour logprobs of the sampled tokens.
-        advantages: (N,) or (N, C).
-        eps_low, eps_high: clip ranges (DAPO clip-higher when ``eps_high > eps_low``).
-        beta: KL coefficient; 0 disables the reference term.
-        ref_logp: (N, C) reference-policy logprobs; required when ``beta > 0``.
-    Raises:
-        ValueError: ``beta > 0`` without ``ref_logp``.
-    """
-    loss, clipped = clipped_surrogate(logp, behaviour_logp, advantages, eps_low=eps_low,
-                                      eps_high=eps_high)
-    ref_kl = None
-    if beta:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        ref_kl = k3_kl(logp.float(), ref_logp.float())
-        loss = loss + beta * ref_kl
-    return TokenLoss(loss=loss, clipped=clipped, ref_kl=ref_kl)
-
-
-def mismatch_kl(trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """How far the trainer's policy is from the policy that sampled: the k3 estimate of
-    ``KL(pi_behaviour || pi_trainer)`` over the sampled tokens (they were drawn from the
-    behaviour policy, so k3 with ``r = pi_trainer / pi_behaviour`` is unbiased).
-
-    Near 0 (fp noise, ~1e-6 in fp32) when the node sampled with the trainer's weights; it grows
-    with staleness, wrong or missing adapters, and precision differences (bf16 nodes).
-
-    Args:
-        trainer_logp: (N, C) trainer logprobs (any grad; detached here).
-        behaviour_logp: (N, C) behaviour logprobs.
-        mask: (N, C) completion mask.
+        trainer_logprobs: per sequence, the trainer's logprob of each completion token.
+        behaviour_logprobs: per sequence, the sampler's, same lengths.
     Returns:
-        ``(mean, per_sequence)``: 0-d mean over all masked tokens and (N,) mean over each
-        sequence's tokens (0 for empty sequences), float64 (fp noise of 1e-6 in the logprobs is
-        a KL of ~1e-13, below float32's resolution near 1), nats per token.
+        nats per token over all tokens, or None when there are no tokens.
+    Raises:
+        ValueError: a sequence's two lists differ in length, or the counts differ.
     """
-    m = mask.to(torch.float64)
-    kl = k3_kl(behaviour_logp.detach().double(), trainer_logp.detach().double()) * m
-    per_seq = kl.sum(dim=1) / m.sum(dim=1).clamp(min=1)
-    return kl.sum() / m.sum().clamp(min=1), per_seq
+    if len(trainer_logprobs) != len(behaviour_logprobs):
+        raise ValueError(f"{len(trainer_logprobs)} trainer vs {len(behaviour_logprobs)} "
+                         "behaviour sequences")
+    d_parts = []
+    for t, b in zip(trainer_logprobs, behaviour_logprobs, strict=True):
+        if len(t) != len(b):
+            raise ValueError(f"logprobs of {len(t)} vs {len(b)} tokens")
+        d_parts.append(np.asarray(t, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+    d = np.concatenate(d_parts) if d_parts else np.zeros(0)
+    if d.size == 0:
+        return None
+    return float(np.mean(np.expm1(d) - d))

@@ -1,5 +1,5 @@
-"""``--rollout local``: sample in-process with the rollout engine's torch backend over the
-policy's own (peft) model, for a single machine.
+"""``--rollout local``: sample in-process with the trainer backend's own sampler
+(:meth:`gridrl.trainer.backend.TrainerBackend.generate`), for a single machine.
 
 The sampler shares the weights being trained, so every sample carries the trainer's current
 policy version and there is nothing to push. Sampling semantics (temperature, top-k, top-p,
@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
 
 LOCAL = "local"
@@ -24,39 +22,13 @@ class LocalRollout:
     """A :class:`gridrl.trainer.rollouts.RolloutSource` over the trainer's own model.
 
     Args:
-        policy: the :class:`gridrl.trainer.policy.Policy` being trained.
+        backend: the :class:`gridrl.trainer.backend.TrainerBackend` being trained.
         version: returns the trainer's current policy version (stamped on every sample).
-        max_batch: sequences decoded together in one batch (a step's B*G sequences are split
-            into batches of at most this many).
     """
 
-    def __init__(self, policy: Any, version: Callable[[], int], max_batch: int = 64) -> None:
-        from gridrl.engine.backends.torch import TorchBackend
-
-        self.policy = policy
+    def __init__(self, backend: Any, version: Callable[[], int]) -> None:
+        self.backend = backend
         self.version = version
-        self.max_batch = max_batch
-        self.backend = TorchBackend.from_model(policy.model, policy.tokenizer)
-
-    def generate(self, prompts: Sequence[Sequence[int]], config: Any,
-                 seeds: Sequence[int]) -> list[Any]:
-        """Decode one sequence per prompt with ``config`` (a ``SamplingConfig``) in eval mode,
-        batches of ``max_batch``; returns the backend's ``SequenceResult`` s in order."""
-        from gridrl.engine.contract import SequenceRequest
-
-        requests = [SequenceRequest(prompt_ids=list(p), sampling=config, seed=s)
-                    for p, s in zip(prompts, seeds, strict=True)]
-        was_training = self.policy.model.training
-        self.policy.model.eval()
-        try:
-            results: list[Any] = []
-            with torch.no_grad():
-                for i in range(0, len(requests), self.max_batch):
-                    results.extend(self.backend.generate(requests[i:i + self.max_batch], None))
-            return results
-        finally:
-            if was_training:
-                self.policy.model.train()
 
     def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
                         max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
@@ -76,9 +48,9 @@ class LocalRollout:
                 seeds.append(sequence_seed(g_seed, j))  # as the engine seeds sample j
         version = self.version()
         start = time.perf_counter()
-        results = self.generate(flat_prompts, config, seeds)
+        results = self.backend.generate(flat_prompts, config, seeds)
         seconds = time.perf_counter() - start
-        decode = self.policy.tokenizer.decode
+        decode = self.backend.tokenizer.decode
         groups = []
         for i, p in enumerate(prompts):
             samples = [RolloutSample(token_ids=list(r.token_ids), logprobs=list(r.logprobs),
@@ -91,4 +63,4 @@ class LocalRollout:
         return groups
 
     def close(self) -> None:
-        """Nothing to release (the model belongs to the policy)."""
+        """Nothing to release (the model belongs to the backend)."""

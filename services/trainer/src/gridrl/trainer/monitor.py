@@ -14,7 +14,10 @@ Two silent failures of distributed RL show up here and are flagged loudly:
   ``mismatch_kl_max_16bit`` instead: it still catches a wrong base or conversion, not
   a one-version slip.
 
-A node is flagged after ``flag_after`` consecutive bad steps and unflagged after a good one.
+A node is flagged after ``flag_after`` consecutive bad steps. A flag acts: the node is benched
+(no new groups), its samples are kept out of the update (``admission.py``) and it is cleared
+(:meth:`NodeMonitor.clear`) only once it serves the current version again and passes a fresh
+mismatch check (``probation.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +97,17 @@ class NodeMonitor:
         return ""
 
     def _bound_for(self, stats: NodeStepStats) -> float:
-        return self.mismatch_kl_max_16bit if stats.low_precision else self.mismatch_kl_max
+        return self.bound_for(stats.low_precision)
+
+    def bound_for(self, low_precision: bool) -> float:
+        """The mismatch bound (nats/token) of a node: the 16-bit one when it or the trainer
+        computes in bfloat16/float16."""
+        return self.mismatch_kl_max_16bit if low_precision else self.mismatch_kl_max
+
+    def clear(self, node: str) -> None:
+        """Forget the node's flag and bad steps (it passed a fresh check)."""
+        self._bad_steps.pop(node, None)
+        self.flagged.pop(node, None)
 
     def bound(self, per_node: dict[str, NodeStepStats]) -> float:
         """The loosest mismatch bound applied to any of these nodes (nats/token)."""
@@ -104,7 +117,8 @@ class NodeMonitor:
     def observe(self, step: int, per_node: dict[str, NodeStepStats]) -> dict[str, str]:
         """Account one step; returns the nodes newly flagged at this step (address -> reason).
 
-        Nodes absent from ``per_node`` (no samples this step) keep their count and flag.
+        Nodes absent from ``per_node`` (no samples this step: flagged nodes' samples are not
+        judged) keep their count and flag.
         """
         newly: dict[str, str] = {}
         for node, stats in per_node.items():

@@ -1,6 +1,7 @@
-"""The policy: a base causal LM with a trainable peft LoRA adapter, and the forward passes the
-trainer needs (completion logprobs of a padded batch, reference logprobs with the adapter
-disabled). Also serializes the adapter to peft files in memory for pushes and checkpoints.
+"""The torch backend's policy: a base causal LM with a trainable peft LoRA adapter, and the
+forward passes the trainer needs (completion logprobs of a padded batch, reference logprobs
+with the adapter disabled). Also serializes the adapter to peft files in memory for pushes and
+checkpoints.
 
 Base weights load in float32 on CPU and bfloat16 on CUDA; LoRA weights stay float32 (peft's
 ``autocast_adapter_dtype``). Only LoRA parameters require grad.
@@ -13,7 +14,6 @@ import json
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,40 +21,19 @@ import torch
 
 from gridrl.common.errors import invalid_argument
 from gridrl.models import ModelIdentity, model_identity
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+from gridrl.trainer.backend import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """peft LoRA hyper-parameters.
+def peft_lora_config(lora: LoraSettings) -> Any:
+    """The ``peft.LoraConfig`` of ``lora`` (causal LM, no bias)."""
+    from peft import LoraConfig, TaskType
 
-    Attributes:
-        rank: r.
-        alpha: lora_alpha; the update is scaled by ``alpha / r`` (``alpha / sqrt(r)`` with
-            rsLoRA, Kalajdzievski 2023, arXiv:2312.03732).
-        dropout: lora_dropout on the adapter input (training mode only).
-        target_modules: ``"all-linear"`` (every linear layer but the output head) or a
-            comma-separated list of module names (``"q_proj,v_proj"``).
-        rslora: use rank-stabilised scaling.
-    """
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: str = "all-linear"
-    rslora: bool = False
-
-    def peft_config(self) -> Any:
-        from peft import LoraConfig, TaskType
-
-        targets: str | list[str] = self.target_modules
-        if targets != "all-linear":
-            targets = [t.strip() for t in targets.split(",") if t.strip()]
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=targets, use_rslora=self.rslora, bias="none",
-                          task_type=TaskType.CAUSAL_LM)
+    targets: str | list[str] = lora.target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=targets, use_rslora=lora.rslora, bias="none",
+                      task_type=TaskType.CAUSAL_LM)
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -298,7 +277,7 @@ def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: 
             # not the user's to act on.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                                     category=FutureWarning)
-            peft_model = get_peft_model(base, lora.peft_config())
+            peft_model = get_peft_model(base, peft_lora_config(lora))
     except ValueError as e:
         raise invalid_argument("--lora-target-modules", str(e)) from e
     identity = model_identity(path, model_id=model) if Path(str(path)).is_dir() else None
@@ -309,7 +288,6 @@ def load_policy(model: str, *, lora: LoraSettings, device: str = "auto", dtype: 
                                  vocab_size=cfg.vocab_size,
                                  max_context=getattr(cfg, "max_position_embeddings", 2048))
     return Policy(peft_model, tokenizer, identity, model)
-
 
 
 def stored_tensor(t: torch.Tensor):

@@ -72,6 +72,7 @@ class RunStatus:
         self._baseline: float | None = None
         self._error = ""
         self._history: list[trainer_pb2.StepReport] = []
+        self._node_wait: trainer_pb2.NodeWait | None = None
 
     def begin(self, run_name: str, run_dir: str, total_steps: int, model_id: str) -> None:
         """Start a run (state STARTING: loading the model, measuring the baseline)."""
@@ -102,6 +103,14 @@ class RunStatus:
             if self._state == trainer_pb2.RUN_STATE_STARTING:
                 self._state = trainer_pb2.RUN_STATE_RUNNING
             self._cond.notify_all()
+
+    def set_node_wait(self, waiting_for: str | None, waited_s: float = 0.0,
+                      left_s: float = 0.0) -> None:
+        """The run waits for a rollout node (``waiting_for``: every node and why it is out),
+        ``waited_s`` so far, ``left_s`` before it fails; None: it no longer waits."""
+        with self._cond:
+            self._node_wait = None if waiting_for is None else trainer_pb2.NodeWait(
+                waiting_for=waiting_for, waited_s=waited_s, left_s=left_s)
 
     def finish(self) -> None:
         """Mark the run FINISHED (all steps done); ends WatchRun streams."""
@@ -135,6 +144,8 @@ class RunStatus:
                 msg.last_report.CopyFrom(last)
             if self._baseline is not None:
                 msg.baseline_eval = self._baseline
+            if self._node_wait is not None:
+                msg.node_wait.CopyFrom(self._node_wait)
             return msg
 
     def history_length(self) -> int:

@@ -10,9 +10,11 @@ converted once per version with ``gridrl.adapters.convert_files(..., "mlx")`` fo
 Pushes go to all nodes concurrently, each with its own deadline, so a push takes about the
 slowest node's time, never the sum. A node that fails or misses the deadline is reported in
 ``skipped`` and benched by the pool (it would sample a stale policy); nodes out of rotation are
-skipped without a call. The newest (version, files) is remembered: a node that joins or comes
-back into rotation, or reports serving an older version than it was pushed (restarted), gets
-it in the background first thing.
+skipped without a call. The newest (version, files) is remembered and made the pool's target
+(:meth:`NodePool.set_target`): a node that joins or comes back, or reports serving an older
+version than it was pushed (restarted), waits out of rotation (*syncing*) and gets it in the
+background first thing; once it serves it, the pool lets it in. :meth:`AdapterSync.repush`
+pushes it again to one node on demand (a flagged node's way back, ``probation.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from gridrl.common.faults import pause_in_stream
 from gridrl.common.transport import push_requests
 from gridrl.trainer import metrics
 from gridrl.trainer.pool import NodePool, NodeState
@@ -127,15 +130,16 @@ class AdapterSync:
                 raise ValueError(f"version: {version} is older than the last push "
                                  f"({self._newest.version})")
             self._newest = adapter
+        self.pool.set_target(self.name, version)
         report = SyncReport(seconds=0.0)
         targets = []
         for node in self.pool.nodes():
             if node.excluded:
                 continue
-            if node.in_rotation:
+            if node.in_rotation or node.syncing:
                 targets.append(node)
             else:
-                report.skipped[node.address] = _why_out(node)
+                report.skipped[node.address] = node.why_out()
         unconvertible = {}
         for fmt in sorted({n.adapter_format for n in targets}):  # outside the per-node deadlines
             try:
@@ -176,6 +180,25 @@ class AdapterSync:
         return sorted(n.address for n in self.pool.nodes() if not n.excluded
                       and min(n.adapter_version, n.synced_version) < current_version)
 
+    @property
+    def newest_version(self) -> int:
+        """The policy version of the newest push (0 before the first)."""
+        with self._lock:
+            return self._newest.version if self._newest is not None else 0
+
+    def repush(self, address: str) -> str:
+        """Push the newest adapter to one node now, whatever it reports serving (a flagged
+        node: its weights are suspect). Returns "" on success, else why it failed (and the
+        node is benched); "no adapter pushed yet" before the first push."""
+        with self._lock:
+            adapter = self._newest
+        if adapter is None:
+            return "no adapter pushed yet"
+        node = self.pool.node(address)
+        if node is None:
+            return "not in the pool"
+        return self._push_node(node, adapter)
+
     def close(self) -> None:
         """Wait for background catch-up pushes and stop the worker threads. Idempotent."""
         self._closed = True
@@ -204,7 +227,8 @@ class AdapterSync:
                                     f"deadline of {self.deadline_s:.1f}s spent converting")
             stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
             try:
-                response = stub.PushAdapter(push_requests(manifest, files), timeout=left)
+                requests = pause_in_stream(push_requests(manifest, files), "trainer.push")
+                response = stub.PushAdapter(requests, timeout=left)
             except grpc.RpcError as e:
                 return self._failed(node.address, adapter.version,
                                     f"PushAdapter {e.code().name}: {e.details()}")
@@ -295,7 +319,7 @@ class AdapterSync:
             if self._newest is not adapter:  # a newer push reaches it (or skips it) anyway
                 return
         node = self.pool.node(address)
-        if node is None or not node.in_rotation:
+        if node is None or not (node.in_rotation or node.syncing):
             return
         try:
             info = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).GetNodeInfo(
@@ -312,10 +336,3 @@ class AdapterSync:
         else:
             log.info("caught up node %s to policy version %d", address, adapter.version)
 
-
-def _why_out(node: NodeState) -> str:
-    if node.benched:
-        return f"out of rotation: {node.benched}"
-    if not node.healthy:
-        return f"unhealthy{': ' + node.last_error if node.last_error else ''}"
-    return "out of rotation"

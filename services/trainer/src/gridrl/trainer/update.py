@@ -1,4 +1,5 @@
-"""One GRPO optimizer step over the training sequences of a step.
+"""The torch backend's GRPO step: one optimizer step over the training sequences of a step,
+and the trainer's behaviour-aligned logprobs of sequences.
 
 The trainer's logprobs of every sequence come from padded forward passes (prompts left-padded,
 completions right-padded, positions from the attention mask), in micro-batches of
@@ -11,105 +12,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gridrl.trainer import grpo
+from gridrl.trainer import grpo, grpo_torch
+from gridrl.trainer.backend import TrainSequence, UpdateConfig, UpdateStats
 from gridrl.trainer.distributed import SingleProcess
 
 
-@dataclass(frozen=True)
-class TrainSequence:
-    """One completion to train on.
-
-    Attributes:
-        prompt_ids: the prompt's token ids.
-        completion_ids: the sampled token ids (stop token included).
-        behaviour_logprobs: one per completion token, from the sampler.
-        advantage: the group-relative advantage of the completion.
-        group: index of its group in the step (data-parallel sharding is by group).
-    """
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    behaviour_logprobs: tuple[float, ...]
-    advantage: float
-    group: int
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """Loss and optimisation settings of a step (see ``grpo.py`` for the formulas).
-
-    Attributes:
-        temperature: the sampling temperature; trainer logprobs use ``logits / temperature``.
-        eps_low, eps_high: clip range (``eps_high`` None: symmetric).
-        beta: KL-to-reference coefficient (0: off, no reference forward).
-        aggregation: ``"sequence"``, ``"token"`` or ``"constant"``.
-        max_tokens: sampling ``max_tokens`` (the ``"constant"`` normaliser).
-        micro_batch_size: sequences per forward/backward; 0 = the whole share at once.
-        max_grad_norm: clip the LoRA gradient's global L2 norm to this; 0 = no clipping.
-        shared_prefix: run each group's prompt once and repeat its KV cache for the group's
-            completions (:meth:`~gridrl.trainer.policy.Policy.shared_prefix_logits`); False:
-            one padded forward over prompt + completion per sequence. Same maths, different
-            float rounding.
-        top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
-            ``softmax(logits / T)`` (as TRL does); the mismatch KL compares the behaviour
-            logprobs with the trainer's logprobs under the sampler's own transform
-            (``gridrl.engine.backends.torch_sampling``), so truncation is not reported as a
-            node mismatch.
-    """
-
-    temperature: float = 1.0
-    eps_low: float = 0.2
-    eps_high: float | None = None
-    beta: float = 0.0
-    aggregation: str = "sequence"
-    max_tokens: int = 256
-    micro_batch_size: int = 0
-    max_grad_norm: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    shared_prefix: bool = True
-
-    @property
-    def truncated(self) -> bool:
-        """True when the sampler drops tokens (top-k or top-p)."""
-        return self.top_k > 0 or self.top_p < 1.0
-
-
-@dataclass
-class UpdateStats:
-    """What a step did. Scalars are over all ranks' sequences.
-
-    Attributes:
-        loss: the aggregated loss (surrogate + beta * KL).
-        mismatch_kl: k3 KL(behaviour || trainer) per token, nats (before the update).
-        per_sequence_mismatch_kl: (N,) the same per sequence, in input order.
-        clip_fraction: fraction of completion tokens where the clipped branch was taken.
-        ref_kl: mean k3 KL(trainer || reference) per token, or None when beta == 0.
-        grad_norm: the LoRA gradient's L2 norm before clipping.
-        lr: learning rate used by this step.
-        tokens: completion tokens trained on.
-    """
-
-    loss: float
-    mismatch_kl: float
-    per_sequence_mismatch_kl: list[float] = field(default_factory=list)
-    clip_fraction: float = 0.0
-    ref_kl: float | None = None
-    grad_norm: float = 0.0
-    lr: float = 0.0
-    tokens: int = 0
-
-
-def collate(seqs: Sequence[TrainSequence], pad_id: int,
-            device: torch.device) -> dict[str, torch.Tensor]:
+def collate(seqs: Sequence[TrainSequence], pad_id: int, device: torch.device, *,
+            behaviour: bool = True) -> dict[str, torch.Tensor]:
     """Pad sequences into tensors: prompts left-padded to the longest prompt (width P),
     completions right-padded to the longest completion (width C).
 
+    Args:
+        behaviour: read the behaviour logprobs (False: for scoring only; ``behaviour`` is 0).
     Returns:
         ``input_ids`` (n, P + C) int64, ``attention_mask`` (n, P + C) int64,
         ``completion_ids`` (n, C) int64, ``completion_mask`` (n, C) float32,
@@ -121,7 +39,7 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int,
     input_ids = torch.full((n, p_width + c_width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, p_width + c_width), dtype=torch.long)
     comp_mask = torch.zeros((n, c_width), dtype=torch.float32)
-    behaviour = torch.zeros((n, c_width), dtype=torch.float32)
+    behaviour_lp = torch.zeros((n, c_width), dtype=torch.float32)
     for i, s in enumerate(seqs):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         input_ids[i, p_width - p:p_width] = torch.tensor(s.prompt_ids, dtype=torch.long)
@@ -129,11 +47,12 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int,
         if c:
             input_ids[i, p_width:p_width + c] = torch.tensor(s.completion_ids, dtype=torch.long)
             comp_mask[i, :c] = 1.0
-            behaviour[i, :c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            if behaviour:
+                behaviour_lp[i, :c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
     return {
         "input_ids": input_ids.to(device), "attention_mask": attention.to(device),
         "completion_ids": input_ids[:, p_width:].to(device),
-        "completion_mask": comp_mask.to(device), "behaviour": behaviour.to(device),
+        "completion_mask": comp_mask.to(device), "behaviour": behaviour_lp.to(device),
         "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32,
                                    device=device),
     }
@@ -163,8 +82,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     if not seqs:
         raise ValueError("no sequences to train on")
     device = policy.device
-    lengths = torch.tensor([len(s.completion_ids) for s in seqs], dtype=torch.float32)
-    coef = grpo.sequence_weights(lengths, cfg.aggregation, cfg.max_tokens)  # type: ignore[arg-type]
+    coef = torch.from_numpy(grpo.sequence_weights(
+        [len(s.completion_ids) for s in seqs], cfg.aggregation, cfg.max_tokens))  # type: ignore[arg-type]
     local = par.local_share([s.group for s in seqs])
     if not local:
         raise ValueError(f"rank {par.rank} has no group to train on: use at least "
@@ -184,13 +103,9 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            if cfg.shared_prefix:  # one prompt forward per group, its cache repeated
-                logits = policy.shared_prefix_logits([seqs[i].prompt_ids for i in idx],
-                                                     batch["completion_ids"], model=par.model)
-            else:
-                logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"],
-                                                  width, model=par.model)
-            logp = grpo.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
+            logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
+            logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"],
+                                                  cfg.temperature)
             seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
                     if cfg.truncated else logp)
             del logits
@@ -198,18 +113,18 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             if cfg.beta:
                 ref_logits = policy.reference_logits(batch["input_ids"], batch["attention_mask"],
                                                      width)
-                ref_logp = grpo.completion_logprobs(ref_logits, batch["completion_ids"],
-                                                    cfg.temperature)
+                ref_logp = grpo_torch.completion_logprobs(ref_logits, batch["completion_ids"],
+                                                          cfg.temperature)
                 del ref_logits
-            out = grpo.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
-                                       eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                       beta=cfg.beta, ref_logp=ref_logp)
+            out = grpo_torch.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
+                                             eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                             beta=cfg.beta, ref_logp=ref_logp)
             valid = mask > 0
             token_loss = torch.where(valid, out.loss, torch.zeros_like(out.loss))
             part = (token_loss * coef[idx].to(device).unsqueeze(-1)).sum()
             (part * par.world_size).backward()
         with torch.no_grad():
-            _, per_seq_kl = grpo.mismatch_kl(seen, batch["behaviour"], mask)
+            _, per_seq_kl = grpo_torch.mismatch_kl(seen, batch["behaviour"], mask)
             ntok = mask.sum(dim=1)
             totals[0] += float(part.detach())
             totals[1] += float((out.clipped & valid).sum())
@@ -235,6 +150,50 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         clip_fraction=float(totals[1]) / tokens,
         ref_kl=float(totals[4]) / tokens if cfg.beta else None,
         grad_norm=grad_norm, lr=lr, tokens=int(totals[2]))
+
+
+def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
+            cfg: UpdateConfig, model: Any) -> torch.Tensor:
+    """(n, C, V) completion logits of ``seqs`` (collated as ``batch``) through ``model``."""
+    if cfg.shared_prefix:  # one prompt forward per group, its cache repeated
+        return policy.shared_prefix_logits([s.prompt_ids for s in seqs],
+                                           batch["completion_ids"], model=model)
+    return policy.completion_logits(batch["input_ids"], batch["attention_mask"],
+                                    batch["completion_mask"].shape[1], model=model)
+
+
+@torch.no_grad()
+def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
+                      cfg: UpdateConfig) -> list[list[float]]:
+    """The policy's logprobs of each completion of ``seqs`` under the sampler's transform
+    (:func:`sampler_logprobs` when the run truncates, else ``log_softmax(logits / T)``), in
+    eval mode (no dropout), no gradient, in micro-batches of ``cfg.micro_batch_size``.
+
+    Args:
+        policy: a :class:`gridrl.trainer.policy.Policy`.
+        seqs: the sequences (their behaviour logprobs and advantages are not used).
+    Returns:
+        one list of ``len(completion_ids)`` float logprobs per sequence, in order.
+    """
+    if not seqs:
+        return []
+    was_training = policy.model.training
+    policy.model.eval()
+    try:
+        out: list[list[float]] = []
+        mb = cfg.micro_batch_size or len(seqs)
+        for start in range(0, len(seqs), mb):
+            chunk = list(seqs[start:start + mb])
+            batch = collate(chunk, policy.pad_id, policy.device, behaviour=False)
+            logits = _logits(policy, chunk, batch, cfg, policy.model)
+            lp = (sampler_logprobs(logits, batch["completion_ids"], cfg) if cfg.truncated
+                  else grpo_torch.completion_logprobs(logits, batch["completion_ids"],
+                                                      cfg.temperature))
+            out.extend(lp[i, :len(s.completion_ids)].tolist() for i, s in enumerate(chunk))
+        return out
+    finally:
+        if was_training:
+            policy.model.train()
 
 
 def sampler_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

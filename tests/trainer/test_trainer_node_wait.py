@@ -1,0 +1,57 @@
+"""Reporting a wait for a rollout node: console lines every few seconds (a fake clock), and
+``GetRunStatus.node_wait`` over a real TrainerService while it lasts."""
+
+from __future__ import annotations
+
+from gridrl.common.channel import dial
+from gridrl.trainer.node_wait import NodeWaitReporter
+from gridrl.trainer.pool import NodeWait
+from gridrl.trainer.server import serve_trainer
+from gridrl.trainer.status import RunStatus
+from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+
+class Console:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def test_wait_reported_on_the_console_and_in_get_run_status() -> None:
+    status = RunStatus()
+    status.begin("run", "/runs/run", total_steps=10, model_id="tiny")
+    server = serve_trainer(status, "127.0.0.1:0", metrics_port=-1)
+    clock = {"now": 100.0}
+    console = Console()
+    report = NodeWaitReporter(console, status, every_s=5.0, clock=lambda: clock["now"])
+
+    def get_status() -> trainer_pb2.GetRunStatusResponse:
+        with dial(server.address) as channel:
+            return trainer_pb2_grpc.TrainerServiceStub(channel).GetRunStatus(
+                trainer_pb2.GetRunStatusRequest(), timeout=10)
+
+    try:
+        assert not get_status().HasField("node_wait")
+        waiting_for = "127.0.0.1:5001 (benched: 3 consecutive Generate failures)"
+        for t, waited in ((100.0, 0.0), (102.0, 2.0), (104.9, 4.9), (105.0, 5.0), (111.0, 11.0)):
+            clock["now"] = t
+            report(NodeWait(waited_s=waited, left_s=300.0 - waited, waiting_for=waiting_for))
+        # a line when the wait begins, then one every 5 s
+        assert len(console.lines) == 3
+        assert console.lines[0] == ("[bold yellow]waiting for a rollout node[/] (none in "
+                                    "rotation) for 0s, 300s left (--wait-for-nodes-s): "
+                                    + waiting_for)
+        assert "for 5s, 295s left" in console.lines[1] and "for 11s, 289s left" in console.lines[2]
+        wait = get_status().node_wait
+        assert (wait.waiting_for, wait.waited_s, wait.left_s) == (waiting_for, 11.0, 289.0)
+
+        report(None)  # a node is back
+        assert console.lines[-1] == ("[bold green]a rollout node is back[/] after waiting 11s; "
+                                     "going on")
+        assert not get_status().HasField("node_wait")
+        report(None)  # a second end says nothing more
+        assert len(console.lines) == 4
+    finally:
+        server.stop(grace_s=0)

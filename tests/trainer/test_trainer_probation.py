@@ -1,0 +1,145 @@
+"""A flag acts: a flagged node is benched, re-pushed and checked afresh before it samples again
+(scripted nodes over real gRPC); the fresh mismatch KL on the tiny llama."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import REGISTRY
+from scripted_nodes import IDENTITY, NodeFarm, peft_files, peft_manifest, wait_until
+
+from gridrl.trainer.pool import NodePool
+from gridrl.trainer.probation import Probation, fresh_mismatch_kl
+from gridrl.trainer.sync import AdapterSync
+
+NAME = "run-1"
+SAMPLING = {"group_size": 2, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+class Console:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.fixture
+def setup():
+    farm = NodeFarm()
+    made = []
+
+    def make(n_nodes: int = 1, kl: float = 1e-7, version: int = 1):
+        nodes = [farm.start() for _ in range(n_nodes)]
+        pool = NodePool(master=None, addresses=[n.address for n in nodes],
+                        model_identity=IDENTITY, probe_interval_s=0.2, wait_for_nodes_s=20)
+        sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"], deadline_s=5)
+        pool.start()
+        pool.wait_for_nodes(n_nodes, timeout_s=10)
+        files = peft_files(1)
+        sync.push(1, files, peft_manifest(files, NAME, 1))
+        measured = {"kl": kl, "calls": 0}
+
+        def check_kl(prompt, samples):
+            measured["calls"] += 1
+            assert prompt == [5, 6, 7] and len(samples) == 2
+            return measured["kl"]
+
+        console = Console()
+        current = {"version": version}
+        probation = Probation(pool, sync, check_kl=check_kl,
+                              current_version=lambda: current["version"],
+                              bound=lambda node: 0.01, prompt=[5, 6, 7], sampling=SAMPLING,
+                              console=console, interval_s=0.2, max_interval_s=0.4)
+        probation.start()
+        made.append((pool, sync, probation))
+        return nodes, pool, probation, measured, console, current
+
+    yield make
+    for pool, sync, probation in made:
+        probation.close()
+        sync.close()
+        pool.close()
+    farm.close()
+
+
+def checks(address: str, result: str) -> float:
+    return REGISTRY.get_sample_value("gridrl_trainer_node_checks_total",
+                                     {"node": address, "result": result}) or 0.0
+
+
+def test_flagged_node_gets_no_group_until_it_passes_a_fresh_check(setup) -> None:
+    [node], pool, probation, measured, console, _ = setup(kl=0.5)
+    probation.flag(node.address, "mismatched: KL 5e-01")
+    state = pool.node(node.address)
+    assert state.flagged and not state.in_rotation
+    wait_until(lambda: checks(node.address, "failed") >= 2, 10, "two failed reviews")
+    assert pool.node(node.address).flagged  # still benched
+    # every review re-pushed the adapter and sampled one check group, nothing else
+    assert len(node.pushes) >= 3 and {p["version"] for p in node.pushes} == {1}
+    assert {r.request_id for r in node.generates} == {"check"}
+    assert any("stays benched: failed its fresh check: KL(behaviour || trainer) 5.00e-01"
+               in line for line in console.lines)
+    # a batch meanwhile waits: the only node is benched
+    assert probation.drain() == {}
+    measured["kl"] = 1e-7  # the node is fixed
+    groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
+    assert {s.policy_version for s in groups[0].samples} == {1}
+    assert pool.node(node.address).in_rotation
+    readmitted = probation.drain()
+    assert list(readmitted) == [node.address]
+    assert readmitted[node.address] == "KL 1.00e-07 nats/token at policy version 1"
+    assert checks(node.address, "passed") == 1
+    assert any("passed a fresh mismatch check" in line for line in console.lines)
+    assert probation.pending() == []
+
+
+def test_a_check_waits_for_the_trainers_version_to_be_pushed(setup) -> None:
+    [node], pool, probation, measured, _, current = setup(version=2)
+    pushes = len(node.pushes)
+    probation.flag(node.address, "stale: ...")
+    wait_until(lambda: probation.pending() == [node.address], 5, "the node under review")
+    # the trainer is at version 2, the newest push is 1: nothing to check against yet
+    assert measured["calls"] == 0 and len(node.pushes) == pushes
+    current["version"] = 1
+    wait_until(lambda: pool.node(node.address).in_rotation, 10, "the node readmitted")
+    assert measured["calls"] == 1 and len(node.pushes) == pushes + 1
+
+
+def test_a_check_group_of_another_version_fails(setup) -> None:
+    [node], pool, probation, measured, _, _ = setup()
+    node.serve_after_push = ("", 0)  # answers the push, keeps sampling the base model
+    probation.flag(node.address, "stale: ...")
+    wait_until(lambda: checks(node.address, "failed") >= 1, 10, "a failed review")
+    assert pool.node(node.address).flagged and measured["calls"] >= 1
+
+
+def test_fresh_mismatch_kl_on_the_tiny_llama(tiny_llama_dir) -> None:
+    """Through the trainer backend's ``logprobs`` (the loop never touches the model)."""
+    import threading
+
+    from gridrl.trainer.backend import create_backend
+    from gridrl.trainer.config import TrainConfig
+    from gridrl.trainer.local import LocalRollout
+
+    backend = create_backend(TrainConfig(
+        model=str(tiny_llama_dir), lora_rank=4, lora_alpha=8, max_tokens=6, temperature=0.8,
+        top_k=5, seed=0, device="cpu", dtype="float32", rollout=["local"],
+        run_dir="unused").finalize())
+    try:
+        prompt = [5, 6, 7, 8]
+        [group] = LocalRollout(backend, lambda: 0).generate_groups(
+            [prompt], group_size=4, max_tokens=6, temperature=0.8, top_k=5, seed=1)
+        lock = threading.Lock()
+        assert fresh_mismatch_kl(backend, prompt, group.samples, lock=lock) < 1e-6  # same weights
+        assert not lock.locked()
+        for s in group.samples:  # another policy's logprobs: k3 = e^0.5 - 1 - 0.5 per token
+            s.logprobs = [lp - 0.5 for lp in s.logprobs]
+        assert fresh_mismatch_kl(backend, prompt, group.samples) == pytest.approx(
+            math.exp(0.5) - 1.5, rel=1e-4)
+        for s in group.samples:
+            s.token_ids, s.logprobs = [], []
+        assert fresh_mismatch_kl(backend, prompt, group.samples) is None
+    finally:
+        backend.close()
