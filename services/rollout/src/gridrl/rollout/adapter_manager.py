@@ -171,14 +171,16 @@ class AdapterManager:
             raise deadline.expired(what)
 
     def _call(self, fn: Callable[[], object], deadline: ApplyDeadline, what: str):
-        """Run ``fn`` between two decode steps (preempting the batch in progress) if it can
-        start before the deadline.
+        """Run ``fn`` between two decode steps (preempting the batch in progress; between two
+        batches on a backend whose interruption is not synchronous, vLLM's) if it can start
+        before the deadline.
 
         Raises:
             StatusError: DEADLINE_EXCEEDED when it could not start in time (it never will).
         """
+        preempt = getattr(self.backend, "interrupt_is_synchronous", True)
         try:
-            return self.engine.call_between_batches(fn, timeout=deadline.left(), preempt=True)
+            return self.engine.call_between_batches(fn, timeout=deadline.left(), preempt=preempt)
         except TimeoutError:
             raise deadline.expired(what) from None
 
