@@ -12,6 +12,7 @@ UNAME := $(shell uname -s)
 MLX_EXTRA := $(if $(filter Darwin,$(UNAME)),mlx,mlx-cpu)
 PKG_FILES := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml) requirements-dev.txt
 NODES ?= torch
+TRAINER ?= torch
 DEMO_ARGS ?=
 SECURE ?=
 
@@ -55,7 +56,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_throughput.py

@@ -25,7 +25,8 @@ from gridrl.trainer.backend import (
 )
 from gridrl.trainer.config import TrainConfig
 
-BACKENDS_UNDER_TEST = [pytest.param("torch", id="torch")]
+BACKENDS_UNDER_TEST = [pytest.param("torch", id="torch"),
+                       pytest.param("mlx", id="mlx", marks=pytest.mark.mlx)]
 VOCAB = 512  # the tiny llama's
 RANK, ALPHA = 4, 8.0
 
@@ -308,3 +309,18 @@ def test_checkpoint_restores_adapter_optimizer_schedule_and_rng(make_backend):
     assert adapter_only.update(second).lr != want.lr
     assert not np.allclose(_flat(adapter_only.logprobs(first)), _flat(run.logprobs(first)),
                            atol=1e-6)
+
+
+@pytest.mark.parametrize("settings, flag", [
+    (dict(lora_target_modules="no_such_proj"), "--lora-target-modules"),
+    (dict(device="tpu"), "--device"),
+], ids=["target-modules", "device"])
+def test_settings_the_backend_cannot_use_are_invalid_arguments(make_backend, settings, flag):
+    import grpc
+
+    from gridrl.common.errors import StatusError
+
+    with pytest.raises(StatusError) as info:
+        make_backend(**settings)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert flag in info.value.message

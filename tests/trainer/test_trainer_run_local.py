@@ -7,11 +7,9 @@ import json
 import os
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
-from trainer_runs import BIN, ENV, ONE_THREAD, run_args, write_task_files
+from trainer_runs import BIN, ENV, ONE_THREAD, run_args, wait_for_step, write_task_files
 from trainer_runs import records as read_records
 
 
@@ -108,17 +106,6 @@ def test_local_run_learns_and_writes_the_run_directory(tiny_llama_dir, task_file
     assert model.peft_config["default"].r == 8
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = run_dir / "log.jsonl"
-        if log.exists() and any(r.get("step", 0) >= step for r in read_records(run_dir)):
-            return
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached")
-
-
 def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, tmp_path):
     data, reward = task_files
     run_dir = tmp_path / "run"
@@ -128,7 +115,7 @@ def test_kill_9_and_resume_continue_the_same_steps(tiny_llama_dir, task_files, t
     log1 = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(args, stdout=log1, stderr=subprocess.STDOUT, env=ENV)
     try:
-        _wait_for_step(run_dir, 4, proc, timeout=120)
+        wait_for_step(run_dir, 4, proc, timeout=120)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -200,7 +187,7 @@ def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_
     out = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=ENV)
     try:
-        _wait_for_step(run_dir, 2, proc, timeout=120)
+        wait_for_step(run_dir, 2, proc, timeout=120)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 143
     finally:

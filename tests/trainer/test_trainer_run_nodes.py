@@ -75,7 +75,10 @@ def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedPr
 
 
 @pytest.mark.mlx
-def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_factory):
+@pytest.mark.parametrize("trainer", ["torch", "mlx"])
+def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_factory, trainer):
+    """With either trainer backend (``--backend mlx``: the all-Mac shop's trainer; its adapter
+    reaches the torch node as peft and the mlx node in mlx-lm's layout)."""
     # The torch node is the faster one (~5x a group on the tiny model). Both hold one group at
     # a time (--capacity 4 = the group size), so each group's measured latency is one group's,
     # and with 16 groups a step the pool, giving each group to the node expected to finish it
@@ -88,7 +91,7 @@ def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_f
     run_dir = tmp_path / "run"
     nodes = [torch_node.address, mlx_node.address]
     run_trainer(trainer_args(tiny_llama_dir, run_dir, nodes, steps=4, min_nodes=2,
-                             sync_every=1, eval_every=4, prompts_per_step=16))
+                             sync_every=1, eval_every=4, prompts_per_step=16, backend=trainer))
     steps = step_records(run_dir)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     sampled_by = {n: 0 for n in nodes}
@@ -101,7 +104,8 @@ def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_f
             sampled_by[node] += stats["samples"]
             # every sample was drawn with the version pushed at the end of the previous step
             assert stats["versions"] == [r["policy_version"] - 1], (r["step"], node, stats)
-            assert stats["fresh_mismatch_kl"] < 1e-3, (node, stats)  # same weights on the node
+            # the node holds the trainer's weights: fp32 everywhere, so float rounding only
+            assert stats["fresh_mismatch_kl"] < 1e-5, (node, stats)
     assert all(sampled_by.values()), sampled_by  # both nodes sampled
     mlx_steps = [r["step"] for r in steps if mlx_node.address in r["nodes"]]
     assert any(s >= 2 for s in mlx_steps), mlx_steps  # the mlx node sampled a pushed adapter

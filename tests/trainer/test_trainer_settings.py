@@ -45,7 +45,7 @@ def test_every_recorded_flag_is_still_there_unchanged():
                            if now[r["name"]][k] != v}
                for r in RECORDED}
     assert not {k: v for k, v in changed.items() if v}, changed
-    assert now["backend"]["choices"] == ["torch"] and now["backend"]["default"] == "torch"
+    assert now["backend"]["choices"] == ["torch", "mlx"] and now["backend"]["default"] == "torch"
     assert now["backend"]["envvar"] == "GRIDRL_TRAINER_BACKEND"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -63,3 +64,19 @@ def records(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:  # a line torn by kill -9
             continue
     return out
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:
+    """Wait until ``run_dir/log.jsonl`` has a record of ``step`` (or later) while ``proc`` (a
+    ``subprocess.Popen``) runs.
+
+    Raises:
+        AssertionError: the process ended first; TimeoutError: ``timeout`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step", 0) >= step for r in records(run_dir)):
+            return
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.02)
+    raise TimeoutError(f"step {step} not reached")

@@ -61,6 +61,7 @@ T = TypeVar("T")
 # --backend name -> "module:class" of its TrainerBackend (imported when chosen).
 BACKENDS: dict[str, str] = {
     "torch": "gridrl.trainer.torch_backend:TorchTrainerBackend",
+    "mlx": "gridrl.trainer.mlx_backend:MlxTrainerBackend",
 }
 
 # File names a checkpoint keeps for itself; checkpoint_files() must not use them.

@@ -216,7 +216,11 @@ class TrainConfig:
         check=_run_name)
     # where and how the trainer computes
     backend: str = setting("torch", "Trainer backend: the framework that holds the weights "
-                           "and trains them.", choices=tuple(BACKENDS))
+                           "and trains them. torch: transformers + peft (CUDA, CPU; torchrun "
+                           "for data parallelism). mlx: mlx-lm's LoRA layers (Apple Silicon; "
+                           "Linux CPU with mlx[cpu], slow), one process; its --device is auto, "
+                           "gpu or cpu, its --dtype auto keeps the stored dtype.",
+                           choices=tuple(BACKENDS))
     device: str = setting("auto", "auto, cpu, cuda, cuda:1...", on_resume=True)
     dtype: str = setting("auto", "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16.")
     threads: int = setting(

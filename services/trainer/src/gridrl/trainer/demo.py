@@ -9,7 +9,12 @@ run directory and the plot; every process is stopped (also on Ctrl-C) and nothin
 listening. Exit status: 0 when the held-out eval climbed above the baseline, 1 when it did not,
 2 when a process failed.
 
-    python -m gridrl.trainer.demo [--nodes torch,mlx] [--secure] [-- extra trainer flags]
+    python -m gridrl.trainer.demo [--nodes torch,mlx] [--trainer torch|mlx] [--secure]
+        [-- extra trainer flags]
+
+``--trainer mlx`` trains with the MLX trainer backend (``--backend mlx``); with ``--nodes mlx``
+that is the all-Mac shop: every process on MLX (on a Linux CPU MLX is slow: README, "All-Mac
+shop").
 
 With ``--secure`` every process runs as it would across machines: a CA and a certificate per
 process are made in the scratch directory, every channel is mutual TLS, and each process holds
@@ -90,6 +95,9 @@ class Service:
               help="Base model: the embedded default, or a local directory (tests use a tiny one).")
 @click.option("--nodes", default="torch", show_default=True,
               help="Comma-separated rollout nodes to start: torch, mlx.")
+@click.option("--trainer", "trainer_backend", type=click.Choice(["torch", "mlx"]),
+              default="torch", show_default=True,
+              help="The trainer's backend (--backend of gridrl-trainer run).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/demo-<time>).")
 @click.option("--node-threads", type=int, default=0, show_default=True,
@@ -98,8 +106,8 @@ class Service:
               help="Mutual TLS on every channel and a scoped credential per process, made "
                    "for this run (what a cluster across machines runs with).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-def main(model: str, nodes: str, run_dir: str | None, node_threads: int, secure: bool,
-         trainer_args: tuple[str, ...]) -> None:
+def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node_threads: int,
+         secure: bool, trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
     from gridrl.models import resolve_model
 
@@ -143,6 +151,7 @@ def main(model: str, nodes: str, run_dir: str | None, node_threads: int, secure:
                        f"(metrics :{node.metrics_port}, log {node.log_path})")
         argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--master", master.address, "--min-nodes", str(len(backends)),
+                "--backend", trainer_backend,
                 "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
                 *(flags["trainer"] if flags else []), *DEMO_FLAGS, *trainer_args]
         click.echo("trainer       " + " ".join(argv[1:]))

@@ -18,6 +18,7 @@ Sources:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -96,6 +97,28 @@ def sequence_weights(lengths: ArrayLike, aggregation: Aggregation,
     return np.where(n_tok > 0, c, np.float32(0)).astype(np.float32)
 
 
+def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """The learning-rate multiplier of update ``step`` (0-based): linear warmup over
+    ``warmup_steps`` (``(step + 1) / warmup_steps``), then ``"constant"`` 1, ``"linear"`` decay
+    to 0 at ``total_steps``, or ``"cosine"`` half-period decay to 0. Every backend's schedule
+    is ``lr * lr_factor(step, ...)`` for its ``step``-th optimizer step.
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def loss_weights(mask: ArrayLike, aggregation: Aggregation,
                  max_tokens: int | None = None) -> np.ndarray:
     """Per-token weights ``w`` such that the step's loss is ``sum(w * per_token_loss)``.
@@ -130,6 +153,24 @@ def aggregate(per_token_loss: ArrayLike, mask: ArrayLike, aggregation: Aggregati
     """
     w = loss_weights(mask, aggregation, max_tokens)
     return float((w * np.asarray(per_token_loss, dtype=np.float32)).sum())
+
+
+def mismatch_kl_per_sequence(trainer_logp: ArrayLike, behaviour_logp: ArrayLike,
+                             mask: ArrayLike) -> np.ndarray:
+    """Per-sequence k3 estimate of ``KL(pi_behaviour || pi_trainer)`` over the sampled tokens,
+    in float64 (the numpy form of :func:`gridrl.trainer.grpo_torch.mismatch_kl`):
+    ``mean_t (expm1(d_t) - d_t)`` with ``d = trainer_logp - behaviour_logp``.
+
+    Args:
+        trainer_logp, behaviour_logp, mask: (N, C).
+    Returns:
+        (N,) float64 nats per token (0 for empty sequences).
+    """
+    m = np.asarray(mask, dtype=np.float64)
+    d = (np.asarray(trainer_logp, dtype=np.float64)
+         - np.asarray(behaviour_logp, dtype=np.float64))
+    kl = (np.expm1(d) - d) * m
+    return kl.sum(axis=1) / np.maximum(m.sum(axis=1), 1.0)
 
 
 def mismatch_kl(trainer_logprobs: Sequence[Sequence[float]],

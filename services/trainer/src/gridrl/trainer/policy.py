@@ -37,9 +37,16 @@ def peft_lora_config(lora: LoraSettings) -> Any:
 
 
 def pick_device(device: str = "auto") -> torch.device:
-    """``"auto"`` -> ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``."""
+    """``"auto"`` -> ``cuda:<LOCAL_RANK>`` when CUDA is available, else ``cpu``.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT ``--device`` for a name torch does not know.
+    """
     if device != "auto":
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError as e:
+            raise invalid_argument("--device", str(e)) from e
     if torch.cuda.is_available():
         import os
 

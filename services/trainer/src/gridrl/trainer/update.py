@@ -234,20 +234,10 @@ def make_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_st
     Raises:
         ValueError: unknown schedule.
     """
-    import math
-
     if schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"unknown lr schedule {schedule!r}")
 
     def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        span = max(total_steps - warmup_steps, 1)
-        progress = min((step - warmup_steps) / span, 1.0)
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return grpo.lr_factor(step, schedule, warmup_steps, total_steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -176,6 +176,14 @@ class MlxBackend(Backend):
                  "decodes each sequence alone)")
         return backend
 
+    @property
+    def model(self) -> nn.Module:
+        """The mlx-lm model it decodes with. Its weights are read live at every call, so a
+        trainer may wrap its linears in mlx-lm LoRA layers (``mlx_lm.tuner``) and train them:
+        :meth:`generate` and :meth:`score` then sample the current policy (with
+        ``adapter=None``; put the model in eval mode first so dropout is off)."""
+        return self._model
+
     @staticmethod
     def _weight_dtype(model: nn.Module) -> str:
         from mlx.utils import tree_flatten

@@ -1,0 +1,74 @@
+"""Benchmark 4: one demo-shaped GRPO step on each trainer backend, sampling then update.
+
+For each ``--backend`` (default: torch and mlx): load SmolLM2-135M (fp32) with a r16
+all-linear LoRA, then per step sample 2 reverse-words prompts x 8 completions x 24 tokens
+with ``TrainerBackend.generate`` (``--rollout local``) and run ``TrainerBackend.update`` on
+them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio of the step.
+
+    python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2] [--model M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from _common import machine, table
+
+from gridrl.engine.contract import SamplingConfig
+from gridrl.trainer.backend import TrainSequence, create_backend
+from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.tasks import ReverseWords, encode_chat
+
+
+def measure(backend_name: str, steps: int, model: str) -> list[dict]:
+    """Per step: sample and update wall/CPU seconds on ``backend_name``."""
+    cfg = TrainConfig(model=model, backend=backend_name, lora_rank=16,
+                      lora_alpha=32.0, lr=3e-4, steps=60, max_tokens=24, temperature=1.0,
+                      rollout=["local"], run_dir="unused", seed=0).finalize()
+    backend = create_backend(cfg)
+    task = ReverseWords(seed=0, min_words=3, max_words=4)
+    rows = []
+    try:
+        for step in range(steps):
+            items = [task.train_item(2 * step + i) for i in range(2)]
+            prompts = [encode_chat(backend.tokenizer, it.messages) for it in items
+                       for _ in range(8)]
+            w0, c0 = time.perf_counter(), time.process_time()
+            results = backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
+                                       list(range(16)))
+            w1, c1 = time.perf_counter(), time.process_time()
+            adv = np.random.default_rng(step).standard_normal(16)
+            seqs = [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a),
+                                  i // 8)
+                    for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
+            stats = backend.update(seqs)
+            w2, c2 = time.perf_counter(), time.process_time()
+            rows.append({"backend": backend_name, "step": step + 1,
+                         "sample s": round(w1 - w0, 2), "sample cpu s": round(c1 - c0, 2),
+                         "update s": round(w2 - w1, 2), "update cpu s": round(c2 - c1, 2),
+                         "step s": round(w2 - w0, 2), "mismatch kl": f"{stats.mismatch_kl:.1e}"})
+            print(rows[-1], flush=True)
+    finally:
+        backend.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", action="append", choices=["torch", "mlx"])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    args = parser.parse_args()
+    print(machine())
+    rows = [r for b in (args.backend or ["torch", "mlx"]) for r in measure(b, args.steps, args.model)]
+    header = list(rows[0])
+    print(table([[str(r[k]) for k in header] for r in rows], header))
+    last = {r["backend"]: r["step s"] for r in rows}
+    if {"torch", "mlx"} <= set(last):
+        print(f"mlx / torch, last step: {last['mlx'] / last['torch']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
