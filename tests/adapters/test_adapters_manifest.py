@@ -38,7 +38,8 @@ def test_manifest_fields(peft_dir: Path, tiny_llama_dir: Path) -> None:
     assert m.layers == [1]
     # base_model_name_or_path is a local directory: its config.json tells the rest.
     assert m.base_model.to_dict() == {"model_id": str(tiny_llama_dir), "architecture": "llama",
-                                      "hidden_size": 64, "num_layers": 2, "vocab_size": 512}
+                                      "hidden_size": 64, "num_layers": 2, "vocab_size": 512,
+                                      "weights_fingerprint": ""}
     assert [f.path for f in m.files] == sorted(files)
     for f in m.files:
         assert f.size_bytes == len(files[f.path])
@@ -57,7 +58,7 @@ def test_manifest_fields(peft_dir: Path, tiny_llama_dir: Path) -> None:
     hub = {**files, "adapter_config.json": json.dumps(cfg).encode()}
     assert build_manifest(hub).base_model.to_dict() == {
         "model_id": "org/not-local", "architecture": "", "hidden_size": 64, "num_layers": 0,
-        "vocab_size": 0}
+        "vocab_size": 0, "weights_fingerprint": ""}
     given = build_manifest(hub, base_model={"architecture": "llama", "vocab_size": 512})
     assert (given.base_model.architecture, given.base_model.vocab_size,
             given.base_model.hidden_size) == ("llama", 512, 64)
@@ -71,7 +72,7 @@ def test_dict_schema_and_protobuf(peft_dir: Path) -> None:
     assert list(d) == ["name", "version", "format", "base_model", "rank", "scale",
                        "target_modules", "layers", "files"]
     assert list(d["base_model"]) == ["model_id", "architecture", "hidden_size", "num_layers",
-                                     "vocab_size"]
+                                     "vocab_size", "weights_fingerprint"]
     assert list(d["files"][0]) == ["path", "size_bytes", "sha256"]
     assert d["format"] == "peft" and AdapterManifest.from_dict(d) == m
     assert json.loads(json.dumps(d)) == d
@@ -128,6 +129,15 @@ def test_check_fits(peft_dir: Path, tiny_llama_dir: Path) -> None:
     with pytest.raises(AdapterError, match=r"layers: adapter adapts block 1, base model has 1 "
                        r"blocks"):
         check_fits(files, {"num_layers": 1})
+    # another checkpoint of the same architecture: the weights' fingerprints differ
+    theirs = build_manifest(files, base_model={**me.__dict__, "model_id": "other",
+                                               "weights_fingerprint": "wfp1:" + "b" * 32})
+    with pytest.raises(AdapterError, match=r"^adapter does not fit the base model: "
+                       r"weights_fingerprint: adapter trained on 'wfp1:b{32}' \(other\), base "
+                       r"model 'wfp1:[0-9a-f]{32}' \(.*\): another checkpoint of this "
+                       r"architecture$"):
+        check_fits(theirs, me)
+    check_fits(theirs, {**me.__dict__, "weights_fingerprint": ""})  # unknown: not compared
     mlx_files = convert_files(files, "mlx", num_layers=2)
     with pytest.raises(AdapterError, match=r"num_layers: adapter 2, base model 4"):
         check_fits(mlx_files, {"hidden_size": 64, "num_layers": 4})

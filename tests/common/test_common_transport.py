@@ -22,7 +22,7 @@ FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": bytes(
 def manifest(files=FILES, **over):
     d = {"name": "run-1", "version": 3, "format": "peft",
          "base_model": {"model_id": "m", "architecture": "llama", "hidden_size": 64,
-                        "num_layers": 2, "vocab_size": 512},
+                        "num_layers": 2, "vocab_size": 512, "weights_fingerprint": "wfp1:0f"},
          "rank": 4, "scale": 2.0, "target_modules": ["self_attn.q_proj"], "layers": [0, 1],
          "files": [{"path": p, "size_bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
                    for p, b in sorted(files.items())]}

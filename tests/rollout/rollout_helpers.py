@@ -14,7 +14,13 @@ from engine_helpers import PROMPT
 
 from gridrl.common.channel import dial
 from gridrl.common.transport import push_requests
-from gridrl.engine.contract import Backend, DecodeObserver, SequenceRequest, SequenceResult
+from gridrl.engine.contract import (
+    Backend,
+    DecodeInterrupted,
+    DecodeObserver,
+    SequenceRequest,
+    SequenceResult,
+)
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -60,6 +66,65 @@ class GatedBackend(Backend):
 
     def score(self, prompt_ids, completion_ids, sampling, adapter):
         return self.inner.score(prompt_ids, completion_ids, sampling, adapter)
+
+
+class SlowBackend(GatedBackend):
+    """A real backend whose decoding is made long and slow by a test observer, so a test can
+    act while a generation is in progress without racing it.
+
+    Every decode step pauses ``step_s`` seconds (the backend's observer is wrapped). From step
+    ``hold_from`` of the first ``generate`` call on, the call waits until it is interrupted
+    (the engine's observer says so): a generation that cannot end by itself. With ``stall``
+    cleared, a step blocks on it instead, ignoring interruptions (a step slower than any
+    deadline). ``stepped`` is set once the first call has decoded ``hold_from`` steps;
+    ``outcomes`` holds "done" or "interrupted" per call."""
+
+    def __init__(self, inner: Backend, step_s: float = 0.01, hold_from: int | None = 3) -> None:
+        super().__init__(inner)
+        self.gate.set()
+        self.step_s = step_s
+        self.hold_from = hold_from
+        self.stepped = threading.Event()
+        self.stall = threading.Event()
+        self.stall.set()
+        self.stalled = threading.Event()
+        self.outcomes: list[str] = []
+        self._pause = threading.Event()  # never set: Event.wait is the per-step pause
+
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        first = self.entered == 0
+        self.entered += 1
+        slow = _SlowObserver(self, observer, hold=first and self.hold_from is not None)
+        try:
+            results = self.inner.generate(batch, adapter, slow)
+        except DecodeInterrupted:
+            self.outcomes.append("interrupted")
+            raise
+        self.outcomes.append("done")
+        return results
+
+
+class _SlowObserver:
+    def __init__(self, backend: SlowBackend, inner: DecodeObserver | None, hold: bool) -> None:
+        self.backend, self.inner, self.hold, self.steps = backend, inner, hold, 0
+
+    def on_tokens(self, rows, token_ids, logprobs) -> None:
+        b = self.backend
+        self.steps += 1
+        if self.inner is not None:
+            self.inner.on_tokens(rows, token_ids, logprobs)
+        if not b.stall.is_set():
+            b.stalled.set()
+            assert b.stall.wait(60), "test never released the stalled step"
+        b._pause.wait(b.step_s)
+        if self.hold and self.steps >= b.hold_from:
+            b.stepped.set()
+            while not self.interrupted():
+                b._pause.wait(b.step_s)
+
+    def interrupted(self) -> bool:
+        return self.inner is not None and self.inner.interrupted()
 
 
 class LiveNode:

@@ -1,6 +1,7 @@
 """PushAdapter and ReloadAdapter over real channels on the tiny llama: a pushed peft (or mlx-lm)
 adapter makes the node produce exactly what peft gives locally; failed pushes change nothing
-and leave nothing half-written; in-flight requests finish on the old adapter; reloads by
+and leave nothing half-written; a push interrupts the generate in flight, which decodes again
+on the new adapter (tests/rollout/test_push_preemption.py: long generations); reloads by
 version, by path (never outside the root) and back to the base model."""
 
 from __future__ import annotations
@@ -235,25 +236,30 @@ def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["a"], 1)
 
 
-def test_in_flight_generate_finishes_on_the_old_adapter(live_node, tiny_llama_dir, tiny_backend,
-                                                        tiny_adapters) -> None:
+def test_push_interrupts_the_generate_in_flight(live_node, tiny_llama_dir, tiny_backend,
+                                                tiny_adapters) -> None:
+    """A push does not wait for the batch in flight: the batch stops at its first step, the
+    push is applied, and the request is decoded again, whole, on the new adapter."""
     gated = GatedBackend(tiny_backend)
     node = live_node(gated, batch_window_s=0.0)
     gated.gate.set()
     push_dir(node.stub, tiny_adapters["a"], "a", 1)
-    old_tokens, _ = reference_greedy(peft_reference(tiny_llama_dir, tiny_adapters["a"]), PROMPT,
+    new_tokens, _ = reference_greedy(peft_reference(tiny_llama_dir, tiny_adapters["b"]), PROMPT,
                                      8)
     gated.gate.clear()
     pool = concurrent.futures.ThreadPoolExecutor(2)
     in_flight = pool.submit(node.generate, max_tokens=8, temperature=0)
     wait_until(lambda: gated.entered == 1)
-    push = pool.submit(push_dir, node.stub, tiny_adapters["b"], "a", 2)
-    time.sleep(0.3)
-    assert not push.done()  # the swap waits for the batch in flight
+    # the held batch stops at its first step for the push; the gate holds its second run
+    assert push_dir(node.stub, tiny_adapters["b"], "a", 2).serving.version == 2
+    assert not in_flight.done()
     gated.gate.set()
     sample = in_flight.result(30).samples[0]
-    assert sample.adapter_version == 1 and list(sample.token_ids) == old_tokens
-    assert push.result(30).serving.version == 2
+    assert sample.adapter_version == 2 and list(sample.token_ids) == new_tokens
+    stopped, redone = node.engine.recent_batches()[-2:]
+    assert stopped.interrupted and stopped.adapter_version == 1
+    assert not redone.interrupted and redone.adapter_version == 2
+    assert stopped.requests == redone.requests
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
 
 

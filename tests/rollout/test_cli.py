@@ -15,6 +15,7 @@ from engine_helpers import PROMPT
 from rollout_helpers import wait_until
 
 from gridrl.common.channel import dial
+from gridrl.models import weights_fingerprint
 from gridrl.rollout.cli import main
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -51,14 +52,17 @@ def _run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def test_client_commands(served, tiny_adapters) -> None:
+def test_client_commands(served, tiny_adapters, tiny_llama_dir) -> None:
     node, root = served
     address = ["--address", node.address]
     code, out = _run("info", *address)
     assert code == 0 and "torch" in out and "the base model" in out, out
+    fingerprint = weights_fingerprint(tiny_llama_dir)
+    assert fingerprint.startswith("wfp1:") and fingerprint in out
     code, out = _run("info", *address, "--json")
     info = json.loads(out)["info"]
     assert info["backend"] == "BACKEND_TORCH" and info["capacity"] == 64
+    assert info["base_model"]["weights_fingerprint"] == fingerprint
 
     ids = ",".join(map(str, PROMPT))
     code, out = _run("generate", *address, "--prompt-ids", ids, "--n", "2", "--max-tokens", "4",

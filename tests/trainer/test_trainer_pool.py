@@ -33,7 +33,8 @@ def make_pool():
 
     def make(addresses=(), master=None, **kw) -> NodePool:
         kw.setdefault("probe_interval_s", 0.2)
-        pool = NodePool(master=master, addresses=list(addresses), model_identity=IDENTITY, **kw)
+        kw.setdefault("model_identity", IDENTITY)
+        pool = NodePool(master=master, addresses=list(addresses), **kw)
         pools.append(pool)
         pool.start()
         return pool
@@ -217,6 +218,28 @@ def test_model_mismatch_is_excluded_loudly(farm, make_pool, caplog) -> None:
     assert any("EXCLUDED" in r.message and other.address in r.message for r in caplog.records)
     groups = pool.generate_groups(prompts(6), **SAMPLING)
     assert {g.node for g in groups} == {good.address}
+    assert other.generates == []
+
+
+def test_another_checkpoint_of_the_architecture_is_excluded(farm, make_pool, caplog) -> None:
+    """Same architecture and sizes, other weights (another fine-tune): the fingerprints differ;
+    a node that does not report one (unknown) is not judged by it."""
+    mine, theirs = "wfp1:" + "a" * 32, "wfp1:" + "b" * 32
+    same = farm.start(identity={**IDENTITY, "weights_fingerprint": mine})
+    unknown = farm.start()
+    other = farm.start(identity={**IDENTITY, "weights_fingerprint": theirs})
+    caplog.set_level(logging.ERROR, logger="gridrl.trainer.pool")
+    pool = make_pool([same.address, unknown.address, other.address],
+                     model_identity={**IDENTITY, "weights_fingerprint": mine})
+    pool.wait_for_nodes(2, timeout_s=10)
+    wait_until(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
+    assert pool.node(other.address).excluded == (
+        f"weights_fingerprint {theirs!r} != the trainer's {mine!r} (another checkpoint of this "
+        "architecture: start the node on the trainer's --model)")
+    assert not pool.node(same.address).excluded and not pool.node(unknown.address).excluded
+    assert any("EXCLUDED" in r.message and other.address in r.message for r in caplog.records)
+    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    assert {g.node for g in groups} == {same.address, unknown.address}
     assert other.generates == []
 
 

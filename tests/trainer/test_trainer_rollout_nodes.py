@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from scripted_nodes import peft_files, peft_manifest
+from scripted_nodes import peft_files, peft_manifest, wait_until
 
 from gridrl.models import model_identity
 from gridrl.trainer.pool import NodePool
@@ -37,8 +37,8 @@ def make_pool(tiny_llama_dir):
 
     def make(**kw) -> tuple[NodePool, AdapterSync]:
         kw.setdefault("addresses", [])
-        pool = NodePool(model_identity=model_identity(tiny_llama_dir), probe_interval_s=0.2,
-                        request_timeout_s=60, **kw)
+        kw.setdefault("model_identity", model_identity(tiny_llama_dir))
+        pool = NodePool(probe_interval_s=0.2, request_timeout_s=60, **kw)
         sync = AdapterSync(pool, name=NAME, num_layers=2, deadline_s=30)
         made.append((pool, sync))
         pool.start()
@@ -116,3 +116,28 @@ def test_real_node_found_through_the_master(tiny_llama_dir, service_factory, mak
     files = peft_files(1)
     assert sync.push(1, files, peft_manifest(files, NAME, 1)).synced == [node.address]
     check_groups(pool.generate_groups(PROMPTS, seed=3, **SAMPLING), version=1)
+
+
+def test_node_on_another_checkpoint_is_refused(tiny_llama_dir, service_factory, make_pool,
+                                               tmp_path) -> None:
+    """A trainer on one fine-tune and a node on another of the same architecture (two tiny
+    llamas of different seeds): the node's weights fingerprint differs, it gets no rollouts
+    and no adapters, and the error says why."""
+    from gridrl.models.testing import make_tiny_llama
+
+    mine = model_identity(make_tiny_llama(tmp_path / "seed1", seed=1))
+    node = serve_node(service_factory, tiny_llama_dir, "node-other")
+    pool, sync = make_pool(master=None, addresses=[node.address], model_identity=mine)
+    wait_until(lambda: pool.node(node.address) is not None and pool.node(node.address).excluded,
+               60, "the node to be judged")
+    theirs = model_identity(tiny_llama_dir).weights_fingerprint
+    assert mine.weights_fingerprint != theirs
+    reason = pool.node(node.address).excluded
+    assert reason.startswith(f"weights_fingerprint {theirs!r} != the trainer's "
+                             f"{mine.weights_fingerprint!r}")
+    with pytest.raises(RuntimeError, match=r"no rollout node can serve prompt 0 .*excluded: "
+                                           r"weights_fingerprint"):
+        pool.generate_groups(PROMPTS, seed=3, **SAMPLING)
+    files = peft_files(1)
+    report = sync.push(1, files, peft_manifest(files, NAME, 1))
+    assert report.synced == []

@@ -18,6 +18,8 @@ class BaseModelInfo:
         hidden_size: d_model.
         num_layers: number of transformer blocks.
         vocab_size: vocabulary size.
+        weights_fingerprint: fingerprint of the weights (``gridrl.models.weights_fingerprint``),
+            which tells fine-tunes of one architecture apart.
     """
 
     model_id: str = ""
@@ -25,6 +27,7 @@ class BaseModelInfo:
     hidden_size: int = 0
     num_layers: int = 0
     vocab_size: int = 0
+    weights_fingerprint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

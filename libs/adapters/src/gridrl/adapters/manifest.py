@@ -209,7 +209,10 @@ def check_fits(manifest_or_files: AdapterManifest | Mapping[str, bytes] | Path |
     Raises:
         AdapterError: ``"adapter does not fit the base model: hidden_size: adapter 64, base
             model 576; ..."`` naming each mismatch: architecture, hidden_size, num_layers,
-            layers (a block index beyond the base model's), vocab_size.
+            layers (a block index beyond the base model's), vocab_size, and
+            weights_fingerprint (``"weights_fingerprint: adapter trained on 'wfp1:...'
+            (model_id), base model 'wfp1:...' (model_id): another checkpoint of this
+            architecture"``).
     """
     if isinstance(manifest_or_files, AdapterManifest):
         manifest = manifest_or_files
@@ -222,6 +225,12 @@ def check_fits(manifest_or_files: AdapterManifest | Mapping[str, bytes] | Path |
         for key in ("architecture", "hidden_size", "num_layers", "vocab_size")
         if getattr(have, key) and getattr(base, key) and getattr(have, key) != getattr(base, key)
     ]
+    if have.weights_fingerprint and base.weights_fingerprint and \
+            have.weights_fingerprint != base.weights_fingerprint:
+        problems.append(f"weights_fingerprint: adapter trained on {have.weights_fingerprint!r} "
+                        f"({have.model_id or 'model id unknown'}), base model "
+                        f"{base.weights_fingerprint!r} ({base.model_id or 'model id unknown'}): "
+                        "another checkpoint of this architecture")
     if base.num_layers and manifest.layers and manifest.layers[-1] >= base.num_layers:
         problems.append(f"layers: adapter adapts block {manifest.layers[-1]}, base model has "
                         f"{base.num_layers} blocks")

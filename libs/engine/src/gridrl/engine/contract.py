@@ -179,6 +179,11 @@ class Backend(abc.ABC):
     identity: ModelIdentity
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    #: Whether a ``generate`` stopped by its observer has stopped every decode when
+    #: :class:`DecodeInterrupted` is raised (in-process backends). A backend fronting a server
+    #: that aborts cancelled requests in its own time (vLLM) says False, and the rollout node
+    #: then swaps adapters between batches instead of interrupting one.
+    interrupt_is_synchronous: bool = True
 
     @abc.abstractmethod
     def generate(self, batch: list[SequenceRequest], adapter: Any | None,

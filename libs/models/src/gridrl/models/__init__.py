@@ -6,6 +6,7 @@ Importing this package imports neither torch nor transformers; the functions tha
 import them when called.
 """
 
+from gridrl.models.fingerprint import weights_fingerprint
 from gridrl.models.resolve import (
     ALIASES,
     ModelIdentity,
@@ -14,4 +15,5 @@ from gridrl.models.resolve import (
     resolve_model,
 )
 
-__all__ = ["ALIASES", "ModelIdentity", "cache_root", "model_identity", "resolve_model"]
+__all__ = ["ALIASES", "ModelIdentity", "cache_root", "model_identity", "resolve_model",
+           "weights_fingerprint"]

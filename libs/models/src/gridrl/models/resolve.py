@@ -32,7 +32,8 @@ ALIASES: dict[str, Alias] = {
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What an adapter must match: read from a directory's config.json."""
+    """What an adapter must match: read from a directory's config.json, and the weights'
+    fingerprint (:func:`gridrl.models.weights_fingerprint`; "" when unknown)."""
 
     model_id: str
     architecture: str
@@ -40,6 +41,7 @@ class ModelIdentity:
     num_layers: int
     vocab_size: int
     max_context: int
+    weights_fingerprint: str = ""
 
 
 def cache_root() -> Path:
@@ -135,7 +137,15 @@ def _convert_gguf(src: Path, out: Path, progress: bool) -> None:
 
 
 def model_identity(path: Path | str, model_id: str | None = None) -> ModelIdentity:
-    """Read the base-model identity from ``path/config.json`` (a resolved directory)."""
+    """Read the base-model identity from ``path/config.json`` (a resolved directory) and
+    fingerprint its safetensors weights (a few pages read per tensor).
+
+    Raises:
+        OSError: no readable config.json; ValueError: a malformed one or a safetensors file
+            whose header does not parse.
+    """
+    from gridrl.models.fingerprint import weights_fingerprint
+
     cfg = json.loads((Path(path) / "config.json").read_text())
     text = cfg.get("text_config", cfg)
     return ModelIdentity(
@@ -145,4 +155,5 @@ def model_identity(path: Path | str, model_id: str | None = None) -> ModelIdenti
         num_layers=int(text["num_hidden_layers"]),
         vocab_size=int(text["vocab_size"]),
         max_context=int(text.get("max_position_embeddings", 2048)),
+        weights_fingerprint=weights_fingerprint(path),
     )

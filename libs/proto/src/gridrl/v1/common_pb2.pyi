@@ -251,6 +251,7 @@ class BaseModel(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Hub id, alias or path the node or trainer was started with (informational)."""
     architecture: _builtins.str
@@ -261,6 +262,11 @@ class BaseModel(_message.Message):
     """Number of transformer blocks."""
     vocab_size: _builtins.int
     """Vocabulary size."""
+    weights_fingerprint: _builtins.str
+    """Fingerprint of the weights themselves (gridrl.models.weights_fingerprint: every tensor's
+    name and shape and a sample of its values, "wfp1:" and 32 hex digits), so two fine-tunes
+    of one architecture are told apart; empty when unknown (not compared).
+    """
     def __init__(
         self,
         *,
@@ -269,10 +275,11 @@ class BaseModel(_message.Message):
         hidden_size: _builtins.int = ...,
         num_layers: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
+        weights_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "hidden_size", b"hidden_size", "model_id", b"model_id", "num_layers", b"num_layers", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "hidden_size", b"hidden_size", "model_id", b"model_id", "num_layers", b"num_layers", "vocab_size", b"vocab_size", "weights_fingerprint", b"weights_fingerprint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,19 @@ background, still holding the manager's lock, so the next push, reload or stored
 waits for it and always sees a complete store; writing 20 MB costs ~50 ms on a VM's page cache,
 half the sync budget. A ``stage_only`` push is stored before its reply. Any failure before the
 swap changes nothing: the previous adapter keeps serving and nothing is written.
+
+Bounded time: loading and swapping preempt the batch in progress (``Engine.call_between_batches``
+with ``preempt=True``: it stops at its next decode step and its requests decode again on the new
+adapter), so a push takes effect within a decode step of a generation of any length. A push or
+reload carries its caller's deadline (:class:`ApplyDeadline`); when the adapter cannot be
+swapped in before it (the lock held by another push, a decode step or a load slower than the
+time left), the call fails with DEADLINE_EXCEEDED and the adapter is never applied later: the
+queued command is withdrawn, or, if the load already ran, the swap is skipped and the adapter
+unloaded. The swap is the last thing before the reply, so the reply names what the node serves.
+
+Snapshots: :meth:`AdapterManager.stored_refs` reads a snapshot of the store, replaced under the
+lock as each push or reload answers (with what the store holds once its background write and
+pruning are done), so GetNodeInfo and heartbeats never wait on a push.
 """
 
 from __future__ import annotations
@@ -20,8 +33,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,6 +42,7 @@ import grpc
 from gridrl.adapters import (
     AdapterError,
     AdapterManifest,
+    BaseModelInfo,
     build_manifest,
     check_fits,
     convert_files,
@@ -51,6 +65,54 @@ log = logging.getLogger(__name__)
 class _Applied:
     serving: ServingAdapter
     apply_s: float
+
+
+@dataclass(frozen=True)
+class ApplyDeadline:
+    """By when a push or reload must be applied, and whether its caller still waits.
+
+    Attributes:
+        at: ``time.monotonic()`` seconds by which the swap must happen (None: no deadline).
+        caller_active: False once the caller has gone (a cancelled RPC): nothing is applied.
+    """
+
+    at: float | None = None
+    caller_active: Callable[[], bool] = field(default=lambda: True)
+
+    @classmethod
+    def of_rpc(cls, context, reply_margin_s: float = 0.5) -> ApplyDeadline:
+        """From a gRPC servicer context: its deadline less a margin for the reply to reach the
+        caller (``min(reply_margin_s, 10%`` of the time left)), and ``context.is_active``."""
+        left = context.time_remaining()
+        at = None if left is None else time.monotonic() + left - min(reply_margin_s, 0.1 * left)
+        return cls(at, context.is_active)
+
+    def left(self) -> float | None:
+        """Seconds left (>= 0), None without a deadline."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def check(self, what: str) -> None:
+        """Raise unless ``what`` may still be applied.
+
+        Raises:
+            StatusError: DEADLINE_EXCEEDED past the deadline; CANCELLED when the caller left.
+        """
+        if not self.caller_active():
+            raise StatusError(grpc.StatusCode.CANCELLED,
+                              f"{what}: the caller cancelled before it was applied; nothing "
+                              "changed")
+        if self.at is not None and time.monotonic() >= self.at:
+            raise self.expired(what)
+
+    def expired(self, what: str) -> StatusError:
+        """The DEADLINE_EXCEEDED error of ``what`` (counted in the metrics)."""
+        metrics.PUSHES_EXPIRED.inc()
+        return StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"{what}: could not be applied before the caller's deadline; "
+                           "nothing changed and it will not be applied later")
+
+
+NO_DEADLINE = ApplyDeadline()
 
 
 class AdapterManager:
@@ -80,20 +142,47 @@ class AdapterManager:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()  # one push / reload applies at a time
         self._keys = itertools.count(1)
+        self._stored = self._listing()  # replaced under the lock, read without it
 
     def base_model(self) -> dict[str, object]:
         """The base model as the manifest's ``base_model`` dict."""
         i = self.identity
         return {"model_id": i.model_id, "architecture": i.architecture,
                 "hidden_size": i.hidden_size, "num_layers": i.num_layers,
-                "vocab_size": i.vocab_size}
+                "vocab_size": i.vocab_size,
+                "weights_fingerprint": getattr(i, "weights_fingerprint", "")}
 
     def stored_refs(self) -> list[common_pb2.AdapterRef]:
-        """Every stored push as an AdapterRef, by name then version (after any push being
-        stored in the background)."""
-        with self._lock:
-            return [common_pb2.AdapterRef(name=s.name, version=s.version)
-                    for s in self.store.pushed()]
+        """Every stored push as an AdapterRef, by name then version, as the store holds them
+        once the pushes answered so far are written (a snapshot: never waits on a push)."""
+        return [common_pb2.AdapterRef(name=n, version=v) for n, v in self._stored]
+
+    def _listing(self) -> tuple[tuple[str, int], ...]:
+        return tuple((s.name, s.version) for s in self.store.pushed())
+
+    def _lock_until(self, deadline: ApplyDeadline, what: str) -> None:
+        """Take the lock, waiting at most until the deadline.
+
+        Raises:
+            StatusError: DEADLINE_EXCEEDED (the lock stayed held: another push or reload).
+        """
+        left = deadline.left()
+        if not self._lock.acquire(timeout=-1 if left is None else left):
+            raise deadline.expired(what)
+
+    def _call(self, fn: Callable[[], object], deadline: ApplyDeadline, what: str):
+        """Run ``fn`` between two decode steps (preempting the batch in progress; between two
+        batches on a backend whose interruption is not synchronous, vLLM's) if it can start
+        before the deadline.
+
+        Raises:
+            StatusError: DEADLINE_EXCEEDED when it could not start in time (it never will).
+        """
+        preempt = getattr(self.backend, "interrupt_is_synchronous", True)
+        try:
+            return self.engine.call_between_batches(fn, timeout=deadline.left(), preempt=preempt)
+        except TimeoutError:
+            raise deadline.expired(what) from None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every push is stored on disk; False if ``timeout`` (s) passed first."""
@@ -104,9 +193,10 @@ class AdapterManager:
 
     # -- PushAdapter -------------------------------------------------------------------------
 
-    def push(self, requests: Iterable[rollout_pb2.PushAdapterRequest]
-             ) -> rollout_pb2.PushAdapterResponse:
-        """Receive, verify, convert, store and (unless stage_only) serve a pushed adapter.
+    def push(self, requests: Iterable[rollout_pb2.PushAdapterRequest],
+             deadline: ApplyDeadline = NO_DEADLINE) -> rollout_pb2.PushAdapterResponse:
+        """Receive, verify, convert, store and (unless stage_only) serve a pushed adapter,
+        interrupting the batch in progress at its next decode step (module docstring).
 
         Returns:
             the adapter serving afterwards, whether the files were converted, bytes received
@@ -117,7 +207,9 @@ class AdapterManager:
                 stream, sha256 mismatch), RESOURCE_EXHAUSTED (over ``max_bytes``),
                 FAILED_PRECONDITION (made for another base model, or tensors that do not fit
                 it), ALREADY_EXISTS (that name and version is stored with other contents),
-                CANCELLED (the client cancelled the stream). Nothing changes on any error.
+                CANCELLED (the client cancelled the stream), DEADLINE_EXCEEDED (it could not
+                be applied before ``deadline``: it never will be). Nothing changes on any
+                error.
         """
         start = time.perf_counter()
         stream = iter(requests)
@@ -165,7 +257,7 @@ class AdapterManager:
         meta = {"name": name, "version": version, "format": self.backend.adapter_format,
                 "pushed_format": pushed_format, "converted": converted,
                 "manifest": manifest_to_dict(manifest)}
-        applied = self._store_and_apply(files, meta, received.stage_only)
+        applied = self._store_and_apply(files, meta, received.stage_only, deadline)
         total = time.perf_counter() - start
         for phase, seconds in (("receive", received.receive_s), ("verify", verify_s),
                                ("convert", convert_s), ("apply", applied.apply_s),
@@ -192,9 +284,11 @@ class AdapterManager:
         except AdapterError as e:
             raise failed_precondition(f"header.manifest.base_model: {e}") from e
 
-    def _store_and_apply(self, files: dict[str, bytes], meta: dict, stage_only: bool) -> _Applied:
+    def _store_and_apply(self, files: dict[str, bytes], meta: dict, stage_only: bool,
+                         deadline: ApplyDeadline) -> _Applied:
         name, version = meta["name"], meta["version"]
-        self._lock.acquire()
+        what = f"push {name} v{version}"
+        self._lock_until(deadline, what)
         storing = False  # True once a background thread owns the lock
         try:
             existing = self.store.get(name, version)
@@ -207,16 +301,18 @@ class AdapterManager:
                 # The same push again (a retry): serve what is stored.
                 if stage_only:
                     return _Applied(self.engine.serving, 0.0)
-                return self._switch(existing)
+                return self._switch(existing, deadline)
             t = time.perf_counter()
             if stage_only:  # check that it loads, store it, keep serving what serves
-                self.engine.call_between_batches(
-                    lambda: self.backend.unload_adapter(self._load_files(files, name, version)))
+                self._call(lambda: self.backend.unload_adapter(
+                    self._load_files(files, name, version)), deadline, what)
                 self._store(files, meta)
                 serving = self.engine.serving
             else:
-                serving = self.engine.call_between_batches(
-                    lambda: self._load_swap(files, name, version))
+                after = self.store.after_push(name, version, self.keep, self.keep_names)
+                serving = self._call(
+                    lambda: self._load_swap(files, name, version, deadline, what, after),
+                    deadline, what)
                 threading.Thread(target=self._store_in_background, args=(files, meta),
                                  name=f"store-{name}-v{version}", daemon=True).start()
                 storing = True
@@ -227,11 +323,29 @@ class AdapterManager:
             if not storing:
                 self._lock.release()
 
-    def _load_swap(self, files: dict[str, bytes], name: str, version: int) -> ServingAdapter:
-        """On the scheduler thread: load ``files`` from memory and serve them."""
+    def _load_swap(self, files: dict[str, bytes], name: str, version: int,
+                   deadline: ApplyDeadline, what: str,
+                   stored_after: list[tuple[str, int]]) -> ServingAdapter:
+        """On the scheduler thread: load ``files`` from memory and, if still in time, serve
+        them (the stored-adapters snapshot becomes ``stored_after``)."""
         handle = self._load_files(files, name, version)
-        self._swap(ServingAdapter(name=name, version=version, handle=handle))
+        self._swap_in_time(ServingAdapter(name=name, version=version, handle=handle), deadline,
+                           what, stored_after)
         return self.engine.serving
+
+    def _swap_in_time(self, adapter: ServingAdapter, deadline: ApplyDeadline, what: str,
+                      stored_after: list[tuple[str, int]] | None = None) -> None:
+        """On the scheduler thread: serve a loaded ``adapter`` unless the deadline passed (then
+        unload it and raise DEADLINE_EXCEEDED / CANCELLED: nothing changed)."""
+        try:
+            deadline.check(what)
+        except StatusError:
+            if adapter.handle is not None:
+                self.backend.unload_adapter(adapter.handle)
+            raise
+        self._swap(adapter)
+        if stored_after is not None:
+            self._stored = tuple(stored_after)
 
     def _key(self, name: str, version: int) -> str:
         """A backend key never used before by this node, naming the adapter (a vLLM backend
@@ -269,6 +383,7 @@ class AdapterManager:
         if pruned_names:
             log.info("deleted %s (older runs: their newest version kept, %s names at most; "
                      "--keep-runs)", ", ".join(pruned_names), self.keep_names or "all")
+        self._stored = self._listing()
 
     def _store_in_background(self, files: dict[str, bytes], meta: dict) -> None:
         """:meth:`_store` after the reply, then release the lock the push acquired."""
@@ -277,6 +392,7 @@ class AdapterManager:
         except Exception:
             log.exception("storing %s v%d failed: it serves, but ReloadAdapter and retries "
                           "cannot find it on disk", meta["name"], meta["version"])
+            self._stored = self._listing()
         finally:
             self._lock.release()
 
@@ -298,10 +414,10 @@ class AdapterManager:
 
     # -- ReloadAdapter -----------------------------------------------------------------------
 
-    def reload(self, request: rollout_pb2.ReloadAdapterRequest
-               ) -> rollout_pb2.ReloadAdapterResponse:
+    def reload(self, request: rollout_pb2.ReloadAdapterRequest,
+               deadline: ApplyDeadline = NO_DEADLINE) -> rollout_pb2.ReloadAdapterResponse:
         """Serve a stored push (by version), a directory under the adapter root (by path), or
-        the base model.
+        the base model, interrupting the batch in progress at its next decode step.
 
         A directory without gridrl metadata is served under its relative path as the name and
         version 0. A directory in the other adapter format is converted in memory.
@@ -310,32 +426,38 @@ class AdapterManager:
             StatusError: INVALID_ARGUMENT (no target; ``path`` empty, absolute or leaving the
                 root; ``version`` 0 or ambiguous), NOT_FOUND (no such version or directory),
                 FAILED_PRECONDITION (the adapter does not fit the base model or cannot be
-                read). Nothing changes on any error.
+                read), DEADLINE_EXCEEDED (not applied before ``deadline``: it never will be).
+                Nothing changes on any error.
         """
         target = request.WhichOneof("target")
         start = time.perf_counter()
-        with self._lock:
+        what = f"reload {target}"
+        self._lock_until(deadline, what)
+        try:
             if target == "base_model":
                 if not request.base_model:
                     raise invalid_argument("base_model", "must be true to select the base model")
-                self.engine.call_between_batches(lambda: self._swap(BASE_MODEL))
+                self._call(lambda: self._swap_in_time(BASE_MODEL, deadline, what), deadline,
+                           what)
             elif target == "version":
                 if request.version < 1:
                     raise invalid_argument("version", "must be >= 1 (use base_model for the "
                                                       "base model)")
                 stored = self.store.by_version(request.version, self.engine.serving.name)
-                self._switch(stored)
+                self._switch(stored, deadline)
             elif target == "path":
                 stored = self.store.describe(self.store.resolve(request.path))
-                self._switch(stored)
+                self._switch(stored, deadline)
             else:
                 raise invalid_argument("target", "set one of version, path or base_model")
+        finally:
+            self._lock.release()
         apply_s = time.perf_counter() - start
         metrics.ADAPTER_APPLY_DURATION.observe(apply_s)
         return rollout_pb2.ReloadAdapterResponse(serving=_ref(self.engine.serving),
                                                  apply_s=apply_s)
 
-    def _switch(self, stored: StoredAdapter) -> _Applied:
+    def _switch(self, stored: StoredAdapter, deadline: ApplyDeadline) -> _Applied:
         """Load a stored directory (converting a foreign format through a staging copy) and
         serve it; a no-op when it is already serving."""
         serving = self.engine.serving
@@ -345,6 +467,13 @@ class AdapterManager:
         t = time.perf_counter()
         staged = None
         directory = stored.path
+        recorded = stored.meta.get("manifest", {}).get("base_model")
+        if isinstance(recorded, dict):  # what it was pushed for: refuse another checkpoint
+            try:
+                check_fits(AdapterManifest(base_model=BaseModelInfo.from_any(recorded)),
+                           self.base_model())
+            except AdapterError as e:
+                raise failed_precondition(f"adapter: {e}") from e
         try:
             fmt = detect_format(p.name for p in directory.iterdir())
         except AdapterError as e:
@@ -358,12 +487,14 @@ class AdapterManager:
                 raise failed_precondition(f"adapter: {e}") from e
             staged = directory = self.store.stage(files, stored.meta)
         try:
+            what = f"{stored.name} v{stored.version}"
+
             def apply() -> None:
                 handle = self._load(directory, stored.name, stored.version)
-                self._swap(ServingAdapter(name=stored.name, version=stored.version,
-                                          handle=handle))
+                self._swap_in_time(ServingAdapter(name=stored.name, version=stored.version,
+                                                  handle=handle), deadline, what)
 
-            self.engine.call_between_batches(apply)
+            self._call(apply, deadline, what)
         finally:
             if staged is not None:
                 self.store.discard(staged)

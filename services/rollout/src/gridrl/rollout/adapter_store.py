@@ -161,16 +161,10 @@ class AdapterStore:
         """Delete all but the newest ``keep`` stored versions of ``name`` (``keep`` 0: keep
         all), never ``protect`` (the serving one). A version is renamed to a hidden directory
         before it is deleted, so it is never seen half-deleted. Returns the versions deleted."""
-        if keep < 1:
-            return []
-        versions = sorted((s.version for s in self.pushed() if s.name == name), reverse=True)
-        deleted = []
-        for version in versions[keep:]:
-            if protect == (name, version):
-                continue
-            self._delete(self.pushed_dir(name, version))
-            deleted.append(version)
-        return deleted
+        doomed = doomed_versions(self.pushed(), name, keep, protect)
+        for stored in doomed:
+            self._delete(stored.path)
+        return [s.version for s in doomed]
 
     def prune_names(self, current: str, keep_names: int,
                     protect: tuple[str, int] | None = None) -> list[str]:
@@ -179,23 +173,22 @@ class AdapterStore:
         included) are kept at all (``keep_names`` 0: every name, each still trimmed to its
         newest version). ``protect`` (the serving one) is never deleted. Returns the deleted
         entries as ``"name/vN"``."""
-        by_name: dict[str, list[StoredAdapter]] = {}
-        for stored in self.pushed():
-            by_name.setdefault(stored.name, []).append(stored)
-        others = sorted((n for n in by_name if n != current),
-                        key=lambda n: max(s.path.stat().st_mtime for s in by_name[n]),
-                        reverse=True)
-        keep_whole = others if keep_names < 1 else others[:max(0, keep_names - 1)]
-        deleted = []
-        for name in others:
-            versions = sorted(by_name[name], key=lambda s: s.version, reverse=True)
-            doomed = versions[1:] if name in keep_whole else versions
-            for stored in doomed:
-                if protect == (name, stored.version):
-                    continue
-                self._delete(stored.path)
-                deleted.append(f"{name}/v{stored.version}")
-        return deleted
+        doomed = doomed_names(self.pushed(), current, keep_names, protect)
+        for stored in doomed:
+            self._delete(stored.path)
+        return [f"{s.name}/v{s.version}" for s in doomed]
+
+    def after_push(self, name: str, version: int, keep: int, keep_names: int
+                   ) -> list[tuple[str, int]]:
+        """What :meth:`pushed` will list once push ``name`` v``version`` (serving) is committed
+        and pruned with ``keep`` / ``keep_names``: (name, version) pairs, ordered. Reads the
+        store, changes nothing."""
+        listing = [s for s in self.pushed() if (s.name, s.version) != (name, version)]
+        listing.append(StoredAdapter(name, version, self.pushed_dir(name, version), {}))
+        doomed = doomed_versions(listing, name, keep, (name, version))
+        listing = [s for s in listing if s not in doomed]
+        doomed = doomed_names(listing, name, keep_names, (name, version))
+        return sorted((s.name, s.version) for s in listing if s not in doomed)
 
     def _delete(self, path: Path) -> None:
         """Remove a stored directory, renamed to a hidden one first so it is never seen
@@ -251,3 +244,33 @@ class AdapterStore:
             version = 0
         return StoredAdapter(name=name, version=version, path=path, meta=meta)
 
+
+def doomed_versions(listing: list[StoredAdapter], name: str, keep: int,
+                    protect: tuple[str, int] | None) -> list[StoredAdapter]:
+    """Of ``listing``, the versions of ``name`` beyond its newest ``keep`` (``keep`` 0: none),
+    ``protect`` excepted (:meth:`AdapterStore.prune`)."""
+    if keep < 1:
+        return []
+    versions = sorted((s for s in listing if s.name == name), key=lambda s: s.version,
+                      reverse=True)
+    return [s for s in versions[keep:] if protect != (name, s.version)]
+
+
+def doomed_names(listing: list[StoredAdapter], current: str, keep_names: int,
+                 protect: tuple[str, int] | None) -> list[StoredAdapter]:
+    """Of ``listing``, what :meth:`AdapterStore.prune_names` deletes: every name but
+    ``current`` trimmed to its newest version, names beyond the ``keep_names`` most recently
+    pushed dropped (by directory mtime), ``protect`` excepted."""
+    by_name: dict[str, list[StoredAdapter]] = {}
+    for stored in listing:
+        by_name.setdefault(stored.name, []).append(stored)
+    others = sorted((n for n in by_name if n != current),
+                    key=lambda n: max(s.path.stat().st_mtime for s in by_name[n]),
+                    reverse=True)
+    keep_whole = others if keep_names < 1 else others[:max(0, keep_names - 1)]
+    doomed = []
+    for name in others:
+        versions = sorted(by_name[name], key=lambda s: s.version, reverse=True)
+        doomed += [s for s in (versions[1:] if name in keep_whole else versions)
+                   if protect != (name, s.version)]
+    return doomed

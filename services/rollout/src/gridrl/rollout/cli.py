@@ -475,6 +475,7 @@ def info(address: str, security: Security, as_json: bool, timeout: float) -> Non
         ("model", i.base_model.model_id),
         ("architecture", f"{i.base_model.architecture}, {i.base_model.num_layers} layers, hidden "
                          f"{i.base_model.hidden_size}, vocab {i.base_model.vocab_size}"),
+        ("weights", i.base_model.weights_fingerprint or "-"),
         ("device", f"{i.device} ({i.dtype})"),
         ("adapter format", common_pb2.AdapterFormat.Name(i.adapter_format)
          .removeprefix("ADAPTER_FORMAT_").lower()),

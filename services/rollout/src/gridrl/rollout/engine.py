@@ -1,9 +1,10 @@
 """The engine of a rollout node: a bounded queue, one scheduler thread, dynamic batching across
-concurrent requests, and adapter swaps between batches.
+concurrent requests, and adapter swaps between batches or between two decode steps.
 
     engine = Engine(backend, capacity=64, max_queue=256).start()
     outcome = engine.generate(GenerateJob(prompt_ids, sampling, n=8, seed=1))
     engine.call_between_batches(lambda: engine.set_serving(new_adapter))
+    engine.call_between_batches(lambda: engine.set_serving(newer), preempt=True, timeout=5)
 
 Batching: the scheduler takes waiting requests in arrival order and decodes up to ``capacity``
 sequences together in one backend call (the ``n`` samples of each request, across requests).
@@ -21,6 +22,19 @@ the same adapter: requests that started decoding finish on the adapter they star
 requests started after a swap get the new one. A request submitted with ``base_model=True``
 decodes without any adapter whatever is serving; a batch holds requests of one adapter only.
 
+Preemption (adapter pushes): a command queued with ``preempt=True`` does not wait for the batch
+in progress. The scheduler's :class:`~gridrl.engine.contract.DecodeObserver` answers
+``interrupted()`` with True at the backend's next decode step (or prefill), the backend raises
+``DecodeInterrupted``, and every request that had started (in that batch, or split and waiting
+for its next one) is reset and put back at the head of the queue, in arrival order; the command
+runs, then those requests decode again from their first token on what serves then. Their seeds
+fix every draw, so nothing of the interrupted work is visible but the time it cost; every sample
+of a request still comes from one adapter, now the new one. So a push takes effect within one
+decode step of a batch of any length, instead of after it (the design of vLLM's ``abort``
+pause mode). A preempting command cancelled before it runs (its caller's deadline passed)
+interrupts nothing more and never runs. A streamed request (below) that preemption
+interrupts fails with ABORTED instead: its caller has tokens of the old adapter already.
+
 Streams: a request submitted with a :class:`TokenSink` is told its adapter when it starts and
 its tokens after every decode step of the batches it is in (the backend's decode hooks, routed
 per request), so a caller can stream them before the batch ends. A sink that says it is
@@ -31,6 +45,7 @@ request is abandoned stops at the next decode step (its requests fail with CANCE
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -140,13 +155,15 @@ class GenerateOutcome:
 @dataclass(frozen=True)
 class BatchRecord:
     """One backend call: its index, sequences decoded, the requests they came from (internal
-    ids, in order), the adapter version and wall-clock seconds."""
+    ids, in order), the adapter version, wall-clock seconds, and whether a preempting command
+    interrupted it (its requests were then decoded again in a later batch)."""
 
     index: int
     sequences: int
     requests: tuple[int, ...]
     adapter_version: int
     seconds: float
+    interrupted: bool = False
 
 
 @dataclass
@@ -170,6 +187,7 @@ class _Request:
 class _Command:
     fn: Callable[[], Any]
     future: Future
+    preempt: bool = False
 
 
 class Engine:
@@ -204,7 +222,7 @@ class Engine:
         self._closing = False
         self._scheduler_done = False
         self._interrupting = False  # close(interrupt=True): stop the batch in progress
-        self._observer = _ShutdownObserver(self)
+        self._observer = _SchedulerObserver(self)
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
@@ -332,13 +350,22 @@ class Engine:
         """:meth:`submit` and wait for the outcome (re-raises the job's error)."""
         return self.submit(job).result(timeout)
 
-    def call_between_batches(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+    def call_between_batches(self, fn: Callable[[], T], timeout: float | None = None,
+                             preempt: bool = False) -> T:
         """Run ``fn`` on the scheduler thread between two batches (no backend call overlaps
         it, and no request is half-decoded), and return its result or raise its exception.
         Commands run before any request that has not started yet.
 
+        Args:
+            timeout: seconds to wait for ``fn`` to start; past it the command is withdrawn
+                (it never runs) and TimeoutError is raised. Once ``fn`` has started, this
+                waits for it to end whatever the timeout.
+            preempt: interrupt the batch in progress at its next decode step and restart the
+                requests it had started after ``fn`` (module docstring, "Preemption"),
+                instead of waiting for them to finish.
         Raises:
             StatusError: UNAVAILABLE when the engine is closing.
+            TimeoutError: ``fn`` had not started within ``timeout`` seconds; it never will.
         """
         if threading.current_thread() is self._thread:
             return fn()
@@ -346,9 +373,25 @@ class Engine:
         with self._cond:
             if self._closing:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE, "rollout node is shutting down")
-            self._commands.append(_Command(fn, future))
+            self._commands.append(_Command(fn, future, preempt))
             self._cond.notify_all()
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if future.cancel():  # not started: withdrawn, it never runs
+                with self._cond:
+                    self._commands = collections.deque(
+                        c for c in self._commands if c.future is not future)
+                raise TimeoutError(f"the command did not start within {timeout} s") from None
+            return future.result()  # started meanwhile: its outcome is the truth
+
+    def preempt_pending(self) -> bool:
+        """Whether a preempting command waits to run (the batch in progress should stop)."""
+        with self._cond:
+            return self._preempt_waiting()
+
+    def _preempt_waiting(self) -> bool:
+        return any(c.preempt and not c.future.cancelled() for c in self._commands)
 
     def set_serving(self, adapter: ServingAdapter) -> ServingAdapter:
         """Make ``adapter`` the one new batches use; returns the previous one. Only from a
@@ -372,6 +415,8 @@ class Engine:
                     self._cond.wait()
                 if self._closing:
                     break
+                if self._partial and self._preempt_waiting():
+                    self._restart_started([])  # split requests restart after the command
                 command = self._commands.popleft() if (self._commands and not self._partial) \
                     else None
                 if command is None and not self._partial:
@@ -414,11 +459,12 @@ class Engine:
                     wanted = BASE_MODEL if req.base_model else self._serving
                     if adapter is not None and not _same_adapter(adapter, wanted):
                         break  # the next batch starts with it
-                    if not req.future.set_running_or_notify_cancel():
+                    if not req.future.running() and \
+                            not req.future.set_running_or_notify_cancel():
                         source.popleft()  # cancelled while queued
                         continue
                     req.adapter = wanted
-                    req.started = now
+                    req.started = req.started or now
                 if _abandoned(req):
                     source.popleft()
                     req.future.set_exception(_cancelled())
@@ -458,10 +504,13 @@ class Engine:
                 log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
                 self._fail_batch(items, StatusError(
                     grpc.StatusCode.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
-            else:
+            elif all(_abandoned(req) for req, _ in items):
                 log.debug("batch %d of %d sequences stopped after %d steps: every request in "
                           "it was abandoned", index, len(batch), e.steps)
                 self._fail_batch(items, _cancelled())
+            else:  # a preempting command (an adapter push) waits
+                self._requeue_started(items, index, adapter, time.perf_counter() - start,
+                                      e.steps)
             return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
@@ -492,6 +541,40 @@ class Engine:
         metrics.BATCH_DURATION.observe(end - start)
         for req in finished:
             self._finish(req, end)
+
+    def _requeue_started(self, items: list[tuple[_Request, int]], index: int,
+                         adapter: ServingAdapter, seconds: float, steps: int) -> None:
+        """After an interrupted batch: restart its requests and the split ones waiting for
+        their next batch (:meth:`_restart_started`)."""
+        with self._cond:
+            restarted = self._restart_started([req for req, _ in items])
+            self._history.append(BatchRecord(index, len(items), tuple(r.id for r in restarted),
+                                             adapter.version, seconds, interrupted=True))
+        metrics.BATCHES_INTERRUPTED.inc()
+        log.info("batch %d (%d sequences, %s) interrupted after %d steps for a preempting "
+                 "command; %d requests requeued", index, len(items),
+                 f"{adapter.name} v{adapter.version}" if adapter.handle is not None
+                 else "the base model", steps, len(restarted))
+
+    def _restart_started(self, reqs: list[_Request]) -> list[_Request]:
+        """With the lock held: reset ``reqs`` and every split request waiting for its next
+        batch, and put them back at the head of the queue in arrival order, so that they
+        decode again, whole, on what serves after the preempting command. Returns them."""
+        started = {req.id: req for req in (*reqs, *self._partial) if not req.future.done()}
+        self._partial.clear()
+        for req in [r for r in started.values() if r.sink is not None]:
+            del started[req.id]  # its caller holds tokens of the old adapter: it cannot restart
+            req.future.set_exception(StatusError(
+                grpc.StatusCode.ABORTED, "the node switched adapters (a push or reload) while "
+                "this streamed request was decoding; nothing more will come: send it again"))
+        for req in sorted(started.values(), key=lambda r: r.id, reverse=True):
+            req.next_sample = req.done_samples = 0
+            req.results = [None] * req.job.n
+            req.adapter = req.first_token = None
+            req.batches = []
+            self._waiting.appendleft(req)
+        metrics.QUEUE_DEPTH.set(len(self._waiting))
+        return sorted(started.values(), key=lambda r: r.id)
 
     def _finish(self, req: _Request, end: float) -> None:
         samples = [r for r in req.results if r is not None]
@@ -550,9 +633,10 @@ class Engine:
         metrics.QUEUE_DEPTH.set(0)
 
 
-class _ShutdownObserver:
+class _SchedulerObserver:
     """The :class:`~gridrl.engine.contract.DecodeObserver` of every batch: stops it between
-    decode steps once :meth:`Engine.close` was asked to interrupt (any thread)."""
+    decode steps once :meth:`Engine.close` was asked to interrupt (any thread), or once a
+    preempting command waits (module docstring, "Preemption")."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -561,7 +645,7 @@ class _ShutdownObserver:
         pass
 
     def interrupted(self) -> bool:
-        return self._engine._interrupting
+        return self._engine._interrupting or self._engine.preempt_pending()
 
 
 def _cancelled() -> StatusError:
@@ -611,7 +695,8 @@ class _BatchObserver:
             self._call(req, "on_tokens", samples, tokens, lps)
 
     def interrupted(self) -> bool:
-        return self._engine._interrupting or all(_abandoned(req) for req in self._requests)
+        return self._engine._interrupting or self._engine.preempt_pending() or all(
+            _abandoned(req) for req in self._requests)
 
     def _call(self, req: _Request, method: str, *args: Any) -> None:
         try:

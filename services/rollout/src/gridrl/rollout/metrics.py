@@ -37,6 +37,10 @@ BATCH_DURATION = Histogram(
     "gridrl_rollout_batch_duration_seconds", "Seconds of one batch (prefill and decode).",
     buckets=_LATENCY)
 BATCHES = Counter("gridrl_rollout_batches_total", "Batches decoded.")
+BATCHES_INTERRUPTED = Counter(
+    "gridrl_rollout_batches_interrupted_total",
+    "Batches stopped between two decode steps for an adapter push or reload; their requests "
+    "were decoded again on the new adapter.")
 QUEUE_DEPTH = Gauge("gridrl_rollout_queue_depth", "Generate requests waiting for a batch slot.")
 ACTIVE_SEQUENCES = Gauge(
     "gridrl_rollout_active_sequences", "Sequences in the batch being decoded now.")
@@ -48,6 +52,10 @@ PUSH_DURATION = Histogram(
     "Seconds of each phase of a successful PushAdapter (receive, verify, convert, apply) and "
     "of the whole push (total).", ["phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+PUSHES_EXPIRED = Counter(
+    "gridrl_rollout_adapter_apply_expired_total",
+    "Pushes and reloads refused with DEADLINE_EXCEEDED because they could not be applied "
+    "before their caller's deadline (nothing changed; they are never applied later).")
 ADAPTER_APPLY_DURATION = Histogram(
     "gridrl_rollout_adapter_apply_seconds",
     "Seconds to load an adapter next to the serving one and swap (push or reload).",

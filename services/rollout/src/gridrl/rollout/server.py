@@ -31,7 +31,7 @@ from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
 from gridrl.engine.contract import Backend
 from gridrl.models import cache_root
-from gridrl.rollout.adapter_manager import AdapterManager
+from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
 from gridrl.rollout.adapter_store import AdapterStore
 from gridrl.rollout.engine import Engine, GenerateOutcome
 from gridrl.rollout.text import TextCodec
@@ -145,13 +145,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """Receive an adapter (header, then chunks), verify, convert, store and serve it.
         See :meth:`gridrl.rollout.adapter_manager.AdapterManager.push` for the errors."""
         # test-only pause after the header (gridrl.common.faults): kill mid-push
-        return self._node.adapters.push(pause_in_stream(request_iterator, "rollout.push"))
+        return self._node.adapters.push(pause_in_stream(request_iterator, "rollout.push"),
+                                        ApplyDeadline.of_rpc(context))
 
     def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
                       context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
         """Serve a stored version, a directory under the adapter root, or the base model.
         See :meth:`gridrl.rollout.adapter_manager.AdapterManager.reload` for the errors."""
-        return self._node.adapters.reload(request)
+        return self._node.adapters.reload(request, ApplyDeadline.of_rpc(context))
 
     def GetNodeInfo(self, request: rollout_pb2.GetNodeInfoRequest,
                     context: grpc.ServicerContext) -> rollout_pb2.GetNodeInfoResponse:
@@ -293,7 +294,10 @@ class RolloutNode:
         self.server.wait()
 
     def info(self) -> common_pb2.NodeInfo:
-        """What the node is and serves now (GetNodeInfo, and what the master is told)."""
+        """What the node is and serves now (GetNodeInfo, and what the master is told).
+
+        Reads snapshots only (the serving adapter, queue depth, the stored-adapter listing):
+        it never waits on a push, a reload or a batch, so liveness holds during both."""
         b, i = self.backend, self.backend.identity
         serving = self.engine.serving
         return common_pb2.NodeInfo(
@@ -302,7 +306,8 @@ class RolloutNode:
             adapter_format=format_enum(b.adapter_format),
             base_model=common_pb2.BaseModel(model_id=i.model_id, architecture=i.architecture,
                                             hidden_size=i.hidden_size, num_layers=i.num_layers,
-                                            vocab_size=i.vocab_size),
+                                            vocab_size=i.vocab_size,
+                                            weights_fingerprint=i.weights_fingerprint),
             adapter=common_pb2.AdapterRef(name=serving.name, version=serving.version),
             capacity=self.config.capacity, queue_depth=self.engine.queue_depth,
             uptime_s=time.monotonic() - self.started, device=b.device, dtype=b.dtype,

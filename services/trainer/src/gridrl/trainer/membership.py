@@ -15,8 +15,9 @@ locks: the pool serialises events under its lock.
 Rotation: a node takes groups while it is
 
 - healthy (master status HEALTHY, or its last probe answered, for a ``--rollout`` address),
-- usable (its base model — architecture, hidden_size, num_layers, vocab_size — matches the
-  trainer's; otherwise it is *excluded*, loudly, for good),
+- usable (its base model — architecture, hidden_size, num_layers, vocab_size, and the
+  weights' fingerprint when both sides know it: another fine-tune of the same architecture —
+  matches the trainer's; otherwise it is *excluded*, loudly, for good),
 - not *benched*: after ``max_consecutive_failures`` failed or timed-out Generate calls in a
   row, or a failed adapter push (it would sample a stale policy). It comes back when the
   master reports it healthy again (JOINED / CHANGED) or a probe answers; probes of a node
@@ -194,7 +195,8 @@ class Membership:
     one owner (the pool, under its lock) feeds it events.
 
     Args:
-        identity: the trainer's base model, a mapping with :data:`IDENTITY_KEYS`.
+        identity: the trainer's base model, a mapping with :data:`IDENTITY_KEYS` and optionally
+            ``weights_fingerprint`` (compared when both sides know it).
         max_consecutive_failures: failed Generate calls in a row that bench a node (>= 1).
         probe_interval_s: seconds between probes of a benched or unreachable node; doubled
             at each benching since the node's last successful Generate.
@@ -214,6 +216,7 @@ class Membership:
             raise ValueError(f"max_consecutive_failures: must be >= 1, got "
                              f"{max_consecutive_failures}")
         self.identity = {k: identity[k] for k in IDENTITY_KEYS}
+        self.weights_fingerprint = str(identity.get("weights_fingerprint") or "")
         self.max_consecutive_failures = max_consecutive_failures
         self.probe_interval_s = probe_interval_s
         self.orphan_grace_s = orphan_grace_s
@@ -522,8 +525,14 @@ class Membership:
     def _identity_problem(self, base: common_pb2.BaseModel) -> str:
         got = {"architecture": base.architecture, "hidden_size": base.hidden_size,
                "num_layers": base.num_layers, "vocab_size": base.vocab_size}
-        return ", ".join(f"{k} {got[k]!r} != {self.identity[k]!r}" for k in IDENTITY_KEYS
-                         if got[k] != self.identity[k])
+        problems = [f"{k} {got[k]!r} != {self.identity[k]!r}" for k in IDENTITY_KEYS
+                    if got[k] != self.identity[k]]
+        mine, theirs = self.weights_fingerprint, base.weights_fingerprint
+        if mine and theirs and mine != theirs:
+            problems.append(f"weights_fingerprint {theirs!r} != the trainer's {mine!r} (another "
+                            "checkpoint of this architecture: start the node on the trainer's "
+                            "--model)")
+        return ", ".join(problems)
 
     def _apply_served(self, m: _Member, name: str, version: int, observed_at: float,
                       direct: bool) -> bool:

@@ -60,7 +60,7 @@ from gridrl.engine.contract import (
     check_batch,
 )
 from gridrl.engine.families import context_limit, unsupported_layers
-from gridrl.models import ModelIdentity
+from gridrl.models import ModelIdentity, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,8 @@ class TorchBackend(Backend):
 
         model = load_model()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        identity = _identity_of(model, model_id or str(model_dir))
+        identity = dataclasses.replace(_identity_of(model, model_id or str(model_dir)),
+                                       weights_fingerprint=weights_fingerprint(model_dir))
         return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model,
                    max_context=max_context)
 

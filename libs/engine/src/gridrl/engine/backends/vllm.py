@@ -361,6 +361,7 @@ class VllmBackend(Backend):
 
     name = "vllm"
     adapter_format = "peft"
+    interrupt_is_synchronous = False  # vLLM aborts cancelled completions in its own time
 
     def __init__(self, url: str, model_dir: Path | str, landing_dir: Path | str, *,
                  api_key: str | None = None, model_id: str | None = None,
