@@ -104,24 +104,26 @@ def test_trainer_step_then_its_adapter_pushed_in_peft_and_mlx_layout(
         family, torch_node: LiveNode) -> None:
     import torch
 
+    from gridrl.trainer.backend import TrainSequence, create_backend
+    from gridrl.trainer.config import TrainConfig
     from gridrl.trainer.local import LocalRollout
-    from gridrl.trainer.policy import LoraSettings, load_policy
-    from gridrl.trainer.update import TrainSequence, UpdateConfig, grpo_update, make_optimizer
 
     name, model_dir = family
-    policy = load_policy(str(model_dir), lora=LoraSettings(rank=4, alpha=8), seed=0)
+    backend = create_backend(TrainConfig(
+        model=str(model_dir), lora_rank=4, lora_alpha=8, lr=0.05, max_tokens=6,
+        temperature=1.0, seed=0, device="cpu", dtype="float32", rollout=["local"],
+        run_dir="unused").finalize())
+    policy = backend.policy
     # samples from the node (group 0) and from the trainer's own sampler (group 1)
     node_samples = torch_node.generate(SHORT_PROMPT, n=4, max_tokens=6, temperature=1.0,
                                        seed=3).samples
-    local = LocalRollout(policy, lambda: 0).generate_groups(
+    local = LocalRollout(backend, lambda: 0).generate_groups(
         [SHORT_PROMPT], group_size=4, max_tokens=6, temperature=1.0, seed=3)[0].samples
     seqs = [TrainSequence(tuple(SHORT_PROMPT), tuple(s.token_ids), tuple(s.logprobs),
                           advantage=float(i) - 1.5, group=g)
             for g, samples in enumerate((node_samples, local))
             for i, s in enumerate(samples)]
-    optimizer = make_optimizer(policy.trainable_parameters(), lr=0.05)
-    stats = grpo_update(policy, optimizer, None, seqs, UpdateConfig(temperature=1.0,
-                                                                    max_tokens=6))
+    stats = backend.update(seqs)
     assert stats.mismatch_kl < 1e-6  # both samplers' logprobs are the trainer's
     assert max(stats.per_sequence_mismatch_kl) < 1e-6
     assert stats.grad_norm > 0
@@ -130,7 +132,7 @@ def test_trainer_step_then_its_adapter_pushed_in_peft_and_mlx_layout(
     policy.model.eval()
     with torch.no_grad():
         want_tokens, want_logprobs = reference_greedy(policy.model, SHORT_PROMPT, 6)
-    peft_files = policy.adapter_files()
+    peft_files = backend.adapter_files()
     layouts = {1: peft_files, 2: convert_files(peft_files, "mlx", num_layers=2)}
     for version, files in layouts.items():
         response = push_files(torch_node.stub, files, build_manifest(
