@@ -50,7 +50,8 @@ def run(tiny_llama_dir: Path, tmp_path_factory) -> dict:
 
 def test_metric_names_are_trl_s(run: dict) -> None:
     expected = run["expected"]
-    assert set(expected[0]) == {"eval/reward", "eval/exact", "eval/policy_version"}
+    assert set(expected[0]) == {"eval/reward", "eval/exact", "eval/policy_version",
+                                "eval/stderr", "eval/n"}  # the eval's standard error and size
     step2 = expected[2]
     for name in ("train/reward", "train/reward_std", "train/frac_reward_zero_std",
                  "train/rewards/even_words/mean", "train/completions/mean_length",
