@@ -31,7 +31,8 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
     ``adapter`` ((name, version) served), ``serve_after_push`` ((name, version) served after
     every push whatever it answered: a swap that silently failed). Records: ``generates``
     (requests), ``max_active``
-    (most concurrent Generate calls), ``pushes`` (manifest dicts), ``pushed_files``.
+    (most concurrent Generate calls), ``pushes`` (manifest dicts), ``pushed_files``, ``infos``
+    (GetNodeInfo calls).
     """
 
     def __init__(self, *, capacity: int = 4, backend: str = "torch", adapter_format: str = "peft",
@@ -54,6 +55,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         self.pushes: list[dict] = []
         self.pushed_files: list[dict[str, bytes]] = []
         self.reloads = 0
+        self.infos = 0  # GetNodeInfo calls answered
         self._lock = threading.Lock()
         self._wake = threading.Event()  # set on stop: sleeping handlers return at once
         self.server: GrpcServer | None = None
@@ -131,6 +133,8 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
 
     def GetNodeInfo(self, request, context):
         self._check_up()
+        with self._lock:
+            self.infos += 1
         return rollout_pb2.GetNodeInfoResponse(info=self.info())
 
     def info(self) -> common_pb2.NodeInfo:

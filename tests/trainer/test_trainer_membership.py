@@ -166,6 +166,23 @@ def test_the_masters_stale_copy_never_sends_a_node_to_syncing() -> None:
     assert [n.address for n in effects.notify] == [A]  # but the sync is asked to check
 
 
+def test_a_late_push_older_than_the_target_sends_the_node_back_to_syncing(members) -> None:
+    """A catch-up of version 2 that lands after the push of version 3 (the node serves 2
+    again): the node leaves rotation and waits for 3 instead of sampling a stale policy."""
+    members.probe_answered(A, info(), 0.0)
+    members.set_target("run", 2)
+    members.push_succeeded(A, 2, ref("run", 2), now=1.0)
+    members.set_target("run", 3)
+    members.push_succeeded(A, 3, ref("run", 3), now=2.0)
+    assert rotation(members) == [A]
+    effects = members.push_succeeded(A, 2, ref("run", 2), now=3.0)
+    s = members.state(A)
+    assert rotation(members) == [] and s.syncing and s.adapter_version == 2
+    assert [n.address for n in effects.notify] == [A]  # the sync catches it up again
+    members.push_succeeded(A, 3, ref("run", 3), now=4.0)
+    assert rotation(members) == [A]
+
+
 def test_a_failed_push_benches_and_the_return_syncs(members) -> None:
     members.probe_answered(A, info(), 0.0)
     members.set_target("run", 1)

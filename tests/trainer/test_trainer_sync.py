@@ -3,6 +3,7 @@ deadlines, skipped nodes catching up, restarted nodes, MLX conversion, foreign a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -141,6 +142,37 @@ def test_restarted_node_is_caught_up_before_its_samples_are_used(farm, make_sync
     state = pool.node(node.address)
     assert state.in_rotation and not state.syncing
     assert sync.lagging_nodes(1) == []
+
+
+def test_a_catch_up_overtaken_by_a_newer_push_never_rolls_the_node_back(farm, make_sync) -> None:
+    """The fault test's race: a catch-up of version 1 waits for the node's push lock while the
+    push of version 2 runs; whichever takes the lock first, the node ends serving version 2,
+    in rotation, and version 1 is never pushed once version 2 exists (it was superseded)."""
+    node = farm.start()
+    pool, sync = make_sync([node], wait_for_nodes_s=10)
+    pool.wait_for_nodes(1, timeout_s=10)
+    files1, manifest1 = adapter(1)
+    assert sync.push(1, files1, manifest1).synced == [node.address]
+    node.adapter = ("", 0)  # restarted, unnoticed: the catch-up below finds it on the base model
+
+    lock = sync._node_lock(node.address)
+    lock.acquire()  # hold the node's push lock: both pushes queue on it
+    infos = node.infos
+    # the pool's listener call for a node seen serving the base model: catch it up to version
+    # 1 (the newest, for now)
+    sync._on_node(dataclasses.replace(pool.node(node.address), adapter_version=0))
+    wait_until(lambda: node.infos > infos, what="the catch-up's GetNodeInfo")
+    files2, manifest2 = adapter(2)
+    pushing = threading.Thread(target=sync.push, args=(2, files2, manifest2))
+    pushing.start()
+    wait_until(lambda: sync.newest_version == 2, what="the push of version 2 to begin")
+    lock.release()
+    pushing.join(10)
+    sync.close()  # waits for the catch-up
+    assert node.adapter == (NAME, 2)
+    assert [m["version"] for m in node.pushes] == [1, 2]  # version 1 never pushed after version 2
+    state = pool.node(node.address)
+    assert state.in_rotation and (state.adapter_version, state.synced_version) == (2, 2)
 
 
 def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> None:

@@ -463,7 +463,8 @@ class Membership:
         m.synced_at = now
         s.adapter_version = int(serving.version)
         s.adapter_name = serving.name
-        return self._update(m, effects)
+        # A push older than the target (a late catch-up) must not leave the node in rotation.
+        return self._update(m, effects, behind=self._needs_adapter(s))
 
     def push_failed(self, address: str, version: int, reason: str, now: float) -> Effects:
         """A push of policy ``version`` failed: bench the node (it would sample a stale
@@ -570,14 +571,16 @@ class Membership:
         del self._members[address]
         effects.forgotten.append(address)
 
-    def _update(self, m: _Member, effects: Effects, lost: bool = False) -> Effects:
+    def _update(self, m: _Member, effects: Effects, lost: bool = False,
+                behind: bool = False) -> Effects:
         """Recompute the node's syncing and rotation (``lost``: it just showed it lost its
-        adapter); notify when it enters rotation or starts waiting for the adapter."""
+        adapter; ``behind``: it was just given an adapter older than the target); notify when
+        it enters rotation or starts waiting for the adapter."""
         s = m.state
         was_in, was_syncing = s.in_rotation, s.syncing
         if not s.eligible:
             s.syncing = False
-        elif lost or s.syncing or not s.in_rotation:  # entering, or waiting: check the target
+        elif lost or behind or s.syncing or not s.in_rotation:  # entering, waiting: check
             s.syncing = (lost or (s.syncing and s.adapter_version < s.synced_version)
                          or self._needs_adapter(s))
         s.in_rotation = s.eligible and not s.syncing

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # Nodes pushed to at the same time; beyond this, pushes queue (and their deadline starts late).
 MAX_CONCURRENT_PUSHES = 256
+# How a push of a version older than the newest one begins its "not pushed" reason.
+SUPERSEDED = "superseded by policy version"
 
 
 @dataclass
@@ -215,6 +217,10 @@ class AdapterSync:
             return self._failed(node.address, adapter.version,
                                 f"an earlier push was still running after {self.deadline_s:.1f}s")
         try:
+            # A catch-up that waited for this node's lock behind a newer push must not roll the
+            # node back to the older version (it would sample a stale policy in rotation).
+            if (newest := self.newest_version) > adapter.version:
+                return f"{SUPERSEDED} {newest}"
             fmt = node.adapter_format
             try:
                 manifest, files = self._payload(adapter, fmt)
@@ -330,7 +336,10 @@ class AdapterSync:
         except (grpc.RpcError, KeyError):
             pass  # the push below reports the problem
         error = self._push_node(node, adapter)
-        if error:
+        if error.startswith(SUPERSEDED):
+            log.debug("catch-up of node %s to policy version %d: %s", address, adapter.version,
+                      error)
+        elif error:
             log.warning("catch-up of node %s to policy version %d failed: %s", address,
                         adapter.version, error)
         else:
