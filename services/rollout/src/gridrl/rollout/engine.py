@@ -662,14 +662,13 @@ def _abandoned(req: _Request) -> bool:
         return True
 
 
-class _BatchObserver:
-    """Routes a batch's decode steps to the sinks of its requests (the backend's
-    :class:`~gridrl.engine.contract.DecodeObserver`), and stops the batch once every request
-    in it is abandoned or the engine is closing with ``interrupt``. A sink that raises is logged
-    and dropped; the batch goes on."""
+class _BatchObserver(_SchedulerObserver):
+    """The observer of a batch with token sinks (OpenAI streaming): routes its decode steps to
+    the sinks of its requests, and also stops the batch once every request in it is abandoned.
+    A sink that raises is logged and dropped; the batch goes on."""
 
     def __init__(self, items: list[tuple[_Request, int]], engine: Engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._rows = [(req, i) for req, i in items]
         self._requests = list({req.id: req for req, _ in items}.values())
         self._broken: set[int] = set()
@@ -695,8 +694,7 @@ class _BatchObserver:
             self._call(req, "on_tokens", samples, tokens, lps)
 
     def interrupted(self) -> bool:
-        return self._engine._interrupting or self._engine.preempt_pending() or all(
-            _abandoned(req) for req in self._requests)
+        return super().interrupted() or all(_abandoned(req) for req in self._requests)
 
     def _call(self, req: _Request, method: str, *args: Any) -> None:
         try:

@@ -75,8 +75,6 @@ class AdapterSync:
         name: adapter name (the run name); [A-Za-z0-9._-]+.
         num_layers: transformer blocks of the base model (for the MLX conversion).
         deadline_s: seconds one node's push may take (per node; nodes run concurrently).
-        auth_token: unused beyond the pool's channels (which carry the pool's token); kept for
-            symmetry with the other clients.
         known_versions: returns the versions of this run's weights (its lineage; version 0 is
             the base model). Before the first push, a node serving ``name`` at a version
             outside them (an earlier run under the same name) is reset like another run's
@@ -84,7 +82,6 @@ class AdapterSync:
     """
 
     def __init__(self, pool: NodePool, *, name: str, num_layers: int, deadline_s: float = 30.0,
-                 auth_token: str | None = None,
                  known_versions: Callable[[], Container[int]] | None = None) -> None:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
@@ -92,7 +89,6 @@ class AdapterSync:
         self.name = name
         self.num_layers = num_layers
         self.deadline_s = deadline_s
-        self.auth_token = auth_token
         self._known_versions = known_versions or (lambda: (0,))
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
