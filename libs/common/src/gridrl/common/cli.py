@@ -58,11 +58,13 @@ def server_options(service: str, listen: str, metrics_port: int,
             from gridrl.common.security import ExposedError, check_exposure
 
             try:
-                check_exposure(parse_listen(kwargs["listen"], "--listen")[0], security)
+                host, port = parse_listen(kwargs["listen"], "--listen")
+                check_exposure(host, security)
             except StatusError as e:
                 raise click.BadParameter(e.message, param_hint="--listen") from None
             except ExposedError as e:
                 raise click.UsageError(str(e)) from None
+            check_ports_free(host, port, kwargs["metrics_port"], security)
             return f(*args, security=security, **kwargs)
 
         g = with_security
@@ -96,6 +98,33 @@ def server_options(service: str, listen: str, metrics_port: int,
         return g
 
     return decorate
+
+
+def check_ports_free(host: str, port: int, metrics_port: int, security: Any = None) -> None:
+    """Refuse, before a server loads anything, a ``--listen`` or ``--metrics-port`` whose port
+    is taken on ``host`` (:func:`gridrl.common.address.port_in_use`), naming the flag, the port,
+    the gridrl service already there when reflection says (:mod:`gridrl.common.probe`), and
+    what to do. The server's own bind still reports a port taken in between.
+
+    Raises:
+        click.BadParameter: e.g. ``Invalid value for '--metrics-port': port 9402 is already in
+            use on 127.0.0.1; give another port (0: any free port, -1: no metrics)``.
+    """
+    from gridrl.common.address import join_address, port_in_use
+
+    if port_in_use(host, port):
+        from gridrl.common.probe import describe, list_services
+
+        dial_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        names = list_services(join_address(dial_host, port), security, timeout_s=2.0)
+        by = f" by {describe(names)}" if names else ""
+        raise click.BadParameter(f"{join_address(host, port)} is already in use{by}; stop it "
+                                 "or give another port (0: any free port)",
+                                 param_hint="--listen")
+    if port_in_use(host, metrics_port):
+        raise click.BadParameter(f"port {metrics_port} is already in use on {host}; give "
+                                 "another port (0: any free port, -1: no metrics)",
+                                 param_hint="--metrics-port")
 
 
 def client_security_options(f: Any) -> Any:

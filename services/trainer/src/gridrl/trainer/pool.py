@@ -78,19 +78,27 @@ _LOST_ADAPTER = "LOST_ADAPTER"
 
 @dataclass(frozen=True)
 class NodeWait:
-    """A batch waits for a rollout node: none is in rotation.
+    """The run waits for rollout nodes: a batch for one in rotation (none is), or the start
+    for ``--min-nodes`` of them.
 
     Attributes:
         waited_s: seconds waited so far.
-        left_s: seconds left before the batch fails (``wait_for_nodes_s`` - waited).
+        left_s: seconds left before the wait fails (``wait_for_nodes_s`` or ``node_wait_s``
+            minus waited).
         waiting_for: every known node and why it is out of rotation (and the master's
             connection), e.g. ``"127.0.0.1:5001 (benched: 3 consecutive Generate failures,
             last UNAVAILABLE: ...)"``.
+        starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
+        in_rotation: nodes in rotation now (the start's wait).
+        needed: nodes the start waits for (``--min-nodes``).
     """
 
     waited_s: float
     left_s: float
     waiting_for: str
+    starting: bool = False
+    in_rotation: int = 0
+    needed: int = 1
 
 
 @dataclass
@@ -295,16 +303,28 @@ class NodePool:
             TimeoutError: after ``timeout_s`` seconds, naming every known node and its state
                 (and the master's connection state).
         """
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while len(self._members.in_rotation()) < min_nodes:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
-                                       f"rollout node(s) in rotation after {timeout_s:.1f}s: "
-                                       f"{self._describe()}")
-                self._changed.wait(min(left, 0.5))
-            return self._members.states()
+        started = time.monotonic()
+        deadline = started + timeout_s
+        reported = False
+        try:
+            with self._lock:
+                while len(self._members.in_rotation()) < min_nodes:
+                    now = time.monotonic()
+                    left = deadline - now
+                    if left <= 0 or self._closed.is_set():
+                        raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
+                                           f"rollout node(s) in rotation after "
+                                           f"{timeout_s:.1f}s (--node-wait-s): "
+                                           f"{self._describe()}")
+                    self._report_wait(NodeWait(now - started, left, self._describe(),
+                                               starting=True, needed=min_nodes,
+                                               in_rotation=len(self._members.in_rotation())))
+                    reported = True
+                    self._changed.wait(min(left, _WAIT_REPORT_S))
+                return self._members.states()
+        finally:
+            if reported:
+                self._report_wait(None)
 
     # ------------------------------------------------------------------ rollouts
 
