@@ -31,6 +31,27 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
+def renamed_option(old: str, dest: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
+    ``dest`` (declared under its new name by another option) when given; the new name wins
+    when both are. ``kwargs``: the new option's ``type`` and the like."""
+    alias = f"_renamed_{dest}"
+
+    def decorate(f: Any) -> Any:
+        @functools.wraps(f)
+        def taking_old_name(*args: Any, **kw: Any) -> Any:
+            value = kw.pop(alias)
+            ctx = click.get_current_context()
+            if value is not None and ctx.get_parameter_source(dest) in (
+                    ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+                kw[dest] = value
+            return f(*args, **kw)
+
+        return click.option(old, alias, hidden=True, default=None, **kwargs)(taking_old_name)
+
+    return decorate
+
+
 def server_options(service: str, listen: str, metrics_port: int,
                    client: bool = False) -> Callable[[Any], Any]:
     """The flags every ``serve`` command takes: --listen, --metrics-port, --log-level,
@@ -61,7 +82,8 @@ def server_options(service: str, listen: str, metrics_port: int,
                 host, port = parse_listen(kwargs["listen"], "--listen")
                 check_exposure(host, security)
             except StatusError as e:
-                raise click.BadParameter(e.message, param_hint="--listen") from None
+                raise click.BadParameter(e.message.removeprefix("--listen: "),
+                                         param_hint="--listen") from None
             except ExposedError as e:
                 raise click.UsageError(str(e)) from None
             check_ports_free(host, port, kwargs["metrics_port"], security)
@@ -220,7 +242,15 @@ def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
 
 
 def setup_logging(level: str) -> None:
-    """Plain timestamped logs on stderr (journald and launchd capture them)."""
+    """Plain timestamped logs on stderr (journald and launchd capture them). Off a terminal
+    (a log file, a pipe, journald) the progress bars of tqdm and the Hugging Face libraries
+    are turned off: their carriage returns and cursor escapes would garble the log (call it
+    before they are imported; an explicit setting of the variables wins)."""
+    if not sys.stderr.isatty():
+        import os
+
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -234,7 +264,8 @@ def print_json(message_or_obj: Any) -> None:
 
 def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for client commands: a failed call prints ``error: CODE: details`` (with a
-    hint when the connection failed the way a TLS mismatch does), exits 1."""
+    hint when the connection failed the way a TLS mismatch does, or, for UNIMPLEMENTED, which
+    gridrl service answers at the command's ``address``), exits 1."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -246,6 +277,13 @@ def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             from gridrl.common.channel import connection_hint
 
             hint = connection_hint(code, details, kwargs.get("security"))
+            address = kwargs.get("address")
+            if code == "UNIMPLEMENTED" and address:  # another service there: say which
+                from gridrl.common.probe import describe, list_services
+
+                names = list_services(address, kwargs.get("security"))
+                if names:
+                    hint = f" ({address} is {describe(names)}: check the address)"
             click.echo(f"error: {code}: {details}{hint}", err=True)
             sys.exit(1)
 

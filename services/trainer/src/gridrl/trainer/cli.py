@@ -117,12 +117,18 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
+    listing = None
+    if server is not None and cfg.master:  # gridrl-master nodes --role trainer lists it
+        from gridrl.trainer.listing import register_trainer
+
+        listing = register_trainer(cfg.master, server.address, status, cfg.model, security)
     try:
         trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: _on_stop_signal(trainer, signum))
         trainer.run()
         if trainer.stopped_at is not None:
+            _discard_unstarted_run_dir(cfg.run_dir, resume)  # stopped before recording any
             sys.exit(exit_code(trainer.stop_signal))
     except StatusError as e:
         click.echo(f"error: {e.message}", err=True)
@@ -133,6 +139,8 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         _discard_unstarted_run_dir(cfg.run_dir, resume)
         sys.exit(1)
     finally:
+        if listing is not None:
+            listing.stop(deregister=True)
         if server is not None:
             server.stop(grace_s=1.0)
 

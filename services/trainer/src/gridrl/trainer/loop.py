@@ -164,6 +164,7 @@ class Trainer:
         self.checkpointed_step = 0  # the step of the latest checkpoint (0: none yet)
         self._updating = False  # inside the update: the weights are not those of state.step
         self._stepping = False  # the step loop has begun
+        self._legend_printed = False  # the step lines' legend, once per process
 
     def request_stop(self, reason: str) -> None:
         """Stop after the step in progress: checkpoint it and return (safe from a signal
@@ -317,7 +318,8 @@ class Trainer:
                                     num_layers=backend.identity.num_layers,
                                     deadline_s=cfg.sync_deadline_s,
                                     known_versions=lambda: self.state.lineage)
-            nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
+            nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s,
+                                             stop=lambda: self._stop_reason is not None)
             self.console.print("rollout nodes: " + ", ".join(
                 f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
                 for n in nodes if n.in_rotation))
@@ -505,6 +507,8 @@ class Trainer:
             for rec in self.run_dir.read_log():  # a resumed run's earlier steps
                 if rec.get("step"):
                     self._report(step_report(rec), publish_metrics=False)
+        if self._stop_reason is not None:  # asked while setting up: before any work
+            return self._stop(st.step)
         if self.resume and self.sync is not None:  # nodes must serve the resumed weights
             sync = self._sync(st.step, force=True)
             self.console.print(f"pushed resumed weights as policy version {st.version} to "
@@ -577,8 +581,12 @@ class Trainer:
         if self.backend.world_size > 1:
             self.backend.broadcast(RankMessage(stop=True))
         self.stopped_at = step
-        message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
-                   f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        if self.checkpointed_step:
+            message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
+                       f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        else:
+            message = (f"stopped before step 1 of {self.cfg.steps} ({self._stop_reason}); "
+                       "no step to checkpoint")
         log.warning("%s", message)
         self.console.print(f"[bold yellow]{message}[/]")
         if self.status is not None:
@@ -655,6 +663,13 @@ class Trainer:
 
     def _print_step(self, r: StepRecord) -> None:
         cfg = self.cfg
+        if not self._legend_printed:
+            self._legend_printed = True
+            self.console.print(
+                "[dim]reward: mean±std of the step's samples; eval: held-out score±stderr"
+                "@policy version; stale: mean versions behind; kl: behaviour vs trainer "
+                "logprobs; loss: the GRPO surrogate, ≈0 on-policy (advantages are centred in "
+                "each group), gnorm: the update's size; v: policy version[/]")
         parts = [f"step {r.step:>4}/{cfg.steps}", f"reward {r.reward_mean:.3f}±{r.reward_std:.2f}"]
         if r.eval_score is not None:
             parts.append(f"[bold green]eval {r.eval_score:.3f}±{r.eval_stderr or 0:.3f}"
@@ -690,6 +705,12 @@ class Trainer:
                      title=f"{self.cfg.run_name}: {self.cfg.task} on {self.cfg.model}")
         except Exception:  # a plot must never stop training
             log.exception("plot failed")
+
+    def _rollout_addresses(self) -> list[str]:
+        """Every rollout node the run knew (--rollout and those the master listed), by
+        address."""
+        known = [n.address for n in self.pool.nodes()] if self.pool is not None else []
+        return sorted({*known, *(a for a in self.cfg.rollout if a != "local")})
 
     def _finish(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
@@ -729,7 +750,9 @@ class Trainer:
             "dropped_samples": st.dropped_total,
             "flagged_nodes": self._flagged_ever,
             "resumed_at": st.resumed_at,
-            "rollout": "local" if cfg.local else (cfg.master or cfg.rollout),
+            # the nodes that served the run (a master only finds them)
+            "rollout": "local" if cfg.local else self._rollout_addresses(),
+            "master": cfg.master,
             "adapter": str(self.run_dir.adapter),
             "adapter_mlx": None if mlx_error else str(self.run_dir.adapter_mlx),
             "adapter_mlx_error": mlx_error,

@@ -296,8 +296,11 @@ class NodePool:
         with self._lock:
             self._listeners.append(fn)
 
-    def wait_for_nodes(self, min_nodes: int = 1, timeout_s: float = 60.0) -> list[NodeState]:
-        """Block until at least ``min_nodes`` nodes are in rotation; returns :meth:`nodes`.
+    def wait_for_nodes(self, min_nodes: int = 1, timeout_s: float = 60.0,
+                       stop: Callable[[], bool] | None = None) -> list[NodeState]:
+        """Block until at least ``min_nodes`` nodes are in rotation, or ``stop()`` is true
+        (looked at every half second: the run was asked to stop); returns :meth:`nodes`.
+        Reports the wait to ``on_wait`` (:class:`NodeWait` with ``starting``) while it lasts.
 
         Raises:
             TimeoutError: after ``timeout_s`` seconds, naming every known node and its state
@@ -309,6 +312,8 @@ class NodePool:
         try:
             with self._lock:
                 while len(self._members.in_rotation()) < min_nodes:
+                    if stop is not None and stop():
+                        break
                     now = time.monotonic()
                     left = deadline - now
                     if left <= 0 or self._closed.is_set():
@@ -575,10 +580,12 @@ class NodePool:
         with self._lock:
             self._members.set_target(name, version)
 
-    def note_synced(self, address: str, version: int, serving: common_pb2.AdapterRef) -> None:
-        """Record a successful push of ``version``; ``serving`` is what the node answered."""
+    def note_synced(self, address: str, version: int, serving: common_pb2.AdapterRef,
+                    sequence: int = 0) -> None:
+        """Record a successful push of ``version``; ``serving`` is what the node answered,
+        ``sequence`` the answer's report number (``PushAdapterResponse.sequence``)."""
         self._apply(lambda: self._members.push_succeeded(address, version, serving,
-                                                         time.monotonic()))
+                                                         time.monotonic(), sequence))
 
     def note_sync_failed(self, address: str, version: int, reason: str) -> None:
         """Bench a node a push of ``version`` failed on: it would sample a stale policy. It

@@ -38,13 +38,12 @@ def check_inputs(cfg: TrainConfig, probe_timeout_s: float = 3.0) -> None:
     except ModelNameError as e:
         flag, _, problem = str(e).partition(": ")
         raise invalid_argument(flag, problem) from None
-    if cfg.task != "reverse-words":
-        if not Path(cfg.task).is_file():
-            what = "no such file" if cfg.task.endswith(".jsonl") or "/" in cfg.task else (
-                "not a task name or a file")
-            raise invalid_argument("--task", f"{cfg.task!r}: {what} (give 'reverse-words' or "
-                                             f"a JSONL file with {cfg.prompt_column}/"
-                                             f"{cfg.answer_column} columns)")
+    if cfg.task != "reverse-words" and not Path(cfg.task).is_file():
+        what = "no such file" if cfg.task.endswith(".jsonl") or "/" in cfg.task else (
+            "not a task name or a file")
+        raise invalid_argument("--task", f"{cfg.task!r}: {what} (give 'reverse-words' or "
+                                         f"a JSONL file with {cfg.prompt_column}/"
+                                         f"{cfg.answer_column} columns)")
     for flag, path in [("--eval-file", cfg.eval_file),
                        *(("--reward-file", p) for p in cfg.reward_files)]:
         if path is not None and not Path(path).is_file():
