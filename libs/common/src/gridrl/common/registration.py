@@ -6,7 +6,8 @@
     registrar.stop()             # deregisters (best effort) and joins the thread
 
 The thread registers with ``info_fn()``, then heartbeats every interval the master asks for
-(start to start), carrying ``info_fn().adapter``, ``info_fn().queue_depth`` and ``load_fn()``.
+(start to start), carrying ``info_fn()``'s adapter, queue depth, uptime, stored adapters and
+report sequence, and ``load_fn()``.
 A heartbeat answered NOT_FOUND (the master restarted without its store, or expired the node)
 triggers an immediate re-registration. While the master is unreachable it retries every
 ``min(retry_interval_s, heartbeat interval)`` seconds on a fresh channel (so gRPC's reconnect
@@ -199,7 +200,9 @@ class NodeRegistrar:
             self._note_failure("info_fn", f"info_fn raised {e!r}")
             return "failed"
         request = registry_pb2.HeartbeatRequest(node_id=self._node_id or "", adapter=info.adapter,
-                                                queue_depth=info.queue_depth, load=self._load())
+                                                queue_depth=info.queue_depth, load=self._load(),
+                                                sequence=info.sequence, uptime_s=info.uptime_s,
+                                                stored_adapters=info.stored_adapters)
         try:
             response = self._stub().Heartbeat(request, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as e:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from gridrl.common.registration import NodeRegistrar
+from gridrl.common.sequence import ReportSequence
 from gridrl.v1 import common_pb2
 
 
@@ -41,14 +42,17 @@ def register_trainer(master: str, address: str, status: Any, model_id: str,
     except importlib.metadata.PackageNotFoundError:
         version = ""
 
+    reports = ReportSequence()  # heartbeats with a sequence refresh the listed uptime
+
     def info() -> common_pb2.NodeInfo:
+        sequence = reports.next()
         snap = status.snapshot()
         return common_pb2.NodeInfo(
             address=address, role=common_pb2.NODE_ROLE_TRAINER,
             base_model=common_pb2.BaseModel(model_id=model_id),
             adapter=common_pb2.AdapterRef(name=snap.run_name,
                                           version=snap.policy_version),
-            uptime_s=time.monotonic() - started, software_version=version)
+            uptime_s=time.monotonic() - started, software_version=version, sequence=sequence)
 
     registrar = NodeRegistrar(master, info, security=security)
     registrar.start()
