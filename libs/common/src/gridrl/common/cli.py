@@ -31,10 +31,11 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
-def renamed_option(old: str, dest: str, **kwargs: Any) -> Callable[[Any], Any]:
+def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
     ``dest`` (declared under its new name by another option) when given; the new name wins
-    when both are. ``kwargs``: the new option's ``type`` and the like."""
+    when both are. ``env``: the new option's environment variable (read by both; the new
+    option's value wins); ``kwargs``: its ``type`` and the like."""
     alias = f"_renamed_{dest}"
 
     def decorate(f: Any) -> Any:
@@ -47,7 +48,8 @@ def renamed_option(old: str, dest: str, **kwargs: Any) -> Callable[[Any], Any]:
                 kw[dest] = value
             return f(*args, **kw)
 
-        return click.option(old, alias, hidden=True, default=None, **kwargs)(taking_old_name)
+        return click.option(old, alias, envvar=env, hidden=True, default=None,
+                            **kwargs)(taking_old_name)
 
     return decorate
 

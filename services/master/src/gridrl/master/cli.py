@@ -94,7 +94,7 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
             help="Only nodes with this status.")
 @env_option("--timeout-s", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", default=10.0,
             type=float, help="Seconds to wait for the master.")
-@renamed_option("--timeout", "timeout", type=float)
+@renamed_option("--timeout", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", type=float)
 @exit_on_rpc_error
 def nodes(address: str, security: Security, as_json: bool, role: str | None,
           backend: str | None, model: str | None, status: str | None, timeout: float) -> None:

@@ -47,7 +47,8 @@ def _address_option(command: str):
 
 def _timeout_option(command: str, default: float):
     def decorate(f):
-        f = renamed_option("--timeout", "timeout", type=click.FloatRange(min=0, min_open=True))(f)
+        f = renamed_option("--timeout", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT",
+                           type=click.FloatRange(min=0, min_open=True))(f)
         return env_option("--timeout-s", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT",
                           default=default, type=click.FloatRange(min=0, min_open=True),
                           help="Seconds to wait for the node.")(f)
