@@ -34,8 +34,8 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
 def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
     ``dest`` (declared under its new name by another option) when given; the new name wins
-    when both are. ``env``: the new option's environment variable (read by both; the new
-    option's value wins); ``kwargs``: its ``type`` and the like."""
+    when both are. ``env``: the environment variable the old flag read (it keeps working,
+    and the new option's own variable wins over it); ``kwargs``: its ``type`` and the like."""
     alias = f"_renamed_{dest}"
 
     def decorate(f: Any) -> Any:

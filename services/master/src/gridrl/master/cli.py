@@ -92,7 +92,7 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
 @env_option("--status", env="GRIDRL_MASTER_NODES_STATUS", default=None, show_default=False,
             type=click.Choice(["healthy", "unhealthy", "draining"]),
             help="Only nodes with this status.")
-@env_option("--timeout-s", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", default=10.0,
+@env_option("--timeout-s", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT_S", default=10.0,
             type=float, help="Seconds to wait for the master.")
 @renamed_option("--timeout", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", type=float)
 @exit_on_rpc_error

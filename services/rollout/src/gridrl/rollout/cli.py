@@ -49,7 +49,7 @@ def _timeout_option(command: str, default: float):
     def decorate(f):
         f = renamed_option("--timeout", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT",
                            type=click.FloatRange(min=0, min_open=True))(f)
-        return env_option("--timeout-s", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT",
+        return env_option("--timeout-s", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT_S",
                           default=default, type=click.FloatRange(min=0, min_open=True),
                           help="Seconds to wait for the node.")(f)
 
