@@ -61,6 +61,13 @@ def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_pat
     assert "eval (held-out, greedy, trainer's own weights):" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_eval"] is not None
+    # the run is named as its directory; the summary names the nodes, and the master apart
+    assert summary["run_name"] == run.name
+    node_lines = [ln.split() for ln in out.splitlines() if ln.startswith("rollout node ")]
+    assert summary["rollout"] == sorted(ln[2] for ln in node_lines), (summary, node_lines)
+    master_line = next(ln.split() for ln in out.splitlines() if ln.startswith("master "))
+    assert summary["master"] == master_line[1]
+    assert not [ln for ln in out.splitlines() if ln.startswith("rollout node ") and "log " in ln]
     assert json.loads((run / "config.json").read_text())["backend"] == trainer
     assert f"--backend {trainer}" in out and f"backend={nodes}" in out
     assert (run / "plot.png").stat().st_size > 0
