@@ -89,6 +89,12 @@ def test_second_ctrl_c_aborts_and_names_the_lost_steps(tiny_llama_dir, tmp_path)
         if proc.poll() is None:
             proc.kill()
     out = log_path.read_text()
+    # a log file: no progress bars or cursor escapes, no INFO line among the step lines
+    raw = log_path.read_bytes()  # (read_text would turn a carriage return into a newline)
+    assert b"\r" not in raw and b"\x1b[" not in raw
+    lines = out.splitlines()
+    first_step = next(i for i, ln in enumerate(lines) if ln.startswith("step "))
+    assert not [ln for ln in lines[first_step:] if " INFO " in ln], out[-3000:]
     assert re.search(r"^SIGINT: finishing step \d+, then checkpointing; Ctrl-C again aborts$",
                      out, re.M), out[-3000:]
     lost = re.search(r"^SIGINT again: aborting; (?:finished steps? [\d-]+, )?step \d+ in "

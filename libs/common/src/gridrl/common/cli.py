@@ -248,13 +248,21 @@ def setup_logging(level: str) -> None:
     (a log file, a pipe, journald) the progress bars of tqdm and the Hugging Face libraries
     are turned off: their carriage returns and cursor escapes would garble the log (call it
     before they are imported; an explicit setting of the variables wins)."""
+    progress_bars_off_terminal()
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def progress_bars_off_terminal() -> None:
+    """Turn off tqdm's and the Hugging Face libraries' progress bars when stderr (where they
+    draw) is not a terminal: in a log file, journald or a pipe their carriage returns and
+    cursor escapes garble the lines. Sets ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS``
+    unless already set (an explicit setting wins); call it before transformers is imported."""
     if not sys.stderr.isatty():
         import os
 
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def print_json(message_or_obj: Any) -> None:

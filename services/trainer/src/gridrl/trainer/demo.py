@@ -109,7 +109,10 @@ class Service:
 def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node_threads: int,
          secure: bool, trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
+    from gridrl.common.cli import progress_bars_off_terminal
     from gridrl.models import resolve_model
+
+    progress_bars_off_terminal()  # the model conversion's bars, when the output is a file
 
     # Ctrl-C and SIGTERM (kill, a supervisor) both clean up: the children run in their own
     # sessions, so nothing else would stop them. SIGINT is installed explicitly because a
