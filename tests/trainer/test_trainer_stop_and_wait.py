@@ -6,6 +6,7 @@ checkpoints the steps it finished."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -31,6 +32,24 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str) -> No
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def trainer_process(args: list[str], log_path: Path):
+    """``args`` run with stdout and stderr in ``log_path`` (a file: not a terminal); killed
+    if still running when the block ends."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for_text(log_path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    wait_for(lambda: text in log_path.read_text(), proc, timeout, repr(text))
+
+
 def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_path,
                                                             reserved_port):
     master = f"127.0.0.1:{reserved_port}"  # nothing listens there
@@ -38,9 +57,7 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
     args = trainer_args(tiny_llama_dir, run_dir, [], steps=2)
     args[args.index("--node-wait-s") + 1] = "120"
     args += ["--master", master, "--ready-file", str(ready)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    try:
+    with trainer_process(args, log_path) as proc:
         wait_for(ready.exists, proc, 120, "ready file")
         address = json.loads(ready.read_text())["address"]
 
@@ -53,13 +70,9 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
         wait_for(node_wait, proc, 120, "node_wait in GetRunStatus")
         wait = node_wait()
         assert master in wait.waiting_for and 0 < wait.left_s <= 120, wait
-        wait_for(lambda: "waiting for 1 rollout node(s)" in log_path.read_text(), proc, 30,
-                 "console wait line")
+        wait_for_text(log_path, "waiting for 1 rollout node(s)", proc, 30)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     out = log_path.read_text()
     line = next(ln for ln in out.splitlines() if "waiting for 1 rollout node(s)" in ln)
     assert re.fullmatch(r"waiting for 1 rollout node\(s\) \(0 ready\) for \d+s, \d+s left "
@@ -76,18 +89,12 @@ def test_second_ctrl_c_aborts_and_names_the_lost_steps(tiny_llama_dir, tmp_path)
     run_dir, log_path = tmp_path / "run", tmp_path / "log"
     args = run_args(tiny_llama_dir, data, reward, run_dir, steps=60, checkpoint_every=2,
                     eval_every=100)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    try:
+    with trainer_process(args, log_path) as proc:
         wait_for_step(run_dir, 3, proc, timeout=180)
         proc.send_signal(signal.SIGINT)
-        wait_for(lambda: "Ctrl-C again aborts" in log_path.read_text(), proc, 30,
-                 "first Ctrl-C notice")
+        wait_for_text(log_path, "Ctrl-C again aborts", proc, 30)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     out = log_path.read_text()
     # a log file: no progress bars or cursor escapes, no INFO line among the step lines
     raw = log_path.read_bytes()  # (read_text would turn a carriage return into a newline)
@@ -112,15 +119,10 @@ def test_failed_run_checkpoints_the_steps_it_finished(tiny_llama_dir, tmp_path,
     run_dir, log_path = tmp_path / "run", tmp_path / "log"
     args = trainer_args(tiny_llama_dir, run_dir, [node.address], steps=200,
                         wait_for_nodes_s=1)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-    try:
+    with trainer_process(args, log_path) as proc:
         wait_for_step(run_dir, 2, proc, timeout=180)
         node.stop(signal.SIGKILL)
         assert proc.wait(240) == 1, log_path.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     out = log_path.read_text()
     last = max(r["step"] for r in step_records(run_dir))
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last:06d}", out[-3000:]
