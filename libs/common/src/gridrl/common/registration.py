@@ -57,6 +57,8 @@ class NodeRegistrar:
             over plaintext), if any.
         retry_interval_s: seconds between attempts while the master is unreachable (capped at
             the heartbeat interval).
+        failure_level: ``logging`` level of the once-per-outage failure line (a best-effort
+            registration, like the trainer's listing, logs at INFO).
 
     Raises:
         StatusError: INVALID_ARGUMENT ``master_address: ...`` when not host:port.
@@ -65,7 +67,7 @@ class NodeRegistrar:
     def __init__(self, master_address: str, info_fn: Callable[[], common_pb2.NodeInfo],
                  load_fn: Callable[[], float] | None = None,
                  security: Security | str | None = None,
-                 retry_interval_s: float = 2.0) -> None:
+                 retry_interval_s: float = 2.0, failure_level: int = logging.WARNING) -> None:
         parse_address(master_address, field="master_address")
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -74,6 +76,7 @@ class NodeRegistrar:
         self._load_fn = load_fn
         self._security = security
         self.retry_interval_s = retry_interval_s
+        self._failure_level = failure_level
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -265,8 +268,8 @@ class NodeRegistrar:
             log.debug("master %s: %s", self.master_address, message)
             return
         self._logged_in_outage.add(kind)
-        log.warning("master %s: %s; retrying every %.1fs until it answers",
-                    self.master_address, message, self._retry_wait_s())
+        log.log(self._failure_level, "master %s: %s; retrying every %.1fs until it answers",
+                self.master_address, message, self._retry_wait_s())
 
     def _note_success(self) -> None:
         if self._failing_since is not None:

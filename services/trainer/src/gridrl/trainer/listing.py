@@ -9,12 +9,13 @@ heartbeats like a node (:class:`gridrl.common.registration.NodeRegistrar`), carr
 adapter (run name, policy version): an operator finds every trainer of the cluster, and its
 ``gridrl-trainer status --address``, in one listing. Rollout nodes' watchers never see it (they
 watch role ROLLOUT). It is best effort: a master that refuses it (a trainer credential has no
-``node`` scope in a secured cluster) is logged once and the run goes on unlisted.
+``node`` scope in a secured cluster) is logged once, at INFO, and the run goes on unlisted.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import time
 from typing import Any
 
@@ -54,6 +55,6 @@ def register_trainer(master: str, address: str, status: Any, model_id: str,
                                           version=snap.policy_version),
             uptime_s=time.monotonic() - started, software_version=version, sequence=sequence)
 
-    registrar = NodeRegistrar(master, info, security=security)
+    registrar = NodeRegistrar(master, info, security=security, failure_level=logging.INFO)
     registrar.start()
     return registrar
