@@ -122,3 +122,20 @@ def test_model_conversion_says_what_it_is_doing(caplog, tmp_path) -> None:
     steps = [m for m in lines if m.startswith("converting SmolLM2-135M-Instruct.Q4_1.gguf once (")]
     assert steps and all("/3: " in m and m.endswith("s)") for m in steps)
     assert lines[-1].startswith("converting SmolLM2-135M-Instruct.Q4_1.gguf once: done after ")
+
+
+def test_progress_bars_are_off_when_stderr_is_not_a_terminal() -> None:
+    """A service's logging setup, off a terminal (a log file, a pipe), turns tqdm's and the
+    Hugging Face libraries' bars off: no carriage returns in the log (issue 20)."""
+    import subprocess
+    import sys
+
+    code = ("from gridrl.common.cli import setup_logging; setup_logging('info'); "
+            "from tqdm import tqdm; list(tqdm(range(3), desc='bar')); "
+            "from transformers.utils import logging as hf; "
+            "assert not hf.is_progress_bar_enabled()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                          env={k: v for k, v in __import__("os").environ.items()
+                               if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")})
+    assert done.returncode == 0, done.stderr
+    assert b"\r" not in done.stderr and b"bar" not in done.stderr, done.stderr

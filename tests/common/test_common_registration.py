@@ -274,4 +274,5 @@ def test_rejects_bad_master_address() -> None:
     with pytest.raises(StatusError) as e:
         NodeRegistrar("no-port", Node("a:1").info_fn)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.message == "master_address: 'no-port' is not host:port"
+    assert e.value.message == ("master_address: 'no-port' is not host:port: the port is missing "
+                               "(give no-port:PORT)")

@@ -606,3 +606,14 @@ def test_master_and_rollout_units_serve_with_their_environment(tmp_path: Path,
             node.kill()
         rc = _sigterm(master)
     assert rc == 0, master_log.read_text()
+
+
+def test_trainer_unit_counts_its_stop_code_as_success() -> None:
+    """systemd stops the trainer with SIGTERM; it checkpoints and exits 143, which the unit
+    must list in SuccessExitStatus= or every stop reads as a failure."""
+    from gridrl.trainer.cli import exit_code
+
+    unit = (DEPLOY / "systemd" / "gridrl-trainer.service").read_text()
+    kill = re.search(r"^KillSignal=(\S+)$", unit, re.M).group(1)
+    success = re.search(r"^SuccessExitStatus=(.+)$", unit, re.M).group(1).split()
+    assert str(exit_code(kill)) in success

@@ -61,6 +61,13 @@ def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_pat
     assert "eval (held-out, greedy, trainer's own weights):" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["final_eval"] is not None
+    # the run is named as its directory; the summary names the nodes, and the master apart
+    assert summary["run_name"] == run.name
+    node_lines = [ln.split() for ln in out.splitlines() if ln.startswith("rollout node ")]
+    assert summary["rollout"] == sorted(ln[2] for ln in node_lines), (summary, node_lines)
+    master_line = next(ln.split() for ln in out.splitlines() if ln.startswith("master "))
+    assert summary["master"] == master_line[1]
+    assert not [ln for ln in out.splitlines() if ln.startswith("rollout node ") and "log " in ln]
     assert json.loads((run / "config.json").read_text())["backend"] == trainer
     assert f"--backend {trainer}" in out and f"backend={nodes}" in out
     assert (run / "plot.png").stat().st_size > 0
@@ -122,7 +129,10 @@ def test_demo_secure_runs_every_channel_over_mutual_tls(tiny_llama_dir: Path,
     assert proc.returncode in (0, 1), out  # 1: the tiny model's eval did not climb
     assert "secure        mutual TLS, scoped credentials" in out
     assert "TrainerService on" in out and "(mutual TLS; 3 authorized credential(s)" in out
-    assert "synced policy version 2 to 1 node(s)" in out and "step    2/2" in out
+    assert "step    2/2" in out
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    last = next(r for r in records if r.get("step") == 2)  # the sync is in the step's record
+    assert (last["policy_version"], last["nodes_synced"]) == (2, 1), last
     assert "--auth-token-file" in out and "--authorized-tokens" in out
     left = [p for p in scratch.rglob("*") if p.is_file()]
     assert not [p for p in left if p.suffix in (".key", ".token", ".crt")], left

@@ -87,7 +87,9 @@ def test_master_node_and_trainer_train_over_mutual_tls_with_scoped_credentials(
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3
-    assert "synced policy version 3 to 1 node(s)" in trainer.stdout + trainer.stderr
+    steps = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    last = next(r for r in steps if r.get("step") == 3)  # the sync is in the step's record
+    assert (last["policy_version"], last["nodes_synced"]) == (3, 1), last
     assert "mutual TLS" in trainer.stdout + trainer.stderr  # its TrainerService too
     assert not re.search(r"gridrl_[A-Za-z0-9_-]{43}", (run_dir / "config.json").read_text())
 
@@ -163,7 +165,9 @@ def test_a_second_server_on_a_taken_port_exits_with_one_line(service_factory) ->
     proc = _run("gridrl-master", "serve", "--listen", first.address, "--store", "",
                 "--metrics-port", "-1", timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert f"Error: listen: could not bind {first.address} (in use" in proc.stderr
+    assert (f"Error: Invalid value for --listen: {first.address} is already in use by the "
+            "master (gridrl-master serve); stop it or give another port (0: any free port)"
+            in proc.stderr)
 
 
 def _client_commands() -> list[tuple[str, list[str]]]:

@@ -215,3 +215,63 @@ def test_a_token_value_on_the_command_line_is_refused(creds) -> None:
                            env={"GRIDRL_AUTH_TOKEN": creds.tokens["read"]})
     assert result.exit_code == 2 and "GRIDRL_AUTH_TOKEN is set, but a server checks the " \
         "credentials listed in --authorized-tokens" in result.output, result.output
+
+
+def test_nodes_json_is_live_and_lists_the_trainer(tmp_path) -> None:
+    """``nodes --json`` shows each node's uptime and stored adapters as of its last heartbeat
+    (not its registration), and a trainer given --master is listed under ``--role trainer``
+    with its run's adapter (issue 20)."""
+    from gridrl.common.registration import NodeRegistrar
+    from gridrl.master.server import Master
+    from gridrl.trainer.listing import register_trainer
+    from gridrl.trainer.status import RunStatus
+
+    master = Master("127.0.0.1:0", store_path="", heartbeat_interval_s=0.2,
+                    unhealthy_after_s=5.0, expire_after_s=10.0)
+    master.start()
+    state = {"uptime": 1.0, "stored": [common_pb2.AdapterRef(name="run", version=1)],
+             "sequence": 100}
+
+    def info() -> common_pb2.NodeInfo:
+        i = node_info("127.0.0.1:6001", adapter=("run", 1))
+        i.uptime_s, i.sequence = state["uptime"], state["sequence"]
+        i.stored_adapters.extend(state["stored"])
+        return i
+
+    node = NodeRegistrar(master.address, info, retry_interval_s=0.1)
+    status = RunStatus()
+    status.begin("my-run", str(tmp_path), total_steps=3, model_id="tiny")
+    trainer = register_trainer(master.address, "127.0.0.1:6100", status, "tiny")
+
+    def listing(*args: str) -> list[dict]:
+        out = CliRunner().invoke(main, ["nodes", "--master", master.address, "--json", *args])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)["nodes"]
+
+    try:
+        node.start()
+        deadline = time.monotonic() + 30
+        while len(listing()) < 2:
+            assert time.monotonic() < deadline, listing()
+            time.sleep(0.1)
+        state.update(uptime=61.5, sequence=200,
+                     stored=[common_pb2.AdapterRef(name="run", version=v) for v in (1, 2)])
+        while listing("--role", "rollout")[0]["info"].get("uptime_s") != 61.5:
+            assert time.monotonic() < deadline, listing()
+            time.sleep(0.1)
+        (rollout,) = listing("--role", "rollout")
+        assert rollout["info"]["stored_adapters"] == [{"name": "run", "version": "1"},
+                                                      {"name": "run", "version": "2"}]
+        assert rollout["info"]["sequence"] == "200"
+        (listed,) = listing("--role", "trainer")
+        assert listed["info"]["address"] == "127.0.0.1:6100"
+        assert listed["info"]["adapter"]["name"] == "my-run"
+        assert listed["info"]["base_model"]["model_id"] == "tiny"
+        first = listed["info"]["uptime_s"]
+        while listing("--role", "trainer")[0]["info"]["uptime_s"] == first:  # heartbeats
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        trainer.stop(deregister=True)
+        node.stop(deregister=True)
+        master.stop(grace_s=0)

@@ -140,7 +140,7 @@ INVALID = [
     ("RegisterNode", registry_pb2.RegisterNodeRequest(), "node: is required"),
     ("RegisterNode", _register_request(address=""), "node.address: is required (host:port)"),
     ("RegisterNode", _register_request(address="nohost"),
-     "node.address: 'nohost' is not host:port"),
+     "node.address: 'nohost' is not host:port: the port is missing (give nohost:PORT)"),
     ("RegisterNode", _register_request(address=":6000"),
      "node.address: ':6000' is not host:port"),
     ("RegisterNode", _register_request(address="host:port"),

@@ -166,3 +166,71 @@ def test_serve_refuses_bad_flags(tmp_path: Path) -> None:
     assert code == 2 and "--dtype" in out
     code, out = _run("serve", "--master", "nohost")
     assert code == 2 and "--master" in out
+
+
+def test_generate_with_a_system_message_names_the_adapter(served, tiny_adapters) -> None:
+    """``generate --system`` reproduces a task's prompt (a system turn before the user's) and
+    each sample's header names the adapter; the node's reports are ordered (a push's answer
+    after the info read before it, before the info read after it: NodeInfo.sequence)."""
+    node, _ = served
+    address = ["--address", node.address]
+
+    def info_sequence() -> int:
+        with dial(node.address) as channel:
+            return rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
+                rollout_pb2.GetNodeInfoRequest(), timeout=10).info.sequence
+
+    before = info_sequence()
+    code, out = _run("push-adapter", *address, str(tiny_adapters["a"]), "--name", "run",
+                     "--json")
+    assert code == 0, out
+    pushed = int(json.loads(out)["sequence"])
+    assert 0 < before < pushed < info_sequence()
+
+    code, plain = _run("generate", *address, "--prompt", "the cat", "--max-tokens", "2",
+                       "--json")
+    code, system = _run("generate", *address, "--prompt", "the cat", "--max-tokens", "2",
+                        "--system", "the dog", "--json")
+    assert code == 0, system
+    ids = [json.loads(o)["prompt_token_ids"] for o in (plain, system)]
+    assert len(ids[1]) > len(ids[0])  # the system turn is in the prompt
+    code, out = _run("generate", *address, "--prompt", "the cat", "--max-tokens", "2",
+                     "--timeout", "30")  # the former flag name still works
+    assert code == 0 and "--- sample 0 (2 tokens, length" in out, out
+    assert "adapter run v1)" in out.splitlines()[0], out
+    code, out = _run("generate", *address, "--prompt", "the cat", "--no-chat", "--system", "x")
+    assert code == 2 and "--system" in out and "needs --prompt with --chat" in out, out
+    code, out = _run("generate", "--help")
+    assert "--timeout-s" in out and "--timeout " not in out  # the old name is hidden
+
+
+def test_port_zero_node_removes_its_directory_and_cache_prunes(service_factory, tiny_llama_dir,
+                                                               tmp_path, monkeypatch) -> None:
+    """A port-0 node without --name or --adapter-root keeps its adapters in
+    <cache>/rollout/<host>-pid<pid>, never reused: it removes that directory when it stops.
+    ``gridrl-rollout cache --prune`` removes those of killed ones, and keeps named ones."""
+    cache = tmp_path / "cache"
+    node = service_factory(["gridrl-rollout", "serve", "--model", str(tiny_llama_dir),
+                            "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--threads",
+                            "1"], "rollout", env={"GRIDRL_CACHE_DIR": str(cache)})
+    (own,) = (cache / "rollout").iterdir()
+    assert own.name.endswith(f"-pid{node.proc.pid}") and (own / "adapters").is_dir()
+    assert node.stop(signal.SIGTERM) == 0
+    assert not own.exists()
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id no longer alive
+    killed = cache / "rollout" / f"host-pid{gone.pid}"
+    named = cache / "rollout" / "host-50051"
+    for d in (killed, named):
+        (d / "adapters").mkdir(parents=True)
+        (d / "adapters" / "weights").write_bytes(b"x" * 2_000_000)
+    monkeypatch.setenv("GRIDRL_CACHE_DIR", str(cache))
+    code, out = _run("cache")
+    assert code == 0, out
+    assert out.splitlines()[0] == f"{cache / 'rollout'}: 2 node directories"
+    assert f"process {gone.pid} gone: --prune removes it" in out
+    assert "named: kept for the node's next start" in out
+    code, out = _run("cache", "--prune")
+    assert code == 0 and out.splitlines()[-1] == "pruned 1 directory, 2.0 MB", out
+    assert not killed.exists() and named.exists()

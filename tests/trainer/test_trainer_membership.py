@@ -222,3 +222,29 @@ def test_bad_arguments() -> None:
         Membership({k: v for k, v in IDENTITY.items() if k != "vocab_size"})
     with pytest.raises(ValueError, match=r"^max_consecutive_failures"):
         Membership(IDENTITY, max_consecutive_failures=0)
+
+
+def test_relayed_heartbeats_are_ordered_by_the_nodes_report_sequence(caplog) -> None:
+    """A heartbeat the node sent before a push, relayed by the master after the push's answer
+    arrived, is older by the node's own report numbers: no false "restarted?" alarm. A report
+    the node made after the push, showing less, is a real loss (issue 20)."""
+
+    def sequenced(kind, sequence: int, **kw) -> registry_pb2.WatchNodesResponse:
+        e = event(kind, A, **kw)
+        e.node.info.sequence = sequence
+        return e
+
+    m = Membership(IDENTITY)
+    m.master_event(sequenced(EV.NODE_EVENT_TYPE_JOINED, 100), 0.0)
+    m.set_target("run", 18)
+    m.push_succeeded(A, 18, ref("run", 18), now=1.0, sequence=110)
+    caplog.set_level("INFO", logger="gridrl.trainer.membership")
+    effects = m.master_event(sequenced(EV.NODE_EVENT_TYPE_CHANGED, 105, version=17, name="run"),
+                             2.0)
+    assert rotation(m) == [A] and effects.notify == []
+    assert m.state(A).adapter_version == 18
+    assert "restarted?" not in caplog.text
+    # the node's later report (a restart: the base model), relayed: caught up
+    effects = m.master_event(sequenced(EV.NODE_EVENT_TYPE_CHANGED, 200), 3.0)
+    assert [n.address for n in effects.notify] == [A]
+    assert "serves policy version 0 but was pushed 18 (master; restarted?)" in caplog.text

@@ -55,3 +55,20 @@ def test_wait_reported_on_the_console_and_in_get_run_status() -> None:
         assert len(console.lines) == 4
     finally:
         server.stop(grace_s=0)
+
+
+def test_the_starts_wait_names_min_nodes_and_node_wait_s() -> None:
+    """The start's wait for --min-nodes (NodeWait.starting) reads as such, names its own flag
+    (--node-wait-s), and ends with 'ready', not 'back'."""
+    clock = {"now": 0.0}
+    console = Console()
+    report = NodeWaitReporter(console, None, every_s=5.0, clock=lambda: clock["now"])
+    what = "master 127.0.0.1:50050 (UNAVAILABLE: failed to connect to all addresses)"
+    report(NodeWait(waited_s=0.0, left_s=120.0, waiting_for=what, starting=True,
+                    in_rotation=1, needed=2))
+    clock["now"] = 7.0
+    report(None)
+    assert console.lines == [
+        "[bold yellow]waiting for 2 rollout node(s)[/] (1 ready) for 0s, 120s left "
+        "(--node-wait-s): " + what,
+        "[bold green]rollout node(s) ready[/] after waiting 0s"]

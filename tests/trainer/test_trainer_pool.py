@@ -337,11 +337,14 @@ def test_no_node_in_rotation_waits_reports_and_goes_on(farm, make_pool) -> None:
     pool = make_pool([node.address], max_consecutive_failures=1, wait_for_nodes_s=30,
                      on_wait=reports.append)
     pool.wait_for_nodes(1, timeout_s=10)
+    assert all(r is None or r.starting for r in reports)  # the start's own wait, if any
+    started = len(reports)
     node.down = True
     with concurrent_call(lambda: pool.generate_groups(prompts(3), **SAMPLING)) as batch:
-        wait_until(lambda: len(reports) >= 2, 10, "the wait to be reported")
+        wait_until(lambda: len(reports) >= started + 2, 10, "the wait to be reported")
         wait = reports[-1]
-        assert wait is not None and 0 < wait.left_s <= 30 and wait.waited_s >= 0
+        assert wait is not None and not wait.starting
+        assert 0 < wait.left_s <= 30 and wait.waited_s >= 0
         assert node.address in wait.waiting_for and "benched" in wait.waiting_for
         assert REGISTRY.get_sample_value("gridrl_trainer_node_wait_left_seconds") > 0
         node.down = False  # it wakes up: the prober sees it, the batch goes on

@@ -23,6 +23,11 @@ def parse_listen(address: str, field: str = "listen") -> tuple[str, int]:
 def _parse(address: str, field: str, allow_zero: bool) -> tuple[str, int]:
     if not address:
         raise invalid_argument(field, "is required (host:port)")
+    scheme, sep, rest = address.partition("://")
+    if sep:  # a URL: gRPC addresses have no scheme (http:// made grpc read a domain name)
+        bare = rest.split("/", 1)[0] or "host:port"
+        raise invalid_argument(field, f"{address!r} is not host:port: drop the {scheme}:// "
+                                      f"(give {bare})")
     if address.startswith("["):
         host, sep, rest = address[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -30,7 +35,10 @@ def _parse(address: str, field: str, allow_zero: bool) -> tuple[str, int]:
         port_s = rest[1:]
     else:
         host, sep, port_s = address.rpartition(":")
-        if not sep or not host:
+        if not sep:  # a bare host: grpc would dial its default port 443
+            raise invalid_argument(field, f"{address!r} is not host:port: the port is missing "
+                                          f"(give {address}:PORT)")
+        if not host:
             raise invalid_argument(field, f"{address!r} is not host:port")
         if ":" in host:
             raise invalid_argument(field, f"{address!r}: write IPv6 hosts as [addr]:port")
@@ -45,3 +53,24 @@ def _parse(address: str, field: str, allow_zero: bool) -> tuple[str, int]:
 def join_address(host: str, port: int) -> str:
     """Inverse of :func:`parse_address`; brackets IPv6 hosts."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` (a bindable address of this machine) is taken: a test bind
+    fails with EADDRINUSE. Port 0 (any free port) and negative ports (off) are never in use;
+    other bind errors (not an address of this machine) are left to the server's own bind."""
+    import errno
+    import socket
+
+    if port <= 0:
+        return False
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as servers bind: a port in TIME_WAIT after a previous run is free to them
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False

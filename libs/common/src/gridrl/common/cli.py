@@ -31,6 +31,29 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
+def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
+    ``dest`` (declared under its new name by another option) when given; the new name wins
+    when both are. ``env``: the environment variable the old flag read (it keeps working,
+    and the new option's own variable wins over it); ``kwargs``: its ``type`` and the like."""
+    alias = f"_renamed_{dest}"
+
+    def decorate(f: Any) -> Any:
+        @functools.wraps(f)
+        def taking_old_name(*args: Any, **kw: Any) -> Any:
+            value = kw.pop(alias)
+            ctx = click.get_current_context()
+            if value is not None and ctx.get_parameter_source(dest) in (
+                    ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+                kw[dest] = value
+            return f(*args, **kw)
+
+        return click.option(old, alias, envvar=env, hidden=True, default=None,
+                            **kwargs)(taking_old_name)
+
+    return decorate
+
+
 def server_options(service: str, listen: str, metrics_port: int,
                    client: bool = False) -> Callable[[Any], Any]:
     """The flags every ``serve`` command takes: --listen, --metrics-port, --log-level,
@@ -58,11 +81,14 @@ def server_options(service: str, listen: str, metrics_port: int,
             from gridrl.common.security import ExposedError, check_exposure
 
             try:
-                check_exposure(parse_listen(kwargs["listen"], "--listen")[0], security)
+                host, port = parse_listen(kwargs["listen"], "--listen")
+                check_exposure(host, security)
             except StatusError as e:
-                raise click.BadParameter(e.message, param_hint="--listen") from None
+                raise click.BadParameter(e.message.removeprefix("--listen: "),
+                                         param_hint="--listen") from None
             except ExposedError as e:
                 raise click.UsageError(str(e)) from None
+            check_ports_free(host, port, kwargs["metrics_port"], security)
             return f(*args, security=security, **kwargs)
 
         g = with_security
@@ -96,6 +122,33 @@ def server_options(service: str, listen: str, metrics_port: int,
         return g
 
     return decorate
+
+
+def check_ports_free(host: str, port: int, metrics_port: int, security: Any = None) -> None:
+    """Refuse, before a server loads anything, a ``--listen`` or ``--metrics-port`` whose port
+    is taken on ``host`` (:func:`gridrl.common.address.port_in_use`), naming the flag, the port,
+    the gridrl service already there when reflection says (:mod:`gridrl.common.probe`), and
+    what to do. The server's own bind still reports a port taken in between.
+
+    Raises:
+        click.BadParameter: e.g. ``Invalid value for '--metrics-port': port 9402 is already in
+            use on 127.0.0.1; give another port (0: any free port, -1: no metrics)``.
+    """
+    from gridrl.common.address import join_address, port_in_use
+
+    if port_in_use(host, port):
+        from gridrl.common.probe import describe, list_services
+
+        dial_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        names = list_services(join_address(dial_host, port), security, timeout_s=2.0)
+        by = f" by {describe(names)}" if names else ""
+        raise click.BadParameter(f"{join_address(host, port)} is already in use{by}; stop it "
+                                 "or give another port (0: any free port)",
+                                 param_hint="--listen")
+    if port_in_use(host, metrics_port):
+        raise click.BadParameter(f"port {metrics_port} is already in use on {host}; give "
+                                 "another port (0: any free port, -1: no metrics)",
+                                 param_hint="--metrics-port")
 
 
 def client_security_options(f: Any) -> Any:
@@ -191,9 +244,25 @@ def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
 
 
 def setup_logging(level: str) -> None:
-    """Plain timestamped logs on stderr (journald and launchd capture them)."""
+    """Plain timestamped logs on stderr (journald and launchd capture them). Off a terminal
+    (a log file, a pipe, journald) the progress bars of tqdm and the Hugging Face libraries
+    are turned off: their carriage returns and cursor escapes would garble the log (call it
+    before they are imported; an explicit setting of the variables wins)."""
+    progress_bars_off_terminal()
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def progress_bars_off_terminal() -> None:
+    """Turn off tqdm's and the Hugging Face libraries' progress bars when stderr (where they
+    draw) is not a terminal: in a log file, journald or a pipe their carriage returns and
+    cursor escapes garble the lines. Sets ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS``
+    unless already set (an explicit setting wins); call it before transformers is imported."""
+    if not sys.stderr.isatty():
+        import os
+
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def print_json(message_or_obj: Any) -> None:
@@ -205,7 +274,8 @@ def print_json(message_or_obj: Any) -> None:
 
 def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for client commands: a failed call prints ``error: CODE: details`` (with a
-    hint when the connection failed the way a TLS mismatch does), exits 1."""
+    hint when the connection failed the way a TLS mismatch does, or, for UNIMPLEMENTED, which
+    gridrl service answers at the command's ``address``), exits 1."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -217,6 +287,13 @@ def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             from gridrl.common.channel import connection_hint
 
             hint = connection_hint(code, details, kwargs.get("security"))
+            address = kwargs.get("address")
+            if code == "UNIMPLEMENTED" and address:  # another service there: say which
+                from gridrl.common.probe import describe, list_services
+
+                names = list_services(address, kwargs.get("security"))
+                if names:
+                    hint = f" ({address} is {describe(names)}: check the address)"
             click.echo(f"error: {code}: {details}{hint}", err=True)
             sys.exit(1)
 

@@ -6,7 +6,8 @@
     registrar.stop()             # deregisters (best effort) and joins the thread
 
 The thread registers with ``info_fn()``, then heartbeats every interval the master asks for
-(start to start), carrying ``info_fn().adapter``, ``info_fn().queue_depth`` and ``load_fn()``.
+(start to start), carrying ``info_fn()``'s adapter, queue depth, uptime, stored adapters and
+report sequence, and ``load_fn()``.
 A heartbeat answered NOT_FOUND (the master restarted without its store, or expired the node)
 triggers an immediate re-registration. While the master is unreachable it retries every
 ``min(retry_interval_s, heartbeat interval)`` seconds on a fresh channel (so gRPC's reconnect
@@ -56,6 +57,8 @@ class NodeRegistrar:
             over plaintext), if any.
         retry_interval_s: seconds between attempts while the master is unreachable (capped at
             the heartbeat interval).
+        failure_level: ``logging`` level of the once-per-outage failure line (a best-effort
+            registration, like the trainer's listing, logs at INFO).
 
     Raises:
         StatusError: INVALID_ARGUMENT ``master_address: ...`` when not host:port.
@@ -64,7 +67,7 @@ class NodeRegistrar:
     def __init__(self, master_address: str, info_fn: Callable[[], common_pb2.NodeInfo],
                  load_fn: Callable[[], float] | None = None,
                  security: Security | str | None = None,
-                 retry_interval_s: float = 2.0) -> None:
+                 retry_interval_s: float = 2.0, failure_level: int = logging.WARNING) -> None:
         parse_address(master_address, field="master_address")
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -73,6 +76,7 @@ class NodeRegistrar:
         self._load_fn = load_fn
         self._security = security
         self.retry_interval_s = retry_interval_s
+        self._failure_level = failure_level
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,7 +203,9 @@ class NodeRegistrar:
             self._note_failure("info_fn", f"info_fn raised {e!r}")
             return "failed"
         request = registry_pb2.HeartbeatRequest(node_id=self._node_id or "", adapter=info.adapter,
-                                                queue_depth=info.queue_depth, load=self._load())
+                                                queue_depth=info.queue_depth, load=self._load(),
+                                                sequence=info.sequence, uptime_s=info.uptime_s,
+                                                stored_adapters=info.stored_adapters)
         try:
             response = self._stub().Heartbeat(request, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as e:
@@ -262,8 +268,8 @@ class NodeRegistrar:
             log.debug("master %s: %s", self.master_address, message)
             return
         self._logged_in_outage.add(kind)
-        log.warning("master %s: %s; retrying every %.1fs until it answers",
-                    self.master_address, message, self._retry_wait_s())
+        log.log(self._failure_level, "master %s: %s; retrying every %.1fs until it answers",
+                self.master_address, message, self._retry_wait_s())
 
     def _note_success(self) -> None:
         if self._failing_since is not None:

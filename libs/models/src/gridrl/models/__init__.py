@@ -10,10 +10,12 @@ from gridrl.models.fingerprint import weights_fingerprint
 from gridrl.models.resolve import (
     ALIASES,
     ModelIdentity,
+    ModelNameError,
     cache_root,
+    check_model,
     model_identity,
     resolve_model,
 )
 
-__all__ = ["ALIASES", "ModelIdentity", "cache_root", "model_identity", "resolve_model",
-           "weights_fingerprint"]
+__all__ = ["ALIASES", "ModelIdentity", "ModelNameError", "cache_root", "check_model",
+           "model_identity", "resolve_model", "weights_fingerprint"]

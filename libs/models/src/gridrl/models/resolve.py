@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.metadata
 import json
 import logging
@@ -51,6 +52,38 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gridrl"
 
 
+class ModelNameError(FileNotFoundError):
+    """``--model`` names nothing that can be loaded: not an alias, not an existing directory,
+    not a hub id (``org/name``). The message is one line naming the flag and what to do."""
+
+
+def check_model(model: str) -> None:
+    """Check ``--model`` without loading anything (milliseconds): an alias of :data:`ALIASES`,
+    an existing directory, or something shaped like a hub id (``org/name``, one slash, not a
+    path). Hub ids are not looked up: the hub is the loader's business.
+
+    A bare name that is none of these is refused at once (a hub id always has an ``org/``:
+    without one, loading would spend its retries on a name the hub cannot have), suggesting
+    the closest alias.
+
+    Raises:
+        ModelNameError: the one-line message, e.g. ``--model: 'smollm2-135m-instuct' is not an
+            alias, a local directory or a hub id (org/name); did you mean
+            'smollm2-135m-instruct'?``.
+    """
+    if model in ALIASES or Path(model).expanduser().is_dir():
+        return
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or model.endswith("/"):
+        raise ModelNameError(f"--model: directory {model!r} does not exist")
+    if "/" in model and all(model.split("/")):
+        return
+    close = difflib.get_close_matches(model.lower(), list(ALIASES), n=1, cutoff=0.6)
+    hint = (f"did you mean {close[0]!r}?" if close
+            else f"aliases: {', '.join(sorted(ALIASES))}")
+    raise ModelNameError(f"--model: {model!r} is not an alias, a local directory or a hub id "
+                         f"(org/name); {hint}")
+
+
 def resolve_model(model: str, cache_dir: Path | None = None, progress: bool = True) -> Path | str:
     """Turn ``--model`` into something ``from_pretrained`` / ``mlx_lm.load`` accept.
 
@@ -58,19 +91,21 @@ def resolve_model(model: str, cache_dir: Path | None = None, progress: bool = Tr
       first use (about 20 s for the 135M model, shown as a status line with ``progress``:
       :class:`gridrl.common.progress.StatusLine`; later calls return at once);
     - an existing local directory -> that directory;
-    - anything else is returned unchanged as a hub id (loaded from the network or HF cache).
+    - an ``org/name`` hub id is returned unchanged (loaded from the network or HF cache);
+    - anything else is refused at once (:func:`check_model`).
 
     Raises:
+        ModelNameError: not an alias, an existing directory or a hub id (see
+            :func:`check_model`).
         FileNotFoundError: the alias' wheel is not installed (the message says how to install it).
     """
+    check_model(model)
     if model in ALIASES:
         return _materialize_alias(model, ALIASES[model], cache_dir or cache_root() / "models",
                                   progress)
     path = Path(model).expanduser()
     if path.is_dir():
         return path.resolve()
-    if model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"--model: directory {model!r} does not exist")
     return model
 
 

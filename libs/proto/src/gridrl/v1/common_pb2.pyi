@@ -427,6 +427,7 @@ class NodeInfo(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _builtins.int
     STORED_ADAPTERS_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Address other processes dial, host:port."""
     role: Global___NodeRole.ValueType
@@ -453,6 +454,13 @@ class NodeInfo(_message.Message):
     """Context length of the model (prompt + new tokens), in tokens."""
     software_version: _builtins.str
     """gridrl version string of the process."""
+    sequence: _builtins.int
+    """Order of this report among everything the node process reports (this info, its
+    heartbeats, its push answers): a counter that grows with each report, started from the
+    wall clock in nanoseconds when the process starts, so a restarted node's reports order
+    after its predecessor's. A relayed report (the master's copy of a heartbeat) with a
+    smaller sequence than one already seen from the node itself is older. 0: not reported.
+    """
     @_builtins.property
     def base_model(self) -> Global___BaseModel:
         """The base model."""
@@ -484,10 +492,11 @@ class NodeInfo(_message.Message):
         max_context: _builtins.int = ...,
         stored_adapters: _abc.Iterable[Global___AdapterRef] | None = ...,
         software_version: _builtins.str = ...,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "role", b"role", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "role", b"role", "sequence", b"sequence", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -167,6 +167,9 @@ class HeartbeatRequest(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
+    STORED_ADAPTERS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Id from RegisterNode."""
     queue_depth: _builtins.int
@@ -175,9 +178,17 @@ class HeartbeatRequest(_message.Message):
     """Busy slots / capacity, in [0, 1]."""
     status: _common_pb2.NodeStatus.ValueType
     """Set DRAINING to announce a shutdown; unset keeps HEALTHY."""
+    sequence: _builtins.int
+    """Order of this heartbeat among the node's reports (NodeInfo.sequence); 0: not reported."""
+    uptime_s: _builtins.float
+    """Seconds since the node process started (NodeInfo.uptime_s), as of this heartbeat."""
     @_builtins.property
     def adapter(self) -> _common_pb2.AdapterRef:
         """Adapter the node serves now."""
+
+    @_builtins.property
+    def stored_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]:
+        """Adapters stored on the node now (NodeInfo.stored_adapters)."""
 
     def __init__(
         self,
@@ -187,10 +198,13 @@ class HeartbeatRequest(_message.Message):
         queue_depth: _builtins.int = ...,
         load: _builtins.float = ...,
         status: _common_pb2.NodeStatus.ValueType = ...,
+        sequence: _builtins.int = ...,
+        uptime_s: _builtins.float = ...,
+        stored_adapters: _abc.Iterable[_common_pb2.AdapterRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "load", b"load", "node_id", b"node_id", "queue_depth", b"queue_depth", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "load", b"load", "node_id", b"node_id", "queue_depth", b"queue_depth", "sequence", b"sequence", "status", b"status", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,12 +30,17 @@ class GenerateRequest(_message.Message):
     APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
     prompt_text: _builtins.str
     """Prompt as text, tokenized by the node."""
     apply_chat_template: _builtins.bool
     """With prompt_text: wrap it as one user message in the tokenizer's chat template."""
     request_id: _builtins.str
     """Caller's id for logs and tracing; optional."""
+    system_prompt: _builtins.str
+    """With prompt_text and apply_chat_template: a system message before the user message
+    (e.g. a task's own, to reproduce its prompts); optional.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt as token ids of the node's tokenizer (what a trainer sends)."""
@@ -52,10 +57,11 @@ class GenerateRequest(_message.Message):
         apply_chat_template: _builtins.bool = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         request_id: _builtins.str = ...,
+        system_prompt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,10 +267,15 @@ class PushAdapterResponse(_message.Message):
     CONVERTED_FIELD_NUMBER: _builtins.int
     BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
     converted: _builtins.bool
     """True when the pushed format was converted to the node's own."""
     bytes_received: _builtins.int
     """Bytes received."""
+    sequence: _builtins.int
+    """Order of this answer among the node's reports (NodeInfo.sequence), taken once the pushed
+    adapter serves; 0: not reported.
+    """
     @_builtins.property
     def serving(self) -> _common_pb2.AdapterRef:
         """Adapter serving now (unchanged when stage_only)."""
@@ -280,10 +291,11 @@ class PushAdapterResponse(_message.Message):
         converted: _builtins.bool = ...,
         bytes_received: _builtins.int = ...,
         timings: Global___PushTimings | None = ...,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["serving", b"serving", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "converted", b"converted", "serving", b"serving", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "converted", b"converted", "sequence", b"sequence", "serving", b"serving", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,7 @@ from gridrl.common.cli import (
     env_option,
     exit_on_rpc_error,
     print_json,
+    renamed_option,
     server_options,
     setup_logging,
     write_ready_file,
@@ -91,8 +92,9 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
 @env_option("--status", env="GRIDRL_MASTER_NODES_STATUS", default=None, show_default=False,
             type=click.Choice(["healthy", "unhealthy", "draining"]),
             help="Only nodes with this status.")
-@env_option("--timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", default=10.0, type=float,
-            help="Seconds to wait for the master.")
+@env_option("--timeout-s", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT_S", default=10.0,
+            type=float, help="Seconds to wait for the master.")
+@renamed_option("--timeout", "timeout", env="GRIDRL_MASTER_NODES_TIMEOUT", type=float)
 @exit_on_rpc_error
 def nodes(address: str, security: Security, as_json: bool, role: str | None,
           backend: str | None, model: str | None, status: str | None, timeout: float) -> None:

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -302,9 +302,12 @@ class Registry:
             return _copy(record), before is not None
 
     def heartbeat(self, node_id: str, adapter: common_pb2.AdapterRef, queue_depth: int,
-                  load: float, status: int = 0) -> None:
+                  load: float, status: int = 0, *, sequence: int = 0, uptime_s: float = 0.0,
+                  stored_adapters: Sequence[common_pb2.AdapterRef] = ()) -> None:
         """Mark the node alive and record its adapter, queue depth and load (in [0, 1]).
-        ``status`` DRAINING announces a shutdown; unset or HEALTHY means HEALTHY.
+        ``status`` DRAINING announces a shutdown; unset or HEALTHY means HEALTHY. A heartbeat
+        with a report ``sequence`` (newer nodes) also refreshes the node's ``uptime_s``,
+        ``stored_adapters`` and ``sequence`` in its info (older nodes' stay as registered).
 
         Emits CHANGED only when the status or the adapter (name or version) changed.
 
@@ -322,6 +325,11 @@ class Registry:
             record.last_seen.FromNanoseconds(int(self._clock() * 1e9))
             record.info.adapter.CopyFrom(adapter)
             record.info.queue_depth = queue_depth
+            if sequence:
+                record.info.sequence = sequence
+                record.info.uptime_s = uptime_s
+                del record.info.stored_adapters[:]
+                record.info.stored_adapters.extend(stored_adapters)
             record.load = load
             record.status = new_status
             if changed:

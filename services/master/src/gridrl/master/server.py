@@ -91,7 +91,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         validate_heartbeat(request)
         self._check_holder(request.node_id, "heartbeat")
         self._registry.heartbeat(request.node_id, request.adapter, request.queue_depth,
-                                 request.load, request.status)
+                                 request.load, request.status, sequence=request.sequence,
+                                 uptime_s=request.uptime_s,
+                                 stored_adapters=request.stored_adapters)
         metrics.HEARTBEATS.inc()
         return registry_pb2.HeartbeatResponse(
             heartbeat_interval=_duration(self._registry.heartbeat_interval_s))

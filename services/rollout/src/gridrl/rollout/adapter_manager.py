@@ -50,6 +50,7 @@ from gridrl.adapters import (
     read_dir,
 )
 from gridrl.common.errors import StatusError, failed_precondition, invalid_argument
+from gridrl.common.sequence import ReportSequence
 from gridrl.common.transport import format_name, manifest_to_dict, receive_push
 from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
@@ -129,11 +130,15 @@ class AdapterManager:
             push, other names keep only their newest version and names beyond this many are
             deleted, except the one serving. Disk use stays under
             ``(keep + keep_names - 1)`` adapters.
+        reports: the node's report numbers (``PushAdapterResponse.sequence``); default: its
+            own.
     """
 
     def __init__(self, engine: Engine, store: AdapterStore, identity: ModelIdentity,
-                 max_bytes: int, keep: int = 8, keep_names: int = 4) -> None:
+                 max_bytes: int, keep: int = 8, keep_names: int = 4,
+                 reports: ReportSequence | None = None) -> None:
         self.engine = engine
+        self.reports = reports or ReportSequence()
         self.keep = keep
         self.keep_names = keep_names
         self.backend: Backend = engine.backend
@@ -270,6 +275,7 @@ class AdapterManager:
                  applied.apply_s, " (staged only)" if received.stage_only else "")
         return rollout_pb2.PushAdapterResponse(
             serving=_ref(applied.serving), converted=converted,
+            sequence=self.reports.next(),  # after the swap: later than any report before it
             bytes_received=received.bytes_received,
             timings=rollout_pb2.PushTimings(receive_s=received.receive_s, verify_s=verify_s,
                                             convert_s=convert_s, apply_s=applied.apply_s))

@@ -8,6 +8,7 @@
     gridrl-rollout push-adapter --address 127.0.0.1:50051 runs/a/adapter --version 3
     gridrl-rollout reload-adapter --address 127.0.0.1:50051 (--version 3 | --path P | --base)
     gridrl-rollout info --address 127.0.0.1:50051 [--json]
+    gridrl-rollout cache [--prune]
 
 Imports stay light (click, grpc, protobuf): torch and mlx are imported only inside ``serve``,
 so ``--help`` is instant. Every client command takes ``--tls-ca``/``--tls-cert``/``--tls-key``
@@ -28,6 +29,7 @@ from gridrl.common.cli import (
     env_option,
     exit_on_rpc_error,
     print_json,
+    renamed_option,
     server_options,
     setup_logging,
     write_ready_file,
@@ -44,9 +46,14 @@ def _address_option(command: str):
 
 
 def _timeout_option(command: str, default: float):
-    return env_option("--timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT", default=default,
-                      type=click.FloatRange(min=0, min_open=True),
-                      help="Seconds to wait for the node.")
+    def decorate(f):
+        f = renamed_option("--timeout", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT",
+                           type=click.FloatRange(min=0, min_open=True))(f)
+        return env_option("--timeout-s", "timeout", env=f"GRIDRL_ROLLOUT_{command}_TIMEOUT_S",
+                          default=default, type=click.FloatRange(min=0, min_open=True),
+                          help="Seconds to wait for the node.")(f)
+
+    return decorate
 
 
 def _json_option(command: str):
@@ -147,7 +154,22 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
             try:
                 parse(value, flag)
             except StatusError as e:
-                raise click.BadParameter(e.message, param_hint=flag) from e
+                raise click.BadParameter(e.message.removeprefix(f"{flag}: "),
+                                         param_hint=flag) from None
+    from gridrl.models import ModelNameError, check_model
+
+    try:  # a typo fails here, in milliseconds, not after hub retries
+        check_model(model)
+    except ModelNameError as e:
+        raise click.BadParameter(str(e).removeprefix("--model: "), param_hint="--model") from None
+    if master is not None:
+        from gridrl.common.probe import REGISTRY, check_service
+
+        try:  # another service there: say which, before the model loads
+            check_service(master, REGISTRY, "--master", security)
+        except StatusError as e:
+            raise click.BadParameter(e.message.removeprefix("--master: "),
+                                     param_hint="--master") from None
     if backend == "mlx" and dtype != "auto":
         raise click.BadParameter("the mlx backend computes in the stored dtype; use auto",
                                  param_hint="--dtype")
@@ -317,16 +339,23 @@ def _parse_ids(value: str | None, flag: str) -> list[int]:
             show_default=False, help="Comma-separated token ids that end a sample (besides eos).")
 @env_option("--chat/--no-chat", env="GRIDRL_ROLLOUT_GENERATE_CHAT", default=True,
             help="Wrap --prompt as a user message in the model's chat template.")
+@env_option("--system", env="GRIDRL_ROLLOUT_GENERATE_SYSTEM", default=None, show_default=False,
+            help="System message before --prompt in the chat template (a task's own, e.g. "
+                 "reverse-words', to reproduce its prompts) [default: none].")
 @_json_option("GENERATE")
 @_timeout_option("GENERATE", 300.0)
 @exit_on_rpc_error
 def generate(address: str, security: Security, prompt: str | None, prompt_ids: str | None,
              n: int, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             seed: int | None, stop_ids: str | None, chat: bool, as_json: bool,
-             timeout: float) -> None:
-    """Sample completions of one prompt and print them with their behaviour logprobs."""
+             seed: int | None, stop_ids: str | None, chat: bool, system: str | None,
+             as_json: bool, timeout: float) -> None:
+    """Sample completions of one prompt and print them with their behaviour logprobs, and
+    the adapter (name and policy version) that produced them."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
+    if system is not None and (prompt is None or not chat):
+        raise click.BadParameter("needs --prompt with --chat (the system message is a turn "
+                                 "of the chat template)", param_hint="--system")
     from gridrl.common.channel import dial
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -341,6 +370,7 @@ def generate(address: str, security: Security, prompt: str | None, prompt_ids: s
     if prompt is not None:
         request.prompt_text = prompt
         request.apply_chat_template = chat
+        request.system_prompt = system or ""
     else:
         request.prompt_token_ids.extend(_parse_ids(prompt_ids, "--prompt-ids"))
     channel = dial(address, security)
@@ -353,8 +383,10 @@ def generate(address: str, security: Security, prompt: str | None, prompt_ids: s
         return
     for i, s in enumerate(response.samples):
         mean = sum(s.logprobs) / len(s.logprobs) if s.logprobs else 0.0
+        adapter = (f"adapter {s.adapter_name} v{s.adapter_version}" if s.adapter_name
+                   else "the base model")
         click.echo(f"--- sample {i} ({len(s.token_ids)} tokens, {_FINISH.get(s.finish_reason, '?')}"
-                   f", mean logprob {mean:.3f}, adapter v{s.adapter_version})")
+                   f", mean logprob {mean:.3f}, {adapter})")
         click.echo(s.text)
     click.echo(f"({len(response.prompt_token_ids)} prompt tokens, {response.duration_s:.2f}s)")
 
@@ -490,6 +522,32 @@ def info(address: str, security: Security, as_json: bool, timeout: float) -> Non
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key.ljust(width)}  {value}")
+
+
+@main.command()
+@env_option("--prune", env="GRIDRL_ROLLOUT_CACHE_PRUNE", is_flag=True, default=False,
+            help="Remove the directories of port-0 nodes whose process is gone.")
+def cache(prune: bool) -> None:
+    """List the nodes' directories under <gridrl cache>/rollout (adapters pushed to them),
+    with their size; --prune removes those no node will use again. A node on a fixed port
+    or with --name keeps its directory for its next start; a port-0 node removes its own
+    when it stops, so only killed ones leave theirs."""
+    from gridrl.rollout import cache as node_cache
+
+    entries = node_cache.scan()
+    removed = {e.path for e in node_cache.prune(entries)} if prune else set()
+    click.echo(f"{node_cache.rollout_cache()}: {len(entries)} node director"
+               f"{'y' if len(entries) == 1 else 'ies'}")
+    for e in entries:
+        state = ("named: kept for the node's next start" if e.pid is None
+                 else f"port-0 node, process {e.pid} running" if e.running
+                 else "removed" if e.path in removed
+                 else f"port-0 node, process {e.pid} gone: --prune removes it")
+        click.echo(f"  {e.path.name:<32} {e.size_bytes / 1e6:8.1f} MB  {state}")
+    if removed:
+        freed = sum(e.size_bytes for e in entries if e.path in removed)
+        click.echo(f"pruned {len(removed)} director{'y' if len(removed) == 1 else 'ies'}, "
+                   f"{freed / 1e6:.1f} MB")
 
 
 def _ref_text(ref) -> str:

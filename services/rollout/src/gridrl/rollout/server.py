@@ -27,6 +27,7 @@ import grpc
 from gridrl.common.errors import StatusError
 from gridrl.common.faults import pause_in_stream, pause_point
 from gridrl.common.security import Security
+from gridrl.common.sequence import ReportSequence
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
 from gridrl.engine.contract import Backend
@@ -186,9 +187,10 @@ class RolloutNode:
         self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
                              batch_window_s=config.batch_window_s)
         self.name = node_name(config)
+        self.reports = ReportSequence()  # orders info, heartbeats and push answers
         self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
                                        config.max_adapter_bytes, keep=config.keep_adapters,
-                                       keep_names=config.keep_runs)
+                                       keep_names=config.keep_runs, reports=self.reports)
         workers = min(1024, config.max_queue + config.capacity + 16)
         self.server = GrpcServer(config.listen, metrics_port=config.metrics_port,
                                  security=config.security, max_workers=workers,
@@ -207,6 +209,11 @@ class RolloutNode:
             self.server.on_stopping(self.openai.stop)
         self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
+        from gridrl.rollout.cache import ephemeral_dir
+
+        self._ephemeral_dir = ephemeral_dir(config.listen, config.name, config.adapter_root)
+        if self._ephemeral_dir is not None:  # a port-0 node's directory is never reused
+            self.server.on_stop(self._remove_ephemeral_dir)
 
     @property
     def address(self) -> str:
@@ -281,6 +288,13 @@ class RolloutNode:
         if not self.adapters.flush(timeout=30):
             log.warning("stopping while a pushed adapter is still being stored")
 
+    def _remove_ephemeral_dir(self) -> None:
+        """On stop, after the adapters are flushed: remove a port-0 node's own directory."""
+        import shutil
+
+        shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
+        log.info("removed this port-0 node's directory %s", self._ephemeral_dir)
+
     def _stop_registrar(self) -> None:
         if self.registrar is not None:
             self.registrar.stop(deregister=True)
@@ -298,6 +312,7 @@ class RolloutNode:
 
         Reads snapshots only (the serving adapter, queue depth, the stored-adapter listing):
         it never waits on a push, a reload or a batch, so liveness holds during both."""
+        sequence = self.reports.next()  # before reading the state (ReportSequence.next)
         b, i = self.backend, self.backend.identity
         serving = self.engine.serving
         return common_pb2.NodeInfo(
@@ -313,7 +328,7 @@ class RolloutNode:
             uptime_s=time.monotonic() - self.started, device=b.device, dtype=b.dtype,
             max_n=self.config.max_n, max_tokens=self.config.max_tokens,
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
-            software_version=software_version())
+            software_version=software_version(), sequence=sequence)
 
 
 def node_name(config: NodeConfig) -> str:

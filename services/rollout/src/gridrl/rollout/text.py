@@ -24,17 +24,19 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str, chat: bool) -> list[int]:
-        """Token ids of ``text``; with ``chat``, of ``text`` as one user message rendered by the
-        tokenizer's chat template with the assistant turn opened (its special tokens come from
-        the template, none are added).
+    def encode(self, text: str, chat: bool, system: str = "") -> list[int]:
+        """Token ids of ``text``; with ``chat``, of ``text`` as one user message (after a
+        ``system`` message when given) rendered by the tokenizer's chat template with the
+        assistant turn opened (its special tokens come from the template, none are added).
 
         Raises:
             StatusError: INVALID_ARGUMENT ``apply_chat_template`` when the tokenizer has no
                 chat template.
         """
         if chat:
-            return self.encode_chat([{"role": "user", "content": text}], "apply_chat_template")
+            system_turn = [{"role": "system", "content": system}] if system else []
+            return self.encode_chat([*system_turn, {"role": "user", "content": text}],
+                                    "system_prompt" if system else "apply_chat_template")
         with self._lock:
             return list(self.tokenizer(text)["input_ids"])
 

@@ -19,8 +19,9 @@ from gridrl.v1 import rollout_pb2
 
 # Smallest non-zero temperature: logits / T must stay far from float32 overflow.
 MIN_TEMPERATURE = 1e-4
-# (text, apply_chat_template) -> token ids; raises StatusError for text it cannot encode.
-Tokenize = Callable[[str, bool], list[int]]
+# (text, apply_chat_template[, system_prompt]) -> token ids; raises StatusError for text it
+# cannot encode. The system prompt is passed only when the request sets one.
+Tokenize = Callable[..., list[int]]
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,11 @@ def _prompt(request: rollout_pb2.GenerateRequest, limits: Limits,
                                                           "prompt_token_ids")
         _check_ids(ids, "prompt_token_ids", limits.vocab_size)
         return ids
-    ids = tokenize(text, request.apply_chat_template)
+    if request.system_prompt and not (text and request.apply_chat_template):
+        raise invalid_argument("system_prompt", "needs prompt_text with apply_chat_template "
+                                                "(it is a turn of the chat template)")
+    ids = (tokenize(text, True, request.system_prompt) if request.system_prompt
+           else tokenize(text, request.apply_chat_template))
     if not ids:
         raise invalid_argument("prompt_text", "tokenizes to no tokens")
     return ids

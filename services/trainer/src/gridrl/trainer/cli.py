@@ -9,6 +9,7 @@ imported only inside ``run`` so ``--help`` is instant.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -81,8 +82,9 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         log_level: str, ready_file: str | None, **params: Any) -> None:
     """Train: rollouts -> rewards -> GRPO update -> adapter sync, with held-out evals,
     checkpoints and a run directory. Serves TrainerService (GetRunStatus, WatchRun) and
-    Prometheus metrics while it runs. SIGTERM / Ctrl-C: finish the step, checkpoint it, exit
-    143 (continue with --resume); a second signal exits at once."""
+    Prometheus metrics while it runs. Ctrl-C / SIGTERM: finish the step, checkpoint it, exit
+    130 / 143 (continue with --resume); a second one aborts at once, losing the steps since
+    the last checkpoint. A run that fails checkpoints the steps it finished, then exits 1."""
     from gridrl.common.errors import StatusError
 
     setup_logging(log_level)
@@ -92,8 +94,12 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
     except StatusError as e:
         raise click.UsageError(e.message) from None
     cfg.security = security  # from this start's flags; never saved with the run
+    from gridrl.trainer.preflight import check_inputs
 
-    import os
+    try:  # a typo costs a line, not a model load (before the server binds, too)
+        check_inputs(cfg)
+    except StatusError as e:
+        raise click.UsageError(e.message) from None
 
     from gridrl.trainer.loop import Trainer
 
@@ -111,18 +117,19 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
         click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
                    f"run directory {cfg.run_dir}")
+    listing = None
+    if server is not None and cfg.master:  # gridrl-master nodes --role trainer lists it
+        from gridrl.trainer.listing import register_trainer
+
+        listing = register_trainer(cfg.master, server.address, status, cfg.model, security)
     try:
         trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
-
-        def stop(signum: int, _frame: Any) -> None:  # first signal: finish the step, checkpoint
-            signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
-            trainer.request_stop(signal.Signals(signum).name)
-
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, stop)
+            signal.signal(sig, lambda signum, _frame: _on_stop_signal(trainer, signum))
         trainer.run()
         if trainer.stopped_at is not None:
-            sys.exit(143)
+            _discard_unstarted_run_dir(cfg.run_dir, resume)  # stopped before recording any
+            sys.exit(exit_code(trainer.stop_signal))
     except StatusError as e:
         click.echo(f"error: {e.message}", err=True)
         _discard_unstarted_run_dir(cfg.run_dir, resume)
@@ -132,8 +139,33 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         _discard_unstarted_run_dir(cfg.run_dir, resume)
         sys.exit(1)
     finally:
+        if listing is not None:
+            listing.stop(deregister=True)
         if server is not None:
             server.stop(grace_s=1.0)
+
+
+def exit_code(signal_name: str | None) -> int:
+    """The exit status of a run ended by a signal, by the shell's convention (128 + the
+    signal's number): 130 for SIGINT (Ctrl-C), 143 for SIGTERM (systemd's stop; the unit
+    lists it in ``SuccessExitStatus=``)."""
+    return 130 if signal_name == "SIGINT" else 143
+
+
+def _on_stop_signal(trainer: Any, signum: int) -> None:
+    """SIGINT / SIGTERM: the first asks the run to finish its step and checkpoint it, saying so
+    at once; a second aborts at once (exit 130 / 143), saying which steps are lost."""
+    name = signal.Signals(signum).name
+    again = "Ctrl-C" if signum == signal.SIGINT else name
+    if not trainer.stop_requested:
+        trainer.request_stop(name)
+        click.echo(f"{name}: {trainer.stop_notice()}; {again} again aborts", err=True)
+        return
+    click.echo(f"{name} again: aborting; {trainer.unsaved_steps()}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter cleanup: the step in progress is inside torch on this or another thread
+    os._exit(exit_code(name))
 
 
 def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:

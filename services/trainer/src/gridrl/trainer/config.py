@@ -312,6 +312,12 @@ class TrainConfig:
             problem = s.check(value) if s.check is not None else None
             if problem:
                 raise invalid_argument(flag_of(f.name), problem)
+        from gridrl.common.address import parse_address
+
+        for flag, address in [("--master", self.master),
+                              *(("--rollout", a) for a in self.rollout if a != "local")]:
+            if address is not None:
+                parse_address(address, flag)
         if "local" in self.rollout and (len(self.rollout) > 1 or self.master):
             raise invalid_argument("--rollout", "'local' cannot be mixed with remote nodes")
         if self.local and self.async_steps:

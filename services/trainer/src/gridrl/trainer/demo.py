@@ -109,7 +109,10 @@ class Service:
 def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node_threads: int,
          secure: bool, trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
+    from gridrl.common.cli import progress_bars_off_terminal
     from gridrl.models import resolve_model
+
+    progress_bars_off_terminal()  # the model conversion's bars, when the output is a file
 
     # Ctrl-C and SIGTERM (kill, a supervisor) both clean up: the children run in their own
     # sessions, so nothing else would stop them. SIGINT is installed explicitly because a
@@ -147,11 +150,14 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
                 argv += ["--threads", str(node_threads)]
             node = Service(f"rollout-{i}-{backend}", argv, work)
             services.append(node)
+            # (its log lives in the scratch directory, kept and printed only if the demo fails)
             click.echo(f"rollout node  {node.address}  backend={backend}  "
-                       f"(metrics :{node.metrics_port}, log {node.log_path})")
+                       f"(metrics :{node.metrics_port})")
+        # the run is named as its directory (the adapter name on the nodes, the plot title)
+        name = [] if "--run-name" in trainer_args else ["--run-name", _run_name(run)]
         argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--master", master.address, "--min-nodes", str(len(backends)),
-                "--backend", trainer_backend,
+                "--backend", trainer_backend, *name,
                 "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
                 *(flags["trainer"] if flags else []), *DEMO_FLAGS, *trainer_args]
         click.echo("trainer       " + " ".join(argv[1:]))
@@ -194,6 +200,13 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
             s.stop()
         _clean_work_dir(work, keep_logs=code not in (0, 130))
     sys.exit(code)
+
+
+def _run_name(run: Path) -> str:
+    """The run directory's name as a run name (``[A-Za-z0-9._-]+``, other characters -> -)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "-", run.name).strip(".") or "demo"
 
 
 def _secure_flags(work: Path, nodes: int) -> dict[str, list[str]]:

@@ -161,11 +161,46 @@ class Trainer:
         self._flagged_ever: dict[str, str] = {}
         self._stop_reason: str | None = None
         self.stopped_at: int | None = None
+        self.checkpointed_step = 0  # the step of the latest checkpoint (0: none yet)
+        self._updating = False  # inside the update: the weights are not those of state.step
+        self._stepping = False  # the step loop has begun
+        self._legend_printed = False  # the step lines' legend, once per process
 
     def request_stop(self, reason: str) -> None:
         """Stop after the step in progress: checkpoint it and return (safe from a signal
-        handler). The run can be continued with ``--resume``."""
+        handler). ``reason`` is the signal's name (``SIGINT``, ``SIGTERM``) or another word.
+        The run can be continued with ``--resume``."""
         self._stop_reason = reason
+
+    def stop_notice(self) -> str:
+        """What a stop asked now will do, in words (printed at once by the CLI)."""
+        if self._stepping:
+            return f"finishing step {self.state.step + 1}, then checkpointing"
+        return (f"stopping before step {self.state.step + 1} once the setup in progress "
+                "(model load, node wait, baseline eval) ends")
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called."""
+        return self._stop_reason is not None
+
+    @property
+    def stop_signal(self) -> str | None:
+        """The reason given to :meth:`request_stop` (the signal's name), or None."""
+        return self._stop_reason
+
+    def unsaved_steps(self) -> str:
+        """What aborting now loses, in words: the finished steps since the last checkpoint and
+        the step in progress, and where ``--resume`` would continue from."""
+        done, saved = self.state.step, self.checkpointed_step
+        lost = (f"steps {saved + 1}-{done}" if done > saved + 1
+                else f"step {done}" if done == saved + 1 else "")
+        lost = ", ".join(filter(None, [lost and f"finished {lost}",
+                                       f"step {done + 1} in progress"]))
+        if not saved:
+            return f"no checkpoint yet: {lost} lost"
+        return (f"{lost} lost; --resume {self.cfg.run_dir} continues from the checkpoint of "
+                f"step {saved}")
 
     # ================================================================== setup
 
@@ -229,6 +264,7 @@ class Trainer:
         assert ckpt is not None
         self.backend.restore_checkpoint(ckpt.files)
         self.state = TrainerState.from_json(ckpt.state)
+        self.checkpointed_step = self.state.step
         return ckpt
 
     def _begin_resumed(self, ckpt: Any) -> None:
@@ -282,7 +318,8 @@ class Trainer:
                                     num_layers=backend.identity.num_layers,
                                     deadline_s=cfg.sync_deadline_s,
                                     known_versions=lambda: self.state.lineage)
-            nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s)
+            nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s,
+                                             stop=lambda: self._stop_reason is not None)
             self.console.print("rollout nodes: " + ", ".join(
                 f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
                 for n in nodes if n.in_rotation))
@@ -381,9 +418,11 @@ class Trainer:
         assert self.run_dir is not None
         with self._backend_lock:
             files = self.backend.checkpoint_files()
-        return save_checkpoint(self.run_dir.checkpoints, step=step, files=files,
+        path = save_checkpoint(self.run_dir.checkpoints, step=step, files=files,
                                state=self.state.to_json(),
                                config=self.cfg.to_dict(), keep=self.cfg.keep_checkpoints)
+        self.checkpointed_step = step
+        return path
 
     # ================================================================== the run
 
@@ -404,6 +443,8 @@ class Trainer:
             ended = True
             return summary
         except BaseException as e:
+            if isinstance(e, (RuntimeError, TimeoutError)):
+                self._checkpoint_failed_run(e)
             if self.status is not None:
                 self.status.fail(f"{type(e).__name__}: {e}")
             if self.backend is not None and self.is_main and self.backend.world_size > 1:
@@ -414,6 +455,24 @@ class Trainer:
             raise
         finally:
             self._close(ended)
+
+    def _checkpoint_failed_run(self, error: BaseException) -> None:
+        """A run failing between steps (no rollout node in time, a node error): checkpoint the
+        steps it finished since the last checkpoint, so ``--resume`` loses none of them. Not
+        inside an update (the weights are then neither the last step's nor the next's)."""
+        st = self.state
+        if (not self.is_main or self.run_dir is None or self.backend is None
+                or self._updating or st.step <= self.checkpointed_step):
+            return
+        try:
+            self._checkpoint(st.step)
+        except Exception:
+            log.exception("checkpoint of the failed run failed")
+            return
+        message = (f"run failed after step {st.step} ({type(error).__name__}); checkpointed "
+                   f"it: continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        log.warning("%s", message)
+        self.console.print(f"[bold yellow]{message}[/]")
 
     def _close(self, ended: bool) -> None:
         """Release the run's resources. ``ended``: no collective can be in flight, so the
@@ -448,6 +507,8 @@ class Trainer:
             for rec in self.run_dir.read_log():  # a resumed run's earlier steps
                 if rec.get("step"):
                     self._report(step_report(rec), publish_metrics=False)
+        if self._stop_reason is not None:  # asked while setting up: before any work
+            return self._stop(st.step)
         if self.resume and self.sync is not None:  # nodes must serve the resumed weights
             sync = self._sync(st.step, force=True)
             self.console.print(f"pushed resumed weights as policy version {st.version} to "
@@ -462,7 +523,12 @@ class Trainer:
         if self.status is not None:
             self.status.set_baseline(st.baseline)
         t_start = time.perf_counter() - st.elapsed_s
+        self._stepping = True
         for step in range(st.step + 1, cfg.steps + 1):
+            if self._stop_reason is not None:  # asked during the setup or the baseline eval
+                if st.step > self.checkpointed_step:
+                    self._checkpoint(st.step)
+                return self._stop(st.step)
             t0 = time.perf_counter()
             batch = self._collect(step)
             collect_s = time.perf_counter() - t0
@@ -472,6 +538,7 @@ class Trainer:
                 self.backend.broadcast(RankMessage(step=step, version=next_version,
                                                    sequences=tuple(seqs)))
             t1 = time.perf_counter()
+            self._updating = True
             stats = self._train(seqs)
             train_s = time.perf_counter() - t1
             if stats is not None:
@@ -482,6 +549,7 @@ class Trainer:
                 self.console.print(f"[bold red]step {step}: no sample survived the staleness "
                                    f"filter ({batch.dropped} dropped); no update[/]")
             st.step = step
+            self._updating = False
             st.data_position = step * cfg.prompts_per_step
             st.dropped_total += batch.dropped
             sync = self._sync(step)
@@ -513,8 +581,12 @@ class Trainer:
         if self.backend.world_size > 1:
             self.backend.broadcast(RankMessage(stop=True))
         self.stopped_at = step
-        message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
-                   f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        if self.checkpointed_step:
+            message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
+                       f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+        else:
+            message = (f"stopped before step 1 of {self.cfg.steps} ({self._stop_reason}); "
+                       "no step to checkpoint")
         log.warning("%s", message)
         self.console.print(f"[bold yellow]{message}[/]")
         if self.status is not None:
@@ -591,6 +663,13 @@ class Trainer:
 
     def _print_step(self, r: StepRecord) -> None:
         cfg = self.cfg
+        if not self._legend_printed:
+            self._legend_printed = True
+            self.console.print(
+                "[dim]reward: mean±std of the step's samples; eval: held-out score±stderr"
+                "@policy version; stale: mean versions behind; kl: behaviour vs trainer "
+                "logprobs; loss: the GRPO surrogate, ≈0 on-policy (advantages are centred in "
+                "each group), gnorm: the update's size; v: policy version[/]")
         parts = [f"step {r.step:>4}/{cfg.steps}", f"reward {r.reward_mean:.3f}±{r.reward_std:.2f}"]
         if r.eval_score is not None:
             parts.append(f"[bold green]eval {r.eval_score:.3f}±{r.eval_stderr or 0:.3f}"
@@ -626,6 +705,12 @@ class Trainer:
                      title=f"{self.cfg.run_name}: {self.cfg.task} on {self.cfg.model}")
         except Exception:  # a plot must never stop training
             log.exception("plot failed")
+
+    def _rollout_addresses(self) -> list[str]:
+        """Every rollout node the run knew (--rollout and those the master listed), by
+        address."""
+        known = [n.address for n in self.pool.nodes()] if self.pool is not None else []
+        return sorted({*known, *(a for a in self.cfg.rollout if a != "local")})
 
     def _finish(self) -> dict[str, Any]:
         cfg, st = self.cfg, self.state
@@ -665,7 +750,9 @@ class Trainer:
             "dropped_samples": st.dropped_total,
             "flagged_nodes": self._flagged_ever,
             "resumed_at": st.resumed_at,
-            "rollout": "local" if cfg.local else (cfg.master or cfg.rollout),
+            # the nodes that served the run (a master only finds them)
+            "rollout": "local" if cfg.local else self._rollout_addresses(),
+            "master": cfg.master,
             "adapter": str(self.run_dir.adapter),
             "adapter_mlx": None if mlx_error else str(self.run_dir.adapter_mlx),
             "adapter_mlx_error": mlx_error,

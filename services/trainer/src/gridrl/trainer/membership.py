@@ -186,6 +186,7 @@ class _Member:
         self.strikes = 0  # benchings since its last successful Generate
         self.probe_after = 0.0  # time before which it is not probed
         self.synced_at = float("-inf")  # time of the last successful push
+        self.sequence = 0  # newest report number seen from the node (NodeInfo.sequence)
         self.last_call_at = 0.0  # time the last Generate on it was started
         self.last_assigned = 0  # scheduler tick of the last group given to it
 
@@ -452,8 +453,9 @@ class Membership:
             self.target = AdapterTarget(name, version)
 
     def push_succeeded(self, address: str, version: int, serving: common_pb2.AdapterRef,
-                       now: float) -> Effects:
-        """Policy ``version`` was pushed to the node at ``now``; ``serving`` is its answer."""
+                       now: float, sequence: int = 0) -> Effects:
+        """Policy ``version`` was pushed to the node at ``now``; ``serving`` is its answer,
+        ``sequence`` the answer's report number (``PushAdapterResponse.sequence``, 0: none)."""
         effects = Effects()
         m = self._members.get(address)
         if m is None:
@@ -461,6 +463,7 @@ class Membership:
         s = m.state
         s.synced_version = version
         m.synced_at = now
+        m.sequence = max(m.sequence, sequence)
         s.adapter_version = int(serving.version)
         s.adapter_name = serving.name
         # A push older than the target (a late catch-up) must not leave the node in rotation.
@@ -521,7 +524,7 @@ class Membership:
                       info.base_model.model_id, problem)
         s.excluded = problem
         return self._apply_served(m, info.adapter.name, int(info.adapter.version), observed_at,
-                                  direct)
+                                  direct, sequence=int(info.sequence))
 
     def _identity_problem(self, base: common_pb2.BaseModel) -> str:
         got = {"architecture": base.architecture, "hidden_size": base.hidden_size,
@@ -536,13 +539,20 @@ class Membership:
         return ", ".join(problems)
 
     def _apply_served(self, m: _Member, name: str, version: int, observed_at: float,
-                      direct: bool) -> bool:
-        """Record the adapter the node served at ``observed_at``; observations from before
-        its last push are ignored. Returns True when the node's own answer (``direct``)
-        shows it serving less than it was pushed: it lost the adapter (restarted)."""
+                      direct: bool, sequence: int = 0) -> bool:
+        """Record the adapter the node served at ``observed_at``; observations older than
+        its last push are ignored: by the node's own report numbers when both carry one
+        (``sequence``, :mod:`gridrl.common.sequence`: a heartbeat the master relays after the
+        push's answer arrived may have left the node before the push), else by arrival.
+        Returns True when the node's own answer (``direct``) shows it serving less than it
+        was pushed: it lost the adapter (restarted)."""
+        from gridrl.common.sequence import newer
+
         s = m.state
-        if observed_at < m.synced_at:
+        order = newer(sequence, m.sequence)
+        if order is False or (order is None and observed_at < m.synced_at):
             return False
+        m.sequence = max(m.sequence, sequence)
         s.adapter_version, s.adapter_name = version, name
         return direct and version < s.synced_version
 

@@ -4,7 +4,7 @@
     pool = NodePool(..., wait_for_nodes_s=300, on_wait=reporter)
 
 The pool calls the reporter about every half second while a batch waits for a node (none in
-rotation) and once with None when the wait ends; the reporter prints a line when the wait
+rotation), or the start waits for ``--min-nodes`` nodes, and once with None when the wait ends; the reporter prints a line when the wait
 begins and every ``every_s`` seconds after — what it waits for and how long is left — sets
 ``GetRunStatusResponse.node_wait`` for as long as it lasts, and prints how long it took when a
 node is back. (The ``gridrl_trainer_node_wait_*`` gauges are the pool's.)
@@ -40,9 +40,13 @@ class NodeWaitReporter:
 
     def __call__(self, wait: NodeWait | None) -> None:
         if wait is None:
-            if self._last is not None:
+            last = self._last
+            if last is not None and last.starting:
+                self.console.print(f"[bold green]rollout node(s) ready[/] after waiting "
+                                   f"{last.waited_s:.0f}s")
+            elif last is not None:
                 self.console.print(f"[bold green]a rollout node is back[/] after waiting "
-                                   f"{self._last.waited_s:.0f}s; going on")
+                                   f"{last.waited_s:.0f}s; going on")
             self._last = self._printed_at = None
             if self.status is not None:
                 self.status.set_node_wait(None)
@@ -53,6 +57,13 @@ class NodeWaitReporter:
         now = self._clock()
         if self._printed_at is None or now - self._printed_at >= self.every_s:
             self._printed_at = now
-            self.console.print(f"[bold yellow]waiting for a rollout node[/] (none in rotation) "
-                               f"for {wait.waited_s:.0f}s, {wait.left_s:.0f}s left "
-                               f"(--wait-for-nodes-s): {wait.waiting_for}")
+            if wait.starting:
+                self.console.print(
+                    f"[bold yellow]waiting for {wait.needed} rollout node(s)[/] "
+                    f"({wait.in_rotation} ready) for {wait.waited_s:.0f}s, {wait.left_s:.0f}s "
+                    f"left (--node-wait-s): {wait.waiting_for}")
+            else:
+                self.console.print(
+                    f"[bold yellow]waiting for a rollout node[/] (none in rotation) for "
+                    f"{wait.waited_s:.0f}s, {wait.left_s:.0f}s left (--wait-for-nodes-s): "
+                    f"{wait.waiting_for}")

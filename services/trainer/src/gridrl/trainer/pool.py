@@ -78,19 +78,27 @@ _LOST_ADAPTER = "LOST_ADAPTER"
 
 @dataclass(frozen=True)
 class NodeWait:
-    """A batch waits for a rollout node: none is in rotation.
+    """The run waits for rollout nodes: a batch for one in rotation (none is), or the start
+    for ``--min-nodes`` of them.
 
     Attributes:
         waited_s: seconds waited so far.
-        left_s: seconds left before the batch fails (``wait_for_nodes_s`` - waited).
+        left_s: seconds left before the wait fails (``wait_for_nodes_s`` or ``node_wait_s``
+            minus waited).
         waiting_for: every known node and why it is out of rotation (and the master's
             connection), e.g. ``"127.0.0.1:5001 (benched: 3 consecutive Generate failures,
             last UNAVAILABLE: ...)"``.
+        starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
+        in_rotation: nodes in rotation now (the start's wait).
+        needed: nodes the start waits for (``--min-nodes``).
     """
 
     waited_s: float
     left_s: float
     waiting_for: str
+    starting: bool = False
+    in_rotation: int = 0
+    needed: int = 1
 
 
 @dataclass
@@ -288,23 +296,40 @@ class NodePool:
         with self._lock:
             self._listeners.append(fn)
 
-    def wait_for_nodes(self, min_nodes: int = 1, timeout_s: float = 60.0) -> list[NodeState]:
-        """Block until at least ``min_nodes`` nodes are in rotation; returns :meth:`nodes`.
+    def wait_for_nodes(self, min_nodes: int = 1, timeout_s: float = 60.0,
+                       stop: Callable[[], bool] | None = None) -> list[NodeState]:
+        """Block until at least ``min_nodes`` nodes are in rotation, or ``stop()`` is true
+        (looked at every half second: the run was asked to stop); returns :meth:`nodes`.
+        Reports the wait to ``on_wait`` (:class:`NodeWait` with ``starting``) while it lasts.
 
         Raises:
             TimeoutError: after ``timeout_s`` seconds, naming every known node and its state
                 (and the master's connection state).
         """
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while len(self._members.in_rotation()) < min_nodes:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
-                                       f"rollout node(s) in rotation after {timeout_s:.1f}s: "
-                                       f"{self._describe()}")
-                self._changed.wait(min(left, 0.5))
-            return self._members.states()
+        started = time.monotonic()
+        deadline = started + timeout_s
+        reported = False
+        try:
+            with self._lock:
+                while len(self._members.in_rotation()) < min_nodes:
+                    if stop is not None and stop():
+                        break
+                    now = time.monotonic()
+                    left = deadline - now
+                    if left <= 0 or self._closed.is_set():
+                        raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
+                                           f"rollout node(s) in rotation after "
+                                           f"{timeout_s:.1f}s (--node-wait-s): "
+                                           f"{self._describe()}")
+                    self._report_wait(NodeWait(now - started, left, self._describe(),
+                                               starting=True, needed=min_nodes,
+                                               in_rotation=len(self._members.in_rotation())))
+                    reported = True
+                    self._changed.wait(min(left, _WAIT_REPORT_S))
+                return self._members.states()
+        finally:
+            if reported:
+                self._report_wait(None)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -555,10 +580,12 @@ class NodePool:
         with self._lock:
             self._members.set_target(name, version)
 
-    def note_synced(self, address: str, version: int, serving: common_pb2.AdapterRef) -> None:
-        """Record a successful push of ``version``; ``serving`` is what the node answered."""
+    def note_synced(self, address: str, version: int, serving: common_pb2.AdapterRef,
+                    sequence: int = 0) -> None:
+        """Record a successful push of ``version``; ``serving`` is what the node answered,
+        ``sequence`` the answer's report number (``PushAdapterResponse.sequence``)."""
         self._apply(lambda: self._members.push_succeeded(address, version, serving,
-                                                         time.monotonic()))
+                                                         time.monotonic(), sequence))
 
     def note_sync_failed(self, address: str, version: int, reason: str) -> None:
         """Bench a node a push of ``version`` failed on: it would sample a stale policy. It

@@ -167,7 +167,7 @@ class AdapterSync:
         report.seconds = time.perf_counter() - start
         for address, why in sorted(report.skipped.items()):
             log.warning("sync of policy version %d: SKIPPED node %s: %s", version, address, why)
-        log.info("synced policy version %d to %d node(s) in %.2fs (%d skipped)", version,
+        log.debug("synced policy version %d to %d node(s) in %.2fs (%d skipped)", version,
                  len(report.synced), report.seconds, len(report.skipped))
         return report
 
@@ -241,7 +241,7 @@ class AdapterSync:
                 return self._failed(node.address, adapter.version,
                                     f"node serves {serving.name!r} v{serving.version} after the "
                                     f"push of v{adapter.version}")
-            self.pool.note_synced(node.address, adapter.version, serving)
+            self.pool.note_synced(node.address, adapter.version, serving, response.sequence)
             log.debug("pushed policy version %d (%s) to %s", adapter.version, fmt, node.address)
             return ""
         finally:

@@ -53,6 +53,7 @@ class MasterWatch:
         self._call: grpc.Future | None = None
         self._thread = threading.Thread(target=self._run, name="master-watch", daemon=True)
         self.connected = False
+        self.ever_connected = False  # a stream ever answered (else an outage lost nothing)
         self.last_error = ""
 
     def start(self) -> None:
@@ -85,10 +86,10 @@ class MasterWatch:
                 for response in call:
                     if first:
                         first = False
-                        self.connected = True
+                        self.connected = self.ever_connected = True
                         backoff = self.retry_s / 10
                         if outage_since is not None:
-                            log.info("master %s: watching nodes again after %.1fs",
+                            log.info("master %s: watching nodes after %.1fs",
                                      self.address, time.monotonic() - outage_since)
                             outage_since = None
                         self._on_connect()
@@ -110,8 +111,12 @@ class MasterWatch:
                 break
             if outage_since is None:
                 outage_since = time.monotonic()
-                log.warning("master %s: node watch lost (%s); reconnecting every %.1fs at most, "
-                            "known nodes keep serving", self.address, self.last_error,
-                            self.retry_s)
+                if self.ever_connected:
+                    log.warning("master %s: node watch lost (%s); reconnecting every %.1fs at "
+                                "most, known nodes keep serving", self.address,
+                                self.last_error, self.retry_s)
+                else:  # never connected: nothing was lost
+                    log.warning("master %s: not reachable yet (%s); retrying every %.1fs at "
+                                "most", self.address, self.last_error, self.retry_s)
             self._stop.wait(backoff)
             backoff = min(self.retry_s, backoff * 2)
