@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from gridrl.engine.backends import cpu_kernels
 from gridrl.engine.backends.torch_cache import SlabCache
-from gridrl.engine.backends.torch_memory import drop_mapped_pages
+from gridrl.engine.backends.torch_memory import drop_mapped_pages, trim_heap
 from gridrl.engine.families import unsupported_layers
 
 _TYPES = ("llama", "mistral", "qwen2")
@@ -221,14 +221,15 @@ class KernelProjection:
 
     def __init__(self, kernels: Any, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  *, norm: torch.Tensor | None = None, eps: float = 0.0,
-                 swiglu: bool = False) -> None:
+                 swiglu: bool = False, drop_source: bool = False) -> None:
         self._kernels = kernels
         self.out_features, self.in_features = weight.shape
         self.swiglu = swiglu
         self.norm = None if norm is None else norm.detach().float().clone()
         self.eps = float(eps) if norm is not None else -1.0
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm)
+        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm,
+                                              drop_source=drop_source)
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
@@ -330,9 +331,9 @@ class LeanLlama:
         kernels = self.kernels
 
         def proj(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 **kw: Any) -> Projection | KernelProjection:
+                 drop_source: bool = False, **kw: Any) -> Projection | KernelProjection:
             if kernels is not None:
-                return KernelProjection(kernels, weight, bias, **kw)
+                return KernelProjection(kernels, weight, bias, drop_source=drop_source, **kw)
             return Projection(weight, bias, **kw)
 
         self.layers: list[_Layer] = []
@@ -353,7 +354,10 @@ class LeanLlama:
                 down=proj(mlp.down_proj.weight)))
             if take_weights:
                 _release(_projections(layer))
-        self.head = proj(head_weight, norm=self.norm, eps=self.eps)
+                trim_heap()  # this layer's temporaries, before the next one's come
+        # The head's source pages go back chunk by chunk as it is packed (the whole table
+        # and its packed copy would otherwise be resident together at the peak of loading).
+        self.head = proj(head_weight, norm=self.norm, eps=self.eps, drop_source=take_weights)
         if take_weights:
             if not tied:
                 _release([model.get_output_embeddings()])
