@@ -528,8 +528,10 @@ class LeanLlama:
 
     def _attention(self, qkv: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor],
                    cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None, i: int,
-                   attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Layer ``i``'s attention in torch ops: qkv (B, T, Hq + 2 Hkv, D) -> (B T, Hq D)."""
+                   attention_mask: torch.Tensor | None,
+                   past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Layer ``i``'s attention in torch ops: qkv (B, T, Hq + 2 Hkv, D) -> (B T, Hq D);
+        ``past``: a prefix's keys/values per layer (see :meth:`forward`)."""
         b, t, _, d = qkv.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         qk = rotate(qkv[:, :, :hq + hkv])
@@ -550,17 +552,28 @@ class LeanLlama:
                                                       scale=self._attn_scale)
         else:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            mask, causal = None, t > 1
+            if past is not None:  # the T new tokens follow a prefix of P tokens
+                past_keys, past_values = past[i]
+                keys = torch.cat([past_keys.expand(b, -1, -1, -1), keys], dim=2)
+                values = torch.cat([past_values.expand(b, -1, -1, -1), values], dim=2)
+                p = past_keys.shape[2]
+                # new token j sees the prefix and new tokens 0..j (causal, bottom-right)
+                mask = (torch.arange(p + t, device=qkv.device)[None, :]
+                        <= p + torch.arange(t, device=qkv.device)[:, None])
+                causal = False
             if cache is not None:
                 cache.append((keys.contiguous(), values.contiguous()))
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self._attn_scale,
-                enable_gqa=hq != hkv).transpose(1, 2)
+                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
+                scale=self._attn_scale, enable_gqa=hq != hkv).transpose(1, 2)
         return attn.reshape(b * t, hq * d)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 attention_mask: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Logits of ``input_ids`` given the cache.
 
         Args:
@@ -574,6 +587,12 @@ class LeanLlama:
                 including the new token (:meth:`SlabCache.next_step`); else ignored.
             logits_at: int64 (K,) indices into T: only those positions get logits
                 (default: all).
+            past: with a list or None as ``cache`` (prefill): per layer the (keys, values)
+                (1, H_kv, P, D) of a prefix of P tokens these T tokens follow (what a list
+                ``cache`` filled by a prefill of that prefix holds; ``position_ids`` then start
+                at P). Each new token attends to the prefix and causally within the T; a list
+                ``cache`` receives the prefix's keys/values followed by the new ones, as a
+                prefill of the whole sequence would (equal up to float rounding).
         Returns:
             logits (B, K or T, V) in the model dtype.
         """
@@ -596,7 +615,7 @@ class LeanLlama:
                                               slab.claim(), attention_mask, self._attn_scale)
             else:
                 attn = self._attention(qkv.view(b, t, hq + 2 * hkv, d), rotate, cache, i,
-                                       attention_mask)
+                                       attention_mask, past)
             x = layer.o(attn, residual=x)
             x = layer.down(layer.gate_up(x), residual=x)
         x = x.view(b, t, -1)
