@@ -1,11 +1,13 @@
 """Benchmark 5: the trainer's held-out eval, its cost against the eval size and a step.
 
 Loads SmolLM2-135M (fp32) with the demo's r16 all-linear LoRA as the torch trainer backend,
-builds the demo's task (reverse-words, 3-4 words) and times ``Evaluator.run`` -- batched greedy
-decoding of every held-out prompt on the trainer's own weights, ``--max-tokens`` new tokens --
-for each ``--sizes`` (default 16, 64, 280), best of ``--repeats``; then one demo-shaped GRPO
-step (2 prompts x 8 samples x 24 tokens sampled on the same backend, then the update), so the
-table can say what an eval costs in steps. Prints each eval's score and standard error.
+runs one demo-shaped GRPO step (2 prompts x 8 samples x 24 tokens sampled on the same backend,
+then the update) so the table can say what an eval costs in steps, builds the demo's task
+(reverse-words, 3-4 words) and times ``Evaluator.run`` -- batched greedy decoding of every
+held-out prompt on the trainer's own weights, ``--max-tokens`` new tokens -- for each
+``--sizes`` (default 16, 64, 280), best of ``--repeats``, with every prompt prefilled whole
+(``shared_prefix=False``, the eval before) and with the prompts' common prefix (the system
+prompt) prefilled once, alternating; checks that both give the same score and examples.
 
     python bench/eval_cost.py [--sizes 16 --sizes 64 --sizes 280] [--repeats 2] [--model M]
 """
@@ -60,19 +62,31 @@ def main() -> None:
         rows = []
         for size in sizes:
             task = ReverseWords(seed=0, min_words=3, max_words=4, eval_size=size)
-            evaluator = Evaluator(backend, task, max_tokens=args.max_tokens)
-            runs = [evaluator.run(policy_version=1) for _ in range(args.repeats)]
-            best = min(r.seconds for r in runs)
-            rows.append([str(size), f"{runs[0].score:.3f}", f"{runs[0].stderr:.3f}",
-                         f"{best:.2f}", f"{best / size * 1e3:.0f}", f"{best / step:.2f}"])
+            seconds: dict[bool, list[float]] = {False: [], True: []}
+            results = {}
+            for _ in range(args.repeats):
+                for shared in (False, True):
+                    evaluator = Evaluator(backend, task, max_tokens=args.max_tokens,
+                                          shared_prefix=shared)
+                    results[shared] = evaluator.run(policy_version=1)
+                    seconds[shared].append(results[shared].seconds)
+            same = all(getattr(results[False], k) == getattr(results[True], k)
+                       for k in ("score", "exact", "examples"))
+            plain, fast = min(seconds[False]), min(seconds[True])
+            rows.append([str(size), f"{results[True].score:.3f}",
+                         f"{results[True].stderr:.3f}", f"{plain:.2f}", f"{fast:.2f}",
+                         f"{plain / fast:.2f}x", f"{fast / size * 1e3:.0f}",
+                         f"{plain / step:.2f}", f"{fast / step:.2f}",
+                         "yes" if same else "NO"])
             print(rows[-1], flush=True)
     finally:
         backend.close()
     print(machine())
     print(f"one demo-shaped step (sample 2 x 8 x 24 tokens + update), best of {args.repeats}: "
           f"{step:.2f} s; eval: greedy, {args.max_tokens} new tokens, best of {args.repeats}")
-    print(table(rows, ["eval prompts", "score", "stderr", "eval s", "ms / prompt",
-                       "eval / step"]))
+    print(table(rows, ["eval prompts", "score", "stderr", "eval s, whole prompts",
+                       "eval s, shared prefix", "speed-up", "ms / prompt (shared)",
+                       "eval / step (whole)", "eval / step (shared)", "same results"]))
 
 
 if __name__ == "__main__":
