@@ -1,7 +1,7 @@
 """Resident memory of one torch rollout node on the bundled model (bench 1's memory rows
 alone, without its throughput runs): start ``gridrl-rollout serve`` as bench 1 does, read its
-RSS (anonymous / file-backed) and peak from /proc after start-up and after one Generate of
-8 x 40 tokens, against the weight bytes.
+RSS (anonymous / file-backed) and its peak from /proc after start-up (the peak of loading)
+and after one Generate of 8 x 40 tokens, against the weight bytes.
 
     python bench/node_memory.py [--runs 3] [-- extra serve flags, e.g. --forward transformers]
 """
@@ -39,7 +39,7 @@ def main() -> None:
                      "--listen", "127.0.0.1:0", "--metrics-port", "-1", "--capacity", "64",
                      *args.serve_flags], f"memory-{run}")
         try:
-            started, _ = resident_mb(node.proc.pid)
+            started, load_peak = resident_mb(node.proc.pid)
             status = Path(f"/proc/{node.proc.pid}/status").read_text()
             kinds = {k: int(v) * 1024 / 1e6
                      for k, v in re.findall(r"(RssAnon|RssFile):\s+(\d+)", status)}
@@ -53,11 +53,13 @@ def main() -> None:
             node.stop()
         rows.append([str(run + 1), f"{started:.0f}",
                      f"{kinds.get('RssAnon', 0):.0f} / {kinds.get('RssFile', 0):.0f}",
-                     f"{after:.0f}", f"{peak:.0f}", f"{started / weights * 1e6:.2f}x"])
+                     f"{load_peak:.0f}", f"{after:.0f}", f"{peak:.0f}",
+                     f"{started / weights * 1e6:.2f}x"])
         print(rows[-1], flush=True)
     print(f"weights: {weights / 1e6:.0f} MB (float32); node flags: {args.serve_flags or '-'}")
-    print(table(rows, ["run", "RSS after start-up MB", "anon / file MB", "after one Generate",
-                       "peak (VmHWM)", "RSS / weights"]))
+    print(table(rows, ["run", "RSS after start-up MB", "anon / file MB",
+                       "peak while loading (VmHWM)", "after one Generate", "peak after it",
+                       "RSS / weights"]))
 
 
 def _numel(shape: list[int]) -> int:
