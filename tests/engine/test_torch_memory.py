@@ -2,7 +2,8 @@
 backends/torch_memory.py): a node on the lean forward keeps only the packed projections (the
 model's own are released to ``meta``), with tied and untied heads, and decodes exactly as
 before; models wrapped in-process and the transformers forward keep theirs; pages of a mapped
-file are handed back without changing what the tensor reads."""
+file are handed back without changing what the tensor reads, and a mapped output head chunk by
+chunk as it is packed."""
 
 from __future__ import annotations
 
@@ -97,3 +98,39 @@ def test_dropping_mapped_pages_keeps_the_data(tmp_path: Path) -> None:
     ordinary = torch.from_numpy(data.copy())
     assert drop_mapped_pages([ordinary]) == 0
     assert torch.equal(ordinary, torch.from_numpy(data))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through glibc")
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_packing_a_mapped_weight_hands_its_pages_back_chunk_by_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swiglu: bool) -> None:
+    """An output head packed with ``drop_source`` (a node's own model): the same packed
+    values, and every source row's pages handed back, in more than one chunk (the source
+    and the packed copy are never both resident in full)."""
+    from gridrl.engine.backends import cpu_kernels
+
+    rows, cols = 2 * 8200, 576  # ~38 MB: several 8 MB chunks, a width not a multiple of 16
+    data = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    data.tofile(tmp_path / "head.bin")
+    mapped = torch.from_numpy(np.memmap(tmp_path / "head.bin", dtype=np.float32, mode="c",
+                                        shape=(rows, cols)))
+    scale = torch.rand(cols) + 0.5
+    chunks: list[tuple[int, int]] = []
+    base = mapped.data_ptr()
+
+    def record(tensors):
+        tensors = list(tensors)
+        chunks.extend(((t.data_ptr() - base) // (4 * cols), t.shape[0]) for t in tensors)
+        return drop_mapped_pages(tensors)
+
+    monkeypatch.setattr(cpu_kernels, "drop_mapped_pages", record)
+    packed = cpu_kernels.pack_weight(mapped, swiglu=swiglu, in_scale=scale, drop_source=True)
+    want = cpu_kernels.pack_weight(torch.from_numpy(data), swiglu=swiglu, in_scale=scale)
+    assert torch.equal(packed, want)
+    assert torch.equal(mapped, torch.from_numpy(data))  # the source still reads the same
+    covered = sorted(r for start, n in chunks for r in range(start, start + n))
+    assert covered == list(range(rows))
+    assert len(chunks) > (2 if swiglu else 1) * 2
+    chunks.clear()
+    cpu_kernels.pack_weight(mapped, swiglu=swiglu, in_scale=scale)  # default: not dropped
+    assert chunks == []

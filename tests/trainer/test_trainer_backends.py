@@ -169,6 +169,32 @@ def test_greedy_generation_follows_the_argmax_of_the_model(make_backend, tiny_ll
                 ids.append(token)
 
 
+def test_the_eval_with_a_shared_prefix_is_the_plain_eval(make_backend):
+    """The held-out eval prefills its prompts' common prefix (the task's system prompt) once
+    when the backend can: the same greedy completions and scores as every prompt prefilled
+    whole, on trained (non-zero) LoRA weights."""
+    from gridrl.engine.contract import SamplingConfig
+    from gridrl.trainer.evaluation import Evaluator
+    from gridrl.trainer.tasks import ReverseWords
+
+    backend = make_backend()
+    backend.update(_sequences())  # LoRA B no longer zero: the adapter changes the outputs
+    task = ReverseWords(seed=0, min_words=3, max_words=4, eval_size=12)
+    shared = Evaluator(backend, task, max_tokens=8)
+    plain = Evaluator(backend, task, max_tokens=8, shared_prefix=False)
+    assert shared.shared_prefix and len(shared.prompt_ids) == 12
+    greedy = SamplingConfig(max_tokens=8, temperature=0.0)
+    seeds = [0] * 12
+    got = backend.generate(shared.prompt_ids, greedy, seeds, shared_prefix=True)
+    want = backend.generate(plain.prompt_ids, greedy, seeds)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    first, second = shared.run(policy_version=1), plain.run(policy_version=1)
+    assert (first.score, first.exact, first.stderr, first.examples) == (
+        second.score, second.exact, second.stderr, second.examples)
+
+
 def test_update_at_ratio_one_gives_the_grpo_values(make_backend):
     """On-policy behaviour (ratio 1 everywhere): mismatch KL 0, nothing clipped, and the
     sequence-aggregated loss is -mean(A); with beta > 0 the reference KL is 0 at the start

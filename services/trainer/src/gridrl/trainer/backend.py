@@ -266,7 +266,7 @@ class TrainerBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], config: SamplingConfig,
-                 seeds: Sequence[int]) -> list[SequenceResult]:
+                 seeds: Sequence[int], *, shared_prefix: bool = False) -> list[SequenceResult]:
         """Decode one completion per prompt with the current weights (adapter included), no
         dropout and no gradient, with exactly the engine's sampling semantics
         (:mod:`gridrl.engine.contract`: ``temperature == 0`` is greedy; each sequence's RNG is
@@ -277,6 +277,9 @@ class TrainerBackend(abc.ABC):
             prompts: token ids, each non-empty.
             config: the sampling parameters, shared by every sequence of the call.
             seeds: one per prompt.
+            shared_prefix: the prompts begin alike (a task's system prompt; the held-out
+                eval): the backend may compute the common prefix once for all of them
+                (results equal up to float rounding).
         Returns:
             one :class:`~gridrl.engine.contract.SequenceResult` per prompt, in order; its
             logprobs are the behaviour logprobs (under the distribution each token was drawn

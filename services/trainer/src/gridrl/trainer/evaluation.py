@@ -52,11 +52,15 @@ class Evaluator:
         max_tokens: new tokens per eval completion.
         rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`, used when the task
             cannot score (a JSONL task without an answer column).
+        shared_prefix: let the backend prefill the eval prompts' common prefix (the task's
+            system prompt, chat template included) once (the same greedy completions up to
+            float rounding of the logits; False: every prompt prefilled whole).
     """
 
     def __init__(self, backend: Any, task: Task, *, max_tokens: int,
-                 rewards: Any | None = None) -> None:
+                 rewards: Any | None = None, shared_prefix: bool = True) -> None:
         self.backend = backend
+        self.shared_prefix = shared_prefix
         self.task = task
         self.max_tokens = max_tokens
         self.rewards = rewards
@@ -71,7 +75,8 @@ class Evaluator:
 
         start = time.perf_counter()
         config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
-        results = self.backend.generate(self.prompt_ids, config, [0] * len(self.prompt_ids))
+        results = self.backend.generate(self.prompt_ids, config, [0] * len(self.prompt_ids),
+                                        shared_prefix=self.shared_prefix)
         completions = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
                        for r in results]
         prompts = [item.prompt for item in self.items]

@@ -334,9 +334,10 @@ class MlxTrainerBackend(TrainerBackend):
     # ---------------------------------------------------------------- sampling and scoring
 
     def generate(self, prompts: Sequence[Sequence[int]], config: Any,
-                 seeds: Sequence[int]) -> list[Any]:
+                 seeds: Sequence[int], *, shared_prefix: bool = False) -> list[Any]:
         """See :meth:`TrainerBackend.generate`: the engine's MLX backend over the live model
-        (eval mode: no dropout), ``max_batch`` sequences at a time."""
+        (eval mode: no dropout), ``max_batch`` sequences at a time (``shared_prefix`` is not
+        used: every prompt is prefilled whole)."""
         from gridrl.engine.contract import SequenceRequest
 
         requests = [SequenceRequest(prompt_ids=list(p), sampling=config, seed=s)

@@ -144,9 +144,11 @@ class TorchTrainerBackend(TrainerBackend):
     # ---------------------------------------------------------------- sampling and scoring
 
     def generate(self, prompts: Sequence[Sequence[int]], config: Any,
-                 seeds: Sequence[int]) -> list[Any]:
+                 seeds: Sequence[int], *, shared_prefix: bool = False) -> list[Any]:
         """See :meth:`TrainerBackend.generate`: the engine's torch backend over the live peft
-        model, in eval mode and without gradient, ``max_batch`` sequences at a time."""
+        model, in eval mode and without gradient, ``max_batch`` sequences at a time;
+        ``shared_prefix``: the lean forward prefills the prompts' common token prefix once
+        per batch (``TorchBackend.share_prefix``)."""
         from gridrl.engine.contract import SequenceRequest
 
         if self._sampler is None:  # rank 0 only, on first use: the lean forward packs weights
@@ -158,6 +160,7 @@ class TorchTrainerBackend(TrainerBackend):
         model = self.policy.model
         was_training = model.training
         model.eval()
+        self._sampler.share_prefix = shared_prefix
         try:
             results: list[Any] = []
             with torch.no_grad():
@@ -165,6 +168,7 @@ class TorchTrainerBackend(TrainerBackend):
                     results.extend(self._sampler.generate(requests[i:i + self.max_batch], None))
             return results
         finally:
+            self._sampler.share_prefix = False
             if was_training:
                 model.train()
 

@@ -4,7 +4,9 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
 
 1. Every distinct prompt is prefilled alone (batch 1, last-position logits only), so a
    prompt's cache and first-token logits never depend on the rest of the batch; the ``n``
-   samples of a GRPO group share one prefill.
+   samples of a GRPO group share one prefill. (With ``share_prefix``, for many prompts that
+   begin alike such as an eval set under one system prompt, their common token prefix is
+   prefilled once and each prompt's remaining tokens attend to it.)
 2. The prefills are assembled into one left-padded, preallocated KV cache
    (:class:`~gridrl.engine.backends.torch_cache.SlabCache`) with per-row positions and an
    additive padding mask.
@@ -63,6 +65,9 @@ from gridrl.engine.families import context_limit, unsupported_layers
 from gridrl.models import ModelIdentity, weights_fingerprint
 
 log = logging.getLogger(__name__)
+
+#: shortest shared prefix (tokens) that :attr:`TorchBackend.share_prefix` prefills once
+MIN_SHARED_PREFIX = 8
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -159,6 +164,11 @@ class TorchBackend(Backend):
         forward_kind: ``"lean"`` (:class:`LeanLlama`) or ``"transformers"``.
         forward_reason: why that forward runs.
         adapters: how adapters are held (:mod:`~gridrl.engine.backends.torch_adapters`).
+        share_prefix: on the lean forward, :meth:`generate` prefills the token prefix that
+            all the batch's distinct prompts share (a task's system prompt) once, and each
+            prompt's remaining tokens attending to it, instead of every prompt alone: results
+            equal a plain prefill's up to float rounding, but a prompt's prefill then depends
+            on the rest of the batch (off by default; the trainer's held-out eval sets it).
     """
 
     name = "torch"
@@ -167,7 +177,7 @@ class TorchBackend(Backend):
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
                  owns_model: bool, lean: bool | None = None,
                  load_model: Callable[[], Any] | None = None,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, share_prefix: bool = False) -> None:
         """Use :meth:`from_pretrained` or :meth:`from_model`.
 
         Args:
@@ -176,6 +186,7 @@ class TorchBackend(Backend):
                 ``take_weights``) and peft adapters get a copy of their own when one comes.
             max_context: a context (prompt + completion tokens) the caller needs, checked
                 against the model's limit (:func:`gridrl.engine.families.context_limit`).
+            share_prefix: initial :attr:`share_prefix`.
         Raises:
             ValueError: layers other than attention, or ``max_context`` beyond the limit.
         """
@@ -224,6 +235,7 @@ class TorchBackend(Backend):
             load_model=load_model if take and lean_forward is not None else None)
         # Time from the start of the last generate() to its first sampled tokens.
         self.last_first_token_s: float | None = None
+        self.share_prefix = share_prefix
         log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s; %s",
                  identity.model_id or type(self._hf).__name__, self.device, self.dtype,
                  identity.num_layers, self.forward_kind, self.forward_reason,
@@ -414,10 +426,12 @@ class TorchBackend(Backend):
         row_prefill = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
                        for r in batch]
         prefills, first_logits = [], []
+        prefix = self._shared_prefix(steps, list(prompt_index))
         for prompt in prompt_index:
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(0)
-            kv, logits = steps.prefill(list(prompt))
+            kv, logits = (steps.prefill(list(prompt)) if prefix is None
+                          else steps.prefill(list(prompt), prefix))
             prefills.append(kv)
             first_logits.append(logits)
         logits = torch.stack(first_logits).index_select(
@@ -481,6 +495,21 @@ class TorchBackend(Backend):
                                logprobs=logprobs_cpu[i, :length[i]].tolist(),
                                finish_reason=reason[i])  # type: ignore[arg-type]
                 for i in range(n)]
+
+    def _shared_prefix(self, steps: LeanSteps | ModelSteps, prompts: list[tuple[int, ...]]
+                       ) -> Any | None:
+        """With :attr:`share_prefix` on the lean forward: the prefill of the longest token
+        prefix that every distinct prompt of the batch starts with (each keeps at least its
+        last token), when it is at least :data:`MIN_SHARED_PREFIX` tokens; else None."""
+        if not self.share_prefix or len(prompts) < 2 or not isinstance(steps, LeanSteps):
+            return None
+        length = min(len(p) for p in prompts) - 1
+        first = prompts[0]
+        for p in prompts[1:]:
+            length = next((j for j in range(length) if p[j] != first[j]), length)
+        if length < MIN_SHARED_PREFIX:
+            return None
+        return steps.shared_prefix(list(first[:length]))
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
               adapter: Any | None) -> list[float]:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from gridrl.engine.backends import cpu_kernels
 from gridrl.engine.backends.torch_cache import SlabCache
-from gridrl.engine.backends.torch_memory import drop_mapped_pages
+from gridrl.engine.backends.torch_memory import drop_mapped_pages, trim_heap
 from gridrl.engine.families import unsupported_layers
 
 _TYPES = ("llama", "mistral", "qwen2")
@@ -221,14 +221,15 @@ class KernelProjection:
 
     def __init__(self, kernels: Any, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  *, norm: torch.Tensor | None = None, eps: float = 0.0,
-                 swiglu: bool = False) -> None:
+                 swiglu: bool = False, drop_source: bool = False) -> None:
         self._kernels = kernels
         self.out_features, self.in_features = weight.shape
         self.swiglu = swiglu
         self.norm = None if norm is None else norm.detach().float().clone()
         self.eps = float(eps) if norm is not None else -1.0
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm)
+        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm,
+                                              drop_source=drop_source)
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
@@ -330,9 +331,9 @@ class LeanLlama:
         kernels = self.kernels
 
         def proj(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 **kw: Any) -> Projection | KernelProjection:
+                 drop_source: bool = False, **kw: Any) -> Projection | KernelProjection:
             if kernels is not None:
-                return KernelProjection(kernels, weight, bias, **kw)
+                return KernelProjection(kernels, weight, bias, drop_source=drop_source, **kw)
             return Projection(weight, bias, **kw)
 
         self.layers: list[_Layer] = []
@@ -353,7 +354,10 @@ class LeanLlama:
                 down=proj(mlp.down_proj.weight)))
             if take_weights:
                 _release(_projections(layer))
-        self.head = proj(head_weight, norm=self.norm, eps=self.eps)
+                trim_heap()  # this layer's temporaries, before the next one's come
+        # The head's source pages go back chunk by chunk as it is packed (the whole table
+        # and its packed copy would otherwise be resident together at the peak of loading).
+        self.head = proj(head_weight, norm=self.norm, eps=self.eps, drop_source=take_weights)
         if take_weights:
             if not tied:
                 _release([model.get_output_embeddings()])
@@ -524,8 +528,10 @@ class LeanLlama:
 
     def _attention(self, qkv: torch.Tensor, rotate: Callable[[torch.Tensor], torch.Tensor],
                    cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None, i: int,
-                   attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Layer ``i``'s attention in torch ops: qkv (B, T, Hq + 2 Hkv, D) -> (B T, Hq D)."""
+                   attention_mask: torch.Tensor | None,
+                   past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Layer ``i``'s attention in torch ops: qkv (B, T, Hq + 2 Hkv, D) -> (B T, Hq D);
+        ``past``: a prefix's keys/values per layer (see :meth:`forward`)."""
         b, t, _, d = qkv.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         qk = rotate(qkv[:, :, :hq + hkv])
@@ -546,17 +552,28 @@ class LeanLlama:
                                                       scale=self._attn_scale)
         else:
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+            mask, causal = None, t > 1
+            if past is not None:  # the T new tokens follow a prefix of P tokens
+                past_keys, past_values = past[i]
+                keys = torch.cat([past_keys.expand(b, -1, -1, -1), keys], dim=2)
+                values = torch.cat([past_values.expand(b, -1, -1, -1), values], dim=2)
+                p = past_keys.shape[2]
+                # new token j sees the prefix and new tokens 0..j (causal, bottom-right)
+                mask = (torch.arange(p + t, device=qkv.device)[None, :]
+                        <= p + torch.arange(t, device=qkv.device)[:, None])
+                causal = False
             if cache is not None:
                 cache.append((keys.contiguous(), values.contiguous()))
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, is_causal=t > 1, scale=self._attn_scale,
-                enable_gqa=hq != hkv).transpose(1, 2)
+                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
+                scale=self._attn_scale, enable_gqa=hq != hkv).transpose(1, 2)
         return attn.reshape(b * t, hq * d)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: SlabCache | list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 attention_mask: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Logits of ``input_ids`` given the cache.
 
         Args:
@@ -570,6 +587,12 @@ class LeanLlama:
                 including the new token (:meth:`SlabCache.next_step`); else ignored.
             logits_at: int64 (K,) indices into T: only those positions get logits
                 (default: all).
+            past: with a list or None as ``cache`` (prefill): per layer the (keys, values)
+                (1, H_kv, P, D) of a prefix of P tokens these T tokens follow (what a list
+                ``cache`` filled by a prefill of that prefix holds; ``position_ids`` then start
+                at P). Each new token attends to the prefix and causally within the T; a list
+                ``cache`` receives the prefix's keys/values followed by the new ones, as a
+                prefill of the whole sequence would (equal up to float rounding).
         Returns:
             logits (B, K or T, V) in the model dtype.
         """
@@ -592,7 +615,7 @@ class LeanLlama:
                                               slab.claim(), attention_mask, self._attn_scale)
             else:
                 attn = self._attention(qkv.view(b, t, hq + 2 * hkv, d), rotate, cache, i,
-                                       attention_mask)
+                                       attention_mask, past)
             x = layer.o(attn, residual=x)
             x = layer.down(layer.gate_up(x), residual=x)
         x = x.view(b, t, -1)

@@ -36,15 +36,25 @@ class LeanSteps:
         self.lean, self.device, self.dtype = lean, device, dtype
         self.cache: SlabCache | None = None
 
-    def prefill(self, prompt: list[int]) -> tuple[Prefill, torch.Tensor]:
+    def prefill(self, prompt: list[int], prefix: Prefill | None = None
+                ) -> tuple[Prefill, torch.Tensor]:
         """One batch-1 forward over ``prompt``: its keys/values and the float32 logits (V,)
-        of the token after it."""
-        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
-        last = torch.tensor([len(prompt) - 1], device=self.device)
+        of the token after it. ``prefix``: the prefill of ``prompt``'s first P tokens
+        (computed once for prompts that share them): only the other tokens go through the
+        forward, attending to it; the keys/values returned are then the whole prompt's."""
+        done = 0 if prefix is None else prefix[0][0].shape[2]
+        ids = torch.tensor([prompt[done:]], dtype=torch.int64, device=self.device)
+        last = torch.tensor([len(prompt) - done - 1], device=self.device)
         layers: Prefill = []
-        positions = torch.arange(len(prompt), device=self.device)[None]
-        logits = self.lean.forward(ids, positions, cache=layers, logits_at=last)
+        positions = torch.arange(done, len(prompt), device=self.device)[None]
+        logits = self.lean.forward(ids, positions, cache=layers, logits_at=last, past=prefix)
         return layers, logits[0, -1].float()
+
+    def shared_prefix(self, prefix: list[int]) -> Prefill:
+        """The keys/values of ``prefix`` (P tokens), for :meth:`prefill` of prompts that
+        start with it."""
+        layers, _ = self.prefill(prefix)
+        return layers
 
     def start(self, prefills: list[Prefill], lengths: list[int], row_prefill: list[int],
               max_new: int) -> None:

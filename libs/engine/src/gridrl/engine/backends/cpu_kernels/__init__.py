@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from gridrl.engine.backends.torch_memory import drop_mapped_pages
 from gridrl.models import cache_root
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def load() -> DecodeKernels | None:
 
 
 def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
-                in_scale: torch.Tensor | None = None) -> torch.Tensor:
+                in_scale: torch.Tensor | None = None, drop_source: bool = False) -> torch.Tensor:
     """A weight in the kernel's packed layout (a new float32 tensor, CPU).
 
     Args:
@@ -120,6 +121,12 @@ def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
             (N, R) packs the same way with R in place of K.
         swiglu: interleave gate and up blocks (decode.c's swiglu layout).
         in_scale: (K,) multiplies every input column (an RMSNorm weight folded in).
+        drop_source: ``weight`` is not read again: where it views a memory-mapped file, its
+            pages are handed back as each chunk of rows is packed
+            (:func:`~gridrl.engine.backends.torch_memory.drop_mapped_pages`), so packing never
+            holds the source and the packed copy in full at once (an output head of a large
+            vocabulary: ~100 MB less at the peak of loading for SmolLM2-135M). The values
+            are the same either way.
     Returns:
         float32, contiguous: (ceil(N/NB), K, NB), or (ceil(N/2/NB), K, 2 NB) for ``swiglu``;
         padded columns are zero.
@@ -131,14 +138,25 @@ def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
         raise ValueError(f"swiglu weight has an odd number of rows ({n})")
     width = n // halves
     blocks = -(-width // NB)
-    w = w.view(halves, width, k)
+    source = w.view(halves, width, k)
     if blocks * NB != width:
-        w = torch.cat([w, w.new_zeros(halves, blocks * NB - width, k)], dim=1)
-    # (halves, blocks, NB, K) -> (blocks, K, halves, NB)
+        w = torch.cat([source, source.new_zeros(halves, blocks * NB - width, k)], dim=1)
+    else:
+        w = source
+    # (halves, blocks, NB, K) -> (blocks, K, halves, NB), a chunk of ~8 MB of rows at a time
     out = _huge_page_empty((blocks, k, halves * NB))
-    out.view(blocks, k, halves, NB).copy_(w.view(halves, blocks, NB, k).permute(1, 3, 0, 2))
-    if in_scale is not None:  # in place: no temporary the size of the weight
-        out.mul_(in_scale.detach().to("cpu", torch.float32)[None, :, None])
+    w_blocks = w.reshape(halves, blocks, NB, k)
+    out_blocks = out.view(blocks, k, halves, NB)
+    step = max(1, (8 << 20) // (4 * k * NB * halves))
+    scale = None if in_scale is None else in_scale.detach().to("cpu", torch.float32)
+    for b0 in range(0, blocks, step):
+        b1 = min(blocks, b0 + step)
+        chunk = out_blocks[b0:b1]
+        chunk.copy_(w_blocks[:, b0:b1].permute(1, 3, 0, 2))
+        if scale is not None:  # in place: no temporary the size of the weight
+            chunk.mul_(scale[None, :, None, None])
+        if drop_source:
+            drop_mapped_pages(source[h, b0 * NB:b1 * NB] for h in range(halves))
     return out
 
 
