@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
-import sys
 from pathlib import Path
 
 from _common import Proc, machine, resident_mb, table

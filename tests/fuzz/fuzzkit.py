@@ -171,13 +171,12 @@ class Cluster:
     """
 
     def __init__(self, model_dir: Path, work: Path) -> None:
+        from gridrl.common.channel import dial
         from gridrl.engine.backends.torch import TorchBackend
         from gridrl.master.server import Master
         from gridrl.rollout.server import NodeConfig, RolloutNode
         from gridrl.trainer.server import serve_trainer
         from gridrl.trainer.status import RunStatus
-
-        from gridrl.common.channel import dial
 
         self._stopping: list[Callable[[], None]] = []
         try:
@@ -224,7 +223,6 @@ class Cluster:
         """A valid PushAdapter stream of the cluster's adapter: digests in the header, or
         (``trailer``) in a trailer."""
         from gridrl.adapters import build_manifest
-
         from gridrl.common.transport import push_requests
 
         manifest = build_manifest(self.files, name=name, version=version,
@@ -260,10 +258,11 @@ class Cluster:
             answer, response = self._push_and_leave(requests, cut_after), None
         after_serving = self.serving()
         after_tree = self.store_tree()
-        if answer.code == grpc.StatusCode.OK:
+        if answer.code == grpc.StatusCode.OK:  # serves what the reply says, stored whole
             served = (response.serving.name, response.serving.version)
             assert after_serving == served, (after_serving, served)
-            version_dir = f"pushed/{served[0]}/v{served[1]}"
+            header = next(r.header for r in requests if r.WhichOneof("payload") == "header")
+            version_dir = f"pushed/{header.manifest.name}/v{header.manifest.version}"
             stored = {p.removeprefix(version_dir + "/") for p in after_tree
                       if p.startswith(version_dir + "/")}
             assert set(self.files) <= stored, f"{version_dir} stored partly: {sorted(stored)}"
@@ -314,6 +313,10 @@ class Cluster:
 
 
 # -- request strategies ----------------------------------------------------------------------
+#
+# A message is drawn field by field from its valid values, except for up to two fields drawn
+# from anything their type holds ("wild": bounds, the type's extremes, NaN, odd strings), so
+# cases reach past validation as well as hit every check.
 
 def _enum(values: Any) -> st.SearchStrategy[int]:
     """An enum field: its values most often, else any int32 (open proto3 enums)."""
@@ -325,60 +328,72 @@ def _text(max_size: int = 24) -> st.SearchStrategy[str]:
                      st.text(max_size=max_size))
 
 
+def _some_wild(valid: dict[str, st.SearchStrategy], wild: dict[str, st.SearchStrategy],
+               max_wild: int = 2) -> st.SearchStrategy[dict[str, Any]]:
+    """Field values: each from ``valid``, except up to ``max_wild`` fields from ``wild``."""
+    return st.sets(st.sampled_from(sorted(wild)), max_size=max_wild).flatmap(
+        lambda broken: st.fixed_dictionaries(
+            {k: (wild[k] if k in broken else v) for k, v in valid.items()}))
+
+
 def generate_requests(vocab_size: int) -> st.SearchStrategy[rollout_pb2.GenerateRequest]:
-    """GenerateRequest: prompts as ids (in and out of the vocabulary), text, both or neither;
-    every sampling field at and past its bounds (NaN, infinities, 0, the node's limits + 1,
-    the type's extremes), small valid values most often so accepted calls stay cheap."""
-    token = st.one_of(st.integers(0, vocab_size - 1), INT32)
-    sampling = st.builds(
-        _sampling,
-        n=st.one_of(st.integers(0, MAX_N), st.sampled_from([MAX_N + 1, 2**32 - 1]), UINT32),
-        max_tokens=st.one_of(st.integers(1, MAX_TOKENS),
-                             st.sampled_from([0, MAX_TOKENS + 1, 2**32 - 1]), UINT32),
-        temperature=st.one_of(st.sampled_from([0.0, 1.0, 1e-5, -1.0]), FLOAT32),
-        top_p=st.one_of(st.none(), st.sampled_from([0.0, 0.5, 1.0, 1.5]), FLOAT32),
-        top_k=st.one_of(st.integers(-1, 8), INT32),
-        seed=st.one_of(st.none(), UINT64),
-        stop_token_ids=st.lists(token, max_size=4))
-    return st.builds(
-        _generate,
-        ids=st.one_of(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=12),
-                      st.lists(token, max_size=12)),
-        text=st.one_of(st.just(""), st.sampled_from(["the cat", "hello world"]), _text(40)),
-        prompt=st.sampled_from(["ids", "text", "both", "neither"]),
-        chat=st.booleans(), sampling=st.one_of(st.none(), sampling),
-        request_id=_text())
+    """GenerateRequest: a valid request (small, so accepted calls stay cheap) with up to two
+    fields wild: prompts as ids out of the vocabulary, text, both or neither; every sampling
+    field at and past its bounds (NaN, infinities, 0, the node's limits + 1, the type's
+    extremes); no sampling at all."""
+    in_vocab = st.integers(0, vocab_size - 1)
+    token = st.one_of(in_vocab, INT32, st.sampled_from([-1, vocab_size]))
+    valid = {
+        "prompt": st.sampled_from(["ids", "ids", "text"]),
+        "ids": st.lists(in_vocab, min_size=1, max_size=12),
+        "text": st.sampled_from(["the cat", "hello world", "the dog and the cat"]),
+        "chat": st.booleans(), "has_sampling": st.just(True),
+        "n": st.integers(0, MAX_N), "max_tokens": st.integers(1, MAX_TOKENS),
+        "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+        "top_p": st.one_of(st.none(), st.sampled_from([0.5, 0.9, 1.0])),
+        "top_k": st.integers(0, 8), "seed": st.one_of(st.none(), UINT64),
+        "stop_token_ids": st.lists(in_vocab, max_size=3), "request_id": _text(),
+    }
+    wild = {
+        "prompt": st.sampled_from(["ids", "text", "both", "neither"]),
+        "ids": st.lists(token, max_size=12), "text": _text(40),
+        "has_sampling": st.just(False),
+        "n": st.one_of(st.sampled_from([MAX_N + 1, 2**32 - 1]), UINT32),
+        "max_tokens": st.one_of(st.sampled_from([0, MAX_TOKENS + 1, 2**32 - 1]), UINT32),
+        "temperature": st.one_of(st.sampled_from([1e-5, -1.0, float("nan"), float("inf")]),
+                                 FLOAT32),
+        "top_p": st.one_of(st.sampled_from([0.0, 1.5, -0.5, float("nan")]), FLOAT32),
+        "top_k": INT32, "stop_token_ids": st.lists(token, min_size=1, max_size=4),
+    }
+    return _some_wild(valid, wild).map(_generate)
 
 
-def _sampling(top_p: float | None, seed: int | None, **fields: Any) -> common_pb2.SamplingParams:
-    s = common_pb2.SamplingParams(**fields)
-    if top_p is not None:
-        s.top_p = top_p
-    if seed is not None:
-        s.seed = seed
-    return s
-
-
-def _generate(ids: list[int], text: str, prompt: str, chat: bool,
-              sampling: common_pb2.SamplingParams | None, request_id: str
-              ) -> rollout_pb2.GenerateRequest:
-    r = rollout_pb2.GenerateRequest(apply_chat_template=chat, request_id=request_id)
-    if prompt in ("ids", "both"):
-        r.prompt_token_ids.extend(ids)
-    if prompt in ("text", "both"):
-        r.prompt_text = text
-    if sampling is not None:
-        r.sampling.CopyFrom(sampling)
+def _generate(f: dict[str, Any]) -> rollout_pb2.GenerateRequest:
+    r = rollout_pb2.GenerateRequest(apply_chat_template=f["chat"], request_id=f["request_id"])
+    if f["prompt"] in ("ids", "both"):
+        r.prompt_token_ids.extend(f["ids"])
+        r.apply_chat_template = f["chat"] and f["prompt"] == "both"
+    if f["prompt"] in ("text", "both"):
+        r.prompt_text = f["text"]
+    if f["has_sampling"]:
+        s = r.sampling
+        s.n, s.max_tokens, s.temperature, s.top_k = (f["n"], f["max_tokens"], f["temperature"],
+                                                     f["top_k"])
+        s.stop_token_ids.extend(f["stop_token_ids"])
+        if f["top_p"] is not None:
+            s.top_p = f["top_p"]
+        if f["seed"] is not None:
+            s.seed = f["seed"]
     return r
 
 
 def reload_requests() -> st.SearchStrategy[rollout_pb2.ReloadAdapterRequest]:
-    """ReloadAdapterRequest: no target, a version (0, the stored one, others), a path (inside,
+    """ReloadAdapterRequest: no target, a version (0, the stored ones, others), a path (inside,
     absolute, leaving the root, missing) or base_model true/false."""
     return st.one_of(
         st.just(rollout_pb2.ReloadAdapterRequest()),
         st.builds(lambda v: rollout_pb2.ReloadAdapterRequest(version=v),
-                  st.one_of(st.sampled_from([0, 1, 2]), UINT64)),
+                  st.one_of(st.sampled_from([0, 1, 2, 3]), UINT64)),
         st.builds(lambda p: rollout_pb2.ReloadAdapterRequest(path=p),
                   st.one_of(st.sampled_from(["pushed/fuzz/v1", "pushed/fuzz", "pushed",
                                              "pushed/fuzz/v1/adapter_config.json",
@@ -386,48 +401,65 @@ def reload_requests() -> st.SearchStrategy[rollout_pb2.ReloadAdapterRequest]:
         st.builds(lambda b: rollout_pb2.ReloadAdapterRequest(base_model=b), st.booleans()))
 
 
-def _address() -> st.SearchStrategy[str]:
-    return st.one_of(st.sampled_from(["127.0.0.1:7001", "node-a:50051", "[::1]:7002",
-                                      "0.0.0.0:7003", "127.0.0.1", "127.0.0.1:0",
+def _wild_address() -> st.SearchStrategy[str]:
+    return st.one_of(st.sampled_from(["0.0.0.0:7003", "[::]:7005", "127.0.0.1", "127.0.0.1:0",
                                       "127.0.0.1:70000", ":7004", "[::1", "a:b:c", ""]),
                      st.builds(lambda h, p: f"{h}:{p}", _text(12), st.integers(-5, 70000)),
                      _text())
 
 
 def node_infos() -> st.SearchStrategy[common_pb2.NodeInfo]:
-    return st.builds(
-        common_pb2.NodeInfo, address=_address(),
-        role=_enum(common_pb2.NodeRole.values()), backend=_enum(common_pb2.Backend.values()),
-        adapter_format=_enum(common_pb2.AdapterFormat.values()),
-        base_model=st.builds(common_pb2.BaseModel, model_id=_text(), architecture=_text(),
-                             hidden_size=UINT32, num_layers=UINT32, vocab_size=UINT32,
-                             weights_fingerprint=_text()),
-        adapter=st.builds(common_pb2.AdapterRef, name=_text(), version=UINT64),
-        capacity=UINT32, queue_depth=UINT32, uptime_s=DOUBLE, device=_text(), dtype=_text(),
-        max_n=UINT32, max_tokens=UINT32, max_context=UINT32)
+    """NodeInfo as a node registers it, up to two fields wild (address, role, backend,
+    adapter format); the fields the master stores as given take any value."""
+    valid = {
+        "address": st.builds(lambda h, p: f"{h}:{p}",
+                             st.sampled_from(["127.0.0.1", "node-a", "[::1]", "10.0.0.7"]),
+                             st.integers(1, 65535)),
+        "role": st.sampled_from([common_pb2.NODE_ROLE_ROLLOUT, common_pb2.NODE_ROLE_TRAINER]),
+        "backend": st.sampled_from([common_pb2.BACKEND_TORCH, common_pb2.BACKEND_MLX,
+                                    common_pb2.BACKEND_VLLM]),
+        "adapter_format": st.sampled_from(sorted(common_pb2.AdapterFormat.values())),
+        "base_model": st.builds(common_pb2.BaseModel, model_id=_text(), architecture=_text(),
+                                hidden_size=UINT32, num_layers=UINT32, vocab_size=UINT32,
+                                weights_fingerprint=_text()),
+        "adapter": st.builds(common_pb2.AdapterRef, name=_text(), version=UINT64),
+        "capacity": UINT32, "queue_depth": UINT32, "uptime_s": DOUBLE, "device": _text(),
+        "dtype": _text(), "max_n": UINT32, "max_tokens": UINT32, "max_context": UINT32,
+    }
+    wild = {"address": _wild_address(), "role": _enum(common_pb2.NodeRole.values()),
+            "backend": _enum(common_pb2.Backend.values()),
+            "adapter_format": _enum(common_pb2.AdapterFormat.values())}
+    return _some_wild(valid, wild).map(lambda f: common_pb2.NodeInfo(**f))
 
 
 def registry_requests(node_ids: Callable[[], list[str]]
                       ) -> dict[str, st.SearchStrategy[Any]]:
-    """One strategy per RegistryService RPC. ``node_ids`` lists ids the master handed out
-    (drawn from at call time through ``st.runner``-free indexes: an index into the list, or a
-    made-up id)."""
-    node_id = st.one_of(st.integers(0, 63).map(lambda i: _pick(node_ids(), i)), _text())
+    """One strategy per RegistryService RPC. ``node_ids`` lists the ids the master handed out
+    so far (read when a case runs): a node id is one of them (drawn as an index) or made up."""
+    node_id = st.one_of(st.integers(0, 63).map(lambda i: _pick(node_ids(), i)),
+                        st.integers(0, 63).map(lambda i: _pick(node_ids(), i)), _text())
+    status = st.sampled_from([common_pb2.NODE_STATUS_UNSPECIFIED, common_pb2.NODE_STATUS_HEALTHY,
+                              common_pb2.NODE_STATUS_DRAINING])
+    heartbeat_valid = {
+        "node_id": node_id, "queue_depth": UINT32, "load": st.floats(0, 1), "status": status,
+        "adapter": st.builds(common_pb2.AdapterRef, name=_text(), version=UINT64)}
+    heartbeat_wild = {"load": DOUBLE, "status": _enum(common_pb2.NodeStatus.values())}
+    filters = {"role": st.sampled_from(sorted(common_pb2.NodeRole.values())),
+               "backend": st.sampled_from(sorted(common_pb2.Backend.values())),
+               "model_id": _text()}
+    filters_wild = {"role": _enum(common_pb2.NodeRole.values()),
+                    "backend": _enum(common_pb2.Backend.values())}
     return {
         "RegisterNode": st.one_of(st.just(registry_pb2.RegisterNodeRequest()),
                                   st.builds(registry_pb2.RegisterNodeRequest, node=node_infos())),
-        "Heartbeat": st.builds(
-            registry_pb2.HeartbeatRequest, node_id=node_id,
-            adapter=st.builds(common_pb2.AdapterRef, name=_text(), version=UINT64),
-            queue_depth=UINT32, load=st.one_of(st.floats(0, 1), DOUBLE),
-            status=_enum(common_pb2.NodeStatus.values())),
-        "ListNodes": st.builds(
-            registry_pb2.ListNodesRequest, role=_enum(common_pb2.NodeRole.values()),
-            backend=_enum(common_pb2.Backend.values()), model_id=_text(),
-            status=_enum(common_pb2.NodeStatus.values())),
-        "WatchNodes": st.builds(
-            registry_pb2.WatchNodesRequest, role=_enum(common_pb2.NodeRole.values()),
-            backend=_enum(common_pb2.Backend.values()), model_id=_text()),
+        "Heartbeat": _some_wild(heartbeat_valid, heartbeat_wild).map(
+            lambda f: registry_pb2.HeartbeatRequest(**f)),
+        "ListNodes": _some_wild(
+            {**filters, "status": st.sampled_from(sorted(common_pb2.NodeStatus.values()))},
+            {**filters_wild, "status": _enum(common_pb2.NodeStatus.values())}).map(
+            lambda f: registry_pb2.ListNodesRequest(**f)),
+        "WatchNodes": _some_wild(filters, filters_wild).map(
+            lambda f: registry_pb2.WatchNodesRequest(**f)),
         "DeregisterNode": st.builds(registry_pb2.DeregisterNodeRequest, node_id=node_id),
     }
 
@@ -577,7 +609,7 @@ _MUTATIONS = st.one_of(
                                                    "remove", "add", "garbage"])),
     st.tuples(st.just("header"), st.sampled_from(["name", "version", "format", "base_model",
                                                   "hidden_size", "fingerprint", "extra",
-                                                  "empty_files", "second", "missing"]),
+                                                  "stage_only", "empty_files", "second", "missing"]),
               _text(), UINT64),
 )
 
@@ -689,6 +721,8 @@ def _mutate_header(out: list, headers: list, how: str, text: str, number: int) -
     elif how == "extra":
         m.rank, m.scale = number % 2**32, float(number)
         m.target_modules.append(text)
+    elif how == "stage_only":
+        next(r for r in out if r.WhichOneof("payload") == "header").header.stage_only = True
     elif how == "empty_files":
         del m.files[:]
     elif how == "second":
