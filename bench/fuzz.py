@@ -1,6 +1,7 @@
 """The fuzz suite of ``tests/fuzz`` at length: the same strategies and properties
 (``tests/fuzz/fuzzkit.py``) for ``--cases`` cases (default 10,000) over every RPC of the
-master, the rollout node and the trainer, their raw request bytes, and the PushAdapter stream;
+master, the rollout node and the trainer, their raw request bytes, the PushAdapter stream and
+the ``authorization`` metadata (a master that checks credentials);
 then a table of how many cases ran per RPC and the status codes they got.
 
     python bench/fuzz.py [--cases 10000] [--seed 0]
@@ -27,7 +28,8 @@ sys.path[:0] = [str(TESTS), str(TESTS / "fuzz")]
 # Share of the cases per target (normalised).
 WEIGHTS = {"Generate": 20, "ReloadAdapter": 6, "GetNodeInfo": 1, "RegisterNode": 8,
            "Heartbeat": 6, "ListNodes": 4, "WatchNodes": 4, "DeregisterNode": 4,
-           "GetRunStatus": 1, "WatchRun": 1, "raw bytes": 10, "PushAdapter stream": 35}
+           "GetRunStatus": 1, "WatchRun": 1, "raw bytes": 10, "PushAdapter stream": 35,
+           "authorization": 4}
 
 
 def main() -> int:
@@ -48,6 +50,7 @@ def main() -> int:
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench-fuzz-"))
     cluster = fuzzkit.Cluster(make_tiny_llama(work / "tiny-llama"), work)
+    secured = fuzzkit.SecuredMaster(work)
     tally = fuzzkit.Tally()
     total_weight = sum(WEIGHTS.values())
 
@@ -111,6 +114,12 @@ def main() -> int:
         tally.add("PushAdapter (cancelled by the client)" if case.cut_after is not None
                   else "PushAdapter", answer)
 
+    def auth(example) -> None:
+        rpc, header = example
+        answer = fuzzkit.call_with_auth(secured, rpc, header)
+        tally.add(f"{rpc} (authorization metadata)", answer)
+        fuzzkit.check_auth_answer(answer, rpc)
+
     registry_strategies = fuzzkit.registry_requests(lambda: cluster.node_ids)
     targets = [
         ("Generate", fuzzkit.generate_requests(cluster.vocab_size), generate),
@@ -123,6 +132,8 @@ def main() -> int:
         ("raw bytes", st.tuples(st.sampled_from(sorted({*fuzzkit.RPCS, "PushAdapter"})),
                                 fuzzkit.raw_bytes()), raw),
         ("PushAdapter stream", fuzzkit.push_cases(), push),
+        ("authorization", st.tuples(st.sampled_from(["ListNodes", "RegisterNode"]),
+                                    fuzzkit.auth_headers(secured.tokens)), auth),
     ]
     seconds = {}
     failed = None
@@ -136,6 +147,7 @@ def main() -> int:
                 break
         fuzzkit.wait_idle(cluster)
     finally:
+        secured.close()
         cluster.close()
 
     codes = sorted({c for counter in tally.codes.values() for c in counter})

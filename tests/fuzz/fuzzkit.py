@@ -762,3 +762,72 @@ def wait_idle(cluster: Cluster, timeout: float = DEADLINE_S) -> None:
     while cluster.node.engine.queue_depth:
         assert time.monotonic() < deadline, "requests stayed queued"
         time.sleep(0.01)
+
+
+# -- credentials -----------------------------------------------------------------------------
+
+class SecuredMaster:
+    """A master on loopback that accepts only the credentials it mints here (scopes node,
+    trainer, read), for fuzzing the ``authorization`` metadata; ``tokens`` by scope, and
+    ``wrong``, a well-formed token it does not list.
+
+    Args:
+        work: scratch directory (token files).
+    """
+
+    def __init__(self, work: Path) -> None:
+        from gridrl.common.auth import AuthorizedTokens, mint, new_token
+        from gridrl.common.channel import dial
+        from gridrl.common.security import Security
+        from gridrl.master.server import Master
+
+        authorized = work / "authorized_tokens"
+        self.tokens = {}
+        for scope in ("node", "trainer", "read"):
+            mint(authorized, work / f"{scope}.token", scope, f"{scope}-1")
+            self.tokens[scope] = (work / f"{scope}.token").read_text().strip()
+        self.tokens["wrong"] = new_token()
+        self.master = Master("127.0.0.1:0", security=Security(
+            authorized=AuthorizedTokens(authorized)), grace_s=1.0).start()
+        self.channel = dial(self.master.address)
+        self.stub = registry_pb2_grpc.RegistryServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.master.stop(0)
+
+
+def auth_headers(tokens: dict[str, str]) -> st.SearchStrategy[str | None]:
+    """``authorization`` values: none, every scope's token (right and wrong scheme, padded,
+    truncated), a token the server does not list, and printable junk."""
+    token = st.sampled_from(sorted(tokens.values()))
+    printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60)
+    return st.one_of(
+        st.none(), token.map(lambda t: f"Bearer {t}"), token.map(lambda t: f"bearer  {t} "),
+        token.map(lambda t: f"Bearer {t[:-1]}"), token.map(lambda t: f"Basic {t}"),
+        token, st.just("Bearer"), st.just("Bearer "), printable,
+        printable.map(lambda s: f"Bearer {s}"))
+
+
+def call_with_auth(secured: SecuredMaster, rpc: str, header: str | None) -> Answer:
+    """ListNodes (read scope) or RegisterNode (node scope; a valid request) with ``header``
+    as the ``authorization`` metadata."""
+    metadata = () if header is None else (("authorization", header),)
+    if rpc == "ListNodes":
+        request: Any = registry_pb2.ListNodesRequest()
+    else:
+        request = registry_pb2.RegisterNodeRequest(node=common_pb2.NodeInfo(
+            address="127.0.0.1:7001", role=common_pb2.NODE_ROLE_ROLLOUT,
+            backend=common_pb2.BACKEND_TORCH))
+    return answer_of(lambda: getattr(secured.stub, rpc)(request, metadata=metadata,
+                                                        timeout=DEADLINE_S))[0]
+
+
+def check_auth_answer(answer: Answer, rpc: str) -> None:
+    """A credential refusal is UNAUTHENTICATED or PERMISSION_DENIED and starts with the RPC
+    refused (the offending input is the call's ``authorization`` metadata, not a field)."""
+    if answer.code == grpc.StatusCode.OK:
+        return
+    assert answer.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), \
+        answer
+    assert answer.details.startswith(f"RegistryService/{rpc}: "), answer.details
