@@ -24,6 +24,7 @@ is stored whole.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 import threading
 import time
@@ -484,8 +485,28 @@ def call_registry(cluster: Cluster, rpc: str, request: Any) -> Answer:
         return answer_of(watch)[0]
     answer, response = answer_of(lambda: getattr(stub, rpc)(request, timeout=DEADLINE_S))
     if rpc == "RegisterNode" and response is not None:
+        assert dialable(request.node.address), f"registered {request.node.address!r}"
         cluster.node_ids.append(response.node_id)
     return answer
+
+
+def dialable(address: str) -> bool:
+    """Whether ``address`` is a host:port other processes could dial: an IP address (IPv6 in
+    brackets) or an ASCII host name, a port in 1..65535, not a wildcard."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.IPv6Address(host[1:-1]) != ipaddress.IPv6Address("::")
+        except ValueError:
+            return False
+    try:
+        return ipaddress.IPv4Address(host) != ipaddress.IPv4Address("0.0.0.0")
+    except ValueError:
+        labels = host.rstrip(".").split(".")
+        return all(re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?", label)
+                   for label in labels)
 
 
 def call_trainer(cluster: Cluster, rpc: str, request: Any) -> Answer:

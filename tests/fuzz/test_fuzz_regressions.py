@@ -7,7 +7,7 @@ import grpc
 import pytest
 from fuzzkit import Cluster
 
-from gridrl.v1 import rollout_pb2
+from gridrl.v1 import common_pb2, registry_pb2, rollout_pb2
 
 
 @pytest.mark.parametrize("rpc", ["DeregisterNode", "WatchNodes", "Generate", "GetRunStatus",
@@ -38,3 +38,25 @@ def test_undecodable_message_in_the_push_stream(cluster: Cluster) -> None:
         f"request[1]: the bytes are not a {rollout_pb2.PushAdapterRequest.DESCRIPTOR.full_name}"
         " message ("), e.value.details()
     assert (cluster.serving(), cluster.store_tree()) == before
+
+
+@pytest.mark.parametrize("address", ["a/../b:9092", "a b:7001", "é:7001", "[node-a]:7001",
+                                     "[10.0.0.1]:7001", "-node:7001", "node..a:7001", "*:7001"])
+def test_register_refuses_a_host_no_one_can_dial(cluster: Cluster, address: str) -> None:
+    """The master registered ``a/../b:9092`` (any text before the port was a host) and handed
+    it to trainers, which cannot dial it; now INVALID_ARGUMENT naming ``node.address``."""
+    answer = fuzzkit.call_registry(cluster, "RegisterNode", _register(address))
+    assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
+    assert answer.details.startswith("node.address: "), answer.details
+
+
+@pytest.mark.parametrize("address", ["node-a:7001", "[::1]:7002", "10.0.0.7:7003",
+                                     "host_x.local:7004", "mac.local.:7005"])
+def test_register_takes_ip_addresses_and_host_names(cluster: Cluster, address: str) -> None:
+    assert fuzzkit.call_registry(cluster, "RegisterNode", _register(address)).code == \
+        grpc.StatusCode.OK
+
+
+def _register(address: str) -> registry_pb2.RegisterNodeRequest:
+    return registry_pb2.RegisterNodeRequest(node=common_pb2.NodeInfo(
+        address=address, role=common_pb2.NODE_ROLE_ROLLOUT, backend=common_pb2.BACKEND_TORCH))
