@@ -8,13 +8,14 @@ then a table of how many cases ran per RPC and the status codes they got.
 
 Cases are split over the targets by weight (:data:`WEIGHTS`); a target whose strategy has few
 distinct values (GetRunStatus, WatchRun) runs fewer cases than its share, since hypothesis
-stops once it has tried them all. Any property that fails stops the run with hypothesis's
+stops once it has tried them all, and the PushAdapter stream makes up the difference. Any property that fails stops the run with hypothesis's
 shrunk example and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ def main() -> int:
     from gridrl.v1 import rollout_pb2
 
     torch.set_num_threads(1)
+    logging.getLogger("gridrl").setLevel(logging.ERROR)  # nodes expiring etc.: not findings
     work = Path(tempfile.mkdtemp(prefix="bench-fuzz-"))
     cluster = fuzzkit.Cluster(make_tiny_llama(work / "tiny-llama"), work)
     secured = fuzzkit.SecuredMaster(work)
@@ -145,6 +147,16 @@ def main() -> int:
             except Exception as e:  # a property failed: hypothesis printed the example
                 failed = f"{target}: {type(e).__name__}: {e}"
                 break
+        short = args.cases - tally.total()
+        if failed is None and short > 0:  # small strategy spaces ran out: top up on the stream
+            print(f"  PushAdapter stream, {short} more ...", flush=True)
+            args.seed += 1
+            WEIGHTS["PushAdapter stream"] = short * total_weight / args.cases
+            try:
+                seconds["top-up"] = run("PushAdapter stream", fuzzkit.push_cases(), push)
+            except Exception as e:
+                failed = f"PushAdapter stream: {type(e).__name__}: {e}"
+            args.seed -= 1
         fuzzkit.wait_idle(cluster)
     finally:
         secured.close()
