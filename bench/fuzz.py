@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -161,6 +162,7 @@ def main() -> int:
     finally:
         secured.close()
         cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
 
     codes = sorted({c for counter in tally.codes.values() for c in counter})
     rows = [[rpc, str(sum(counter.values())), *[str(counter.get(c, "")) for c in codes]]
