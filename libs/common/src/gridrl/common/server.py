@@ -31,7 +31,7 @@ from gridrl.common import reflection
 from gridrl.common.address import join_address, parse_listen
 from gridrl.common.auth import AuthorizedTokens, authorize, calling_as
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import StatusError, invalid_argument
 from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
 from gridrl.common.security import Security, check_exposure
 
@@ -121,21 +121,80 @@ class _ServerInterceptor(grpc.ServerInterceptor):
 
             return wrapped
 
+        # Requests whose bytes do not parse reach the handler as _Undecodable and are answered
+        # INVALID_ARGUMENT (grpc's own answer would be INTERNAL "Exception deserializing
+        # request!").
+        parse = _lenient(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                unary_response(handler.unary_unary), handler.request_deserializer,
+                unary_response(_decoded_request(handler.unary_unary)), parse,
                 handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                unary_response(handler.stream_unary), handler.request_deserializer,
+                unary_response(_decoded_stream(handler.stream_unary)), parse,
                 handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                stream_response(handler.unary_stream), handler.request_deserializer,
+                stream_response(_decoded_request(handler.unary_stream)), parse,
                 handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(
-            stream_response(handler.stream_stream), handler.request_deserializer,
+            stream_response(_decoded_stream(handler.stream_stream)), parse,
             handler.response_serializer)
+
+
+class _Undecodable:
+    """A request message whose bytes did not parse, with the parser's complaint."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.type_name = type_name
+        self.error = error
+
+    def status(self, field: str) -> StatusError:
+        """INVALID_ARGUMENT ``<field>: the bytes are not a <type> message (<error>)``."""
+        return invalid_argument(field, f"the bytes are not a {self.type_name} message "
+                                       f"({self.error})")
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer`` returning :class:`_Undecodable` instead of raising."""
+    if deserializer is None:
+        return None
+    message_type = getattr(deserializer, "__self__", None)
+    type_name = getattr(getattr(message_type, "DESCRIPTOR", None), "full_name", "request")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError, or any parser's error
+            return _Undecodable(type_name, e)
+
+    return parse
+
+
+def _decoded_request(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` for a unary request: INVALID_ARGUMENT ``request: ...`` when it did not
+    parse."""
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            raise request.status("request")
+        return behavior(request, context)
+
+    return call
+
+
+def _decoded_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` for a request stream: reading a message that did not parse raises
+    INVALID_ARGUMENT ``request[<index in the stream>]: ...`` inside the handler."""
+    def messages(requests: Iterator[Any]) -> Iterator[Any]:
+        for i, request in enumerate(requests):
+            if isinstance(request, _Undecodable):
+                raise request.status(f"request[{i}]")
+            yield request
+
+    def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        return behavior(messages(requests), context)
+
+    return call
 
 
 def freeze_long_lived() -> None:

@@ -3,7 +3,9 @@ the field (``gridrl.common.errors.invalid_argument``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 
 from gridrl.common.address import parse_address
 from gridrl.common.errors import invalid_argument
@@ -11,6 +13,9 @@ from gridrl.v1 import common_pb2, registry_pb2
 
 # Hosts a server binds to but nobody can dial.
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
+# A DNS name (RFC 1123 labels; '_' tolerated, as container hostnames carry it).
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)"
+                       r"(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
 # Statuses a node may announce in a heartbeat (UNHEALTHY is the master's verdict, not the node's).
 _REPORTABLE_STATUSES = frozenset({common_pb2.NODE_STATUS_UNSPECIFIED, common_pb2.NODE_STATUS_HEALTHY,
                                   common_pb2.NODE_STATUS_DRAINING})
@@ -25,7 +30,8 @@ def _check_enum(enum_type, value: int, field: str, required: bool) -> None:
 
 
 def validate_register(request: registry_pb2.RegisterNodeRequest) -> None:
-    """Check a RegisterNode request: ``node`` present, ``node.address`` a dialable host:port,
+    """Check a RegisterNode request: ``node`` present, ``node.address`` a dialable host:port
+    (an IP address or a host name, not a wildcard),
     ``node.role`` set and known, ``node.backend`` known and set for rollout nodes,
     ``node.adapter_format`` known.
 
@@ -39,11 +45,23 @@ def validate_register(request: registry_pb2.RegisterNodeRequest) -> None:
     if host in _WILDCARD_HOSTS:
         raise invalid_argument("node.address", f"{node.address!r} is a wildcard; advertise an "
                                                "address other processes can dial")
+    if not _dialable_host(host, bracketed=node.address.startswith("[")):
+        raise invalid_argument("node.address", f"{node.address!r}: host {host!r} is neither an "
+                                               "IP address nor a host name")
     _check_enum(common_pb2.NodeRole, node.role, "node.role", required=True)
     _check_enum(common_pb2.Backend, node.backend, "node.backend",
                 required=node.role == common_pb2.NODE_ROLE_ROLLOUT)
     _check_enum(common_pb2.AdapterFormat, node.adapter_format, "node.adapter_format",
                 required=False)
+
+
+def _dialable_host(host: str, bracketed: bool) -> bool:
+    """An IPv6 literal (inside brackets), or an IPv4 address or DNS name (outside)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return not bracketed and _HOSTNAME.fullmatch(host) is not None
+    return bracketed == (ip.version == 6)
 
 
 def validate_node_id(node_id: str) -> None:
