@@ -337,6 +337,7 @@ def test_older_runs_are_pruned(live_node, tiny_adapters) -> None:
     assert stored() == [("run-a", 2), ("run-b", 3), ("run-c", 1)]
     push_dir(node.stub, tiny_adapters["b"], "run-c", 2)  # serving run-c v2: run-a goes
     assert stored() == [("run-b", 3), ("run-c", 1), ("run-c", 2)]
+    assert node.node.adapters.flush(timeout=30)  # the last push is written after its reply
     assert not [p for p in tree(node.node.adapters.store.pushed_root) if p.startswith(".")]
 
 
@@ -349,4 +350,5 @@ def test_old_versions_are_pruned(live_node, tiny_adapters) -> None:
     push_dir(node.stub, tiny_adapters["b"], "run", 4, stage_only=True)
     # the serving version is never deleted
     assert [r.version for r in node.info().stored_adapters] == [2, 3, 4]
+    assert node.node.adapters.flush(timeout=30)  # the last push is written after its reply
     assert not [p for p in tree(node.node.adapters.store.pushed_root) if p.startswith(".")]
