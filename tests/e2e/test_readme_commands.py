@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,12 +67,22 @@ def shell_lines(block: str) -> list[str]:
 
 
 def fresh_env(home: Path, model: Path) -> dict[str, str]:
-    """A new login shell's environment: no venv on PATH, nothing of this process's. Only the
-    metrics ports (any free one), the trainer's default model (the tiny llama, as the node's
-    ``--model``) and one torch thread per process (a shared 2-core machine) are added."""
+    """A new login shell's environment: no venv on PATH, nothing of this process's, a new
+    HOME (holding only the compiled CPU kernels of this machine's cache). Only the metrics
+    ports (any free one), the trainer's default model (the tiny llama, as the node's
+    ``--model``), one torch thread per process (a shared 2-core machine) and a longer wait for
+    the node (started after the trainer here, it may take a minute to import on a loaded
+    machine; the default 120 s is for a node that is already up) are added."""
     home.mkdir(exist_ok=True)
+    # the fused CPU kernels compiled once on this machine, as any earlier run leaves them
+    # (compiling them again costs a minute on a loaded 2-core machine)
+    from gridrl.models import cache_root
+
+    if (cache_root() / "kernels").is_dir():
+        shutil.copytree(cache_root() / "kernels", home / ".cache" / "gridrl" / "kernels")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
-           "OMP_NUM_THREADS": "1", "GRIDRL_TRAINER_MODEL": str(model)}
+           "OMP_NUM_THREADS": "1", "GRIDRL_TRAINER_MODEL": str(model),
+           "GRIDRL_TRAINER_NODE_WAIT_S": "600"}
     env.update({f"GRIDRL_{s}_METRICS_PORT": "0" for s in SERVICES})
     return env
 
@@ -131,18 +142,29 @@ def shell_factory(tmp_path: Path) -> Iterator[Callable[..., Shell]]:
         shell.stop_all()
 
 
-def wait_for(check: Callable[[], subprocess.CompletedProcess], ok: Callable[[str], bool],
-             what: str, alive: list[subprocess.Popen], timeout: float = 120) -> str:
-    """Call ``check`` until it exits 0 with ``ok(stdout)``; fail at once if a server died."""
+def wait_for_log(shell: Shell, name: str, line: str, alive: list[subprocess.Popen],
+                 timeout: float = 180) -> None:
+    """Wait until ``name``'s log has ``line`` (cheap: no process started while the services,
+    slow to import on a loaded machine, come up); fail at once if a server died."""
     deadline = time.monotonic() + timeout
-    while True:
+    while line not in shell.log(name):
         for proc in alive:
-            assert proc.poll() is None, f"{proc.args[-1]} exited {proc.returncode} ({what})"
-        got = check()
+            assert proc.poll() is None, f"exited {proc.returncode} before {line!r}:\n" + \
+                shell.log(name)
+        assert time.monotonic() < deadline, f"no {line!r} in {timeout} s:\n" + shell.log(name)
+        time.sleep(0.3)
+
+
+def answers(shell: Shell, line: str, ok: Callable[[str], bool], what: str,
+            tries: int = 10) -> str:
+    """Run the README ``line`` until it exits 0 with ``ok(stdout)`` (a few tries: a service
+    logs that it serves just before its state is filled in)."""
+    for _ in range(tries):
+        got = shell.run(line)
         if got.returncode == 0 and ok(got.stdout):
             return got.stdout
-        assert time.monotonic() < deadline, f"{what}: {got.stdout}{got.stderr}"
-        time.sleep(0.5)
+        time.sleep(1)
+    pytest.fail(f"{what}: exit {got.returncode}\n{got.stdout}{got.stderr}")
 
 
 def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
@@ -159,17 +181,21 @@ def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
 
     ports.release(0)
     master = shell.start(command["master serve"], "master")
-    wait_for(lambda: shell.run(command["master nodes"]), lambda out: True,
-             "the master answers `gridrl-master nodes`", [master])
+    wait_for_log(shell, "master", "serving gridrl.v1.RegistryService", [master])
+    listed = answers(shell, command["master nodes"], lambda out: True, "gridrl-master nodes")
+    assert "0 node(s)" in listed, listed
     ports.release(2)
     trainer = shell.start(command["trainer run"], "trainer")
-    status = wait_for(lambda: shell.run(command["trainer status"]), lambda out: "0/2" in out,
-                      "the trainer answers `gridrl-trainer status`", [master, trainer])
+    wait_for_log(shell, "trainer", "serving gridrl.v1.TrainerService", [master, trainer])
+    status = answers(shell, command["trainer status"], lambda out: "0/2" in out,
+                     "gridrl-trainer status, waiting for a node")
     assert "step" in status, status
     ports.release(1)
     node = shell.start(command["rollout serve"], "node")
-    wait_for(lambda: shell.run(command["master nodes"]), lambda out: node_address in out,
-             f"`gridrl-master nodes` lists {node_address}", [master, node])
+    wait_for_log(shell, "master", f"registered {node_address}", [master, trainer, node])
+    listed = answers(shell, command["master nodes"], lambda out: node_address in out,
+                     f"gridrl-master nodes lists {node_address}")
+    assert "1 node(s)" in listed, listed
     try:
         assert trainer.wait(300) == 0, shell.log("trainer")
     except subprocess.TimeoutExpired:
