@@ -22,7 +22,7 @@ accepted credentials, the token sent) is no setting: every start takes it from i
 it is never saved.
 
 Defaults are settings that learn: ``gridrl-trainer run`` with no hyper-parameter flag lifts the
-bundled SmolLM2-135M's held-out reverse-words eval from ~0.06 to ~0.8 in 30-60 steps (2 prompts
+bundled SmolLM2-135M's held-out reverse-words eval from ~0.06 to 0.6-0.9 in 60 steps (2 prompts
 per step, groups of 8, temperature 1, LoRA r16/alpha 32 on all linear layers, AdamW lr 3e-4,
 clip 0.2, 3-4 word phrases, 16 greedy eval tasks every 10 steps; docs/benchmarks.md, section
 3). ``--max-tokens`` defaults to the task's own (:func:`gridrl.trainer.tasks.default_max_tokens`:
