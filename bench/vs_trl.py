@@ -76,17 +76,14 @@ TRL_MATCH: dict[str, tuple[Any, str]] = {
 
 
 def train_config(seed: int, steps: int, extra: list[str]) -> Any:
-    """The demo's TrainConfig for ``seed`` (DEMO_FLAGS, then ``extra`` flags)."""
-    from gridrl.trainer.config import TrainConfig
+    """The demo's TrainConfig for ``seed``: ``gridrl-trainer run``'s defaults, DEMO_FLAGS,
+    then ``extra`` flags, parsed and finalized as ``gridrl-trainer run`` does."""
+    from gridrl.trainer.cli import build_config, main
     from gridrl.trainer.demo import DEMO_FLAGS
 
     flags = [*DEMO_FLAGS, "--steps", str(steps), "--seed", str(seed), *extra]
-    cfg = TrainConfig()
-    for flag, value in zip(flags[::2], flags[1::2], strict=True):
-        name = flag.removeprefix("--").replace("-", "_")
-        default = getattr(cfg, name)
-        setattr(cfg, name, type(default)(value) if default is not None else value)
-    return cfg
+    ctx = main.commands["run"].make_context("run", flags)
+    return build_config(ctx, dict(ctx.params))[0]
 
 
 def trl_settings(cfg: Any) -> dict[str, Any]:

@@ -162,7 +162,8 @@ def test_reverse_words_on_smollm2(smollm2_dir, tmp_path):
     behaviour logprobs from the local sampler, an eval stamped with the version it measured."""
     run_dir = tmp_path / "run"
     done = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--model", str(smollm2_dir),
-                           "--steps", "2", "--group-size", "4", "--max-tokens", "12",
+                           "--steps", "2", "--prompts-per-step", "1",  # its budget before
+                           "--group-size", "4", "--max-tokens", "12",  # the default became 2
                            "--min-words", "3", "--max-words", "4", "--eval-every", "2",
                            "--eval-tasks", "4", "--run-dir", str(run_dir), "--rollout", "local",
                            "--listen", "127.0.0.1:0", "--metrics-port", "-1"],

@@ -68,6 +68,20 @@ def test_every_option_is_a_declared_setting_and_every_setting_an_option():
     assert TrainConfig().to_dict().keys() == fields
 
 
+def test_the_demo_changes_only_the_defaults_the_readme_names():
+    """``make demo`` runs ``gridrl-trainer run``'s defaults plus ``DEMO_FLAGS`` (and its
+    wiring): each of them changes a default, and README.md names each as the demo's addition,
+    so the same run by hand learns the same way."""
+    from gridrl.trainer.demo import DEMO_FLAGS
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert DEMO_FLAGS
+    for flag, value in zip(DEMO_FLAGS[::2], DEMO_FLAGS[1::2], strict=True):
+        name = flag.removeprefix("--").replace("-", "_")
+        assert str(default_of(name)) != value, f"{flag} {value} is already the default"
+        assert f"`{flag} {value}`" in readme, f"README.md does not name the demo's {flag}"
+
+
 def test_resume_takes_the_same_settings_from_the_command_line_as_before():
     assert set(RESUME_OVERRIDABLE) == RESUME_OVERRIDABLE_BEFORE
 

@@ -101,9 +101,13 @@ def test_run_dir_log_truncation_versions_and_torn_lines(tmp_path):
 def test_config_defaults_validation_and_staleness_bound(tmp_path):
     cfg = TrainConfig().finalize()
     assert cfg.local and cfg.rollout == ["local"] and cfg.staleness_bound == 0
+    # the settings that learn (config.py's docstring; the demo adds only --eval-every 5)
     assert (cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.lr, cfg.lora_rank,
-            cfg.lora_alpha, cfg.clip_eps, cfg.eval_every, cfg.eval_tasks) == (
-        1, 8, 40, 1e-4, 16, 32.0, 0.2, 10, 16)
+            cfg.lora_alpha, cfg.clip_eps, cfg.eval_every, cfg.eval_tasks, cfg.min_words,
+            cfg.max_words) == (2, 8, 24, 3e-4, 16, 32.0, 0.2, 10, 16, 3, 4)
+    # --max-tokens defaults to the task's own: a JSONL task keeps 40; a flag wins
+    assert TrainConfig(task="qa.jsonl").finalize().max_tokens == 40
+    assert TrainConfig(max_tokens=64).finalize().max_tokens == 64
     remote = TrainConfig(rollout=["h:1"], sync_every=3, async_steps=2).finalize()
     assert remote.staleness_bound == 4
     with pytest.raises(StatusError, match="--max-staleness"):

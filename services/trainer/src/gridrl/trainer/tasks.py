@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gridrl.common.errors import invalid_argument
 
@@ -132,7 +132,8 @@ class ReverseWords:
 
     Args:
         seed: seed of the training stream (the eval set uses :data:`EVAL_SEED`).
-        min_words, max_words: phrase length range, inclusive (3..6 by default).
+        min_words, max_words: phrase length range, inclusive (3..4 by default, as
+            ``gridrl-trainer run``).
         eval_size: number of held-out phrases.
         system_prompt: the system message (an instruction with one worked example).
     Raises:
@@ -141,10 +142,13 @@ class ReverseWords:
 
     seed: int = 0
     min_words: int = 3
-    max_words: int = 6
+    max_words: int = 4
     eval_size: int = 16
     system_prompt: str = REVERSE_SYSTEM_PROMPT
     name: str = "reverse-words"
+    #: New tokens a completion needs (``--max-tokens``' default): a reversed phrase of a few
+    #: words is ~2 tokens a word, and 24 leaves no room to ramble.
+    max_tokens: ClassVar[int] = 24
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_words <= self.max_words <= len(WORD_BANK):
@@ -223,6 +227,8 @@ class JsonlTask:
     system_prompt: str | None = None
     eval_path: Path | None = None
     name: str = "jsonl"
+    #: ``--max-tokens``' default for a JSONL task (short answers; raise it for longer ones).
+    max_tokens: ClassVar[int] = 40
 
     def __post_init__(self) -> None:
         rows = _read_jsonl(Path(self.path), self.prompt_column)
@@ -294,7 +300,13 @@ def _read_jsonl(path: Path, prompt_column: str) -> list[dict[str, Any]]:
     return rows
 
 
-def make_task(spec: str, *, seed: int, eval_size: int, min_words: int = 3, max_words: int = 6,
+def default_max_tokens(spec: str) -> int:
+    """``--max-tokens``' default for the task named by ``--task`` (``spec``): new tokens per
+    completion that its answers need (``reverse-words``: 24; a JSONL file: 40)."""
+    return ReverseWords.max_tokens if spec == "reverse-words" else JsonlTask.max_tokens
+
+
+def make_task(spec: str, *, seed: int, eval_size: int, min_words: int = 3, max_words: int = 4,
               prompt_column: str = "prompt", answer_column: str = "answer",
               system_prompt: str | None = None, eval_file: str | None = None) -> Task:
     """Build the task named by ``--task``: ``"reverse-words"`` or a path to a ``.jsonl`` file.
