@@ -229,8 +229,10 @@ def test_missing_tracker_package_is_one_line_before_the_model_loads(tmp_path: Pa
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     run_dir = tmp_path / "run"
+    model = tmp_path / "model"  # exists (passes the --model check), but holds no model
+    model.mkdir()
     done = subprocess.run(
-        [str(BIN / "gridrl-trainer"), "run", "--model", str(tmp_path / "no-such-model"),
+        [str(BIN / "gridrl-trainer"), "run", "--model", str(model),
          "--report-to", "tensorboard,wandb", "--run-dir", str(run_dir), "--listen",
          "127.0.0.1:0", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120,
         env={**ENV, "PYTHONPATH": str(hide)})
