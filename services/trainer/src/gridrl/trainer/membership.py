@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gridrl.common.sequence import newer
 from gridrl.trainer.scheduling import Candidate
 from gridrl.v1 import common_pb2, registry_pb2
 
@@ -546,8 +547,6 @@ class Membership:
         push's answer arrived may have left the node before the push), else by arrival.
         Returns True when the node's own answer (``direct``) shows it serving less than it
         was pushed: it lost the adapter (restarted)."""
-        from gridrl.common.sequence import newer
-
         s = m.state
         order = newer(sequence, m.sequence)
         if order is False or (order is None and observed_at < m.synced_at):
