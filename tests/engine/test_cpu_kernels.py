@@ -15,7 +15,10 @@ from gridrl.engine.backends import cpu_kernels
 
 @pytest.fixture(scope="module")
 def kernels() -> cpu_kernels.DecodeKernels:
-    k = cpu_kernels.load()
+    # these tests are of the kernels themselves, whether or not they are the faster path here
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRIDRL_CPU_KERNELS", "1")
+        k = cpu_kernels.load()
     assert k is not None, cpu_kernels.unavailable_reason()  # gcc is part of the CI image
     return k
 
@@ -94,25 +97,26 @@ def test_refusals_name_the_argument(kernels) -> None:
 def test_unavailable_kernels_say_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("GRIDRL_CACHE_DIR", str(tmp_path))
     try:
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._load.cache_clear()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "0")
         assert cpu_kernels.load() is None
         assert "GRIDRL_CPU_KERNELS=0" in cpu_kernels.unavailable_reason()
 
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._load.cache_clear()
         monkeypatch.delenv("GRIDRL_CPU_KERNELS")
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails
         assert cpu_kernels.load() is None
         assert "build failed" in cpu_kernels.unavailable_reason()
         assert not list(tmp_path.glob("kernels/*"))  # no half-written library left behind
 
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._load.cache_clear()
         monkeypatch.delenv("CC")
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")  # built, whichever path is faster here
         assert cpu_kernels.load() is not None  # builds into the new cache directory
         assert cpu_kernels.unavailable_reason() is None
         assert len(list(tmp_path.glob("kernels/decode-*.so"))) == 1
     finally:
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._load.cache_clear()
 
 
 def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
@@ -121,16 +125,58 @@ def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
     from gridrl.engine.backends.torch_llama import LeanLlama
 
     try:
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._load.cache_clear()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "0")
         lean = LeanLlama(_tiny())
         assert lean.products.endswith("(fused C kernels unavailable: disabled by "
                                       "GRIDRL_CPU_KERNELS=0)")
         assert {layer.down.kind for layer in lean.layers} != {"kernel"}
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
+        assert LeanLlama(_tiny()).products == "fused C kernel"
     finally:
-        monkeypatch.delenv("GRIDRL_CPU_KERNELS")
-        cpu_kernels.load.cache_clear()
-    assert LeanLlama(_tiny()).products == "fused C kernel"
+        cpu_kernels._load.cache_clear()
+
+
+def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> None:
+    """Unset (or "auto"), the kernels race oneDNN once per process and run only if faster:
+    on some CPUs (an AVX2-only EPYC) they are several times slower. "1" skips the race."""
+    from test_torch_llama import _tiny
+
+    from gridrl.engine.backends.torch_llama import LeanLlama
+
+    monkeypatch.delenv("GRIDRL_CPU_KERNELS", raising=False)
+    try:
+        cpu_kernels._load.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "race", lambda kernels: (0.004, 0.001))
+        assert cpu_kernels.load() is None
+        lean = LeanLlama(_tiny())
+        assert lean.products == (
+            "oneDNN prepacked (fused C kernels unavailable: slower than oneDNN here: 4.00 ms "
+            "against oneDNN's 1.00 ms on this CPU's decode-shaped products; "
+            "GRIDRL_CPU_KERNELS=1 forces them)")
+        assert {layer.down.kind for layer in lean.layers} == {"onednn"}
+
+        cpu_kernels._load.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "race", lambda kernels: (0.001, 0.004))
+        assert cpu_kernels.load() is not None and cpu_kernels.unavailable_reason() is None
+        assert LeanLlama(_tiny()).products == "fused C kernel"
+
+        cpu_kernels._load.cache_clear()
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
+        monkeypatch.setattr(cpu_kernels, "race", None)  # not called
+        assert cpu_kernels.load() is not None
+
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "yes")
+        assert cpu_kernels.load() is None
+        assert cpu_kernels.unavailable_reason() == (
+            "GRIDRL_CPU_KERNELS='yes' is not one of auto, 1, 0")
+    finally:
+        cpu_kernels._load.cache_clear()
+
+
+def test_the_race_times_both_paths(kernels) -> None:
+    kernel_s, onednn_s = cpu_kernels.race(kernels, repeats=1)
+    assert 0 < kernel_s < 10 and 0 < onednn_s < 10
 
 
 def _attention_reference(qkv, hq, hkv, cos, sin, keys, values, column, mask, scale):

@@ -35,12 +35,13 @@ def _start_up_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_each_backend_names_its_forward_and_strategy_in_one_line(
-        tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from gridrl.engine.backends.torch import TorchBackend
 
+    monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")  # the kernels, faster or not on this CPU
     caplog.set_level(logging.INFO, logger="gridrl.engine.backends.torch")
     cases = [
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir), LeanFactors,

@@ -54,7 +54,9 @@ def test_lean_forward_matches_transformers(kind: str, products: str, shape: str,
     non-x86 CPUs)."""
     from gridrl.engine.backends import torch_llama
 
-    if products != "kernel":
+    if products == "kernel":  # whether or not they are the faster path on this CPU
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
+    else:
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
     if products == "plain":
         monkeypatch.setattr(torch_llama, "_packable", lambda weight: False)
@@ -116,6 +118,8 @@ def test_lora_factors_equal_peft(tmp_path: Path, products: str, monkeypatch) -> 
 
     if products == "onednn":
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
+    else:  # whether or not they are the faster path on this CPU
+        monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
     model = _tiny()
     lean = LeanLlama(model)
     assert lean.head.kind == products

@@ -17,7 +17,15 @@ The library is built with the system C compiler (``$CC``, else ``cc``) with ``-O
 CPU) and loaded with ctypes; it shares torch's OpenMP runtime (libgomp is loaded once per
 process), so it runs on torch's threads. :func:`load` returns None, with the reason in
 :func:`unavailable_reason`, where that cannot be done (not Linux, no compiler, build failed,
-``GRIDRL_CPU_KERNELS=0``); callers then keep their oneDNN path.
+``GRIDRL_CPU_KERNELS=0``) or where they lose to oneDNN on this CPU; callers then keep their
+oneDNN path.
+
+Whether they win depends on the CPU: written for and measured on AVX-512 (27-33 GB/s against
+oneDNN's 13-25 there), they are 4-10x *slower* than oneDNN on an AVX2-only AMD EPYC
+(Zen 3; docs/benchmarks.md has the figures). So by default
+(``GRIDRL_CPU_KERNELS`` unset or ``auto``) :func:`load` times both on two decode-shaped
+products once per process (:func:`race`, ~10-100 ms) and uses the kernels only where they are
+the faster; ``GRIDRL_CPU_KERNELS=1`` uses them without the race, ``0`` never.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,29 +96,90 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
 def load() -> DecodeKernels | None:
-    """The compiled kernels, or None (see :func:`unavailable_reason`). Cached per process."""
+    """The compiled kernels, or None (see :func:`unavailable_reason`). Cached per process and
+    per ``GRIDRL_CPU_KERNELS`` mode ("auto" when unset: used only where :func:`race` says they
+    beat oneDNN; "1": always where they build; "0": never)."""
     global _reason
-    if os.environ.get("GRIDRL_CPU_KERNELS", "1") == "0":
-        _reason = "disabled by GRIDRL_CPU_KERNELS=0"
-        return None
+    mode = os.environ.get("GRIDRL_CPU_KERNELS", "auto").strip().lower() or "auto"
+    kernels, _reason = _load(mode)
+    return kernels
+
+
+@functools.cache
+def _load(mode: str) -> tuple[DecodeKernels | None, str | None]:
+    if mode == "0":
+        return None, "disabled by GRIDRL_CPU_KERNELS=0"
+    if mode not in ("1", "auto"):
+        return None, f"GRIDRL_CPU_KERNELS={mode!r} is not one of auto, 1, 0"
     if not sys.platform.startswith("linux"):
-        _reason = f"built only on Linux (this is {sys.platform})"
-        return None
+        return None, f"built only on Linux (this is {sys.platform})"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        _reason = "no C compiler (set CC or install gcc)"
-        return None
+        return None, "no C compiler (set CC or install gcc)"
     try:
         path = _build(compiler)
         kernels = DecodeKernels(ctypes.CDLL(str(path)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"build failed: {e}"
         log.warning("cpu kernels unavailable, using oneDNN products: %s", e)
-        return None
-    _reason = None
-    return kernels
+        return None, f"build failed: {e}"
+    if mode == "1":
+        return kernels, None
+    kernel_s, onednn_s = race(kernels)
+    verdict = (f"{kernel_s * 1e3:.2f} ms against oneDNN's {onednn_s * 1e3:.2f} ms on this "
+               f"CPU's decode-shaped products; GRIDRL_CPU_KERNELS=1 forces them")
+    if kernel_s > onednn_s:  # ties go to the kernels (bench/decode_kernels.py decides the same)
+        log.info("cpu kernels slower than oneDNN here, using oneDNN: %s", verdict)
+        return None, f"slower than oneDNN here: {verdict}"
+    log.info("cpu kernels faster than oneDNN here: %s", verdict)
+    return kernels, None
+
+
+#: The products :func:`race` times: (rows, out, in, swiglu) -- a decode batch through
+#: SmolLM2-135M's MLP gate/up and its q/k/v.
+RACE_SHAPES = ((8, 3072, 576, True), (16, 960, 576, False))
+
+
+def race(kernels: DecodeKernels, repeats: int = 5) -> tuple[float, float]:
+    """Seconds the kernels and oneDNN's prepacked products (the path callers fall back to;
+    plain ``F.linear`` where oneDNN is missing) take for :data:`RACE_SHAPES`, each the best
+    of ``repeats`` interleaved rounds, on torch's current threads. Random weights, float32."""
+    gen = torch.Generator().manual_seed(0)
+    calls = []
+    for rows, n, k, swiglu in RACE_SHAPES:
+        w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+        packed = pack_weight(w, swiglu=swiglu)
+        calls.append((lambda x=x, packed=packed, n=n, swiglu=swiglu:
+                      kernels.linear(x, packed, n, swiglu=swiglu),
+                      _onednn_call(x, w, swiglu)))
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms both paths up
+            for side in (0, 1):
+                t0 = time.perf_counter()
+                for pair in calls:
+                    pair[side]()
+                best[side] = min(best[side], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+def _onednn_call(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> Any:
+    if torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+
+        def product() -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    else:
+        def product() -> torch.Tensor:
+            return torch.nn.functional.linear(x, w)
+
+    def call() -> torch.Tensor:
+        y = product()
+        if swiglu:
+            half = y.shape[-1] // 2
+            y = torch.nn.functional.silu(y[:, :half]) * y[:, half:]
+        return y
+    return call
 
 
 def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,

@@ -1,0 +1,78 @@
+"""Benchmark 6: the fused float32 CPU kernels against oneDNN, product by product, on this CPU.
+
+For SmolLM2-135M's four fused projections per layer (q/k/v 576 -> 960, o 576 -> 576, gate/up
+576 -> 2 x 1536 with SwiGLU, down 1536 -> 576) at decode batches of 1-64 rows and a prefill
+of 976 rows (16 prompts of 61 tokens): microseconds a call of the kernel
+(``cpu_kernels.DecodeKernels.linear``, built with ``GRIDRL_CPU_KERNELS=1``) and of oneDNN's
+prepacked product (the path the lean forward falls back to), and the ratio kernel / oneDNN.
+Then the race :func:`gridrl.engine.backends.cpu_kernels.race` runs at load time by default,
+and what it decides here.
+
+    python bench/decode_kernels.py [--rows 1 8 16 64 976] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+from _common import machine, table
+
+SHAPES = {"qkv": (960, 576, False), "o": (576, 576, False), "gate_up": (3072, 576, True),
+          "down": (576, 1536, False)}
+
+
+def per_call_us(fn: Callable[[], object], budget_s: float = 0.5) -> float:
+    """Best-of-5 microseconds a call, each round as many calls as fit in budget_s / 5."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, int(budget_s / 5 / max(time.perf_counter() - t0, 1e-6)))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 976])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+    os.environ["GRIDRL_CPU_KERNELS"] = "1"
+    import torch
+
+    from gridrl.engine.backends import cpu_kernels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(machine(), f"| {torch.get_num_threads()} torch threads")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit(f"kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(0)
+    rows_out = []
+    with torch.inference_mode():
+        for m in args.rows:
+            for name, (n, k, swiglu) in SHAPES.items():
+                w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+                packed = cpu_kernels.pack_weight(w, swiglu=swiglu)
+                onednn = cpu_kernels._onednn_call(x, w, swiglu)
+                k_us = per_call_us(lambda x=x, packed=packed, n=n, swiglu=swiglu:
+                                   kernels.linear(x, packed, n, swiglu=swiglu))
+                o_us = per_call_us(onednn)
+                rows_out.append([m, name, f"{k_us:.0f}", f"{o_us:.0f}", f"{k_us / o_us:.2f}"])
+        kernel_s, onednn_s = cpu_kernels.race(kernels)
+    print(table(rows_out, ["rows", "product", "kernel us", "oneDNN us", "kernel / oneDNN"]))
+    verdict = "kernels" if kernel_s <= onednn_s else "oneDNN"
+    print(f"load-time race (cpu_kernels.RACE_SHAPES): kernels {kernel_s * 1e3:.2f} ms, "
+          f"oneDNN {onednn_s * 1e3:.2f} ms -> by default the lean forward uses {verdict}")
+
+
+if __name__ == "__main__":
+    main()
