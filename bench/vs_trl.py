@@ -17,7 +17,7 @@ evals, model loading and start-up excluded), seconds of training to the first ev
 target (0.61), eval at steps 20 and 60 (± its standard error), and gridrl/TRL ratios. Every
 TRL setting that had to be set to match gridrl is printed with its value.
 
-    python bench/vs_trl.py [--seeds 3] [--steps 60] [--target 0.61]
+    python bench/vs_trl.py [--seeds 3] [--steps 60] [--target 0.61] [--work DIR]
 
 Needs TRL (a bench-only extra: ``pip install -e 'services/trainer[bench]'``).
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -173,13 +174,25 @@ def run_trl(seed: int, steps: int, extra: list[str], out: Path, threads: int = 0
                                "step_s": times["step"], "settings": settings}))
 
 
+def _gridrl_finished(run: Path, steps: int) -> bool:
+    log = run / "log.jsonl"
+    if not (run / "summary.json").exists() or not log.exists():
+        return False
+    return sum(1 for line in log.read_text().splitlines()
+               if json.loads(line).get("step")) >= steps
+
+
 def run_gridrl(seed: int, steps: int, extra: list[str], work: Path,
                threads: int = 0) -> dict[str, Any]:
     """One ``python -m gridrl.trainer.demo`` run; its evals and step times from log.jsonl."""
     run = work / f"gridrl-{seed}"
-    subprocess.run([sys.executable, "-m", "gridrl.trainer.demo", "--run-dir", str(run),
-                    "--node-threads", str(threads), "--", "--steps", str(steps), "--seed",
-                    str(seed), "--threads", str(threads), *extra], check=False)
+    if _gridrl_finished(run, steps):
+        print(f"gridrl seed {seed}: reusing the finished run in {run}")
+    else:
+        shutil.rmtree(run, ignore_errors=True)  # an interrupted run starts over
+        subprocess.run([sys.executable, "-m", "gridrl.trainer.demo", "--run-dir", str(run),
+                        "--node-threads", str(threads), "--", "--steps", str(steps),
+                        "--seed", str(seed), "--threads", str(threads), *extra], check=False)
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     base = next(r for r in records if r.get("event") == "baseline")
     steps_rec = [r for r in records if r.get("step")]
@@ -234,6 +247,10 @@ def main() -> None:
                     "0: torch's default). On a machine others load, 1 avoids OpenMP threads "
                     "spinning against each other")
     ap.add_argument("--only", choices=("both", "trl", "gridrl"), default="both")
+    ap.add_argument("--work", default=None,
+                    help="directory of the runs (default: a new temporary one); a run already "
+                    "finished there (trl-SEED.json, gridrl-SEED/ with every step) is read back "
+                    "instead of run again, so an interrupted comparison resumes")
     ap.add_argument("--trl-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -248,16 +265,20 @@ def main() -> None:
     print(f"TRL {trl.__version__} GRPOTrainer settings set to match gridrl:")
     for key, value in trl_settings(cfg).items():
         print(f"  {key} = {value!r}  # {TRL_MATCH[key][1]}")
-    work = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
+    work.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, Any]]] = {"TRL": [], "gridrl": []}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for seed in seeds:
         if args.only in ("both", "trl"):
             out = work / f"trl-{seed}.json"
-            subprocess.run([sys.executable, __file__, "--trl-worker", str(seed), "--steps",
-                            str(args.steps), "--flags", args.flags, "--out", str(out),
-                            "--threads", str(args.threads)],
-                           check=True)
+            if out.exists():
+                print(f"TRL seed {seed}: reusing the finished run {out}")
+            else:
+                subprocess.run([sys.executable, __file__, "--trl-worker", str(seed), "--steps",
+                                str(args.steps), "--flags", args.flags, "--out", str(out),
+                                "--threads", str(args.threads)],
+                               check=True)
             results["TRL"].append(summarize(json.loads(out.read_text()), args.target))
         if args.only in ("both", "gridrl"):
             results["gridrl"].append(summarize(
