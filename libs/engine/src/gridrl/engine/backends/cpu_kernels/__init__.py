@@ -164,14 +164,17 @@ def race(kernels: DecodeKernels, repeats: int = 5) -> tuple[float, float]:
 
 
 def _onednn_call(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> Any:
-    if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-
-        def product() -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    else:
-        def product() -> torch.Tensor:
-            return torch.nn.functional.linear(x, w)
+    """The product (and SwiGLU) as the lean forward runs it without the kernels: oneDNN's
+    prepacked weight on x86 (torch_llama.Projection's "onednn" kind), else ``F.linear``."""
+    product = functools.partial(torch.nn.functional.linear, x, w)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+            product = functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None,
+                                        "none", [], "")
+            product()
+        except (RuntimeError, AttributeError):  # a torch without oneDNN prepacking
+            product = functools.partial(torch.nn.functional.linear, x, w)
 
     def call() -> torch.Tensor:
         y = product()
