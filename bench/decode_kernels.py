@@ -48,6 +48,7 @@ def main() -> None:
     import torch
 
     from gridrl.engine.backends import cpu_kernels
+    from gridrl.engine.backends.torch_llama import Projection
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,10 +63,10 @@ def main() -> None:
             for name, (n, k, swiglu) in SHAPES.items():
                 w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
                 packed = cpu_kernels.pack_weight(w, swiglu=swiglu)
-                onednn = cpu_kernels._onednn_call(x, w, swiglu)
+                fallback = Projection(w, swiglu=swiglu)  # oneDNN-prepacked on x86
                 k_us = per_call_us(lambda x=x, packed=packed, n=n, swiglu=swiglu:
                                    kernels.linear(x, packed, n, swiglu=swiglu))
-                o_us = per_call_us(onednn)
+                o_us = per_call_us(lambda x=x, fallback=fallback: fallback(x))
                 rows_out.append([m, name, f"{k_us:.0f}", f"{o_us:.0f}", f"{k_us / o_us:.2f}"])
         kernel_s, onednn_s = cpu_kernels.race(kernels)
     print(table(rows_out, ["rows", "product", "kernel us", "oneDNN us", "kernel / oneDNN"]))

@@ -21,10 +21,10 @@ process), so it runs on torch's threads. :func:`load` returns None, with the rea
 oneDNN path.
 
 Whether they win depends on the CPU: written for and measured on AVX-512 (27-33 GB/s against
-oneDNN's 13-25 there), they are 4-10x *slower* than oneDNN on an AVX2-only AMD EPYC
-(Zen 3; docs/benchmarks.md has the figures). So by default
+oneDNN's 13-25 there), they are 3.6-16x *slower* than oneDNN at decode batches on an
+AVX2-only AMD EPYC (Zen 3; docs/benchmarks.md has the figures). So by default
 (``GRIDRL_CPU_KERNELS`` unset or ``auto``) :func:`load` times both on two decode-shaped
-products once per process (:func:`race`, ~10-100 ms) and uses the kernels only where they are
+products once per process (:func:`race`, ~0.13 s on that EPYC) and uses the kernels only where they are
 the faster; ``GRIDRL_CPU_KERNELS=1`` uses them without the race, ``0`` never.
 """
 
@@ -42,7 +42,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -141,9 +140,12 @@ RACE_SHAPES = ((8, 3072, 576, True), (16, 960, 576, False))
 
 
 def race(kernels: DecodeKernels, repeats: int = 5) -> tuple[float, float]:
-    """Seconds the kernels and oneDNN's prepacked products (the path callers fall back to;
-    plain ``F.linear`` where oneDNN is missing) take for :data:`RACE_SHAPES`, each the best
-    of ``repeats`` interleaved rounds, on torch's current threads. Random weights, float32."""
+    """Seconds the kernels and the path the lean forward falls back to without them
+    (:class:`~gridrl.engine.backends.torch_llama.Projection`: oneDNN-prepacked on x86, else
+    plain) take for :data:`RACE_SHAPES`, each the best of ``repeats`` interleaved rounds, on
+    torch's current threads. Random weights, float32."""
+    from gridrl.engine.backends.torch_llama import Projection  # it imports this module
+
     gen = torch.Generator().manual_seed(0)
     calls = []
     for rows, n, k, swiglu in RACE_SHAPES:
@@ -151,7 +153,7 @@ def race(kernels: DecodeKernels, repeats: int = 5) -> tuple[float, float]:
         packed = pack_weight(w, swiglu=swiglu)
         calls.append((lambda x=x, packed=packed, n=n, swiglu=swiglu:
                       kernels.linear(x, packed, n, swiglu=swiglu),
-                      _onednn_call(x, w, swiglu)))
+                      functools.partial(Projection(w, swiglu=swiglu), x)))
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms both paths up
@@ -161,28 +163,6 @@ def race(kernels: DecodeKernels, repeats: int = 5) -> tuple[float, float]:
                     pair[side]()
                 best[side] = min(best[side], time.perf_counter() - t0)
     return best[0], best[1]
-
-
-def _onednn_call(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> Any:
-    """The product (and SwiGLU) as the lean forward runs it without the kernels: oneDNN's
-    prepacked weight on x86 (torch_llama.Projection's "onednn" kind), else ``F.linear``."""
-    product = functools.partial(torch.nn.functional.linear, x, w)
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-            product = functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None,
-                                        "none", [], "")
-            product()
-        except (RuntimeError, AttributeError):  # a torch without oneDNN prepacking
-            product = functools.partial(torch.nn.functional.linear, x, w)
-
-    def call() -> torch.Tensor:
-        y = product()
-        if swiglu:
-            half = y.shape[-1] // 2
-            y = torch.nn.functional.silu(y[:, :half]) * y[:, half:]
-        return y
-    return call
 
 
 def pack_weight(weight: torch.Tensor, *, swiglu: bool = False,
