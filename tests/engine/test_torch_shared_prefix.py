@@ -101,3 +101,28 @@ def test_a_prefix_prefill_continues_a_whole_prefill(tiny_llama_dir: Path) -> Non
         assert k.shape == wk.shape == (1, wk.shape[1], len(prompt), wk.shape[3])
         torch.testing.assert_close(k, wk, rtol=0, atol=1e-5)
         torch.testing.assert_close(v, wv, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_tokens", [6, 2048], ids=["chunked", "one-forward"])
+def test_the_batched_prefill_after_a_prefix_is_each_prompts_own(tiny_llama_dir: Path,
+                                                                max_tokens: int) -> None:
+    """``LeanSteps.prefill_batch``: the suffixes right-padded into few forwards (with a budget
+    of 6 tokens: the 3- and 2-token suffixes together, the 5-token one alone) give each prompt the keys/values
+    and next-token logits of its own prefill after the prefix."""
+    from gridrl.engine.backends.torch import TorchBackend
+
+    backend = TorchBackend.from_pretrained(tiny_llama_dir)
+    prompts = [PREFIX + s for s in SUFFIXES]
+    with backend._using(None) as forward:
+        steps = backend._steps(forward)
+        assert isinstance(steps, LeanSteps)
+        prefix = steps.shared_prefix(PREFIX)
+        kv, logits = steps.prefill_batch(prompts, prefix, max_tokens=max_tokens)
+        assert len(kv) == len(logits) == len(prompts)
+        for p, layers, got in zip(prompts, kv, logits, strict=True):
+            alone, want = steps.prefill(p, prefix)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            for (k, v), (k1, v1) in zip(layers, alone, strict=True):
+                assert k.shape == k1.shape == (1, k1.shape[1], len(p), k1.shape[3])
+                torch.testing.assert_close(k, k1, rtol=0, atol=1e-5)
+                torch.testing.assert_close(v, v1, rtol=0, atol=1e-5)

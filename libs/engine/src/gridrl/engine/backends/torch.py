@@ -6,7 +6,8 @@ Decoding (``generate``), a lean loop over the model's forward (no ``model.genera
    prompt's cache and first-token logits never depend on the rest of the batch; the ``n``
    samples of a GRPO group share one prefill. (With ``share_prefix``, for many prompts that
    begin alike such as an eval set under one system prompt, their common token prefix is
-   prefilled once and each prompt's remaining tokens attend to it.)
+   prefilled once and the prompts' remaining tokens attend to it, many prompts a forward:
+   ``LeanSteps.prefill_batch``.)
 2. The prefills are assembled into one left-padded, preallocated KV cache
    (:class:`~gridrl.engine.backends.torch_cache.SlabCache`) with per-row positions and an
    additive padding mask.
@@ -165,8 +166,8 @@ class TorchBackend(Backend):
         forward_reason: why that forward runs.
         adapters: how adapters are held (:mod:`~gridrl.engine.backends.torch_adapters`).
         share_prefix: on the lean forward, :meth:`generate` prefills the token prefix that
-            all the batch's distinct prompts share (a task's system prompt) once, and each
-            prompt's remaining tokens attending to it, instead of every prompt alone: results
+            all the batch's distinct prompts share (a task's system prompt) once, and the
+            prompts' remaining tokens, batched, attend to it, instead of every prompt alone: results
             equal a plain prefill's up to float rounding, but a prompt's prefill then depends
             on the rest of the batch (off by default; the trainer's held-out eval sets it).
     """
@@ -427,11 +428,16 @@ class TorchBackend(Backend):
                        for r in batch]
         prefills, first_logits = [], []
         prefix = self._shared_prefix(steps, list(prompt_index))
-        for prompt in prompt_index:
+        if prefix is not None:  # the prompts' rest after the prefix, many rows a forward
+            assert isinstance(steps, LeanSteps)
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(0)
-            kv, logits = (steps.prefill(list(prompt)) if prefix is None
-                          else steps.prefill(list(prompt), prefix))
+            prefills, first_logits = steps.prefill_batch([list(p) for p in prompt_index],
+                                                         prefix)
+        for prompt in prompt_index if prefix is None else ():
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(0)
+            kv, logits = steps.prefill(list(prompt))
             prefills.append(kv)
             first_logits.append(logits)
         logits = torch.stack(first_logits).index_select(

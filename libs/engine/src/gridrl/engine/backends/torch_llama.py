@@ -586,7 +586,7 @@ class LeanLlama:
             attention_mask: with a SlabCache: additive (B, 1, 1, L) over the cache columns
                 including the new token (:meth:`SlabCache.next_step`); else ignored.
             logits_at: int64 (K,) indices into T: only those positions get logits
-                (default: all).
+                (default: all); or (B, K): per row (rows of different lengths).
             past: with a list or None as ``cache`` (prefill): per layer the (keys, values)
                 (1, H_kv, P, D) of a prefix of P tokens these T tokens follow (what a list
                 ``cache`` filled by a prefill of that prefix holds; ``position_ids`` then start
@@ -619,7 +619,9 @@ class LeanLlama:
             x = layer.o(attn, residual=x)
             x = layer.down(layer.gate_up(x), residual=x)
         x = x.view(b, t, -1)
-        if logits_at is not None:
+        if logits_at is not None and logits_at.dim() == 2:
+            x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        elif logits_at is not None:
             x = x.index_select(1, logits_at)
         k_out = x.shape[1]
         return self.head(x.reshape(b * k_out, -1)).view(b, k_out, -1)

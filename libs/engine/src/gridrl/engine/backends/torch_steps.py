@@ -28,6 +28,9 @@ from gridrl.engine.backends.torch_llama import LeanLlama
 #: per layer (keys, values), each (1, H, P, D): one prompt's prefill
 Prefill = list[tuple[torch.Tensor, torch.Tensor]]
 
+#: suffix tokens (rows x longest suffix) of one batched forward of :meth:`LeanSteps.prefill_batch`
+PREFILL_BATCH_TOKENS = 2048
+
 
 class LeanSteps:
     """Decode steps of the lean forward."""
@@ -49,6 +52,48 @@ class LeanSteps:
         positions = torch.arange(done, len(prompt), device=self.device)[None]
         logits = self.lean.forward(ids, positions, cache=layers, logits_at=last, past=prefix)
         return layers, logits[0, -1].float()
+
+    def prefill_batch(self, prompts: list[list[int]], prefix: Prefill,
+                      max_tokens: int = PREFILL_BATCH_TOKENS) -> tuple[list[Prefill],
+                                                                       list[torch.Tensor]]:
+        """:meth:`prefill` of many prompts that all start with ``prefix`` (its P tokens), in
+        batched forwards of at most ``max_tokens`` suffix tokens (a prompt longer than that
+        goes alone): each prompt's remaining tokens, right-padded to the chunk's longest, attend
+        to the prefix and causally to their own row, so a real token never sees padding (it
+        comes after it) and no mask is needed; the padding's outputs are dropped.
+
+        Returns:
+            per prompt, in order: its keys/values (1, H_kv, len, D) per layer (views into the
+            chunk's tensors) and the float32 logits (V,) of the token after it; equal to
+            :meth:`prefill` up to float rounding (the products run with more rows).
+        """
+        done = prefix[0][0].shape[2]
+        out_kv: list[Prefill] = []
+        out_logits: list[torch.Tensor] = []
+        start = 0
+        while start < len(prompts):
+            end, width = start, 0
+            while end < len(prompts):
+                w = max(width, len(prompts[end]) - done)
+                if end > start and w * (end - start + 1) > max_tokens:
+                    break
+                width, end = w, end + 1
+            chunk = prompts[start:end]
+            ids = torch.zeros((len(chunk), width), dtype=torch.int64)
+            for r, p in enumerate(chunk):
+                ids[r, :len(p) - done] = torch.tensor(p[done:], dtype=torch.int64)
+            last = torch.tensor([[len(p) - done - 1] for p in chunk], device=self.device)
+            positions = torch.arange(done, done + width, device=self.device)[None].expand(
+                len(chunk), -1)
+            layers: Prefill = []
+            logits = self.lean.forward(ids.to(self.device), positions, cache=layers,
+                                       logits_at=last, past=prefix)
+            for r, p in enumerate(chunk):
+                out_kv.append([(k[r:r + 1, :, :len(p)], v[r:r + 1, :, :len(p)])
+                               for k, v in layers])
+                out_logits.append(logits[r, -1].float())
+            start = end
+        return out_kv, out_logits
 
     def shared_prefix(self, prefix: list[int]) -> Prefill:
         """The keys/values of ``prefix`` (P tokens), for :meth:`prefill` of prompts that
