@@ -82,7 +82,10 @@ def train_config(seed: int, steps: int, extra: list[str]) -> Any:
     from gridrl.trainer.cli import build_config, main
     from gridrl.trainer.demo import DEMO_FLAGS
 
-    flags = [*DEMO_FLAGS, "--steps", str(steps), "--seed", str(seed), *extra]
+    # the demo's trainer finds its nodes through a master (not sampling in-process), so flags
+    # that need remote nodes (--async-steps) validate as they do in the demo
+    flags = [*DEMO_FLAGS, "--master", "127.0.0.1:1", "--steps", str(steps), "--seed",
+             str(seed), *extra]
     ctx = main.commands["run"].make_context("run", flags)
     return build_config(ctx, dict(ctx.params))[0]
 

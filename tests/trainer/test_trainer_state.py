@@ -104,10 +104,13 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
     # the settings that learn (config.py's docstring; the demo adds only --eval-every 5)
     assert (cfg.prompts_per_step, cfg.group_size, cfg.max_tokens, cfg.lr, cfg.lora_rank,
             cfg.lora_alpha, cfg.clip_eps, cfg.eval_every, cfg.eval_tasks, cfg.min_words,
-            cfg.max_words) == (2, 8, 24, 3e-4, 16, 32.0, 0.2, 10, 16, 3, 4)
-    # --max-tokens defaults to the task's own: a JSONL task keeps 40; a flag wins
-    assert TrainConfig(task="qa.jsonl").finalize().max_tokens == 40
+            cfg.max_words) == (2, 8, 24, 3e-4, 16, 32.0, 0.2, 10, 128, 3, 4)
+    # --max-tokens and --eval-tasks default to the task's own: a JSONL task keeps 40 and holds
+    # out 16 rows; a flag wins
+    jsonl = TrainConfig(task="qa.jsonl").finalize()
+    assert (jsonl.max_tokens, jsonl.eval_tasks) == (40, 16)
     assert TrainConfig(max_tokens=64).finalize().max_tokens == 64
+    assert TrainConfig(eval_tasks=7).finalize().eval_tasks == 7
     remote = TrainConfig(rollout=["h:1"], sync_every=3, async_steps=2).finalize()
     assert remote.staleness_bound == 4
     with pytest.raises(StatusError, match="--max-staleness"):

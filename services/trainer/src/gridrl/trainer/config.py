@@ -24,9 +24,11 @@ it is never saved.
 Defaults are settings that learn: ``gridrl-trainer run`` with no hyper-parameter flag lifts the
 bundled SmolLM2-135M's held-out reverse-words eval from ~0.06 to 0.6-0.9 in 60 steps (2 prompts
 per step, groups of 8, temperature 1, LoRA r16/alpha 32 on all linear layers, AdamW lr 3e-4,
-clip 0.2, 3-4 word phrases, 16 greedy eval tasks every 10 steps; docs/benchmarks.md, section
+clip 0.2, 3-4 word phrases, a greedy eval every 10 steps; docs/benchmarks.md, section
 3). ``--max-tokens`` defaults to the task's own (:func:`gridrl.trainer.tasks.default_max_tokens`:
-24 for reverse-words, whose answers are a few words; 40 for a JSONL task). The older reference
+24 for reverse-words, whose answers are a few words; 40 for a JSONL task), and so does
+``--eval-tasks`` (:func:`gridrl.trainer.tasks.default_eval_tasks`: 128 generated phrases for
+reverse-words, 16 rows held out of a JSONL task). The older reference
 setting (1 prompt per step, lr 1e-4, 40 new tokens; ``bench/learning.py``) barely learns in 30
 steps.
 """
@@ -221,9 +223,11 @@ class TrainConfig:
     # eval, checkpoints, run directory
     eval_every: int = setting(10, "Held-out greedy eval every N steps.", check=POSITIVE,
                               on_resume=True)
-    eval_tasks: int = setting(
-        16, "Held-out eval prompts; the eval's standard error is reported with it (280 prompts "
-        "keep it <= 0.03 whatever the scores in [0, 1]).", check=POSITIVE)
+    eval_tasks: int | None = setting(
+        None, "Held-out eval prompts, reported with the eval's standard error. Default: the "
+        "task's own (reverse-words: 128, a standard error <= 0.025 for the scores its runs "
+        "see; a JSONL task: 16 of its rows, or --eval-file). 280 keep it <= 0.03 whatever the "
+        "scores in [0, 1].", check=POSITIVE)
     checkpoint_every: int = setting(10, "Checkpoint every K steps.", check=POSITIVE,
                                     on_resume=True)
     keep_checkpoints: int = setting(2, "Checkpoints kept.", check=POSITIVE, on_resume=True)
@@ -305,6 +309,10 @@ class TrainConfig:
             from gridrl.trainer.tasks import default_max_tokens
 
             self.max_tokens = default_max_tokens(self.task)
+        if self.eval_tasks is None:
+            from gridrl.trainer.tasks import default_eval_tasks
+
+            self.eval_tasks = default_eval_tasks(self.task)
         from gridrl.trainer.trackers import parse_report_to
 
         self.report_to = parse_report_to(self.report_to)

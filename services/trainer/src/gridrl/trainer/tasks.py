@@ -149,6 +149,10 @@ class ReverseWords:
     #: New tokens a completion needs (``--max-tokens``' default): a reversed phrase of a few
     #: words is ~2 tokens a word, and 24 leaves no room to ramble.
     max_tokens: ClassVar[int] = 24
+    #: ``--eval-tasks``' default: the per-prompt standard deviation of the score in runs so far
+    #: reached 0.275 (docs/benchmarks.md, section 4), so 128 phrases keep the eval's standard
+    #: error <= 0.025; generated, they cost no training data.
+    eval_tasks: ClassVar[int] = 128
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_words <= self.max_words <= len(WORD_BANK):
@@ -229,6 +233,9 @@ class JsonlTask:
     name: str = "jsonl"
     #: ``--max-tokens``' default for a JSONL task (short answers; raise it for longer ones).
     max_tokens: ClassVar[int] = 40
+    #: ``--eval-tasks``' default for a JSONL task: rows held out of a file that may be small
+    #: (``--eval-file`` gives a separate eval set of any size).
+    eval_tasks: ClassVar[int] = 16
 
     def __post_init__(self) -> None:
         rows = _read_jsonl(Path(self.path), self.prompt_column)
@@ -304,6 +311,12 @@ def default_max_tokens(spec: str) -> int:
     """``--max-tokens``' default for the task named by ``--task`` (``spec``): new tokens per
     completion that its answers need (``reverse-words``: 24; a JSONL file: 40)."""
     return ReverseWords.max_tokens if spec == "reverse-words" else JsonlTask.max_tokens
+
+
+def default_eval_tasks(spec: str) -> int:
+    """``--eval-tasks``' default for the task named by ``--task`` (``spec``): held-out eval
+    prompts (``reverse-words``: 128 generated phrases; a JSONL file: 16 of its rows)."""
+    return ReverseWords.eval_tasks if spec == "reverse-words" else JsonlTask.eval_tasks
 
 
 def make_task(spec: str, *, seed: int, eval_size: int, min_words: int = 3, max_words: int = 4,
