@@ -422,7 +422,7 @@ class TorchBackend(Backend):
         start = time.perf_counter()
         dev = self._device
         n = len(batch)
-        # 1. prefill each distinct prompt alone.
+        # 1. prefill each distinct prompt alone (after a shared prefix: batched).
         prompt_index: dict[tuple[int, ...], int] = {}
         row_prefill = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
                        for r in batch]
@@ -434,12 +434,13 @@ class TorchBackend(Backend):
                 raise DecodeInterrupted(0)
             prefills, first_logits = steps.prefill_batch([list(p) for p in prompt_index],
                                                          prefix)
-        for prompt in prompt_index if prefix is None else ():
-            if observer is not None and observer.interrupted():
-                raise DecodeInterrupted(0)
-            kv, logits = steps.prefill(list(prompt))
-            prefills.append(kv)
-            first_logits.append(logits)
+        else:
+            for prompt in prompt_index:
+                if observer is not None and observer.interrupted():
+                    raise DecodeInterrupted(0)
+                kv, logits = steps.prefill(list(prompt))
+                prefills.append(kv)
+                first_logits.append(logits)
         logits = torch.stack(first_logits).index_select(
             0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
         max_tokens = [r.sampling.max_tokens for r in batch]

@@ -45,29 +45,25 @@ class LeanSteps:
         of the token after it. ``prefix``: the prefill of ``prompt``'s first P tokens
         (computed once for prompts that share them): only the other tokens go through the
         forward, attending to it; the keys/values returned are then the whole prompt's."""
-        done = 0 if prefix is None else prefix[0][0].shape[2]
-        ids = torch.tensor([prompt[done:]], dtype=torch.int64, device=self.device)
-        last = torch.tensor([len(prompt) - done - 1], device=self.device)
-        layers: Prefill = []
-        positions = torch.arange(done, len(prompt), device=self.device)[None]
-        logits = self.lean.forward(ids, positions, cache=layers, logits_at=last, past=prefix)
-        return layers, logits[0, -1].float()
+        kv, logits = self.prefill_batch([prompt], prefix)
+        return kv[0], logits[0]
 
-    def prefill_batch(self, prompts: list[list[int]], prefix: Prefill,
+    def prefill_batch(self, prompts: list[list[int]], prefix: Prefill | None = None,
                       max_tokens: int = PREFILL_BATCH_TOKENS) -> tuple[list[Prefill],
                                                                        list[torch.Tensor]]:
-        """:meth:`prefill` of many prompts that all start with ``prefix`` (its P tokens), in
-        batched forwards of at most ``max_tokens`` suffix tokens (a prompt longer than that
-        goes alone): each prompt's remaining tokens, right-padded to the chunk's longest, attend
-        to the prefix and causally to their own row, so a real token never sees padding (it
-        comes after it) and no mask is needed; the padding's outputs are dropped.
+        """:meth:`prefill` of many prompts that all start with ``prefix`` (its P tokens; None:
+        P = 0), in batched forwards of at most ``max_tokens`` tokens after the prefix (a prompt
+        longer than that goes alone): each prompt's remaining tokens, right-padded to the
+        chunk's longest, attend to the prefix and causally to their own row, so a real token
+        never sees padding (it comes after it) and no mask is needed; the padding's outputs
+        are dropped.
 
         Returns:
             per prompt, in order: its keys/values (1, H_kv, len, D) per layer (views into the
-            chunk's tensors) and the float32 logits (V,) of the token after it; equal to
-            :meth:`prefill` up to float rounding (the products run with more rows).
+            chunk's tensors) and the float32 logits (V,) of the token after it; equal to a
+            prompt's own batch-1 prefill up to float rounding (the products run with more rows).
         """
-        done = prefix[0][0].shape[2]
+        done = 0 if prefix is None else prefix[0][0].shape[2]
         out_kv: list[Prefill] = []
         out_logits: list[torch.Tensor] = []
         start = 0
