@@ -20,6 +20,7 @@ from gridrl.engine.contract import (  # noqa: E402
     SamplingConfig,
     SequenceRequest,
 )
+from gridrl.engine.threads import release_thread_state  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -230,10 +231,43 @@ def test_generate_from_another_thread(backend, prompts):
     batch = [SequenceRequest(p, CONFIGS["t1"], seed=i) for i, p in enumerate(prompts)]
     here = backend.generate(batch, None)
     there: list = []
-    worker = threading.Thread(target=lambda: there.append(backend.generate(batch, None)))
+
+    def work() -> None:
+        try:
+            there.append(backend.generate(batch, None))
+        finally:
+            release_thread_state()
+
+    worker = threading.Thread(target=work)
     worker.start()
     worker.join(120)
     assert there and [r.token_ids for r in there[0]] == [r.token_ids for r in here]
+
+
+def test_release_thread_state_frees_the_threads_streams_only():
+    """A thread's MLX streams are gone after release_thread_state (MLX's remedy for threads
+    whose streams, torn down at thread exit, can abort the process: gridrl.engine.threads);
+    the main thread's are kept, and a new thread decodes afresh."""
+    seen: list[str] = []
+
+    def work() -> None:
+        stream = mx.new_stream(mx.cpu)
+        with mx.stream(stream):
+            seen.append(str(mx.sum(mx.arange(4)).item()))
+        release_thread_state()
+        try:
+            with mx.stream(stream):
+                mx.eval(mx.arange(4))
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    for _ in range(2):
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join(60)
+    assert seen[0] == seen[2] == "6" and "no Stream" in seen[1] and "no Stream" in seen[3], seen
+    release_thread_state()  # on the main thread: nothing is freed
+    assert mx.sum(mx.arange(4)).item() == 6
 
 
 # -- 3. parity with transformers -------------------------------------------------------------

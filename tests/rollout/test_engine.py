@@ -186,3 +186,31 @@ def test_backend_failure_fails_only_its_batch(tiny_backend) -> None:
         assert len(engine.generate(_job(n=2), timeout=30).samples) == 2
     finally:
         engine.close()
+
+
+def test_the_scheduler_thread_releases_its_framework_state_on_every_way_out(
+        tiny_backend, monkeypatch) -> None:
+    """The scheduler thread frees its per-thread framework state (MLX streams,
+    gridrl.engine.threads) as it ends: after close, and when loading the model on it failed."""
+    import gridrl.rollout.engine as engine_module
+    import gridrl.rollout.server as server_module
+
+    released: list[str] = []
+
+    def record() -> None:
+        released.append(threading.current_thread().name)
+
+    monkeypatch.setattr(engine_module, "release_thread_state", record)
+    monkeypatch.setattr(server_module, "release_thread_state", record)
+    engine = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
+    assert len(engine.generate(_job(n=2), timeout=30).samples) == 2
+    assert released == []
+    engine.close(timeout=30)
+    assert released == ["rollout-scheduler"]
+
+    def failed_load():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        server_module.run_on_engine_thread(failed_load)
+    assert released == ["rollout-scheduler"] * 2

@@ -66,6 +66,7 @@ from gridrl.engine.contract import (
     SequenceRequest,
     SequenceResult,
 )
+from gridrl.engine.threads import release_thread_state
 from gridrl.rollout import metrics
 
 log = logging.getLogger(__name__)
@@ -409,6 +410,12 @@ class Engine:
     # -- scheduler ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._schedule()
+        finally:
+            release_thread_state()  # this thread ran the backend: free its streams (MLX)
+
+    def _schedule(self) -> None:
         while True:
             with self._cond:
                 while not (self._closing or self._partial or self._commands or self._waiting):

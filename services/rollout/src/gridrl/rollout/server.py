@@ -31,6 +31,7 @@ from gridrl.common.sequence import ReportSequence
 from gridrl.common.server import GrpcServer
 from gridrl.common.transport import format_enum
 from gridrl.engine.contract import Backend
+from gridrl.engine.threads import release_thread_state
 from gridrl.models import cache_root
 from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
 from gridrl.rollout.adapter_store import AdapterStore
@@ -377,6 +378,7 @@ def run_on_engine_thread(load: Callable[[], RolloutNode]) -> RolloutNode:
             node = load()
             node.engine.claim_thread()
         except BaseException as e:  # handed to the caller, which re-raises it
+            release_thread_state()  # the thread ends here (MLX streams it made: threads.py)
             result.set_exception(e)
             return
         result.set_result(node)
