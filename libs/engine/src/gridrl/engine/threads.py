@@ -20,8 +20,8 @@ def release_thread_state() -> None:
     (a node's scheduler thread, on every way out). The thread must not run MLX afterwards
     (its streams are gone: MLX raises RuntimeError "There is no Stream..."). No-op on the main
     thread and where MLX was never imported (torch, vLLM)."""
-    mx = sys.modules.get("mlx.core")
     if threading.current_thread() is threading.main_thread():
         return
-    if mx is not None and hasattr(mx, "clear_streams"):
+    mx = sys.modules.get("mlx.core")
+    if mx is not None and hasattr(mx, "clear_streams"):  # MLX < 0.31.2: no per-thread streams
         mx.clear_streams()
