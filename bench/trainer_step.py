@@ -6,6 +6,12 @@ with ``TrainerBackend.generate`` (``--rollout local``) and run ``TrainerBackend.
 them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio of the step.
 
     python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2] [--model M]
+    python bench/trainer_step.py --compare-logits 4
+
+``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
+on it computing the completion logprobs from the final hidden states in chunks
+(``grpo_torch.head_logprobs``, the default for plain-head models) and N from the full
+(n, C, V) logits (the baseline); prints the median update seconds of each and their ratio.
 """
 
 from __future__ import annotations
@@ -55,13 +61,55 @@ def measure(backend_name: str, steps: int, model: str) -> list[dict]:
     return rows
 
 
+def compare_logits(repeats: int, model: str) -> None:
+    """Median update seconds with the fused head against full logits, alternating."""
+    cfg = TrainConfig(model=model, backend="torch", lora_rank=16, lora_alpha=32.0, lr=3e-4,
+                      steps=60, max_tokens=24, temperature=1.0, rollout=["local"],
+                      run_dir="unused", seed=0).finalize()
+    backend = create_backend(cfg)
+    head = backend.policy.head_weight
+    if head is None:
+        raise SystemExit(f"{model} has no plain output head: nothing to compare")
+    task = ReverseWords(seed=0, min_words=3, max_words=4)
+    try:
+        items = [task.train_item(i) for i in range(2)]
+        prompts = [encode_chat(backend.tokenizer, it.messages) for it in items for _ in range(8)]
+        results = backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
+                                   list(range(16)))
+        adv = np.random.default_rng(0).standard_normal(16)
+        seqs = [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a), i // 8)
+                for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
+        backend.update(seqs)  # warm-up
+        times: dict[str, list[float]] = {"full logits (baseline)": [], "hidden + head_logprobs": []}
+        for _ in range(repeats):
+            for name in times:
+                backend.policy.head_weight = head if name.startswith("hidden") else None
+                t0 = time.perf_counter()
+                backend.update(seqs)
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        backend.policy.head_weight = head
+        backend.close()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    print(f"{sum(len(s.completion_ids) for s in seqs)} completion tokens, 2 prompts x 8")
+    print(table([[k, f"{med[k]:.2f}", " ".join(f"{t:.2f}" for t in v)]
+                 for k, v in times.items()], ["logprobs from", "median update s", "each"]))
+    base, fused = med["full logits (baseline)"], med["hidden + head_logprobs"]
+    print(f"hidden + head_logprobs / full logits: {fused / base:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", action="append", choices=["torch", "mlx"])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--compare-logits", type=int, default=0, metavar="N",
+                        help="torch: alternate N updates with and without the fused head")
     args = parser.parse_args()
     print(machine())
+    if args.compare_logits:
+        compare_logits(args.compare_logits, args.model)
+        return
     rows = [r for b in (args.backend or ["torch", "mlx"]) for r in measure(b, args.steps, args.model)]
     header = list(rows[0])
     print(table([[str(r[k]) for k in header] for r in rows], header))

@@ -416,3 +416,83 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
     assert all(p.dtype == torch.float32 for p in pol.trainable_parameters())
     assert all(v.dtype == torch.float32 for st in opt.state.values() for k, v in st.items()
                if k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs_equal_the_full_logits_path_and_pass_gradcheck(temperature):
+    """The chunked, fused head gives completion_logprobs(hidden @ W.T) and, over ragged
+    chunks, the gradient of the float64 log-softmax to float32 rounding, with and without
+    autograd."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, generator=g) * 3
+    tokens = torch.randint(0, 11, (7,), generator=g)
+    want = grpo_torch.completion_logprobs((hidden @ weight.t())[None], tokens[None],
+                                          temperature)[0]
+    got = grpo_torch.head_logprobs(hidden, weight, tokens, temperature, chunk_rows=3)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(grpo_torch.head_logprobs(hidden, weight, tokens, temperature,
+                                                    chunk_rows=3), got.detach())
+    upstream = torch.randn(7, dtype=torch.float64, generator=g)
+    exact = torch.log_softmax((hidden @ weight.t()) / temperature, -1)  # all float64
+    (exact.gather(-1, tokens[:, None])[:, 0] * upstream).sum().backward()
+    grad_want, hidden.grad = hidden.grad.clone(), None
+    (grpo_torch.head_logprobs(hidden, weight, tokens, temperature, chunk_rows=3).double()
+     * upstream).sum().backward()
+    assert torch.allclose(hidden.grad, grad_want, rtol=1e-5, atol=1e-6)  # float32 softmax
+
+
+def test_head_logprobs_refuses_a_trained_head_and_bad_shapes():
+    h, w, t = torch.randn(3, 4), torch.randn(6, 4), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="frozen"):
+        grpo_torch.head_logprobs(h, w.requires_grad_(), t)
+    with pytest.raises(ValueError, match="temperature"):
+        grpo_torch.head_logprobs(h, w.detach(), t, 0.0)
+    with pytest.raises(ValueError, match="do not match"):
+        grpo_torch.head_logprobs(h, w.detach()[:, :3], t)
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_the_update_from_hidden_states_is_the_update_from_logits(tiny_llama_dir, shared_prefix):
+    """grpo_update through the fused head (Policy.head_weight set) and through full logits
+    (head_weight None): same loss, mismatch KL and LoRA gradients, to float32 rounding."""
+    base = load_policy(str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8), seed=0,
+                       dtype="float64")
+    assert base.head_weight is base.model.get_base_model().lm_head.weight
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a non-zero adapter, so the gradient reaches both A and B
+        for name, p in base.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+    seqs = _behaviour_shifted(base, 0.3)
+    runs = []
+    for fused in (True, False):
+        pol = _fresh(base)
+        if not fused:
+            pol.head_weight = None
+        rec = _GradientRecorder(pol.trainable_parameters())
+        stats = grpo_update(pol, rec, None, seqs, UpdateConfig(
+            temperature=0.8, max_tokens=8, max_grad_norm=0.0, shared_prefix=shared_prefix))
+        runs.append((stats, torch.cat([gr.reshape(-1) for gr in rec.grads])))
+    (fused_stats, fused_grad), (plain_stats, plain_grad) = runs
+    assert plain_grad.abs().sum() > 0
+    # both paths take a float32 softmax (grpo_torch's logprobs are float32 by design): 6e-8
+    # apart at most on gradients up to 0.6
+    assert torch.allclose(fused_grad, plain_grad, rtol=1e-5, atol=1e-6)
+    assert fused_stats.loss == pytest.approx(plain_stats.loss, abs=1e-6)  # a sum of +-terms
+    assert fused_stats.mismatch_kl == pytest.approx(plain_stats.mismatch_kl, rel=1e-4)
+    assert fused_stats.tokens == plain_stats.tokens
+
+
+def test_plain_head_weight_only_for_a_plain_frozen_head(tiny_llama_dir, tmp_path):
+    """The fused head is used only where logits are hidden @ W.T with W frozen: not for
+    gemma2 (soft-capped logits) nor when LoRA trains the head."""
+    from engine_helpers import make_tiny_model
+
+    gemma = make_tiny_model(tmp_path / "gemma2", "gemma2", tiny_llama_dir)
+    assert load_policy(str(gemma), lora=LoraSettings(rank=4, alpha=8)).head_weight is None
+    lora_head = load_policy(str(tiny_llama_dir), lora=LoraSettings(
+        rank=4, alpha=8, target_modules="q_proj,lm_head"))
+    assert lora_head.head_weight is None

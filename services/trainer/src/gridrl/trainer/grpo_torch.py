@@ -70,6 +70,71 @@ def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return picked - torch.logsumexp(z, dim=-1)
 
 
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                  temperature: float = 1.0, *, chunk_rows: int = 128) -> torch.Tensor:
+    """:func:`completion_logprobs` of ``logits = hidden @ weight.T`` without materialising the
+    (R, V) logits: the output projection and the log-softmax run over chunks of
+    ``chunk_rows`` rows, and each row's gradient with respect to its hidden state,
+    ``(onehot(token) - softmax(z)) @ weight / temperature``, is formed in the same pass (the
+    fused linear cross-entropy of Liger-Kernel, Hsu et al. 2024, arXiv:2410.10989, applied to
+    the logprob of the sampled token). Backward is then one (R, H) product with the incoming
+    gradient. Same values and gradient as the plain path up to float rounding; the (R, V)
+    float32 temporaries it avoids (75 MB for 16 x 24 completions of a 49k vocabulary) cost
+    more in page faults and memory passes than the logsumexp itself on a CPU.
+
+    Args:
+        hidden: (R, H) final hidden states (after the model's last norm), any float dtype;
+            may require grad.
+        weight: (V, H) the output projection, same dtype as ``hidden``; must not require grad
+            (a frozen head: LoRA does not train it).
+        tokens: (R,) int64 token ids whose logprob is returned.
+        temperature: > 0; ``z = (hidden @ weight.T).float() / temperature``.
+        chunk_rows: rows per chunk (a (chunk_rows, V) float32 temporary).
+    Returns:
+        (R,) float32 ``z[token] - logsumexp(z)``.
+    Raises:
+        ValueError: temperature <= 0, a head that requires grad, or mismatched shapes.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if weight.requires_grad:
+        raise ValueError("head_logprobs needs a frozen output projection")
+    if hidden.dim() != 2 or tokens.shape != hidden.shape[:1] or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
+                         f"tokens {tuple(tokens.shape)} do not match")
+    return _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), max(1, chunk_rows))
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, chunk_rows):  # type: ignore[override]
+        rows = hidden.shape[0]
+        out = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        grad_wanted = ctx.needs_input_grad[0]
+        jac = torch.empty_like(hidden) if grad_wanted else None
+        for s in range(0, rows, chunk_rows):
+            # vocabulary-major (V, r) logits: BLAS runs W @ h.T ~1.5-2x faster than h @ W.T
+            # for a few hundred rows (measured with MKL on an AVX2 CPU)
+            tok = tokens[s:s + chunk_rows].unsqueeze(0)
+            z = (weight @ hidden[s:s + chunk_rows].t()).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse = torch.logsumexp(z, dim=0, keepdim=True)
+            out[s:s + chunk_rows] = (z.gather(0, tok) - lse).squeeze(0)
+            if grad_wanted:
+                q = z.sub_(lse).exp_().neg_()  # -softmax(z), in place
+                q.scatter_add_(0, tok, torch.ones_like(tok, dtype=q.dtype))
+                j = (weight.t() @ q.to(weight.dtype)).t()
+                jac[s:s + chunk_rows] = j / temperature if temperature != 1.0 else j
+        ctx.save_for_backward(jac)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (jac,) = ctx.saved_tensors
+        return grad_out.to(jac.dtype).unsqueeze(-1) * jac, None, None, None, None
+
+
 def k3_kl(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of ``KL(p || q)`` per token, for tokens drawn from ``p``:
     ``r - 1 - log r`` with ``r = q/p = exp(other_logp - logp)``. Non-negative, unbiased.

@@ -63,6 +63,10 @@ class Policy:
         identity: the base model's identity.
         device, dtype: where and in what the base weights live.
         model_id: the ``--model`` string (for manifests and logs).
+        head_weight: (V, H) the frozen output projection when the model's logits are exactly
+            ``final_hidden @ head_weight.T`` (:func:`plain_head_weight`), else None; with it
+            the update computes logprobs from hidden states
+            (:func:`gridrl.trainer.grpo_torch.head_logprobs`) instead of full logits.
     """
 
     def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, model_id: str) -> None:
@@ -76,6 +80,7 @@ class Policy:
         self.pad_id = pad_token_id(tokenizer)
         forward = inspect.signature(model.get_base_model().forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
+        self.head_weight = plain_head_weight(model.get_base_model())
         self._state_params: dict[str, torch.nn.Parameter] | None = None
 
     # ---------------------------------------------------------------- parameters and files
@@ -184,6 +189,18 @@ class Policy:
                                     logits_to_keep=completion_width + 1, use_cache=False)
         return out.logits[:, :-1]
 
+    def completion_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          completion_width: int) -> torch.Tensor:
+        """:meth:`completion_logits` before the output projection: (N, C, H) final hidden
+        states (after the model's last norm) whose ``[:, t]`` predicts completion token ``t``.
+        Calls the decoder of :attr:`model` directly (the LoRA layers are in it), so not for a
+        DDP wrapper."""
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model.get_base_model().get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False)
+        return out.last_hidden_state[:, -(completion_width + 1):-1]
+
     def shared_prefix_logits(self, prompts: Sequence[Sequence[int]],
                              completion_ids: torch.Tensor, *, model: Any | None = None
                              ) -> torch.Tensor:
@@ -203,30 +220,46 @@ class Policy:
         Returns:
             (n, C, V) logits in the model's dtype; ``[:, t]`` predicts completion token ``t``.
         """
-        run = model or self.model
+        return self._shared_prefix(prompts, completion_ids, model or self.model, hidden=False)
+
+    def shared_prefix_hidden(self, prompts: Sequence[Sequence[int]],
+                             completion_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`shared_prefix_logits` before the output projection: (n, C, H) final hidden
+        states, through the decoder of :attr:`model` (not for a DDP wrapper)."""
+        return self._shared_prefix(prompts, completion_ids,
+                                   self.model.get_base_model().get_decoder(), hidden=True)
+
+    def _shared_prefix(self, prompts: Sequence[Sequence[int]], completion_ids: torch.Tensor,
+                       run: Any, *, hidden: bool) -> torch.Tensor:
         n, width = completion_ids.shape
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(tuple(p), []).append(i)
+
+        def result(out: Any) -> torch.Tensor:
+            return out.last_hidden_state if hidden else out.logits
+
         parts: list[torch.Tensor] = []
         order: list[int] = []
         for prompt, rows in groups.items():
             ids = torch.tensor([prompt], dtype=torch.long, device=completion_ids.device)
-            out = run(input_ids=ids, use_cache=True, logits_to_keep=1)
-            first = out.logits[:, -1:].expand(len(rows), -1, -1)
+            out = run(input_ids=ids, use_cache=True, **({} if hidden else {"logits_to_keep": 1}))
+            first = result(out)[:, -1:].expand(len(rows), -1, -1)
             if width > 1:
                 cache = getattr(out, self._cache_kw)  # "cache" (transformers 5) or the old name
                 cache.batch_repeat_interleave(len(rows))
-                rest = run(input_ids=completion_ids[rows, :width - 1],
-                           **{self._cache_kw: cache}, use_cache=True).logits
+                rest = result(run(input_ids=completion_ids[rows, :width - 1],
+                                  **{self._cache_kw: cache}, use_cache=True))
                 parts.append(torch.cat([first, rest], dim=1))
             else:
                 parts.append(first)
             order.extend(rows)
-        logits = torch.cat(parts, dim=0)
+        out_all = torch.cat(parts, dim=0)
+        if order == list(range(n)):
+            return out_all
         inverse = torch.empty(n, dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(n)
-        return logits[inverse.to(logits.device)]
+        return out_all[inverse.to(out_all.device)]
 
     @torch.no_grad()
     def reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -235,6 +268,25 @@ class Policy:
         disabled (no gradient)."""
         with self.model.disable_adapter():
             return self.completion_logits(input_ids, attention_mask, completion_width)
+
+
+#: model types whose causal-LM forward is exactly ``lm_head(final_hidden)`` (no logit
+#: soft-capping or scaling; gemma2 soft-caps, so it is not here), checked against
+#: transformers 5's modeling code.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
+
+
+def plain_head_weight(base: Any) -> torch.Tensor | None:
+    """The output projection's (V, H) weight of ``base`` (a transformers causal LM) when its
+    logits are ``final_hidden @ weight.T`` and the weight is frozen: a model type in
+    :data:`PLAIN_HEAD_MODEL_TYPES`, a bias-free ``nn.Linear`` head not wrapped by peft (LoRA
+    or ``modules_to_save`` on the head make it something else). None otherwise."""
+    if getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    return None if head.weight.requires_grad else head.weight
 
 
 def pad_token_id(tokenizer: Any) -> int:

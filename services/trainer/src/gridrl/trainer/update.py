@@ -107,12 +107,7 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
             with autocast(cfg, device):
-                logits = _logits(policy, [seqs[i] for i in idx], batch, cfg, par.model)
-            logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"],
-                                                  cfg.temperature)
-            seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
-                    if cfg.truncated else logp)
-            del logits
+                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model)
             ref_logp = None
             if cfg.beta:
                 with autocast(cfg, device):
@@ -195,6 +190,39 @@ def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.T
                                     batch["completion_mask"].shape[1], model=model)
 
 
+def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
+              cfg: UpdateConfig, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, seen)``: (n, C) float32 logprobs of the completion tokens under
+    ``softmax(logits / T)`` (with the gradient when enabled) and under the sampler's transform
+    (:func:`sampler_logprobs`; ``logp`` itself when the run does not truncate).
+
+    When the run does not truncate, ``model`` is the policy's own module (not a DDP wrapper)
+    and its head is plain (:attr:`Policy.head_weight`), the logprobs come from the final hidden
+    states through :func:`grpo_torch.head_logprobs`, on the completion tokens only; padding
+    positions are 0 there (every consumer masks them). Otherwise from the full logits.
+    """
+    head = getattr(policy, "head_weight", None)
+    if cfg.truncated or head is None or model is not policy.model:
+        logits = _logits(policy, seqs, batch, cfg, model)
+        logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
+        seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
+                if cfg.truncated else logp)
+        return logp, seen
+    tokens = batch["completion_ids"]
+    if cfg.shared_prefix:
+        hidden = policy.shared_prefix_hidden([s.prompt_ids for s in seqs], tokens)
+    else:
+        hidden = policy.completion_hidden(batch["input_ids"], batch["attention_mask"],
+                                          tokens.shape[1])
+    n, width = tokens.shape
+    real = batch["completion_mask"].reshape(-1).nonzero().squeeze(-1)
+    picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
+                                      tokens.reshape(-1)[real], cfg.temperature)
+    logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
+    logp = logp.index_put((real,), picked).reshape(n, width)
+    return logp, logp
+
+
 @torch.no_grad()
 def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
                       cfg: UpdateConfig) -> list[list[float]]:
@@ -218,10 +246,7 @@ def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
         for start in range(0, len(seqs), mb):
             chunk = list(seqs[start:start + mb])
             batch = collate(chunk, policy.pad_id, policy.device, behaviour=False)
-            logits = _logits(policy, chunk, batch, cfg, policy.model)
-            lp = (sampler_logprobs(logits, batch["completion_ids"], cfg) if cfg.truncated
-                  else grpo_torch.completion_logprobs(logits, batch["completion_ids"],
-                                                      cfg.temperature))
+            _, lp = _logprobs(policy, chunk, batch, cfg, policy.model)
             out.extend(lp[i, :len(s.completion_ids)].tolist() for i, s in enumerate(chunk))
         return out
     finally:
