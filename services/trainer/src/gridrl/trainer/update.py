@@ -106,8 +106,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         sync = k == len(chunks) - 1
         ctx = par.no_sync() if not sync else contextlib.nullcontext()
         with ctx:
-            with autocast(cfg, device):
-                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model)
+            logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model,
+                                   amp=True)
             ref_logp = None
             if cfg.beta:
                 with autocast(cfg, device):
@@ -191,33 +191,41 @@ def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.T
 
 
 def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
-              cfg: UpdateConfig, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+              cfg: UpdateConfig, model: Any, *, amp: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, seen)``: (n, C) float32 logprobs of the completion tokens under
     ``softmax(logits / T)`` (with the gradient when enabled) and under the sampler's transform
-    (:func:`sampler_logprobs`; ``logp`` itself when the run does not truncate).
+    (:func:`sampler_logprobs`; ``logp`` itself when the run does not truncate). With ``amp``,
+    the model's forward and its output projection run under :func:`autocast`; the
+    log-softmax of full logits runs outside it, in float32.
 
     When the run does not truncate, ``model`` is the policy's own module (not a DDP wrapper)
     and its head is plain (:attr:`Policy.head_weight`), the logprobs come from the final hidden
     states through :func:`grpo_torch.head_logprobs`, on the completion tokens only; padding
     positions are 0 there (every consumer masks them). Otherwise from the full logits.
     """
+    def mixed() -> contextlib.AbstractContextManager:
+        return autocast(cfg, policy.device) if amp else contextlib.nullcontext()
+
     head = getattr(policy, "head_weight", None)
     if cfg.truncated or head is None or model is not policy.model:
-        logits = _logits(policy, seqs, batch, cfg, model)
+        with mixed():
+            logits = _logits(policy, seqs, batch, cfg, model)
         logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
         seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
                 if cfg.truncated else logp)
         return logp, seen
     tokens = batch["completion_ids"]
-    if cfg.shared_prefix:
-        hidden = policy.shared_prefix_hidden([s.prompt_ids for s in seqs], tokens)
-    else:
-        hidden = policy.completion_hidden(batch["input_ids"], batch["attention_mask"],
-                                          tokens.shape[1])
     n, width = tokens.shape
     real = batch["completion_mask"].reshape(-1).nonzero().squeeze(-1)
-    picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
-                                      tokens.reshape(-1)[real], cfg.temperature)
+    with mixed():
+        if cfg.shared_prefix:
+            hidden = policy.shared_prefix_hidden([s.prompt_ids for s in seqs], tokens)
+        else:
+            hidden = policy.completion_hidden(batch["input_ids"], batch["attention_mask"],
+                                              width)
+        picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
+                                          tokens.reshape(-1)[real], cfg.temperature)
     logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
     logp = logp.index_put((real,), picked).reshape(n, width)
     return logp, logp
