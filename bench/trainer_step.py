@@ -28,28 +28,45 @@ from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.tasks import ReverseWords, encode_chat
 
 
-def measure(backend_name: str, steps: int, model: str) -> list[dict]:
-    """Per step: sample and update wall/CPU seconds on ``backend_name``."""
+def demo_backend(backend_name: str, model: str):
+    """The demo's trainer backend: ``model`` in fp32 with a r16 all-linear LoRA, local sampler."""
     cfg = TrainConfig(model=model, backend=backend_name, lora_rank=16,
                       lora_alpha=32.0, lr=3e-4, steps=60, max_tokens=24, temperature=1.0,
                       rollout=["local"], run_dir="unused", seed=0).finalize()
-    backend = create_backend(cfg)
+    return create_backend(cfg)
+
+
+def demo_prompts(backend, task: ReverseWords, step: int) -> list[list[int]]:
+    """Step ``step``'s 2 reverse-words prompts, each repeated for a group of 8."""
+    items = [task.train_item(2 * step + i) for i in range(2)]
+    return [encode_chat(backend.tokenizer, it.messages) for it in items for _ in range(8)]
+
+
+def sample(backend, prompts: list[list[int]]):
+    """16 completions of up to 24 tokens at temperature 1 on the backend's own sampler."""
+    return backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
+                            list(range(16)))
+
+
+def sequences(prompts, results, seed: int) -> list[TrainSequence]:
+    """The samples as training sequences with standard-normal advantages (groups of 8)."""
+    adv = np.random.default_rng(seed).standard_normal(len(prompts))
+    return [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a), i // 8)
+            for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
+
+
+def measure(backend_name: str, steps: int, model: str) -> list[dict]:
+    """Per step: sample and update wall/CPU seconds on ``backend_name``."""
+    backend = demo_backend(backend_name, model)
     task = ReverseWords(seed=0, min_words=3, max_words=4)
     rows = []
     try:
         for step in range(steps):
-            items = [task.train_item(2 * step + i) for i in range(2)]
-            prompts = [encode_chat(backend.tokenizer, it.messages) for it in items
-                       for _ in range(8)]
+            prompts = demo_prompts(backend, task, step)
             w0, c0 = time.perf_counter(), time.process_time()
-            results = backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
-                                       list(range(16)))
+            results = sample(backend, prompts)
             w1, c1 = time.perf_counter(), time.process_time()
-            adv = np.random.default_rng(step).standard_normal(16)
-            seqs = [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a),
-                                  i // 8)
-                    for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
-            stats = backend.update(seqs)
+            stats = backend.update(sequences(prompts, results, step))
             w2, c2 = time.perf_counter(), time.process_time()
             rows.append({"backend": backend_name, "step": step + 1,
                          "sample s": round(w1 - w0, 2), "sample cpu s": round(c1 - c0, 2),
@@ -63,22 +80,13 @@ def measure(backend_name: str, steps: int, model: str) -> list[dict]:
 
 def compare_logits(repeats: int, model: str) -> None:
     """Median update seconds with the fused head against full logits, alternating."""
-    cfg = TrainConfig(model=model, backend="torch", lora_rank=16, lora_alpha=32.0, lr=3e-4,
-                      steps=60, max_tokens=24, temperature=1.0, rollout=["local"],
-                      run_dir="unused", seed=0).finalize()
-    backend = create_backend(cfg)
+    backend = demo_backend("torch", model)
     head = backend.policy.head_weight
     if head is None:
         raise SystemExit(f"{model} has no plain output head: nothing to compare")
-    task = ReverseWords(seed=0, min_words=3, max_words=4)
     try:
-        items = [task.train_item(i) for i in range(2)]
-        prompts = [encode_chat(backend.tokenizer, it.messages) for it in items for _ in range(8)]
-        results = backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
-                                   list(range(16)))
-        adv = np.random.default_rng(0).standard_normal(16)
-        seqs = [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a), i // 8)
-                for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
+        prompts = demo_prompts(backend, ReverseWords(seed=0, min_words=3, max_words=4), 0)
+        seqs = sequences(prompts, sample(backend, prompts), 0)
         backend.update(seqs)  # warm-up
         times: dict[str, list[float]] = {"full logits (baseline)": [], "hidden + head_logprobs": []}
         for _ in range(repeats):

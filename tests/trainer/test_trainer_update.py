@@ -419,7 +419,7 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_head_logprobs_equal_the_full_logits_path_and_pass_gradcheck(temperature):
+def test_head_logprobs_equal_the_full_logits_path_and_its_gradient(temperature):
     """The chunked, fused head gives completion_logprobs(hidden @ W.T) and, over ragged
     chunks, the gradient of the float64 log-softmax to float32 rounding, with and without
     autograd."""
