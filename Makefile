@@ -99,8 +99,12 @@ check-protos: $(STAMP) $(BUF)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# pytest workers: 2 halves the check on CI's 2 cores (most tests are one process waiting on
+# another's start-up); each test's servers run one intra-op thread. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+
 test: install tools check-protos lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist worksteal
 
 demo: $(STAMP)
 	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
