@@ -217,19 +217,41 @@ def test_mismatch_kl_uses_the_samplers_truncation(policy):
     assert untruncated.mismatch_kl > 1e-3
 
 
-def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir):
-    """One prompt forward per group (KV cache repeated for the group) == padded per-sequence.
+# (prompt lengths, shared leading tokens, sequence -> prompt, completion lengths): the shared
+# prefix path's cases. "none": random prompts; "system": prompts that begin alike, of
+# different lengths, groups of unequal size, interleaved rows; "nested": one prompt is the
+# other's prefix; "one": a single group; "three": three prompts, one completion token each.
+_PREFIX_CASES = {
+    "none": ((6, 11), 0, (0, 1, 0, 1, 0, 1), (1, 4, 6, 2, 5, 3)),
+    "system": ((9, 12), 7, (0, 1, 1, 0, 1, 1, 1), (3, 1, 6, 2, 5, 4, 2)),
+    "nested": ((8, 8), 8, (1, 0, 1, 0), (2, 5, 3, 1)),
+    "one": ((7,), 0, (0, 0, 0), (4, 2, 5)),
+    "three": ((10, 12, 10), 6, (2, 0, 1, 2, 1, 0), (1, 1, 1, 1, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(_PREFIX_CASES))
+def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir, case):
+    """One prompt forward per group (KV cache repeated for the group) == padded per-sequence:
+    logprobs and LoRA gradients, through the logits and through the hidden states, for every
+    case above.
 
     In float64: the two paths sum in different orders, and float32 rounding of gradients up to
     ~20 differs by CPU kernel (AVX2 vs AVX-512) by more than the tolerance below (logprobs are
     float32 by design, see grpo_torch.completion_logprobs)."""
     policy = load_policy(str(tiny_llama_dir), lora=LoraSettings(rank=4, alpha=8), seed=0,
                          dtype="float64")
+    lengths, shared, which, comp_lengths = _PREFIX_CASES[case]
     g = torch.Generator().manual_seed(3)
-    prompts = [tuple(torch.randint(7, 512, (p,), generator=g).tolist()) for p in (6, 11)]
-    seqs = [TrainSequence(prompts[i % 2], tuple(torch.randint(7, 512, (c,), generator=g).tolist()),
-                          tuple([-3.0] * c), advantage=1.0, group=i % 2)
-            for i, c in enumerate([1, 4, 6, 2, 5, 3])]  # interleaved groups, ragged completions
+    head = torch.randint(7, 512, (shared,), generator=g).tolist()
+    prompts = [tuple(head + torch.randint(7, 512, (p - shared,), generator=g).tolist())
+               for p in lengths]
+    if case == "nested":
+        prompts[1] = prompts[0]
+        prompts[0] = prompts[0][:5]
+    seqs = [TrainSequence(prompts[w], tuple(torch.randint(7, 512, (c,), generator=g).tolist()),
+                          tuple([-3.0] * c), advantage=1.0, group=w)
+            for w, c in zip(which, comp_lengths, strict=True)]
     batch = collate(seqs, policy.pad_id, policy.device)
     width = batch["completion_mask"].shape[1]
     with torch.no_grad():  # a non-zero adapter, so the gradient reaches both A and B
@@ -237,22 +259,26 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir)
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     results = []
-    for path in ("padded", "shared"):
+    for path in ("padded", "shared", "shared hidden"):
         policy.model.zero_grad(set_to_none=True)
         if path == "padded":
             logits = policy.completion_logits(batch["input_ids"], batch["attention_mask"], width)
-        else:
+        elif path == "shared":
             logits = policy.shared_prefix_logits([s.prompt_ids for s in seqs],
                                                  batch["completion_ids"])
+        else:
+            logits = policy.shared_prefix_hidden([s.prompt_ids for s in seqs],
+                                                 batch["completion_ids"]) @ policy.head_weight.T
         lp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], 0.9)
         (lp * batch["completion_mask"]).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
         results.append((lp.detach() * batch["completion_mask"], grads))
-    (lp_a, g_a), (lp_b, g_b) = results
+    (lp_a, g_a) = results[0]
     assert g_a.dtype == torch.float64
-    assert torch.allclose(lp_a, lp_b, atol=1e-5)
     assert g_a.abs().sum() > 0
-    assert torch.allclose(g_a, g_b, rtol=1e-4, atol=1e-6)
+    for lp_b, g_b in results[1:]:
+        assert torch.allclose(lp_a, lp_b, atol=1e-5)
+        assert torch.allclose(g_a, g_b, rtol=1e-4, atol=1e-6)
     policy.model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
