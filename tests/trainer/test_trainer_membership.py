@@ -43,6 +43,7 @@ def rotation(m: Membership) -> list[str]:
 
 def test_static_node_probed_into_and_out_of_rotation(members) -> None:
     assert members.probes_due(0.0) == [A] and rotation(members) == []
+    assert members.state(A).why_out() == "unhealthy: no GetNodeInfo answer yet"
     effects = members.probe_answered(A, info(), observed_at=1.0)
     assert rotation(members) == [A]
     assert [s.address for s in effects.notify] == [A] and effects.touched == {A}

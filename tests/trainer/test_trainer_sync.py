@@ -63,6 +63,9 @@ def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
                            probe_interval_s=0.5)
     pool.wait_for_nodes(4, timeout_s=10)
     wait_until(lambda: pool.node(other_model.address).excluded, 5, "the mismatch to be seen")
+    # The late node must have been probed (and refused) once, or its skip reason is only
+    # "no GetNodeInfo answer yet" (seen once on a fast CI machine).
+    wait_until(lambda: pool.node(late.address).last_error, 5, "the late node's failed probe")
 
     files, manifest = adapter(1)
     report = sync.push(1, files, manifest)

@@ -134,7 +134,7 @@ class NodeState:
         if self.benched:
             return f"benched: {self.benched}"
         if not self.healthy:
-            return f"unhealthy{': ' + self.last_error if self.last_error else ''}"
+            return f"unhealthy: {self.last_error or 'no GetNodeInfo answer yet'}"
         if self.syncing:
             return "syncing: waits for the current adapter"
         return "not in rotation"
