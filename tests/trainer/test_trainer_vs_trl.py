@@ -16,7 +16,13 @@ trl = pytest.importorskip("trl")
 from gridrl.trainer import grpo  # noqa: E402
 from gridrl.trainer.backend import TrainSequence, UpdateConfig  # noqa: E402
 from gridrl.trainer.policy import LoraSettings, load_policy  # noqa: E402
-from gridrl.trainer.update import collate, grpo_update, sequence_logprobs  # noqa: E402
+from gridrl.trainer.update import (  # noqa: E402
+    collate,
+    grpo_update,
+    make_optimizer,
+    make_scheduler,
+    sequence_logprobs,
+)
 
 GROUPS, GROUP_SIZE, MAX_TOKENS, TEMPERATURE = 2, 4, 6, 0.9
 TRL_LOSS = {"sequence": "grpo", "token": "bnpo", "constant": "dr_grpo"}
@@ -45,10 +51,10 @@ def policy(tiny_llama_dir):
     return pol
 
 
-def _batch(policy, cfg: UpdateConfig) -> list[TrainSequence]:
+def _batch(policy, cfg: UpdateConfig, seed: int = 5) -> list[TrainSequence]:
     """Two groups of four completions of different lengths with on-policy behaviour logprobs
     (the trainer's own, so gridrl's ratio is exactly TRL's 1)."""
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     rewards = torch.rand(GROUPS, GROUP_SIZE, generator=g)
     adv = grpo.group_advantages(rewards.numpy())
     seqs = []
@@ -64,7 +70,8 @@ def _batch(policy, cfg: UpdateConfig) -> list[TrainSequence]:
             for s, lp in zip(seqs, own, strict=True)]
 
 
-def _trl_loss_and_grads(policy, seqs, aggregation, tmp_path):
+def _trl_trainer(policy, aggregation, tmp_path, **settings):
+    """A ``GRPOTrainer`` on a copy of ``policy``'s peft model (same LoRA weights)."""
     from datasets import Dataset
 
     model = copy.deepcopy(policy.model)
@@ -73,21 +80,30 @@ def _trl_loss_and_grads(policy, seqs, aggregation, tmp_path):
         temperature=TEMPERATURE, max_completion_length=MAX_TOKENS,
         per_device_train_batch_size=GROUPS * GROUP_SIZE, num_generations=GROUP_SIZE,
         gradient_checkpointing=False, bf16=False, use_cpu=True, report_to=[],
-        disable_dropout=True, max_steps=1)
+        disable_dropout=True, **{"max_steps": 1, **settings})
     trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
         completions), args=args, train_dataset=Dataset.from_list([{"prompt": "a b"}] * 8),
         processing_class=policy.tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _trl_inputs(policy, seqs) -> dict:
+    """``seqs`` as the inputs TRL's ``_prepare_inputs`` hands to ``compute_loss``."""
     batch = collate(seqs, policy.pad_id, torch.device("cpu"))
     p_width = batch["input_ids"].shape[1] - batch["completion_ids"].shape[1]
-    inputs = {"prompt_ids": batch["input_ids"][:, :p_width],
-              "prompt_mask": batch["attention_mask"][:, :p_width],
-              "completion_ids": batch["completion_ids"],
-              "completion_mask": batch["completion_mask"].long(),
-              "advantages": batch["advantages"], "old_per_token_logps": None,
-              "num_items_in_batch": batch["completion_mask"].sum()}
-    trainer.current_gradient_accumulation_steps = 1
+    return {"prompt_ids": batch["input_ids"][:, :p_width],
+            "prompt_mask": batch["attention_mask"][:, :p_width],
+            "completion_ids": batch["completion_ids"],
+            "completion_mask": batch["completion_mask"].long(),
+            "advantages": batch["advantages"], "old_per_token_logps": None,
+            "num_items_in_batch": batch["completion_mask"].sum()}
+
+
+def _trl_loss_and_grads(policy, seqs, aggregation, tmp_path):
+    trainer = _trl_trainer(policy, aggregation, tmp_path)
     trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, inputs)
+    loss = trainer.compute_loss(trainer.model, _trl_inputs(policy, seqs))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in sorted(trainer.model.named_parameters())
              if p.requires_grad}
@@ -114,3 +130,54 @@ def test_one_batch_loss_and_lora_gradients_equal_trls(policy, aggregation, tmp_p
         want = trl_grads[name]
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * total), (
             name, float((got - want).abs().max()))
+
+
+STEPS, LR = 3, 1e-2
+
+
+@pytest.mark.parametrize(("schedule", "weight_decay"), [("constant", 0.0), ("linear", 0.1)])
+def test_three_steps_with_the_optimizer_end_at_trls_lora_weights(policy, schedule, weight_decay,
+                                                                  tmp_path):
+    """The optimizer side: three updates, each on its own fixed batch with on-policy behaviour
+    logprobs, through gridrl's ``grpo_update`` with its AdamW and lr schedule
+    (``make_optimizer``, ``make_scheduler``) and through TRL's own ``training_step`` (its loss
+    and HF's backward) followed by the steps of the Trainer loop in its order (clip to
+    ``max_grad_norm``, optimizer, scheduler, zero_grad). The clip is hit (pre-clip norms > 1),
+    so clipping, AdamW's moments and bias correction, weight decay and the schedule all show;
+    the weights must agree to 1e-4 of how far each LoRA tensor moved.
+    (Warmup is not compared: HF's linear warmup gives the first step lr 0, gridrl's
+    ``(step + 1) / warmup_steps`` does not spend a step on nothing.)"""
+    cfg = UpdateConfig(temperature=TEMPERATURE, max_tokens=MAX_TOKENS, aggregation="sequence",
+                       max_grad_norm=1.0, eps_low=0.2, beta=0.0)
+    mine = copy.deepcopy(policy)
+    optimizer = make_optimizer(mine.trainable_parameters(), lr=LR, weight_decay=weight_decay)
+    scheduler = make_scheduler(optimizer, schedule=schedule, warmup_steps=0, total_steps=STEPS)
+    trainer = _trl_trainer(policy, "sequence", tmp_path, learning_rate=LR, max_steps=STEPS,
+                           weight_decay=weight_decay, lr_scheduler_type=schedule,
+                           warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch",
+                           adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8)
+    trainer.create_optimizer_and_scheduler(num_training_steps=STEPS)
+    trainer._prepare_inputs = lambda inputs: inputs  # the batch is given, not generated
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in mine.model.named_parameters() if p.requires_grad}
+
+    for step in range(STEPS):
+        seqs = _batch(mine, cfg, seed=5 + step)  # on-policy for the current weights
+        stats = grpo_update(mine, optimizer, scheduler, seqs, cfg)
+        inputs = _trl_inputs(policy, seqs)
+        trainer.training_step(model, inputs, inputs["num_items_in_batch"])
+        trl_norm = float(trainer._clip_grad_norm(model))
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        model.zero_grad()
+
+        assert trl_norm > 1.0 and stats.grad_norm == pytest.approx(trl_norm, rel=1e-4)
+        theirs_lr = set(trainer.lr_scheduler.get_last_lr())  # HF splits decay / no-decay groups
+        assert len(theirs_lr) == 1 and scheduler.get_last_lr() == pytest.approx([*theirs_lr])
+        theirs = dict(model.named_parameters())
+        for name, p in mine.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            moved = float((p.detach() - before[name]).norm())
+            diff = float((p.detach() - theirs[name].detach()).norm())
+            assert moved > 0 and diff <= 1e-4 * moved, (step, name, diff, moved)
