@@ -56,6 +56,7 @@ def test_push_serves_exactly_what_peft_gives(live_node, tiny_llama_dir, tiny_ada
     assert (info.adapter.name, info.adapter.version) == ("a", 2)
     assert [(r.name, r.version) for r in info.stored_adapters] == [("a", 1), ("a", 2)]
     root = node.node.adapters.store.pushed_root
+    assert node.node.adapters.flush(timeout=30)  # the push is stored after its reply
     assert tree(root) == ["a", "a/v1", *[f"a/v1/{p}" for p in sorted(
         [".gridrl-adapter.json", *read_dir(tiny_adapters["a"])])], "a/v2", *[
         f"a/v2/{p}" for p in sorted([".gridrl-adapter.json", *read_dir(tiny_adapters["b"])])]]

@@ -63,7 +63,7 @@ def test_registers_heartbeats_and_survives_the_master(live_node, start_master,
     wait_until(lambda: len(_nodes(master.address)) == 1)
     back = _nodes(master.address)[0]
     assert back.info.address == node.node.address and back.info.adapter.version == 4
-    assert node.node.registrar.registered
+    wait_until(lambda: node.node.registrar.registered)  # the reply may land after the record
 
     node.close()  # deregisters on the way out
     wait_until(lambda: not _nodes(master.address))

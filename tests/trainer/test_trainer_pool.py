@@ -247,6 +247,7 @@ def test_wait_for_nodes_timeout_names_nodes(farm, make_pool) -> None:
     node = farm.start()
     node.down = True
     pool = make_pool([node.address])
+    wait_until(lambda: pool.node(node.address).last_error, 5, "the first probe to fail")
     with pytest.raises(TimeoutError) as e:
         pool.wait_for_nodes(1, timeout_s=0.5)
     assert node.address in str(e.value) and "UNAVAILABLE" in str(e.value)

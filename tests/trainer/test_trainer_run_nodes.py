@@ -58,6 +58,18 @@ def node_adapter(address: str):
             rollout_pb2.GetNodeInfoRequest(), timeout=10).info.adapter
 
 
+def warm_up(address: str) -> None:
+    """One group through ``address`` (compiles the node's kernels), so the pool's latency
+    estimates in the run are steady-state ones, not a cold start's."""
+    from gridrl.common.channel import dial
+    from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+    with dial(address) as channel:
+        rollout_pb2_grpc.RolloutServiceStub(channel).Generate(rollout_pb2.GenerateRequest(
+            prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
+                n=4, max_tokens=8, temperature=1.0)), timeout=120)
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -90,6 +102,8 @@ def test_torch_and_mlx_nodes_take_every_sync(tiny_llama_dir, tmp_path, service_f
                           extra=("--capacity", "4"))
     run_dir = tmp_path / "run"
     nodes = [torch_node.address, mlx_node.address]
+    for node in nodes:  # a cold first group (the mlx node compiles) must not starve it later
+        warm_up(node)
     run_trainer(trainer_args(tiny_llama_dir, run_dir, nodes, steps=4, min_nodes=2,
                              sync_every=1, eval_every=4, prompts_per_step=16, backend=trainer))
     steps = step_records(run_dir)

@@ -87,8 +87,10 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
 def test_second_ctrl_c_aborts_and_names_the_lost_steps(tiny_llama_dir, tmp_path):
     data, reward = write_task_files(tmp_path)
     run_dir, log_path = tmp_path / "run", tmp_path / "log"
+    # steps long enough (32 tokens) that the second Ctrl-C lands while a step is in progress
+    # even on a machine twice as fast as this one
     args = run_args(tiny_llama_dir, data, reward, run_dir, steps=60, checkpoint_every=2,
-                    eval_every=100)
+                    eval_every=100, max_tokens=32)
     with trainer_process(args, log_path) as proc:
         wait_for_step(run_dir, 3, proc, timeout=180)
         proc.send_signal(signal.SIGINT)
