@@ -30,7 +30,7 @@ def setup():
     farm = NodeFarm()
     made = []
 
-    def make(n_nodes: int = 1, kl: float = 1e-7, version: int = 1):
+    def make(n_nodes: int = 1, kl: float = 1e-7, version: int = 1, interval_s: float = 0.2):
         nodes = [farm.start() for _ in range(n_nodes)]
         pool = NodePool(master=None, addresses=[n.address for n in nodes],
                         model_identity=IDENTITY, probe_interval_s=0.2, wait_for_nodes_s=20)
@@ -51,7 +51,8 @@ def setup():
         probation = Probation(pool, sync, check_kl=check_kl,
                               current_version=lambda: current["version"],
                               bound=lambda node: 0.01, prompt=[5, 6, 7], sampling=SAMPLING,
-                              console=console, interval_s=0.2, max_interval_s=0.4)
+                              console=console, interval_s=interval_s,
+                              max_interval_s=2 * interval_s)
         probation.start()
         made.append((pool, sync, probation))
         return nodes, pool, probation, measured, console, current
@@ -96,11 +97,16 @@ def test_flagged_node_gets_no_group_until_it_passes_a_fresh_check(setup) -> None
 
 
 def test_a_check_waits_for_the_trainers_version_to_be_pushed(setup) -> None:
-    [node], pool, probation, measured, _, current = setup(version=2)
+    """Waiting for the push is not a failed check: the check follows within ``poll_s``, not
+    after the failed-check back-off (here 60 s)."""
+    [node], pool, probation, measured, _, current = setup(version=2, interval_s=60.0)
     pushes = len(node.pushes)
     probation.flag(node.address, "stale: ...")
     wait_until(lambda: probation.pending() == [node.address], 5, "the node under review")
+    wait_until(lambda: probation.last_review(node.address), 5, "the first review")
     # the trainer is at version 2, the newest push is 1: nothing to check against yet
+    assert probation.last_review(node.address) == (
+        "waits for the trainer's policy version 2 to be pushed (newest pushed: 1)")
     assert measured["calls"] == 0 and len(node.pushes) == pushes
     current["version"] = 1
     wait_until(lambda: pool.node(node.address).in_rotation, 10, "the node readmitted")

@@ -9,7 +9,8 @@
 When the monitor (``monitor.py``) flags a node for stale or mismatched samples, the node is
 benched in the pool (no new groups) and the loop keeps every sample of it that still arrives
 out of the update (``admission.py``). The ``probation`` thread then reviews it, at once and
-again every ``interval_s`` (doubling after each failed review, up to ``max_interval_s``):
+again every ``interval_s`` (doubling after each failed check, up to ``max_interval_s``; a
+node not checked yet because its push is pending is looked at again every ``poll_s``):
 
 1. it waits until the trainer's current version is the newest one pushed (with
    ``--sync-every`` > 1 the nodes get the trainer's weights only at syncs);
@@ -92,13 +93,17 @@ class Probation:
         console: a ``rich`` console for the review lines, or None.
         interval_s: seconds between reviews of a node that failed one (doubling).
         max_interval_s: the longest interval.
+        poll_s: seconds between reviews of a node that has not failed a check yet but could
+            not be checked (its adapter not pushed yet, or unreachable): such a review is a
+            look at the pool's state, no RPC, so the check follows the push within ``poll_s``.
     """
 
     def __init__(self, pool: Any, sync: Any, *,
                  check_kl: Callable[[Sequence[int], Sequence[Any]], float | None],
                  current_version: Callable[[], int], bound: Callable[[str], float],
                  prompt: Sequence[int], sampling: Mapping[str, Any], console: Any = None,
-                 interval_s: float = 5.0, max_interval_s: float = 60.0) -> None:
+                 interval_s: float = 5.0, max_interval_s: float = 60.0,
+                 poll_s: float = 0.2) -> None:
         self.pool = pool
         self.sync = sync
         self._check_kl = check_kl
@@ -109,11 +114,13 @@ class Probation:
         self._console = console
         self.interval_s = interval_s
         self.max_interval_s = max_interval_s
+        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._due: dict[str, float] = {}  # flagged node -> monotonic time of its next review
         self._failed: dict[str, int] = {}  # flagged node -> failed reviews
         self._readmitted: dict[str, str] = {}
+        self._last: dict[str, str] = {}  # flagged node -> why its last review kept it benched
         self._closed = False
         self._reviews = 0
         self._thread = threading.Thread(target=self._run, name="probation", daemon=True)
@@ -136,6 +143,7 @@ class Probation:
         with self._lock:
             self._due[address] = 0.0
             self._failed[address] = 0
+            self._last.pop(address, None)
             self._wake.notify_all()
 
     def drain(self) -> dict[str, str]:
@@ -148,6 +156,12 @@ class Probation:
         """Nodes under review, sorted."""
         with self._lock:
             return sorted(self._due)
+
+    def last_review(self, address: str) -> str | None:
+        """Why the last review of ``address`` kept it benched (e.g. "waits for the trainer's
+        policy version 2 to be pushed ..."); None before its first review or once it is back."""
+        with self._lock:
+            return self._last.get(address)
 
     # ------------------------------------------------------------------ the thread
 
@@ -174,11 +188,14 @@ class Probation:
                     if not why:
                         del self._due[address]
                         self._failed.pop(address, None)
+                        self._last.pop(address, None)
                         continue
+                    self._last[address] = why
                     n = self._failed.get(address, 0) + checked
                     self._failed[address] = n
-                    self._due[address] = time.monotonic() + min(
-                        self.max_interval_s, self.interval_s * 2 ** max(0, n - 1))
+                    delay = (min(self.poll_s, self.interval_s) if n == 0 else
+                             min(self.max_interval_s, self.interval_s * 2 ** (n - 1)))
+                    self._due[address] = time.monotonic() + delay
 
     def _review(self, address: str) -> tuple[str, bool]:
         """One review of a flagged node: ("", True) when it was readmitted, else (why not,
@@ -188,6 +205,7 @@ class Probation:
         if state is None or not state.flagged:  # left the pool, or unflagged meanwhile
             with self._lock:
                 self._due.pop(address, None)
+                self._last.pop(address, None)
             return "", True
         if state.excluded or not state.healthy:
             return "unreachable", False
