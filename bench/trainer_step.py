@@ -6,6 +6,7 @@ with ``TrainerBackend.generate`` (``--rollout local``) and run ``TrainerBackend.
 them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio of the step.
 
     python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2] [--model M]
+    python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
 
 ``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
@@ -28,11 +29,13 @@ from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.tasks import ReverseWords, encode_chat
 
 
-def demo_backend(backend_name: str, model: str):
-    """The demo's trainer backend: ``model`` in fp32 with a r16 all-linear LoRA, local sampler."""
+def demo_backend(backend_name: str, model: str, update_dtype: str = "float32"):
+    """The demo's trainer backend: ``model`` in fp32 with a r16 all-linear LoRA, local sampler;
+    the update in ``update_dtype`` (``--update-dtype``)."""
     cfg = TrainConfig(model=model, backend=backend_name, lora_rank=16,
                       lora_alpha=32.0, lr=3e-4, steps=60, max_tokens=24, temperature=1.0,
-                      rollout=["local"], run_dir="unused", seed=0).finalize()
+                      rollout=["local"], run_dir="unused", seed=0,
+                      update_dtype=update_dtype).finalize()
     return create_backend(cfg)
 
 
@@ -55,9 +58,11 @@ def sequences(prompts, results, seed: int) -> list[TrainSequence]:
             for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
 
 
-def measure(backend_name: str, steps: int, model: str) -> list[dict]:
-    """Per step: sample and update wall/CPU seconds on ``backend_name``."""
-    backend = demo_backend(backend_name, model)
+def measure(backend_name: str, steps: int, model: str, update_dtype: str = "float32"
+            ) -> list[dict]:
+    """Per step: sample and update wall/CPU seconds on ``backend_name``, and the mismatch KL
+    between the (float32) sampler and the update's logprobs."""
+    backend = demo_backend(backend_name, model, update_dtype)
     task = ReverseWords(seed=0, min_words=3, max_words=4)
     rows = []
     try:
@@ -68,7 +73,8 @@ def measure(backend_name: str, steps: int, model: str) -> list[dict]:
             w1, c1 = time.perf_counter(), time.process_time()
             stats = backend.update(sequences(prompts, results, step))
             w2, c2 = time.perf_counter(), time.process_time()
-            rows.append({"backend": backend_name, "step": step + 1,
+            rows.append({"backend": backend_name, "update dtype": update_dtype,
+                         "step": step + 1,
                          "sample s": round(w1 - w0, 2), "sample cpu s": round(c1 - c0, 2),
                          "update s": round(w2 - w1, 2), "update cpu s": round(c2 - c1, 2),
                          "step s": round(w2 - w0, 2), "mismatch kl": f"{stats.mismatch_kl:.1e}"})
@@ -111,6 +117,8 @@ def main() -> None:
     parser.add_argument("--backend", action="append", choices=["torch", "mlx"])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--update-dtype", action="append", choices=["float32", "bfloat16"],
+                        help="torch: the update's dtype (repeatable; default float32)")
     parser.add_argument("--compare-logits", type=int, default=0, metavar="N",
                         help="torch: alternate N updates with and without the fused head")
     args = parser.parse_args()
@@ -118,10 +126,19 @@ def main() -> None:
     if args.compare_logits:
         compare_logits(args.compare_logits, args.model)
         return
-    rows = [r for b in (args.backend or ["torch", "mlx"]) for r in measure(b, args.steps, args.model)]
+    rows = [r for b in (args.backend or ["torch", "mlx"])
+            for dtype in (args.update_dtype or ["float32"])
+            for r in measure(b, args.steps, args.model, dtype)]
     header = list(rows[0])
     print(table([[str(r[k]) for k in header] for r in rows], header))
-    last = {r["backend"]: r["step s"] for r in rows}
+    last = {r["backend"]: r["step s"] for r in rows if r["update dtype"] == "float32"}
+    update = {d: float(np.median([r["update s"] for r in rows if r["backend"] == "torch"
+                                  and r["update dtype"] == d and r["step"] > 1]))
+              for d in ("float32", "bfloat16")
+              if any(r["update dtype"] == d and r["step"] > 1 for r in rows)}
+    if len(update) == 2:
+        print(f"torch update, bfloat16 / float32 (median after step 1): "
+              f"{update['bfloat16'] / update['float32']:.2f}x")
     if {"torch", "mlx"} <= set(last):
         print(f"mlx / torch, last step: {last['mlx'] / last['torch']:.2f}x")
 

@@ -444,6 +444,33 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
                if k in ("exp_avg", "exp_avg_sq"))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "avx2-cpu"])
+def test_a_bfloat16_update_without_bf16_instructions_is_warned_at_start(tiny_llama_dir,
+                                                                       monkeypatch, caplog,
+                                                                       native):
+    """On a CPU whose bfloat16 products are emulated (measured 21x slower than float32 on an
+    AVX2 EPYC), ``--update-dtype bfloat16`` starts with a warning naming the flag; a CPU with
+    AVX-512-bf16 / AMX, and a float32 update, start without one."""
+    import logging
+
+    from gridrl.trainer import torch_backend
+    from gridrl.trainer.backend import create_backend
+    from gridrl.trainer.config import TrainConfig
+
+    monkeypatch.setattr(torch_backend, "cpu_has_bf16_compute", lambda: native)
+    caplog.set_level(logging.WARNING, logger=torch_backend.__name__)
+    for dtype in ("float32", "bfloat16"):
+        caplog.clear()
+        create_backend(TrainConfig(
+            model=str(tiny_llama_dir), backend="torch", lora_rank=4, lora_alpha=8.0, steps=2,
+            max_tokens=8, device="cpu", dtype="float32", rollout=["local"], run_dir="unused",
+            update_dtype=dtype).finalize()).close()
+        warned = [r.getMessage() for r in caplog.records if "--update-dtype" in r.getMessage()]
+        assert len(warned) == (dtype == "bfloat16" and not native), warned
+    if not native:
+        assert "--update-dtype float32" in warned[0]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_head_logprobs_equal_the_full_logits_path_and_its_gradient(temperature):
     """The chunked, fused head gives completion_logprobs(hidden @ W.T) and, over ragged
