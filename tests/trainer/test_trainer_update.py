@@ -448,9 +448,9 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
 def test_a_bfloat16_update_without_bf16_instructions_is_warned_at_start(tiny_llama_dir,
                                                                        monkeypatch, caplog,
                                                                        native):
-    """On a CPU whose bfloat16 products are emulated (measured 21x slower than float32 on an
-    AVX2 EPYC), ``--update-dtype bfloat16`` starts with a warning naming the flag; a CPU with
-    AVX-512-bf16 / AMX, and a float32 update, start without one."""
+    """On a CPU where oneDNN has no bfloat16 path (measured 21x slower than float32 on an AVX2
+    EPYC), ``--update-dtype bfloat16`` starts with a warning naming the flag; a CPU with one,
+    and a float32 update, start without it."""
     import logging
 
     from gridrl.trainer import torch_backend

@@ -86,9 +86,10 @@ def load_state_bytes(data: bytes) -> Any:
 
 
 def cpu_has_bf16_compute() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (x86: AVX-512-bf16 or AMX, which oneDNN
-    reports as its bf16 path; torch's bfloat16 products elsewhere convert to float32 and run
-    far slower than float32's own, measured 21x for the demo's update on an AVX2 EPYC)."""
+    """Whether oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ, with native dot
+    products where AVX-512-bf16 or AMX is present, or AVX-NE-CONVERT). Without one, torch's
+    bfloat16 products run far slower than float32's: 21x for the demo's update on an AVX2-only
+    AMD EPYC (docs/benchmarks.md)."""
     return bool(torch.backends.mkldnn.is_available()
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -151,9 +152,10 @@ class TorchTrainerBackend(TrainerBackend):
                                    warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         if cfg.update_dtype == "bfloat16" and policy.device.type == "cpu" \
                 and not cpu_has_bf16_compute():
-            log.warning("--update-dtype bfloat16 on a CPU without bfloat16 dot-product "
-                        "instructions (AVX-512-bf16 or AMX): the update runs ~20x slower than "
-                        "float32 here (docs/benchmarks.md); use --update-dtype float32")
+            log.warning("--update-dtype bfloat16 on a CPU where oneDNN has no bfloat16 path "
+                        "(no AVX-512 or AVX-NE-CONVERT): the update runs ~20x slower than "
+                        "float32 (measured on an AVX2 CPU, docs/benchmarks.md); use "
+                        "--update-dtype float32")
         return cls(policy, optimizer, scheduler, UpdateConfig.from_config(cfg),
                    make_parallel(policy.model, policy.device))
 
