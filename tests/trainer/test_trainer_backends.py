@@ -195,6 +195,48 @@ def test_the_eval_with_a_shared_prefix_is_the_plain_eval(make_backend):
         second.score, second.exact, second.stderr, second.examples)
 
 
+def test_a_slow_eval_says_so_and_a_fast_one_stays_silent(make_backend, caplog):
+    """An eval still decoding after ``status_delay_s`` logs a status line naming the policy
+    version and the prompts (off a terminal: plain log records, then "done after"); with the
+    default delay a quick eval logs nothing."""
+    import logging
+    import threading
+
+    from gridrl.trainer.evaluation import Evaluator
+    from gridrl.trainer.tasks import ReverseWords
+
+    caplog.set_level(logging.INFO, logger="gridrl.progress")
+    backend = make_backend()
+    task = ReverseWords(seed=0, min_words=3, max_words=4, eval_size=4)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "gridrl.progress"]
+
+    Evaluator(backend, task, max_tokens=4).run(policy_version=0)
+    assert said() == []
+
+    generate, shown = backend.generate, threading.Event()
+
+    def slow_generate(*args, **kwargs):  # returns once the status line has spoken
+        for _ in range(2000):
+            if said():
+                shown.set()
+                break
+            threading.Event().wait(0.01)
+        return generate(*args, **kwargs)
+
+    backend.generate = slow_generate
+    try:
+        result = Evaluator(backend, task, max_tokens=4, status_delay_s=0).run(policy_version=3)
+    finally:
+        backend.generate = generate
+    assert shown.is_set() and result.n == 4
+    first, last = said()[0], said()[-1]
+    assert first.startswith("held-out eval of policy version 3: 4 prompts, greedy")
+    assert last.startswith("held-out eval of policy version 3: 4 prompts") and \
+        ": done after " in last
+
+
 def test_update_at_ratio_one_gives_the_grpo_values(make_backend):
     """On-policy behaviour (ratio 1 everywhere): mismatch KL 0, nothing clipped, and the
     sequence-aggregated loss is -mean(A); with beta > 0 the reference KL is 0 at the start

@@ -55,12 +55,18 @@ class Evaluator:
         shared_prefix: let the backend prefill the eval prompts' common prefix (the task's
             system prompt, chat template included) once (the same greedy completions up to
             float rounding of the logits; False: every prompt prefilled whole).
+        status_delay_s: an eval still decoding after this many seconds says so, with the
+            time it has taken, on a status line (a log line off a terminal,
+            :class:`gridrl.common.progress.StatusLine`): a slow backend (MLX's CPU build, a
+            large model) is not silence. Evals faster than that show nothing.
     """
 
     def __init__(self, backend: Any, task: Task, *, max_tokens: int,
-                 rewards: Any | None = None, shared_prefix: bool = True) -> None:
+                 rewards: Any | None = None, shared_prefix: bool = True,
+                 status_delay_s: float = 30.0) -> None:
         self.backend = backend
         self.shared_prefix = shared_prefix
+        self.status_delay_s = status_delay_s
         self.task = task
         self.max_tokens = max_tokens
         self.rewards = rewards
@@ -71,12 +77,17 @@ class Evaluator:
     def run(self, policy_version: int) -> EvalResult:
         """Decode every eval prompt greedily (temperature 0) with the backend and score it.
         ``policy_version`` is the trainer's version, recorded with the result."""
+        from gridrl.common.progress import StatusLine
         from gridrl.engine.contract import SamplingConfig
 
         start = time.perf_counter()
         config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
-        results = self.backend.generate(self.prompt_ids, config, [0] * len(self.prompt_ids),
-                                        shared_prefix=self.shared_prefix)
+        with StatusLine(f"held-out eval of policy version {policy_version}: "
+                        f"{len(self.prompt_ids)} prompts, greedy, on the trainer's weights",
+                        delay_s=self.status_delay_s):
+            results = self.backend.generate(self.prompt_ids, config,
+                                            [0] * len(self.prompt_ids),
+                                            shared_prefix=self.shared_prefix)
         completions = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
                        for r in results]
         prompts = [item.prompt for item in self.items]
