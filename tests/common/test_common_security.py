@@ -336,3 +336,36 @@ def test_servers_never_share_a_port() -> None:
     finally:
         for server in raw:
             server.stop(None)
+
+
+def test_a_taken_port_is_probed_without_the_token(tmp_path: Path) -> None:
+    """A server starting on a port something else already holds asks the holder what it is
+    (reflection) before refusing: it never sends its bearer token to it, which a local user
+    who grabbed the port first would otherwise read."""
+    from concurrent import futures
+
+    import click
+
+    from gridrl.common.cli import check_ports_free
+    from gridrl.common.probe import list_services
+
+    seen: list[tuple] = []
+
+    class Recorder(grpc.GenericRpcHandler):
+        def service(self, handler_call_details):
+            seen.append(tuple(handler_call_details.invocation_metadata))
+            return None  # UNIMPLEMENTED
+
+    squatter = grpc.server(futures.ThreadPoolExecutor(2), handlers=[Recorder()])
+    port = squatter.add_insecure_port("127.0.0.1:0")
+    squatter.start()
+    token = "gridrl_" + "s3cret" * 6
+    try:
+        assert list_services(f"127.0.0.1:{port}", Security(token=token), timeout_s=5) is None
+        with pytest.raises(click.BadParameter, match=f"127.0.0.1:{port} is already in use"):
+            check_ports_free("127.0.0.1", port, -1, Security(token=token))
+    finally:
+        squatter.stop(None)
+    assert len(seen) == 2  # both asked
+    assert not any(key == "authorization" or token in str(value)
+                   for metadata in seen for key, value in metadata)

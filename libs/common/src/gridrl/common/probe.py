@@ -38,10 +38,17 @@ def list_services(address: str, security: object | None = None,
 
     Args:
         address: host:port (already validated).
-        security: a :class:`gridrl.common.security.Security` for TLS, or None.
+        security: a :class:`gridrl.common.security.Security` for TLS, or None. Its bearer
+            token is never sent: reflection needs none, and whatever answers at
+            ``address`` (a port taken before a server starts, a mistyped address) is not
+            known to be ours.
     """
+    import dataclasses
+
     from gridrl.common.channel import dial
 
+    if getattr(security, "token", None) is not None:
+        security = dataclasses.replace(security, token=None)  # type: ignore[type-var]
     request = reflection_pb2.ServerReflectionRequest(list_services="")
     try:
         with dial(address, security) as channel:
