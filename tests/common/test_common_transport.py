@@ -72,6 +72,23 @@ def test_refusals() -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("chunk.")
 
 
+@pytest.mark.parametrize("name", ["", "..", ".x", "-x", "a/b", "a b", "r\u00e9sum\u00e9",
+                                  "x" * 129])
+def test_adapter_names_that_cannot_name_a_store_directory_are_refused(name) -> None:
+    """The adapter name becomes a directory in the node's store: ASCII letters, digits and
+    ``._-``, starting with a letter or digit, at most 128 characters (the trainer's
+    ``--run-name`` follows the same rule)."""
+    code, msg = _code([rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(
+        manifest=manifest_to_proto(manifest(name=name))))])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg.startswith("header.manifest.name") and "1-128 characters" in msg
+
+
+def test_the_longest_adapter_name_is_accepted() -> None:
+    got = receive_push(list(push_requests(manifest(name="r" * 128), FILES)), max_bytes=1 << 20)
+    assert got.manifest.name == "r" * 128
+
+
 def _undigested(files=FILES):
     m = manifest(files)
     for f in m["files"]:

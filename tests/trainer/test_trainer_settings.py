@@ -102,7 +102,10 @@ def test_resume_takes_the_same_settings_from_the_command_line_as_before():
     (dict(threads=-2), "--threads: must be >= 0, got -2"),
     (dict(wait_for_nodes_s=-1.0), "--wait-for-nodes-s: must be >= 0, got -1.0"),
     (dict(backend="jax"), "--backend: must be"),
-    (dict(run_name="my run/1"), "--run-name: 'my run/1' must match [A-Za-z0-9._-]+"),
+    (dict(run_name="my run/1"), "--run-name: 'my run/1' must be 1-128 characters of "
+                                "[A-Za-z0-9._-], starting with a letter or digit"),
+    (dict(run_name=".hidden"), "--run-name: '.hidden' must be 1-128 characters"),
+    (dict(run_name="x" * 129), "--run-name: '" + "x" * 129 + "' must be 1-128 characters"),
     (dict(rollout=["local", "h:1"]), "--rollout: 'local' cannot be mixed"),
     (dict(async_steps=1), "--async-steps: needs remote nodes"),
     (dict(rollout=["h:1"], sync_every=3, max_staleness=1), "--max-staleness: 1 is below 2"),

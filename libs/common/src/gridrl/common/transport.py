@@ -28,6 +28,7 @@ in memory, and the caller stores it atomically only once it is complete and veri
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -154,6 +155,10 @@ def _check_path(path: str, field_name: str) -> None:
         raise invalid_argument(field_name, f"{path!r} is not a relative path inside the adapter")
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+ADAPTER_NAME_RULE = "1-128 characters of [A-Za-z0-9._-], starting with a letter or digit"
+
+
 def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
     """Check a manifest before any byte is accepted.
 
@@ -162,8 +167,8 @@ def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
             RESOURCE_EXHAUSTED when the declared total exceeds ``max_bytes``.
     """
     prefix = "header.manifest"
-    if not m.name or not all(c.isalnum() or c in "._-" for c in m.name):
-        raise invalid_argument(f"{prefix}.name", f"{m.name!r} must match [A-Za-z0-9._-]+")
+    if not ADAPTER_NAME.fullmatch(m.name):  # ASCII only: it names store directories
+        raise invalid_argument(f"{prefix}.name", f"{m.name!r} must be {ADAPTER_NAME_RULE}")
     if m.version < 1:
         raise invalid_argument(f"{prefix}.version", "must be >= 1")
     if m.format not in _FORMAT_NAMES:

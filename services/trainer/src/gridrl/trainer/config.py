@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 import typing
 from collections.abc import Callable
@@ -107,9 +106,11 @@ def within(low: float, high: float, *, low_open: bool = False,
 
 
 def _run_name(v: str) -> str | None:
-    if re.fullmatch(r"[A-Za-z0-9._-]+", v):
+    from gridrl.common.transport import ADAPTER_NAME, ADAPTER_NAME_RULE
+
+    if ADAPTER_NAME.fullmatch(v):
         return None
-    return f"{v!r} must match [A-Za-z0-9._-]+ (it names the adapter on the nodes)"
+    return f"{v!r} must be {ADAPTER_NAME_RULE} (it names the adapter on the nodes)"
 
 
 POSITIVE = at_least(1)
