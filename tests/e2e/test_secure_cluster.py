@@ -91,6 +91,10 @@ def test_master_node_and_trainer_train_over_mutual_tls_with_scoped_credentials(
     last = next(r for r in steps if r.get("step") == 3)  # the sync is in the step's record
     assert (last["policy_version"], last["nodes_synced"]) == (3, 1), last
     assert "mutual TLS" in trainer.stdout + trainer.stderr  # its TrainerService too
+    # the trainer listed itself with its own credential (role trainer), then left
+    assert "register failed" not in trainer.stdout + trainer.stderr
+    assert re.search(r"registered 127\.0\.0\.1:\d+ as n-[0-9a-f]+ \(trainer\)", master.log())
+    assert re.search(r"credential 'trainer' holds 127\.0\.0\.1:\d+", master.log())
     assert not re.search(r"gridrl_[A-Za-z0-9_-]{43}", (run_dir / "config.json").read_text())
 
     # The node serves the pushed adapter; a read-only client sees it but may not switch it.

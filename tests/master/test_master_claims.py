@@ -1,6 +1,9 @@
 """A node credential registers, heartbeats and deregisters only its own address: the first
 credential to register an address holds it (across expiry and master restarts, through the
-store) until it is revoked; a credential minted with an address registers only that one."""
+store) until it is revoked; a credential minted with an address registers only that one, and
+nobody else may take that address first; aliases of an address (host case, a trailing dot,
+a zero-padded port) are the same address; a node credential lists rollout nodes and a trainer
+credential only its own trainer entry."""
 
 from __future__ import annotations
 
@@ -14,19 +17,20 @@ from gridrl.common.auth import AuthorizedTokens, mint, read_token_file, revoke
 from gridrl.common.channel import dial
 from gridrl.common.security import Security
 from gridrl.master.registry import node_id_for
-from gridrl.v1 import registry_pb2, registry_pb2_grpc
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 A, B = "10.0.0.1:6000", "10.0.0.2:6000"
 
 
 @pytest.fixture
 def cluster(tmp_path: Path, make_master):
-    """Three node credentials (``one``, ``two``; ``bound`` may register only B) and a
-    master reading them, with its store in ``tmp_path``."""
+    """Three node credentials (``one``, ``two``; ``bound`` may register only B), a trainer
+    credential (``trainer``) and a master reading them, with its store in ``tmp_path``."""
     authorized = tmp_path / "authorized_tokens"
     tokens = {}
-    for cid, address in (("one", None), ("two", None), ("bound", B)):
-        mint(authorized, tmp_path / cid, "node", cid, address)
+    for cid, scope, address in (("one", "node", None), ("two", "node", None),
+                                ("bound", "node", B), ("trainer", "trainer", None)):
+        mint(authorized, tmp_path / cid, scope, cid, address)
         tokens[cid] = read_token_file(tmp_path / cid)
 
     def start():
@@ -49,9 +53,9 @@ def _code(fn) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def _register(stub, address: str):
-    return lambda: stub.RegisterNode(registry_pb2.RegisterNodeRequest(node=node_info(address)),
-                                     timeout=10)
+def _register(stub, address: str, role: int = common_pb2.NODE_ROLE_ROLLOUT):
+    return lambda: stub.RegisterNode(
+        registry_pb2.RegisterNodeRequest(node=node_info(address, role=role)), timeout=10)
 
 
 def _heartbeat(stub, address: str):
@@ -109,3 +113,53 @@ def test_without_credentials_no_claim_is_checked(make_master) -> None:
     stub = registry_pb2_grpc.RegistryServiceStub(dial(master.address))
     assert _code(_register(stub, A)) == grpc.StatusCode.OK
     assert master.claims is None
+
+
+def test_an_address_minted_for_a_credential_is_reserved_before_it_registers(cluster) -> None:
+    """Without the reservation, any node credential registering B first would hold it and
+    lock the real node (minted for B) out."""
+    start, tokens, authorized = cluster
+    master = start()
+    one = _stub(master, tokens["one"])
+    assert _code(_register(one, B)) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code.details == (f"node.address: {B} is reserved for credential 'bound' (minted "
+                             "for it); credential 'one' may not register it")
+    assert _code(_register(one, "10.0.0.2:06000")) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(_register(_stub(master, tokens["bound"]), B)) == grpc.StatusCode.OK
+    revoke(authorized, "bound")  # the reservation ends with the credential
+    assert _code(_register(one, B)) == grpc.StatusCode.OK
+
+
+def test_aliases_of_a_held_address_are_that_address(cluster) -> None:
+    start, tokens, _ = cluster
+    master = start()
+    one, two = _stub(master, tokens["one"]), _stub(master, tokens["two"])
+    assert _code(_register(one, "host-a.lan:6000")) == grpc.StatusCode.OK
+    for alias in ("HOST-A.lan:6000", "host-a.lan.:6000", "host-a.lan:06000"):
+        assert _code(_register(two, alias)) == grpc.StatusCode.PERMISSION_DENIED, alias
+        assert "is held by credential 'one'" in _code.details
+    assert _code(_register(one, "Host-A.lan:6000")) == grpc.StatusCode.OK  # its own, any case
+    assert _code(_heartbeat(two, "Host-A.lan:6000")) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_trainer_credential_lists_its_own_trainer_entry_only(cluster) -> None:
+    start, tokens, _ = cluster
+    master = start()
+    trainer, one = _stub(master, tokens["trainer"]), _stub(master, tokens["one"])
+    denied, ok = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
+    trainer_role, T = common_pb2.NODE_ROLE_TRAINER, "10.0.0.9:7000"
+    assert _code(_register(trainer, T, trainer_role)) == ok
+    assert _code(_heartbeat(trainer, T)) == ok
+    assert _code(_register(trainer, "10.0.0.9:7001")) == denied  # a rollout entry
+    assert _code.details == ("node.role: credential 'trainer' (scope trainer) may register "
+                             "trainer entries, not rollout")
+    assert _code(_register(one, "10.0.0.1:7000", trainer_role)) == denied
+    assert _code.details == ("node.role: credential 'one' (scope node) may register rollout "
+                             "entries, not trainer")
+    assert _code(_register(one, A)) == ok
+    for action in (_heartbeat, _deregister):  # a node's entry, and one nobody registered
+        for address in (A, "10.0.0.7:1"):
+            assert _code(action(trainer, address)) == denied, (action, address)
+            assert "may" in _code.details and "only the trainer entry it registered" in \
+                _code.details
+    assert _code(_deregister(trainer, T)) == ok

@@ -50,6 +50,19 @@ def _parse(address: str, field: str, allow_zero: bool) -> tuple[str, int]:
     return host, port
 
 
+def canonical_address(address: str) -> str:
+    """One spelling of a node's address, for comparing who holds it: the host lowercased and
+    without a trailing dot (DNS names are case-insensitive; ``host.`` is ``host``), the port
+    as a plain number (``050051`` is ``50051``). ``"Mac-Mini.lan.:050051"`` ->
+    ``"mac-mini.lan:50051"``.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT as :func:`parse_address`.
+    """
+    host, port = parse_address(address)
+    return join_address(host.lower().rstrip(".") or host, port)
+
+
 def join_address(host: str, port: int) -> str:
     """Inverse of :func:`parse_address`; brackets IPv6 hosts."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

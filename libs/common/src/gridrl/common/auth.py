@@ -29,7 +29,9 @@ Scopes (:data:`METHOD_SCOPES` is the whole table; health and reflection stay ope
   credential re-registering, heartbeating or deregistering an address another (unrevoked)
   credential registered (:mod:`gridrl.master.claims`).
 * ``trainer`` — Generate, PushAdapter, ReloadAdapter, and everything ``read`` can do (watch
-  the registry, read node info and run status).
+  the registry, read node info and run status); RegisterNode, Heartbeat and DeregisterNode
+  only for its own trainer entry (the master refuses a trainer credential any other role,
+  and any entry it did not register; a node credential lists only rollout nodes).
 * ``read`` — ListNodes, WatchNodes, GetNodeInfo, GetRunStatus, WatchRun.
 
 No or an unknown credential: UNAUTHENTICATED. A known credential whose scope does not cover the
@@ -72,7 +74,7 @@ SCOPES = (NODE, TRAINER, READ)
 # What a credential of each scope may call: the scopes its RPCs may require.
 GRANTS: dict[str, frozenset[str]] = {
     NODE: frozenset({NODE}),
-    TRAINER: frozenset({TRAINER, READ}),
+    TRAINER: frozenset({TRAINER, READ, NODE}),  # NODE: its own entry (role trainer) only
     READ: frozenset({READ}),
 }
 # Every RPC of the three services and the scope it requires. An RPC missing here is refused to

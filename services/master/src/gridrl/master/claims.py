@@ -7,7 +7,10 @@ Pure domain code (no gRPC): handlers pass the caller's credential
 Rules:
 
 * A credential minted with an address (``gridrl-auth mint --address``) may register only that
-  address.
+  address, and while it is in force no other credential may register that address, even
+  first (a node credential minted without an address cannot squat a bound node's address).
+* Addresses are compared in one spelling (:func:`gridrl.common.address.canonical_address`:
+  host case, a trailing dot and leading zeros of the port do not make another address).
 * The first credential to register an address holds it for good: the claim outlives the node
   going down, expiring or deregistering, and the master restarting (it is kept in the store),
   so no other credential can take the address over while its node is away.
@@ -15,8 +18,8 @@ Rules:
   credential to register the address holds it from then on.
 * A master without credentials records and checks no claim.
 
-Claims are keyed by node id (derived from the address, :func:`gridrl.master.registry.node_id_for`),
-so Heartbeat and DeregisterNode, which carry only the id, are checked the same way.
+Claims are kept by address in its canonical spelling; Heartbeat and DeregisterNode, which
+carry only the node id, are checked against the address the registry holds for that id.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Protocol
 
 import grpc
 
+from gridrl.common.address import canonical_address
 from gridrl.common.auth import Credential
 from gridrl.common.errors import StatusError
 from gridrl.master.registry import node_id_for
@@ -59,22 +63,27 @@ class Claims:
     Args:
         active: whether a credential id is in force (not revoked).
         store: where claims persist (None: memory only).
+        reserved: the id of the credential in force that was minted for an address (its
+            canonical spelling), or None; such an address is that credential's alone.
 
     Thread-safe (one lock).
     """
 
-    def __init__(self, active: Callable[[str], bool], store: ClaimStore | None = None) -> None:
+    def __init__(self, active: Callable[[str], bool], store: ClaimStore | None = None,
+                 reserved: Callable[[str], str | None] | None = None) -> None:
         self._active = active
         self._store = store
+        self._reserved = reserved or (lambda address: None)
         self._lock = threading.Lock()
-        self._claims: dict[str, Claim] = {c.node_id: c for c in store.load_claims()} \
-            if store is not None else {}
+        self._claims: dict[str, Claim] = {}
+        for c in store.load_claims() if store is not None else ():
+            self._claims.setdefault(_key(c.address), c)
 
-    def holder(self, node_id: str) -> str | None:
-        """Id of the credential holding ``node_id``'s address (None: unclaimed, or its holder
-        was revoked)."""
+    def holder(self, address: str) -> str | None:
+        """Id of the credential holding ``address`` (any spelling; None: unclaimed, or its
+        holder was revoked)."""
         with self._lock:
-            claim = self._claims.get(node_id)
+            claim = self._claims.get(_key(address))
         return claim.credential_id if claim and self._active(claim.credential_id) else None
 
     def register(self, address: str, credential: Credential) -> None:
@@ -84,13 +93,19 @@ class Claims:
             StatusError: PERMISSION_DENIED ``node.address: ...`` when the credential is bound to
                 another address, or another credential in force holds this one.
         """
-        if credential.address is not None and credential.address != address:
+        key = _key(address)
+        if credential.address is not None and _key(credential.address) != key:
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
                               f"node.address: credential {credential.id!r} may register only "
                               f"{credential.address}, not {address}")
-        node_id = node_id_for(address)
+        owner = self._reserved(key)
+        if owner is not None and owner != credential.id:
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"node.address: {address} is reserved for credential {owner!r} "
+                              f"(minted for it); credential {credential.id!r} may not "
+                              "register it")
         with self._lock:
-            claim = self._claims.get(node_id)
+            claim = self._claims.get(key)
             if claim is not None and claim.credential_id == credential.id:
                 return
             if claim is not None and self._active(claim.credential_id):
@@ -98,8 +113,8 @@ class Claims:
                                   f"node.address: {address} is held by credential "
                                   f"{claim.credential_id!r}; credential {credential.id!r} may "
                                   "not register it")
-            claim = Claim(node_id, address, credential.id)
-            self._claims[node_id] = claim
+            claim = Claim(node_id_for(key), key, credential.id)
+            self._claims[key] = claim
             if self._store is not None:
                 try:
                     self._store.put_claim(claim)
@@ -108,15 +123,16 @@ class Claims:
                                   credential.id)
         log.info("credential %r holds %s", credential.id, address)
 
-    def check(self, node_id: str, credential: Credential, action: str) -> None:
-        """Let ``credential`` ``action`` (heartbeat, deregister) node ``node_id``.
+    def check(self, node_id: str, address: str, credential: Credential, action: str) -> None:
+        """Let ``credential`` ``action`` (heartbeat, deregister) node ``node_id``, registered
+        at ``address``.
 
         Raises:
             StatusError: PERMISSION_DENIED ``node_id: ...`` when another credential in force
                 holds its address.
         """
         with self._lock:
-            claim = self._claims.get(node_id)
+            claim = self._claims.get(_key(address))
         if claim is None or claim.credential_id == credential.id \
                 or not self._active(claim.credential_id):
             return
@@ -124,3 +140,12 @@ class Claims:
                           f"node_id: {node_id} ({claim.address}) is held by credential "
                           f"{claim.credential_id!r}; credential {credential.id!r} may not "
                           f"{action} it")
+
+
+def _key(address: str) -> str:
+    """The spelling claims are kept under (:func:`canonical_address`; an address that does
+    not parse, from an old store, as it is)."""
+    try:
+        return canonical_address(address)
+    except StatusError:
+        return address

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from gridrl.common.auth import caller
+from gridrl.common.address import canonical_address
+from gridrl.common.auth import NODE, TRAINER, AuthorizedTokens, Credential, caller
+from gridrl.common.errors import StatusError
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.master import metrics
@@ -62,10 +65,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 ``node.backend`` (unknown, or unset on a rollout node) or
                 ``node.adapter_format`` (unknown); PERMISSION_DENIED ``node.address`` when
                 the caller's credential is bound to another address or another credential
-                holds this one (:mod:`gridrl.master.claims`).
+                holds this one (:mod:`gridrl.master.claims`), PERMISSION_DENIED
+                ``node.role`` when the credential's scope does not list that role (a node
+                credential lists rollout nodes, a trainer credential its trainer).
         """
         validate_register(request)
         credential = caller()
+        if credential is not None:
+            _check_role(credential, request.node.role)
         if credential is not None and self._claims is not None:
             self._claims.register(request.node.address, credential)
         record, existed = self._registry.register(request.node)
@@ -158,8 +165,44 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     def _check_holder(self, node_id: str, action: str) -> None:
         credential = caller()
-        if credential is not None and self._claims is not None:
-            self._claims.check(node_id, credential, action)
+        if credential is None or self._claims is None:
+            return
+        try:
+            address = self._registry.get(node_id).info.address
+        except StatusError:  # unknown: NOT_FOUND from the registry, unless the scope forbids
+            address = None
+        if credential.scope == TRAINER and (
+                address is None or self._claims.holder(address) != credential.id):
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"node_id: credential {credential.id!r} (scope trainer) may "
+                              f"{action} only the trainer entry it registered")
+        if address is not None:
+            self._claims.check(node_id, address, credential, action)
+
+
+# The node roles a credential of each scope may list (RegisterNode's ``node.role``).
+ROLES_BY_SCOPE = {NODE: (common_pb2.NODE_ROLE_ROLLOUT,), TRAINER: (common_pb2.NODE_ROLE_TRAINER,)}
+
+
+def _check_role(credential: Credential, role: int) -> None:
+    if role not in ROLES_BY_SCOPE.get(credential.scope, ()):
+        allowed = [metrics.enum_label(common_pb2.NodeRole, r)
+                   for r in ROLES_BY_SCOPE.get(credential.scope, ())]
+        raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                          f"node.role: credential {credential.id!r} (scope {credential.scope}) "
+                          f"may register {' or '.join(allowed) or 'no'} entries, not "
+                          f"{metrics.enum_label(common_pb2.NodeRole, role)}")
+
+
+def _reserved_by(tokens: AuthorizedTokens) -> Callable[[str], str | None]:
+    """For :class:`Claims`: the credential in force minted for an address, read from the
+    authorized tokens as they are now (revocations and new mints count at once)."""
+    def reserved(address: str) -> str | None:
+        for c in tokens.credentials:
+            if c.address is not None and canonical_address(c.address) == address:
+                return c.id
+        return None
+    return reserved
 
 
 class Sweeper:
@@ -223,7 +266,8 @@ class Master:
             self.server = GrpcServer(listen, metrics_port=metrics_port, security=security,
                                      max_workers=MAX_WORKERS, grace_s=grace_s)
             tokens = self.server.security.authorized
-            self.claims = Claims(tokens.active, self.store) if tokens is not None else None
+            self.claims = (Claims(tokens.active, self.store, reserved=_reserved_by(tokens))
+                           if tokens is not None else None)
         except Exception:
             if self.store is not None:
                 self.store.close()

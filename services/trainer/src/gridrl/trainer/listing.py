@@ -8,8 +8,10 @@ A trainer given ``--master`` registers its TrainerService address with role TRAI
 heartbeats like a node (:class:`gridrl.common.registration.NodeRegistrar`), carrying the run's
 adapter (run name, policy version): an operator finds every trainer of the cluster, and its
 ``gridrl-trainer status --address``, in one listing. Rollout nodes' watchers never see it (they
-watch role ROLLOUT). It is best effort: a master that refuses it (a trainer credential has no
-``node`` scope in a secured cluster) is logged once, at INFO, and the run goes on unlisted.
+watch role ROLLOUT). In a secured cluster the trainer's own credential lists it: the master
+lets a trainer-scope credential register, heartbeat and deregister only a trainer-role entry
+it holds. It is best effort: a master that refuses it is logged once, at INFO, and the run goes
+on unlisted.
 """
 
 from __future__ import annotations
