@@ -201,6 +201,22 @@ def test_invalid_arguments_name_the_field(make_master, stub_for) -> None:
     assert len(list_nodes(stub)) == 2
 
 
+def test_requests_over_4_mib_are_refused_before_any_handler(make_master, stub_for) -> None:
+    """The master's requests are small: one over 4 MiB is refused by gRPC while it is read
+    (RESOURCE_EXHAUSTED), before the credential check or the handler, so no caller makes it
+    buffer the channels' 64 MiB; a registration of ordinary size still goes through."""
+    master = make_master()
+    stub = stub_for(master)
+    big = node_info("10.0.0.1:6000")
+    big.device = "x" * (4 * 1024 * 1024 + 1)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.RegisterNode(registry_pb2.RegisterNodeRequest(node=big), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list_nodes(stub) == []
+    register(stub, node_info("10.0.0.1:6000"))
+    assert len(list_nodes(stub)) == 1
+
+
 def test_unhealthy_then_expired_with_watch_and_metrics(make_master, stub_for) -> None:
     master = make_master()
     stub = stub_for(master)

@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 # 64 MiB: a Generate response with large n fits; adapters are streamed in chunks anyway.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# What a server whose requests are small (registry entries, run-status queries) accepts.
+SMALL_REQUEST_BYTES = 4 * 1024 * 1024
 _warned_plaintext: set[str] = set()
 
 

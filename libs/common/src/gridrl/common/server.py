@@ -210,6 +210,15 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
+def _with_receive_limit(options: list[tuple[str, int]], limit: int | None
+                        ) -> list[tuple[str, int]]:
+    """``options`` with ``grpc.max_receive_message_length`` set to ``limit`` (None: as it is;
+    gRPC reads the first of two equal keys, so the entry is replaced, not added)."""
+    if limit is None:
+        return options
+    return [(k, limit if k == "grpc.max_receive_message_length" else v) for k, v in options]
+
+
 class GrpcServer:
     """A gRPC server with health, reflection, metrics, TLS, credentials and graceful shutdown.
 
@@ -222,6 +231,10 @@ class GrpcServer:
             tokens every call but health/reflection must carry (None: no TLS, no credentials).
         max_workers: threads serving calls; streams hold one each for their duration.
         max_message_bytes: explicit send/receive message size limit.
+        max_receive_bytes: a lower limit on what the server receives (None: as sent): a
+            service whose requests are small (the master, the TrainerService) keeps an
+            unauthenticated caller from making it buffer 64 MiB messages (the credential is
+            checked after gRPC has read the request).
         grace_s: seconds calls in flight get to finish on stop.
 
     Raises:
@@ -233,7 +246,7 @@ class GrpcServer:
 
     def __init__(self, listen: str, metrics_port: int = -1, security: Security | None = None,
                  max_workers: int = 32, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 grace_s: float = 10.0) -> None:
+                 grace_s: float = 10.0, max_receive_bytes: int | None = None) -> None:
         self._host, self._requested_port = parse_listen(listen)
         self.security = security or Security()
         check_exposure(self._host, self.security)
@@ -244,8 +257,8 @@ class GrpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[_ServerInterceptor(self.security.authorized)],
-            options=[*channel_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS,
-                     *NO_REUSEPORT],
+            options=[*_with_receive_limit(channel_options(max_message_bytes), max_receive_bytes),
+                     *SERVER_KEEPALIVE_OPTIONS, *NO_REUSEPORT],
             maximum_concurrent_rpcs=max_workers * 4,
         )
         self._health = health.HealthServicer(experimental_non_blocking=True)

@@ -16,6 +16,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from gridrl.common.address import canonical_address
 from gridrl.common.auth import NODE, TRAINER, AuthorizedTokens, Credential, caller
+from gridrl.common.channel import SMALL_REQUEST_BYTES
 from gridrl.common.errors import StatusError
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
@@ -264,7 +265,8 @@ class Master:
             self.registry = Registry(heartbeat_interval_s, unhealthy_after_s, expire_after_s,
                                      store=self.store, max_watchers=MAX_WATCHERS)
             self.server = GrpcServer(listen, metrics_port=metrics_port, security=security,
-                                     max_workers=MAX_WORKERS, grace_s=grace_s)
+                                     max_workers=MAX_WORKERS, grace_s=grace_s,
+                                     max_receive_bytes=SMALL_REQUEST_BYTES)
             tokens = self.server.security.authorized
             self.claims = (Claims(tokens.active, self.store, reserved=_reserved_by(tokens))
                            if tokens is not None else None)

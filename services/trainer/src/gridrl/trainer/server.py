@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from gridrl.common.channel import SMALL_REQUEST_BYTES
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.trainer import metrics
@@ -80,7 +81,8 @@ def serve_trainer(status: RunStatus, listen: str, metrics_port: int,
     """
     metrics.mark_started()  # the trainer's gauges exist (step 0) from the first scrape
     servicer = TrainerServicer(status)
-    server = GrpcServer(listen, metrics_port=metrics_port, security=security, grace_s=5.0)
+    server = GrpcServer(listen, metrics_port=metrics_port, security=security, grace_s=5.0,
+                        max_receive_bytes=SMALL_REQUEST_BYTES)
     server.add(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)
     server.on_stopping(servicer.stop)
     return server.start()
