@@ -315,6 +315,44 @@ def test_a_server_beyond_loopback_needs_tls_and_credentials_or_insecure(pki, cre
     check_exposure("127.0.0.1", None)
 
 
+def test_an_insecure_server_beyond_loopback_warns_naming_its_real_address(pki, creds,
+                                                                          caplog) -> None:
+    """``--insecure`` lets a server listen beyond loopback unprotected; it then says so at
+    WARNING with the address it really binds (its ``address`` shows 0.0.0.0 as 127.0.0.1) and
+    what is missing. Loopback, and TLS with credentials, say nothing."""
+    from gridrl.common.security import exposure_warning
+
+    caplog.set_level(logging.WARNING, logger="gridrl.common.server")
+    tokens = AuthorizedTokens(creds.authorized)
+    server = GrpcServer("0.0.0.0:0", security=Security(insecure=True), grace_s=0).start()
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(m.startswith(f"listening on 0.0.0.0:{server.port}: reachable from other "
+                                "machines with no TLS and no credentials") for m in warned), warned
+    finally:
+        server.stop(0)
+    assert "cleartext" in exposure_warning("0.0.0.0", Security(authorized=tokens, insecure=True))
+    assert "CA signed" in exposure_warning("0.0.0.0", Security(tls=pki.tls("server"),
+                                                               insecure=True))
+    assert exposure_warning("127.0.0.1", Security(insecure=True)) is None
+    assert exposure_warning("0.0.0.0", Security(tls=pki.tls("server"), authorized=tokens)) is None
+
+
+def test_a_writable_authorized_tokens_file_is_warned_about(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="gridrl.common.auth")
+    authorized = tmp_path / "authorized_tokens"
+    mint(authorized, tmp_path / "t", "read", "ops")
+    authorized.chmod(0o644)
+    AuthorizedTokens(authorized)
+    assert not [r for r in caplog.records if "writable" in r.getMessage()]
+    authorized.chmod(0o666)
+    AuthorizedTokens(authorized)
+    warned = [r.getMessage() for r in caplog.records if "writable" in r.getMessage()]
+    assert warned == [f"--authorized-tokens: {authorized} is writable by group and others "
+                      f"(mode 666): whoever can write it can add a credential; chmod go-w "
+                      f"{authorized}"]
+
+
 def test_servers_never_share_a_port() -> None:
     """Two servers on one port: the second fails to bind (grpc's default SO_REUSEPORT would let
     it bind silently and split the calls between them, as the raw servers below show)."""

@@ -266,6 +266,13 @@ class AuthorizedTokens:
         if not self._credentials:
             raise AuthError(f"--authorized-tokens: {self.path} lists no credential (mint one "
                             "with `gridrl-auth mint`)")
+        mode = os.stat(self.path).st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            log.warning("--authorized-tokens: %s is writable by %s (mode %o): whoever can "
+                        "write it can add a credential; chmod go-w %s", self.path,
+                        "group and others" if mode & stat.S_IWGRP and mode & stat.S_IWOTH
+                        else "others" if mode & stat.S_IWOTH else "its group",
+                        stat.S_IMODE(mode), self.path)
 
     def _file_stamp(self) -> tuple[int, int, int]:
         st = os.stat(self.path)

@@ -62,6 +62,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, security: Security | None) -> str | None:
+    """What is unprotected about a server that ``--insecure`` let listen beyond loopback
+    (None: loopback, or TLS and credentials both there): said as a WARNING at start, naming the
+    real bind address (the server's ``address`` shows a wildcard host as loopback)."""
+    security = security or Security()
+    if is_loopback(host):
+        return None
+    tls, tokens = security.tls.serves_tls, security.authorized is not None
+    if tls and tokens:
+        return None
+    if tokens:
+        return ("reachable from other machines without TLS (--insecure): the bearer tokens "
+                "cross the network in cleartext, readable and replayable by anyone on it")
+    if tls and security.tls.mutual:
+        return ("reachable from other machines without credentials (--insecure): any client "
+                "whose certificate the CA signed may call every RPC")
+    if tls:
+        return ("reachable from other machines without credentials or client certificates "
+                "(--insecure): anyone on the network may call every RPC over TLS")
+    return ("reachable from other machines with no TLS and no credentials (--insecure): anyone "
+            "on the network may call every RPC (push adapters, rewrite the registry)")
+
+
 def check_exposure(host: str, security: Security | None, listen_flag: str = "--listen") -> None:
     """Refuse to serve on a non-loopback ``host`` without TLS and credentials.
 

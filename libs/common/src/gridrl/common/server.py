@@ -33,7 +33,7 @@ from gridrl.common.auth import AuthorizedTokens, authorize, calling_as
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
 from gridrl.common.errors import StatusError, invalid_argument
 from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
-from gridrl.common.security import Security, check_exposure
+from gridrl.common.security import Security, check_exposure, exposure_warning
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +331,10 @@ class GrpcServer:
                  f"{len(self.security.authorized.credentials)} authorized credential(s)"
                  if self.security.authorized else "no credentials checked",
                  f"metrics port {self.metrics_port}" if self.metrics_port >= 0 else "metrics off")
+        exposed = exposure_warning(self._host, self.security)
+        if exposed:
+            log.warning("listening on %s: %s", join_address(self._host or "0.0.0.0", self.port),
+                        exposed)
         return self
 
     def stop(self, grace_s: float | None = None) -> None:
