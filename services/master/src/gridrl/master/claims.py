@@ -77,13 +77,13 @@ class Claims:
         self._lock = threading.Lock()
         self._claims: dict[str, Claim] = {}
         for c in store.load_claims() if store is not None else ():
-            self._claims.setdefault(_key(c.address), c)
+            self._claims.setdefault(claim_key(c.address), c)
 
     def holder(self, address: str) -> str | None:
         """Id of the credential holding ``address`` (any spelling; None: unclaimed, or its
         holder was revoked)."""
         with self._lock:
-            claim = self._claims.get(_key(address))
+            claim = self._claims.get(claim_key(address))
         return claim.credential_id if claim and self._active(claim.credential_id) else None
 
     def register(self, address: str, credential: Credential) -> None:
@@ -93,8 +93,8 @@ class Claims:
             StatusError: PERMISSION_DENIED ``node.address: ...`` when the credential is bound to
                 another address, or another credential in force holds this one.
         """
-        key = _key(address)
-        if credential.address is not None and _key(credential.address) != key:
+        key = claim_key(address)
+        if credential.address is not None and claim_key(credential.address) != key:
             raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
                               f"node.address: credential {credential.id!r} may register only "
                               f"{credential.address}, not {address}")
@@ -132,7 +132,7 @@ class Claims:
                 holds its address.
         """
         with self._lock:
-            claim = self._claims.get(_key(address))
+            claim = self._claims.get(claim_key(address))
         if claim is None or claim.credential_id == credential.id \
                 or not self._active(claim.credential_id):
             return
@@ -142,7 +142,7 @@ class Claims:
                           f"{action} it")
 
 
-def _key(address: str) -> str:
+def claim_key(address: str) -> str:
     """The spelling claims are kept under (:func:`canonical_address`; an address that does
     not parse, from an old store, as it is)."""
     try:

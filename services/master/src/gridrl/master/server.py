@@ -14,14 +14,13 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from gridrl.common.address import canonical_address
 from gridrl.common.auth import NODE, TRAINER, AuthorizedTokens, Credential, caller
 from gridrl.common.channel import SMALL_REQUEST_BYTES
 from gridrl.common.errors import StatusError
 from gridrl.common.security import Security
 from gridrl.common.server import GrpcServer
 from gridrl.master import metrics
-from gridrl.master.claims import Claims
+from gridrl.master.claims import Claims, claim_key
 from gridrl.master.registry import NodeFilter, Registry
 from gridrl.master.store import NO_STORE, SqliteStore
 from gridrl.master.validate import (
@@ -200,7 +199,7 @@ def _reserved_by(tokens: AuthorizedTokens) -> Callable[[str], str | None]:
     authorized tokens as they are now (revocations and new mints count at once)."""
     def reserved(address: str) -> str | None:
         for c in tokens.credentials:
-            if c.address is not None and canonical_address(c.address) == address:
+            if c.address is not None and claim_key(c.address) == address:
                 return c.id
         return None
     return reserved
