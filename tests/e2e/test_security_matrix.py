@@ -189,5 +189,5 @@ def test_refusals_name_what_was_refused(servers: dict[str, str], pki, creds) -> 
         "trainer")
     e = error("trainer", "RegisterNode")  # a rollout entry: a trainer lists only itself
     assert e.code() == DENIED and e.details() == (
-        "node.role: credential 'trainer-1' (scope trainer) may register trainer entries, not "
-        "rollout")
+        "RegistryService/RegisterNode: credential 'trainer-1' has scope trainer; it may "
+        "register trainer entries (node.role), not rollout")

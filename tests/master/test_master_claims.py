@@ -151,11 +151,11 @@ def test_a_trainer_credential_lists_its_own_trainer_entry_only(cluster) -> None:
     assert _code(_register(trainer, T, trainer_role)) == ok
     assert _code(_heartbeat(trainer, T)) == ok
     assert _code(_register(trainer, "10.0.0.9:7001")) == denied  # a rollout entry
-    assert _code.details == ("node.role: credential 'trainer' (scope trainer) may register "
-                             "trainer entries, not rollout")
+    assert _code.details == ("RegistryService/RegisterNode: credential 'trainer' has scope "
+                             "trainer; it may register trainer entries (node.role), not rollout")
     assert _code(_register(one, "10.0.0.1:7000", trainer_role)) == denied
-    assert _code.details == ("node.role: credential 'one' (scope node) may register rollout "
-                             "entries, not trainer")
+    assert _code.details == ("RegistryService/RegisterNode: credential 'one' has scope node; "
+                             "it may register rollout entries (node.role), not trainer")
     assert _code(_register(one, A)) == ok
     for action in (_heartbeat, _deregister):  # a node's entry, and one nobody registered
         for address in (A, "10.0.0.7:1"):

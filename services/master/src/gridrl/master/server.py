@@ -65,9 +65,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 ``node.backend`` (unknown, or unset on a rollout node) or
                 ``node.adapter_format`` (unknown); PERMISSION_DENIED ``node.address`` when
                 the caller's credential is bound to another address or another credential
-                holds this one (:mod:`gridrl.master.claims`), PERMISSION_DENIED
-                ``node.role`` when the credential's scope does not list that role (a node
-                credential lists rollout nodes, a trainer credential its trainer).
+                holds this one (:mod:`gridrl.master.claims`); PERMISSION_DENIED naming the
+                credential, its scope and ``node.role`` when the scope does not list that role
+                (a node credential lists rollout nodes, a trainer credential its trainer).
         """
         validate_register(request)
         credential = caller()
@@ -189,8 +189,9 @@ def _check_role(credential: Credential, role: int) -> None:
         allowed = [metrics.enum_label(common_pb2.NodeRole, r)
                    for r in ROLES_BY_SCOPE.get(credential.scope, ())]
         raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
-                          f"node.role: credential {credential.id!r} (scope {credential.scope}) "
-                          f"may register {' or '.join(allowed) or 'no'} entries, not "
+                          f"RegistryService/RegisterNode: credential {credential.id!r} has "
+                          f"scope {credential.scope}; it may register "
+                          f"{' or '.join(allowed) or 'no'} entries (node.role), not "
                           f"{metrics.enum_label(common_pb2.NodeRole, role)}")
 
 
