@@ -20,11 +20,14 @@ SMALL_REQUEST_BYTES = 4 * 1024 * 1024
 _warned_plaintext: set[str] = set()
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Options shared by clients and servers: explicit size limits and keepalive."""
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
+                    max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Options shared by clients and servers: explicit size limits (``max_receive_bytes``: a
+    lower limit on what is received, None: ``max_message_bytes``) and keepalive."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length",
+         max_message_bytes if max_receive_bytes is None else max_receive_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),

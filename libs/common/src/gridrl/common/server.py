@@ -210,15 +210,6 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
-def _with_receive_limit(options: list[tuple[str, int]], limit: int | None
-                        ) -> list[tuple[str, int]]:
-    """``options`` with ``grpc.max_receive_message_length`` set to ``limit`` (None: as it is;
-    gRPC reads the first of two equal keys, so the entry is replaced, not added)."""
-    if limit is None:
-        return options
-    return [(k, limit if k == "grpc.max_receive_message_length" else v) for k, v in options]
-
-
 class GrpcServer:
     """A gRPC server with health, reflection, metrics, TLS, credentials and graceful shutdown.
 
@@ -257,7 +248,7 @@ class GrpcServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[_ServerInterceptor(self.security.authorized)],
-            options=[*_with_receive_limit(channel_options(max_message_bytes), max_receive_bytes),
+            options=[*channel_options(max_message_bytes, max_receive_bytes),
                      *SERVER_KEEPALIVE_OPTIONS, *NO_REUSEPORT],
             maximum_concurrent_rpcs=max_workers * 4,
         )

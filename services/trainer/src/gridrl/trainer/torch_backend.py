@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gridrl.engine.backends.torch_llama import cpu_has_bf16_compute
 from gridrl.trainer.backend import (
     LoraSettings,
     TrainerBackend,
@@ -83,15 +84,6 @@ def load_state_bytes(data: bytes) -> Any:
     arrays (a crafted ``.pt`` file cannot run code)."""
     with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
         return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def cpu_has_bf16_compute() -> bool:
-    """Whether oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ, with native dot
-    products where AVX-512-bf16 or AMX is present, or AVX-NE-CONVERT). Without one, torch's
-    bfloat16 products run far slower than float32's: 21x for the demo's update on an AVX2-only
-    AMD EPYC (docs/benchmarks.md)."""
-    return bool(torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class TorchTrainerBackend(TrainerBackend):

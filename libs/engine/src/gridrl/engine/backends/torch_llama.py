@@ -128,15 +128,23 @@ def _release(modules: list[torch.nn.Module]) -> None:
                 torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
 
 
+def cpu_has_bf16_compute() -> bool:
+    """Whether oneDNN has a bfloat16 path on this CPU (AVX-512 BW/VL/DQ, with native dot
+    products where AVX-512-bf16 or AMX is present, or AVX-NE-CONVERT). Without one, torch's
+    bfloat16 products run far slower than float32's (21x for the demo's update on an
+    AVX2-only AMD EPYC, docs/benchmarks.md) and oneDNN refuses to prepack bfloat16 weights."""
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """oneDNN prepacking: x86 CPUs (where it was measured), float32 weights, and bfloat16
-    weights where oneDNN has a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only
-    CPU such as some AMD EPYC parts refuses to prepack them)."""
+    weights where oneDNN has a bf16 path (:func:`cpu_has_bf16_compute`)."""
     if not (weight.device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.mkldnn.is_available()):
         return False
     if weight.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return cpu_has_bf16_compute()
     return weight.dtype == torch.float32
 
 
