@@ -19,6 +19,8 @@ from click.testing import CliRunner
 from gridrl.common.auth import (
     AuthError,
     AuthorizedTokens,
+    cert_fingerprint,
+    certificate_file_fingerprint,
     mint,
     parse_authorized_tokens,
     read_token_file,
@@ -48,13 +50,17 @@ def _serve(security: Security | None, listen: str = "127.0.0.1:0", metrics_port:
 
 
 def _call(address: str, security: Security | None) -> grpc.StatusCode:
+    return _call_details(address, security)[0]
+
+
+def _call_details(address: str, security: Security | None) -> tuple[grpc.StatusCode, str]:
     with dial(address, security) as channel:
         try:
             trainer_pb2_grpc.TrainerServiceStub(channel).GetRunStatus(
                 trainer_pb2.GetRunStatusRequest(), timeout=5)
         except grpc.RpcError as e:
-            return e.code()
-    return grpc.StatusCode.OK
+            return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
 
 
 # ------------------------------------------------------------------------------------ TLS
@@ -174,7 +180,13 @@ def test_authorized_tokens_file_format_and_errors(tmp_path: Path) -> None:
     assert [(c.id, c.scope, c.address) for c in creds] == [("mac-1", "node", "mac.lan:50051"),
                                                            ("grafana", "read", None)]
     bad = [
-        (f"{digest} node", "f:1: expected 'sha256:<hex> SCOPE ID [ADDRESS]', got 2 fields"),
+        (f"{digest} node", "f:1: expected 'sha256:<hex> SCOPE ID [ADDRESS] "
+                           "[cert=sha256:<hex>]', got 2 fields"),
+        (f"{digest} node x a:1 b:2", "f:1: expected 'sha256:<hex> SCOPE ID"),
+        (f"{digest} node x cert={digest} cert={digest}", "f:1: expected 'sha256:<hex> SCOPE ID"),
+        (f"{digest} trainer x cert=sha256:ab", "f:1: cert='sha256:ab' is not "
+                                               "cert=sha256:<64 lowercase hex digits>"),
+        (f"{digest} trainer x cert=md5:{'0' * 64}", "f:1: cert='md5:"),
         ("sha256:abc node x", "f:1: 'sha256:abc' is not sha256:<64 lowercase hex digits>"),
         (f"{digest} admin x", "f:1: scope 'admin' is not one of node, trainer, read"),
         (f"{digest} node -x", "f:1: id '-x' must match"),
@@ -187,6 +199,67 @@ def test_authorized_tokens_file_format_and_errors(tmp_path: Path) -> None:
         with pytest.raises(AuthError) as e:
             parse_authorized_tokens(text, "f")
         assert str(e.value).startswith(message), (text, str(e.value))
+    # a certificate binding: after the address or alone, and written back as read
+    other = token_digest("gridrl_other-token-1234567")
+    bound = parse_authorized_tokens(f"{digest} node n h:1 cert={other}\n"
+                                    f"{token_digest('z' * 20)} trainer t cert={other}\n", "f")
+    assert [(c.address, c.cert) for c in bound] == [("h:1", other), (None, other)]
+    assert parse_authorized_tokens("\n".join(c.line() for c in bound), "f") == bound
+
+
+def test_a_certificate_fingerprint_is_the_sha256_of_its_der(pki, tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    pem = Path(pki.crt("client")).read_bytes()
+    want = "sha256:" + x509.load_pem_x509_certificate(pem).fingerprint(hashes.SHA256()).hex()
+    assert cert_fingerprint(pem) == cert_fingerprint(pem.decode()) == want
+    chain = tmp_path / "chain.pem"  # the leaf first, then its CA: the leaf's
+    chain.write_bytes(pem + Path(pki.ca).read_bytes())
+    assert certificate_file_fingerprint(chain) == want
+    assert cert_fingerprint(Path(pki.crt("node")).read_bytes()) != want
+    with pytest.raises(AuthError, match=r"^--cert: .*no PEM certificate"):
+        certificate_file_fingerprint(Path(pki.key("client")))
+    with pytest.raises(AuthError, match=r"^--cert: cannot read"):
+        certificate_file_fingerprint(tmp_path / "missing.crt")
+
+
+def test_a_credential_bound_to_a_client_certificate_needs_that_certificate(
+        pki, tmp_path: Path) -> None:
+    """A token seen by someone else (a rollout node sees the trainer's on every call) is of no
+    use to them when its credential is bound to the holder's client certificate: every server
+    then takes it only on a connection that presented that certificate."""
+    authorized = tmp_path / "authorized_tokens"
+    mint(authorized, tmp_path / "bound.token", "read", "bound",
+         cert=certificate_file_fingerprint(pki.crt("client")))
+    mint(authorized, tmp_path / "free.token", "read", "free")
+    bound = read_token_file(tmp_path / "bound.token")
+    free = read_token_file(tmp_path / "free.token")
+    tokens = AuthorizedTokens(authorized)
+    mutual = _serve(Security(tls=pki.tls("server"), authorized=tokens))
+    one_way = _serve(Security(tls=pki.tls("server", ca=False), authorized=tokens))
+    plain = _serve(Security(authorized=tokens))
+    ok = (grpc.StatusCode.OK, "")
+    try:
+        assert _call_details(mutual.address, Security(tls=pki.tls("client"), token=bound)) == ok
+        # another certificate of the same CA (another machine of the cluster) with the token
+        code, details = _call_details(mutual.address, Security(tls=pki.tls("node"), token=bound))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert details == ("TrainerService/GetRunStatus: credential 'bound' is bound to another "
+                           "client certificate than the one this connection presented")
+        # no client certificate: TLS without one, or plaintext
+        for address, security in ((one_way.address, Security(tls=pki.tls(None), token=bound)),
+                                  (plain.address, Security(token=bound))):
+            code, details = _call_details(address, security)
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            assert "credential 'bound' is bound to a client certificate and this connection " \
+                "presented none" in details
+        # an unbound credential still goes with any certificate, or none
+        assert _call_details(mutual.address, Security(tls=pki.tls("node"), token=free)) == ok
+        assert _call_details(one_way.address, Security(tls=pki.tls(None), token=free)) == ok
+    finally:
+        for server in (mutual, one_way, plain):
+            server.stop(0)
 
 
 def test_mint_and_revoke(tmp_path: Path) -> None:
@@ -281,7 +354,25 @@ def test_gridrl_auth_cli(tmp_path: Path) -> None:
                                     "--id", "mac", "--out", str(tmp_path / "x.token")])
     assert out.exit_code == 2 and "Invalid value for --id: 'mac' is already" in out.output
     out = runner.invoke(auth_main, ["list"], env={"GRIDRL_AUTHORIZED_TOKENS": authorized})
-    assert out.exit_code == 0 and out.output.split() == ["mac", "node", "mac.lan:50051"]
+    assert out.exit_code == 0 and out.output.split() == ["mac", "node", "mac.lan:50051", "-"]
+    crt = str(tmp_path / "pki" / "m.crt")
+    out = runner.invoke(auth_main, ["mint", "--authorized-tokens", authorized, "--scope",
+                                    "trainer", "--id", "t", "--cert", crt,
+                                    "--out", str(tmp_path / "t.token")])
+    assert out.exit_code == 0 and f"bound to certificate {crt}" in out.output, out.output
+    fingerprint = certificate_file_fingerprint(crt)
+    assert AuthorizedTokens(authorized).lookup(
+        (tmp_path / "t.token").read_text().strip()).cert == fingerprint
+    out = runner.invoke(auth_main, ["list", "--authorized-tokens", authorized])
+    assert out.exit_code == 0 and out.output.splitlines()[1].split() == [
+        "t", "trainer", "-", f"cert={fingerprint[:19]}..."], out.output
+    out = runner.invoke(auth_main, ["mint", "--authorized-tokens", authorized, "--scope", "read",
+                                    "--id", "r", "--cert", str(tmp_path / "pki" / "m.key"),
+                                    "--out", str(tmp_path / "r.token")])
+    assert out.exit_code == 2 and "Invalid value for --cert" in out.output, out.output
+    assert not (tmp_path / "r.token").exists()
+    out = runner.invoke(auth_main, ["revoke", "--authorized-tokens", authorized, "t"])
+    assert out.exit_code == 0
     out = runner.invoke(auth_main, ["revoke", "--authorized-tokens", authorized, "mac"])
     assert out.exit_code == 0 and "revoked mac" in out.output
     out = runner.invoke(auth_main, ["list", "--authorized-tokens", authorized])

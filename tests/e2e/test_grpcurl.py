@@ -135,6 +135,29 @@ def test_master_through_grpcurl_over_mutual_tls(service_factory, pki, creds) -> 
                 transport=tls) == {}
 
 
+def test_a_certificate_bound_token_through_grpcurl(service_factory, pki, tmp_path: Path) -> None:
+    """grpcurl with a token bound to one client certificate (``gridrl-auth mint --cert``): the
+    master answers it with that certificate, and refuses it with another certificate the same
+    CA signed (the token seen by another machine of the cluster)."""
+    authorized = tmp_path / "authorized_tokens"
+    out = subprocess.run([str(BIN / "gridrl-auth"), "mint", "--authorized-tokens",
+                          str(authorized), "--scope", "read", "--id", "ops", "--cert",
+                          pki.crt("client"), "--out", str(tmp_path / "ops.token")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    master = service_factory(["gridrl-master", "serve", "--listen", "127.0.0.1:0",
+                              "--metrics-port", "-1", "--store", "", *pki.flags("server"),
+                              "--authorized-tokens", str(authorized)], "master")
+    header = ("-H", "authorization: Bearer " + (tmp_path / "ops.token").read_text().strip())
+    own = ("-cacert", pki.ca, "-cert", pki.crt("client"), "-key", pki.key("client"))
+    other = ("-cacert", pki.ca, "-cert", pki.crt("node"), "-key", pki.key("node"))
+    method = "gridrl.v1.RegistryService/ListNodes"
+    assert call(master.address, method, headers=header[1:], transport=own) == {}
+    refused = grpcurl(*header, "-d", "{}", master.address, method, check=False, transport=other)
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stderr
+    assert "credential 'ops' is bound to another client certificate" in refused.stderr
+
+
 def test_rollout_node_through_grpcurl(service_factory, tiny_llama_dir: Path) -> None:
     node = service_factory(["gridrl-rollout", "serve", "--backend", "torch",
                             "--model", str(tiny_llama_dir), "--listen", "127.0.0.1:0",

@@ -247,6 +247,11 @@ def test_the_readme_multi_machine_commands_train_over_mutual_tls(
         {p.name for p in (work / "certs").iterdir()}
     assert {"gpu-box-1.token", "trainer.token", "ops.token", "authorized_tokens"} <= \
         {p.name for p in work.iterdir()}
+    from gridrl.common.auth import AuthorizedTokens, certificate_file_fingerprint
+
+    trainer = AuthorizedTokens(work / "authorized_tokens").lookup(
+        (work / "trainer.token").read_text().strip())
+    assert trainer.cert == certificate_file_fingerprint(work / "certs" / "trainer.crt")
 
     block = shell_lines(on_loopback(readme_block("cluster-run"), ports, tiny_llama_dir))
     prelude = "".join(line + "\n" for line in block if re.match(r"[A-Z]+=", line))

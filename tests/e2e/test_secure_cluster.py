@@ -46,7 +46,8 @@ def test_master_node_and_trainer_train_over_mutual_tls_with_scoped_credentials(
         _auth("cert", "--dir", str(pki), name, "--host", "127.0.0.1", "--host", "localhost")
     keys.mkdir()
     for cid, scope in (("node-a", "node"), ("trainer", "trainer"), ("ops", "read")):
-        _auth("mint", "--authorized-tokens", authorized, "--scope", scope, "--id", cid,
+        bind = ["--cert", str(pki / "trainer.crt")] if scope == "trainer" else []
+        _auth("mint", "--authorized-tokens", authorized, "--scope", scope, "--id", cid, *bind,
               "--out", str(keys / f"{cid}.token"))
 
     def tls(name: str) -> list[str]:
@@ -114,6 +115,21 @@ def test_master_node_and_trainer_train_over_mutual_tls_with_scoped_credentials(
         with pytest.raises(Exception) as e:
             stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=10)
     assert "credential 'node-a' has scope node" in e.value.details()
+    # The node sees the trainer's token on every call, but the token is bound to the trainer's
+    # certificate: with the node's certificate it switches nothing (the real CLI, as the
+    # node's machine would run it); with the trainer's it does.
+    stolen = ["--auth-token-file", str(keys / "trainer.token")]
+    refused = _run("gridrl-rollout", "reload-adapter", "--address", node.address, "--base",
+                   *tls("node"), *stolen)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: UNAUTHENTICATED: RolloutService/ReloadAdapter: "
+                                     "credential 'trainer' is bound to another client "
+                                     "certificate"), refused.stderr
+    info = _run("gridrl-rollout", "info", "--address", node.address, "--json", *ops)
+    assert json.loads(info.stdout)["info"]["adapter"]["version"] == "3"
+    switched = _run("gridrl-rollout", "reload-adapter", "--address", node.address, "--base",
+                    *tls("trainer"), *stolen)
+    assert switched.returncode == 0, switched.stderr
     # Unprotected clients get nowhere, with a one-line error saying why.
     plain = _run("gridrl-master", "nodes", "--master", master.address, "--timeout", "5",
                  "--auth-token-file", str(keys / "ops.token"))

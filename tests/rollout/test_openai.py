@@ -233,6 +233,32 @@ def test_credentials_and_scopes_are_the_grpc_side_s(live_node, creds) -> None:
     assert _raw(url.removesuffix("/v1") + "/health")[0] == 200  # open, like gRPC health
 
 
+def test_a_certificate_bound_credential_is_refused_over_http(live_node, pki, tmp_path) -> None:
+    """The HTTP endpoint does not see the TLS client certificate, so a credential bound to one
+    (``gridrl-auth mint --cert``) is refused there (401, saying why), even by a client
+    presenting that certificate: taking its token alone would undo the binding."""
+    from gridrl.common.auth import AuthorizedTokens, certificate_file_fingerprint, mint
+    from gridrl.common.security import Security
+
+    authorized = tmp_path / "authorized_tokens"
+    mint(authorized, tmp_path / "bound.token", "trainer", "bound",
+         cert=certificate_file_fingerprint(pki.crt("client")))
+    mint(authorized, tmp_path / "free.token", "trainer", "free")
+    node = live_node(openai_listen="127.0.0.1:0",
+                     security=Security(authorized=AuthorizedTokens(authorized)))
+    url = node.node.openai.base_url
+    model = node.node.backend.identity.model_id
+    with pytest.raises(openai.AuthenticationError) as e:
+        _client(url, (tmp_path / "bound.token").read_text().strip()).completions.create(
+            model=model, prompt=PROMPT, max_tokens=2)
+    assert e.value.status_code == 401
+    assert e.value.body["message"] == (
+        "RolloutService/Generate: credential 'bound' is bound to a client certificate, which "
+        "the HTTP endpoint does not check; use a credential minted without --cert")
+    free = _client(url, (tmp_path / "free.token").read_text().strip())
+    assert free.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices
+
+
 def test_adapter_answers_with_its_policy_version_and_the_base_model_stays_reachable(
         oa, tiny_adapters) -> None:
     node, client, model = oa

@@ -229,3 +229,25 @@ def test_credentials_are_required(live_node, creds) -> None:
     assert stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=30).info.capacity > 0
     stub = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address, creds.tokens["trainer"]))
     assert len(stub.Generate(request, timeout=30).samples) == 1
+
+
+def test_requests_over_16_mib_are_refused_before_the_credential_check(live_node, creds) -> None:
+    """A node's requests are one prompt or one 1 MiB adapter chunk: one over 16 MiB is refused
+    by gRPC while it is read (RESOURCE_EXHAUSTED), before the credential check, so a caller
+    without a credential cannot make the node buffer the channels' 64 MiB; a trainer's
+    ordinary Generate still goes through."""
+    from gridrl.common.channel import NODE_REQUEST_BYTES, dial
+    from gridrl.v1 import rollout_pb2_grpc
+
+    node = live_node(security=creds.security(None, authorized=True))
+    big = rollout_pb2.GenerateRequest(prompt_text="x" * (NODE_REQUEST_BYTES + 1),
+                                      sampling=common_pb2.SamplingParams(max_tokens=2))
+    e = rpc_error(lambda: node.stub.Generate(big, timeout=30))  # no credential
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trainer = rollout_pb2_grpc.RolloutServiceStub(dial(node.node.address,
+                                                       creds.tokens["trainer"]))
+    e = rpc_error(lambda: trainer.Generate(big, timeout=30))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    request = rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT,
+                                          sampling=common_pb2.SamplingParams(max_tokens=2))
+    assert len(trainer.Generate(request, timeout=30).samples) == 1

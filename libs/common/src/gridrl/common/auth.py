@@ -15,12 +15,18 @@ machine)::
 
     # sha256 of the token                  scope    id          address (node scope only)
     sha256:4c1f0e...(64 hex digits)...e9     node     mac-mini    mac-mini.lan:50051
-    sha256:90ab33...17                       trainer  trainer
+    sha256:90ab33...17                       trainer  trainer     cert=sha256:5d0c...a1
     sha256:77d2a0...c0                       read     grafana
 
 ``gridrl-auth mint`` writes a new token file and appends its line; ``gridrl-auth revoke ID``
 removes a credential. Servers re-read the file when it changes, so a revocation takes effect
 at the next call.
+
+A credential with ``cert=sha256:<hex>`` is **bound to a client certificate** (the sha256 of
+its DER encoding, as RFC 8705's ``x5t#S256``): a server accepts its token only on a mutual-TLS
+connection whose client presented that certificate, so whoever sees the token (a rollout node
+sees the trainer's on every call) cannot use it without the certificate's private key.
+Anything else is UNAUTHENTICATED. Renewing the certificate means minting a new credential.
 
 Scopes (:data:`METHOD_SCOPES` is the whole table; health and reflection stay open):
 
@@ -93,6 +99,9 @@ METHOD_SCOPES: dict[str, str] = {
     "/gridrl.v1.TrainerService/WatchRun": READ,
 }
 
+CERT_FIELD = "cert="  # an authorized-tokens line's certificate binding: cert=sha256:<hex>
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\s*(.+?)\s*-----END CERTIFICATE-----",
+                       re.S)
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
@@ -117,20 +126,54 @@ class Credential:
         digest: ``sha256:<64 hex>`` of the token.
         address: node scope: the only host:port it may register (None: any address no other
             credential holds).
+        cert: ``sha256:<64 hex>`` of the only client certificate (DER) its token is accepted
+            with (None: any connection).
     """
 
     id: str
     scope: str
     digest: str
     address: str | None = None
+    cert: str | None = None
 
     def line(self) -> str:
         """The credential as a line of the file (no newline)."""
-        return " ".join(x for x in (self.digest, self.scope, self.id, self.address) if x)
+        return " ".join(x for x in (self.digest, self.scope, self.id, self.address,
+                                    self.cert and CERT_FIELD + self.cert) if x)
 
     def may_call(self, method: str) -> bool:
         """Whether the scope covers ``method`` (``/package.Service/Method``)."""
         return METHOD_SCOPES.get(method) in GRANTS[self.scope]
+
+
+def cert_fingerprint(pem: bytes | str) -> str:
+    """``"sha256:" + hex(sha256(DER))`` of the first certificate in ``pem`` (a PEM file's
+    text, or a chain: the leaf comes first), the binding an authorized-tokens line stores.
+
+    Raises:
+        ValueError: ``pem`` holds no PEM certificate.
+    """
+    import base64
+
+    found = _PEM_CERT.search(pem.encode() if isinstance(pem, str) else pem)
+    if found is None:
+        raise ValueError("no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    der = base64.b64decode(b"".join(found.group(1).split()), validate=True)
+    return DIGEST_PREFIX + hashlib.sha256(der).hexdigest()
+
+
+def certificate_file_fingerprint(path: str | os.PathLike, flag: str = "--cert") -> str:
+    """:func:`cert_fingerprint` of the certificate file ``path``.
+
+    Raises:
+        AuthError: ``<flag>: ...`` when the file cannot be read or holds no PEM certificate.
+    """
+    try:
+        return cert_fingerprint(Path(path).read_bytes())
+    except OSError as e:
+        raise AuthError(f"{flag}: cannot read {path}: {e.strerror or e}") from e
+    except ValueError as e:  # binascii.Error is a ValueError
+        raise AuthError(f"{flag}: {path}: {e}") from e
 
 
 def token_digest(token: str) -> str:
@@ -199,26 +242,33 @@ def parse_authorized_tokens(text: str, source: str) -> list[Credential]:
             continue
         where = f"{source}:{number}"
         fields = line.split()
-        if len(fields) not in (3, 4):
-            raise AuthError(f"{where}: expected 'sha256:<hex> SCOPE ID [ADDRESS]', got "
-                            f"{len(fields)} fields")
+        binding = [f for f in fields[3:] if f.startswith(CERT_FIELD)]
+        rest = [f for f in fields[3:] if not f.startswith(CERT_FIELD)]
+        if len(fields) < 3 or len(binding) > 1 or len(rest) > 1:
+            raise AuthError(f"{where}: expected 'sha256:<hex> SCOPE ID [ADDRESS] "
+                            f"[cert=sha256:<hex>]', got {len(fields)} fields")
         digest, scope, cid = fields[:3]
-        address = fields[3] if len(fields) == 4 else None
+        address = rest[0] if rest else None
+        cert = binding[0].removeprefix(CERT_FIELD) if binding else None
         if not _DIGEST.fullmatch(digest):
             raise AuthError(f"{where}: {digest[:20]!r} is not sha256:<64 lowercase hex digits>")
-        _check_credential(scope, cid, address, where)
+        _check_credential(scope, cid, address, where, cert)
         if cid in ids:
             raise AuthError(f"{where}: id {cid!r} appears twice")
         if digest in digests:
             raise AuthError(f"{where}: the same token appears twice")
         ids.add(cid)
         digests.add(digest)
-        credentials.append(Credential(cid, scope, digest, address))
+        credentials.append(Credential(cid, scope, digest, address, cert))
     return credentials
 
 
-def _check_credential(scope: str, cid: str, address: str | None, where: str | None) -> None:
+def _check_credential(scope: str, cid: str, address: str | None, where: str | None,
+                      cert: str | None = None) -> None:
     """Raise AuthError prefixed with ``where`` (a file line), or with the flag at fault."""
+    if cert is not None and not _DIGEST.fullmatch(cert):
+        raise AuthError(f"{where or '--cert'}: {CERT_FIELD}{cert[:20]!r} is not "
+                        f"{CERT_FIELD}sha256:<64 lowercase hex digits>")
     if scope not in SCOPES:
         raise AuthError(f"{where or '--scope'}: scope {scope!r} is not one of "
                         f"{', '.join(SCOPES)}")
@@ -379,6 +429,37 @@ def authorize(tokens: AuthorizedTokens | None, method: str,
     return Decision(credential=credential)
 
 
+def check_bound_certificate(decision: Decision, method: str, peer_pem: bytes | None
+                            ) -> Decision:
+    """``decision`` unless its credential is bound to a client certificate (``cert=``) that
+    the connection did not present: then UNAUTHENTICATED, naming the credential.
+
+    Args:
+        decision: :func:`authorize`'s answer for the call.
+        method: ``/package.Service/Method``.
+        peer_pem: the client's certificate as the TLS layer verified it (grpc's auth context
+            ``x509_pem_cert``); None on plaintext or without a client certificate.
+    """
+    credential = decision.credential
+    if decision.code is not None or credential is None or credential.cert is None:
+        return decision
+    name = method.removeprefix("/gridrl.v1.")
+    if not peer_pem:
+        return Decision(grpc.StatusCode.UNAUTHENTICATED,
+                        f"{name}: credential {credential.id!r} is bound to a client certificate "
+                        "and this connection presented none (mutual TLS with --tls-cert/"
+                        "--tls-key)")
+    try:
+        presented = cert_fingerprint(peer_pem)
+    except ValueError:
+        presented = None
+    if presented is None or not hmac.compare_digest(presented, credential.cert):
+        return Decision(grpc.StatusCode.UNAUTHENTICATED,
+                        f"{name}: credential {credential.id!r} is bound to another client "
+                        "certificate than the one this connection presented")
+    return decision
+
+
 _CALLER: contextvars.ContextVar[Credential | None] = contextvars.ContextVar("gridrl_caller",
                                                                            default=None)
 
@@ -456,22 +537,24 @@ class _Details(grpc.ClientCallDetails):
 
 
 def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scope: str,
-         credential_id: str, address: str | None = None) -> Credential:
+         credential_id: str, address: str | None = None, cert: str | None = None
+         ) -> Credential:
     """Write a new token to ``token_path`` (mode 0600; never overwritten) and append its
     credential to ``authorized_path`` (created when missing). Either both happen or neither.
+    ``cert`` (``sha256:<hex>``, :func:`cert_fingerprint`) binds it to a client certificate.
 
     Raises:
-        AuthError: naming the field: bad scope, id or address; an id already in the file;
-            ``token_path`` already existing; a malformed authorized-tokens file.
+        AuthError: naming the field: bad scope, id, address or cert; an id already in the
+            file; ``token_path`` already existing; a malformed authorized-tokens file.
     """
     authorized_path = Path(authorized_path)
-    _check_credential(scope, credential_id, address, None)
+    _check_credential(scope, credential_id, address, None, cert)
     existing = _read_existing(authorized_path)
     if any(c.id == credential_id for c in existing):
         raise AuthError(f"--id: {credential_id!r} is already in {authorized_path} (revoke it "
                         "first to replace its token)")
     token = new_token()
-    credential = Credential(credential_id, scope, token_digest(token), address)
+    credential = Credential(credential_id, scope, token_digest(token), address, cert)
     try:
         fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError as e:

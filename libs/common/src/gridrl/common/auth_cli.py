@@ -4,6 +4,8 @@
     gridrl-auth cert --dir certs master --host master.lan       # certs/master.crt, .key
     gridrl-auth mint --authorized-tokens authorized_tokens --scope node --id mac-mini \\
         --address mac-mini.lan:50051 --out mac-mini.token
+    gridrl-auth mint --authorized-tokens authorized_tokens --scope trainer --id trainer \\
+        --cert certs/trainer.crt --out trainer.token     # usable only with that certificate
     gridrl-auth revoke --authorized-tokens authorized_tokens mac-mini
     gridrl-auth list --authorized-tokens authorized_tokens
 
@@ -14,7 +16,14 @@ from __future__ import annotations
 
 import click
 
-from gridrl.common.auth import SCOPES, AuthError, AuthorizedTokens, mint, revoke
+from gridrl.common.auth import (
+    SCOPES,
+    AuthError,
+    AuthorizedTokens,
+    certificate_file_fingerprint,
+    mint,
+    revoke,
+)
 from gridrl.common.cli import env_option
 
 _authorized = env_option(
@@ -47,16 +56,23 @@ def main() -> None:
 @env_option("--address", env="GRIDRL_AUTH_ADDRESS", default=None, show_default=False,
             help="node scope: the only host:port the credential may register (its "
                    "--advertise-address).")
+@env_option("--cert", env="GRIDRL_AUTH_CERT", default=None, show_default=False,
+            type=click.Path(dir_okay=False),
+            help="Bind the credential to this client certificate (PEM; its sha256 is stored): "
+                 "servers accept the token only from a mutual-TLS client presenting it. Use it "
+                 "for the trainer, whose token every rollout node sees.")
 @env_option("--out", env="GRIDRL_AUTH_OUT", required=True, type=click.Path(dir_okay=False),
             show_default=False, help="Token file to write (mode 0600; never overwritten).")
 def mint_command(authorized_tokens: str, scope: str, credential_id: str, address: str | None,
-                 out: str) -> None:
+                 cert: str | None, out: str) -> None:
     """Write a new token to --out and append its sha256, scope and id to the file."""
     try:
-        credential = mint(authorized_tokens, out, scope, credential_id, address)
+        fingerprint = certificate_file_fingerprint(cert) if cert else None
+        credential = mint(authorized_tokens, out, scope, credential_id, address, fingerprint)
     except AuthError as e:
         _fail(e)
-    bound = f", bound to {credential.address}" if credential.address else ""
+    bound = "".join(f", bound to {x}" for x in (credential.address, cert and f"certificate {cert}")
+                    if x)
     click.echo(f"minted {credential.id} (scope {credential.scope}{bound}): token in {out}, "
                f"sha256 added to {authorized_tokens}")
 
@@ -76,14 +92,17 @@ def revoke_command(authorized_tokens: str, credential_id: str) -> None:
 @main.command("list")
 @_authorized
 def list_command(authorized_tokens: str) -> None:
-    """Print the credentials in the file: id, scope, bound address."""
+    """Print the credentials in the file: id, scope, bound address, bound certificate."""
     try:
         credentials = AuthorizedTokens(authorized_tokens).credentials
     except AuthError as e:
         _fail(e)
     width = max(len(c.id) for c in credentials)
+    address_width = max(len(c.address or "-") for c in credentials)
     for c in credentials:
-        click.echo(f"{c.id.ljust(width)}  {c.scope.ljust(7)}  {c.address or '-'}")
+        cert = f"cert={c.cert[:19]}..." if c.cert else "-"
+        click.echo(f"{c.id.ljust(width)}  {c.scope.ljust(7)}  "
+                   f"{(c.address or '-').ljust(address_width)}  {cert}")
 
 
 @main.command("ca")

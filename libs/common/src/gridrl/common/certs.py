@@ -171,14 +171,14 @@ class LocalIdentity:
 def local_identities(directory: str | os.PathLike,
                      scopes: dict[str, str | None]) -> dict[str, LocalIdentity]:
     """A CA, a certificate per name of ``scopes`` (for localhost and 127.0.0.1) and a token of
-    the given scope per name (None: no token), all in ``directory``: what a set of processes
-    on one machine needs to run with mutual TLS and scoped credentials (``make demo``'s
-    ``--secure``, the benchmarks, tests).
+    the given scope per name (None: no token), each token bound to its name's certificate,
+    all in ``directory``: what a set of processes on one machine needs to run with mutual TLS
+    and scoped credentials (``make demo``'s ``--secure``, the benchmarks, tests).
 
     Raises:
         CertError, AuthError: ``directory`` already holds one of the files.
     """
-    from gridrl.common.auth import mint
+    from gridrl.common.auth import certificate_file_fingerprint, mint
 
     directory = Path(directory)
     ca, _ = make_ca(directory)
@@ -189,6 +189,6 @@ def local_identities(directory: str | os.PathLike,
         token = None
         if scope is not None:
             token = directory / f"{name}.token"
-            mint(authorized, token, scope, name)
+            mint(authorized, token, scope, name, cert=certificate_file_fingerprint(cert))
         out[name] = LocalIdentity(cert, key, ca, token, authorized)
     return out

@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # What a server whose requests are small (registry entries, run-status queries) accepts.
 SMALL_REQUEST_BYTES = 4 * 1024 * 1024
+# What a rollout node accepts: one prompt (Generate) or one adapter chunk (PushAdapter streams
+# 1 MiB chunks, gridrl.common.transport.CHUNK_SIZE), with room for other clients' chunk sizes;
+# the node's OpenAI-compatible endpoint has the same bound on a request body.
+NODE_REQUEST_BYTES = 16 * 1024 * 1024
 _warned_plaintext: set[str] = set()
 
 

@@ -29,7 +29,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gridrl.common import reflection
 from gridrl.common.address import join_address, parse_listen
-from gridrl.common.auth import AuthorizedTokens, authorize, calling_as
+from gridrl.common.auth import (
+    AuthorizedTokens,
+    Decision,
+    authorize,
+    calling_as,
+    check_bound_certificate,
+)
 from gridrl.common.channel import MAX_MESSAGE_BYTES, channel_options
 from gridrl.common.errors import StatusError, invalid_argument
 from gridrl.common.metrics import RPC_DURATION, RPC_REQUESTS, split_method, start_metrics_server
@@ -51,8 +57,9 @@ NO_REUSEPORT = [("grpc.so_reuseport", 0)]
 
 
 class _ServerInterceptor(grpc.ServerInterceptor):
-    """Checks the caller's credential and scope (:func:`gridrl.common.auth.authorize`), makes
-    it :func:`gridrl.common.auth.caller` inside the handler, turns :class:`StatusError` into a
+    """Checks the caller's credential and scope (:func:`gridrl.common.auth.authorize`) and,
+    for a credential bound to a client certificate, the certificate the connection presented;
+    makes it :func:`gridrl.common.auth.caller` inside the handler, turns :class:`StatusError` into a
     status, and records ``gridrl_rpc_requests_total`` / ``gridrl_rpc_duration_seconds``."""
 
     def __init__(self, tokens: AuthorizedTokens | None) -> None:
@@ -76,11 +83,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def unary_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
                 start = time.perf_counter()
-                if decision.code is not None:
-                    finish(context, start, decision.code)
-                    context.abort(decision.code, decision.message)
+                checked = _peer_checked(decision, method, context)
+                if checked.code is not None:
+                    finish(context, start, checked.code)
+                    context.abort(checked.code, checked.message)
                 try:
-                    with calling_as(decision.credential):
+                    with calling_as(checked.credential):
                         response = behavior(request_or_iterator, context)
                 except StatusError as e:
                     finish(context, start, e.code)
@@ -99,11 +107,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def stream_response(behavior: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(request_or_iterator: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                 start = time.perf_counter()
-                if decision.code is not None:
-                    finish(context, start, decision.code)
-                    context.abort(decision.code, decision.message)
+                checked = _peer_checked(decision, method, context)
+                if checked.code is not None:
+                    finish(context, start, checked.code)
+                    context.abort(checked.code, checked.message)
                 try:
-                    with calling_as(decision.credential):
+                    with calling_as(checked.credential):
                         yield from behavior(request_or_iterator, context)
                 except StatusError as e:
                     finish(context, start, e.code)
@@ -140,6 +149,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(
             stream_response(_decoded_stream(handler.stream_stream)), parse,
             handler.response_serializer)
+
+
+def _peer_checked(decision: Decision, method: str, context: grpc.ServicerContext) -> Decision:
+    """``decision`` with a certificate-bound credential checked against the client's
+    certificate (:func:`gridrl.common.auth.check_bound_certificate`)."""
+    if decision.credential is None or decision.credential.cert is None:
+        return decision
+    pem = (context.auth_context() or {}).get("x509_pem_cert") or [None]
+    return check_bound_certificate(decision, method, pem[0])
 
 
 class _Undecodable:

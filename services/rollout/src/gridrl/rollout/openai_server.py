@@ -43,7 +43,7 @@ from typing import Any, Literal
 import grpc
 
 from gridrl.common.address import join_address, parse_listen
-from gridrl.common.auth import AUTH_HEADER, AuthorizedTokens, authorize
+from gridrl.common.auth import AUTH_HEADER, AuthorizedTokens, Decision, authorize
 from gridrl.common.errors import StatusError
 from gridrl.common.security import Security, check_exposure
 from gridrl.rollout.engine import Engine, GenerateOutcome, ServingAdapter
@@ -79,12 +79,22 @@ def check_caller(authorized: AuthorizedTokens | None, method: str, authorization
     exactly as the gRPC server decides a call to ``method`` carrying it as metadata
     (:func:`gridrl.common.auth.authorize`: the same authorized tokens and scopes).
 
+    A credential bound to a client certificate (``cert=``) is refused here (401): this
+    endpoint does not see the TLS client certificate, and accepting the token alone would undo
+    the binding (a rollout node sees the trainer's token on every call).
+
     Returns:
-        None when the call may proceed, else the error to answer: 401 for a missing or unknown
-        token, 403 for a credential whose scope does not cover ``method``.
+        None when the call may proceed, else the error to answer: 401 for a missing, unknown
+        or certificate-bound token, 403 for a credential whose scope does not cover ``method``.
     """
     metadata = [(AUTH_HEADER, authorization)] if authorization is not None else []
     decision = authorize(authorized, method, metadata)
+    if decision.code is None and decision.credential and decision.credential.cert:
+        decision = Decision(grpc.StatusCode.UNAUTHENTICATED,
+                            f"{method.removeprefix('/gridrl.v1.')}: credential "
+                            f"{decision.credential.id!r} is bound to a client certificate, "
+                            "which the HTTP endpoint does not check; use a credential minted "
+                            "without --cert")
     if decision.code is None:
         return None
     return OpenAIError.from_status(StatusError(decision.code, decision.message))

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from gridrl.common.channel import NODE_REQUEST_BYTES
 from gridrl.common.errors import StatusError
 from gridrl.common.faults import pause_in_stream, pause_point
 from gridrl.common.security import Security
@@ -195,7 +196,7 @@ class RolloutNode:
         workers = min(1024, config.max_queue + config.capacity + 16)
         self.server = GrpcServer(config.listen, metrics_port=config.metrics_port,
                                  security=config.security, max_workers=workers,
-                                 grace_s=config.grace_s)
+                                 grace_s=config.grace_s, max_receive_bytes=NODE_REQUEST_BYTES)
         self.server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
