@@ -20,9 +20,10 @@ process), so it runs on torch's threads. :func:`load` returns None, with the rea
 ``GRIDRL_CPU_KERNELS=0``) or where they lose to oneDNN on this CPU; callers then keep their
 oneDNN path.
 
-Whether they win depends on the CPU: written for and measured on AVX-512 (27-33 GB/s against
-oneDNN's 13-25 there), they are 3.6-16x *slower* than oneDNN at decode batches on an
-AVX2-only AMD EPYC (Zen 3; docs/benchmarks.md has the figures). So by default
+Whether they win depends on the CPU. Written for AVX-512 (27-33 GB/s against oneDNN's 13-25
+there); on AVX2 they use 8-lane vectors and 6-row tiles (see ``decode.c``), and on a 2-core
+AVX2 AMD EPYC (Zen 3) run every decode-shaped product 0.5-0.98x oneDNN's time
+(docs/benchmarks.md). Because that is a property of the CPU, by default
 (``GRIDRL_CPU_KERNELS`` unset or ``auto``) :func:`load` times both on two decode-shaped
 products once per process (:func:`race`, ~0.13 s on that EPYC) and uses the kernels only where they are
 the faster; ``GRIDRL_CPU_KERNELS=1`` uses them without the race, ``0`` never.

@@ -30,80 +30,153 @@
 #include <stdlib.h>
 
 #define NB 16
-#define CHUNK 8                /* rows per register tile */
 #define PREFETCH_BYTES 4096
+/* VW: floats in one vector register (AVX-512: 16, else 8, e.g. AVX2), so that a block row of
+ * NB weights is NV registers. Rows per register tile (CHUNK): its accumulators (rows x NV
+ * registers; a swiglu tile twice that) plus a broadcast input must fit in the registers, or
+ * every FMA goes through the stack. AVX-512 (32 registers): 8 rows, gate and up together.
+ * Otherwise (AVX2: 16 registers): 6 rows (12 accumulators), and a swiglu block's gate and up
+ * halves as two plain tiles (SPLIT_SWIGLU) -- the same sums, each lane's in k order, so the
+ * results do not depend on the choice. Measured on a 2-core AVX2 EPYC against 4 rows and
+ * 2-row swiglu tiles: 16 rows x (576 -> 960) 151 -> 119 us, (576 -> 2 x 1536) 559 -> 464 us
+ * (bench/decode_kernels.py has the comparison with oneDNN). */
+#if defined(__AVX512F__)
+#define VW 16
+#define CHUNK 8
+#define SPLIT_SWIGLU 0
+#else
+#define VW 8
+#define CHUNK 6
+#define SPLIT_SWIGLU 1
+#endif
+#define NV (NB / VW)
 
-typedef float v16 __attribute__((vector_size(NB * sizeof(float))));
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vf loadv(const float *p) {
+    vf v;
     __builtin_memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* acc[m] += sum_k x[m, k] * w[k, 0:NB] over a tile of `rows` rows (w rows `stride` floats apart). */
-static inline void tile(const float *x, int rows, int ldx, int depth, const float *w, int stride,
-                        v16 *acc) {
-    if (rows == CHUNK) {
-        for (int k = 0; k < depth; k++) {
-            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
-            v16 wv = load16(w + (size_t)k * stride);
+static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* acc[m, 0:NB] += sum_k x[m, k] * w[k, 0:NB] for `rows` (a compile-time constant once
+ * inlined) rows; w's rows are `stride` floats apart, acc is (rows, NB). The sums run in
+ * local registers, each lane's in k order. */
+static inline __attribute__((always_inline)) void tile_rows(
+        const int rows, const float *restrict x, int ldx, int depth, const float *restrict w,
+        int stride, float *restrict acc) {
+    vf a[CHUNK][NV];
 #pragma GCC unroll 8
-            for (int m = 0; m < CHUNK; m++) acc[m] += x[(size_t)m * ldx + k] * wv;
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) a[m][j] = loadv(acc + m * NB + j * VW);
+    for (int k = 0; k < depth; k++) {
+        __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = loadv(w + (size_t)k * stride + j * VW);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            const float xm = x[(size_t)m * ldx + k];
+            for (int j = 0; j < NV; j++) a[m][j] += xm * wv[j];
         }
-    } else {
-        for (int k = 0; k < depth; k++) {
-            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
-            v16 wv = load16(w + (size_t)k * stride);
-            for (int m = 0; m < rows; m++) acc[m] += x[(size_t)m * ldx + k] * wv;
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) storev(acc + m * NB + j * VW, a[m][j]);
+}
+
+/* tile_rows() for the gate (w[k, 0:NB]) and up (w[k, NB:2 NB]) halves of a swiglu block. */
+static inline __attribute__((always_inline)) void tile2_rows(
+        const int rows, const float *restrict x, int ldx, int depth, const float *restrict w,
+        float *restrict gate, float *restrict up) {
+    const int stride = 2 * NB;
+    vf g[CHUNK][NV], u[CHUNK][NV];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) {
+            g[m][j] = loadv(gate + m * NB + j * VW);
+            u[m][j] = loadv(up + m * NB + j * VW);
         }
+    for (int k = 0; k < depth; k++) {
+        __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
+        vf gv[NV], uv[NV];
+        for (int j = 0; j < NV; j++) {
+            gv[j] = loadv(w + (size_t)k * stride + j * VW);
+            uv[j] = loadv(w + (size_t)k * stride + NB + j * VW);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            const float xm = x[(size_t)m * ldx + k];
+            for (int j = 0; j < NV; j++) {
+                g[m][j] += xm * gv[j];
+                u[m][j] += xm * uv[j];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < NV; j++) {
+            storev(gate + m * NB + j * VW, g[m][j]);
+            storev(up + m * NB + j * VW, u[m][j]);
+        }
+}
+
+/* The tiles of up to CHUNK rows, each row count its own unrolled copy. */
+#define TILE_CASE(n) case n: tile_rows(n, x, ldx, depth, w, stride, acc); break;
+#define TILE2_CASE(n) case n: tile2_rows(n, x, ldx, depth, w, gate, up); break;
+static void tile(const float *x, int rows, int ldx, int depth, const float *w, int stride,
+                 float *acc) {
+    switch (rows) {
+#if CHUNK >= 8
+    TILE_CASE(8) TILE_CASE(7)
+#endif
+#if CHUNK >= 6
+    TILE_CASE(6) TILE_CASE(5)
+#endif
+    TILE_CASE(4) TILE_CASE(3) TILE_CASE(2)
+    default: tile_rows(1, x, ldx, depth, w, stride, acc); break;
     }
 }
 
-/* tile() for the gate (w[k, 0:NB]) and up (w[k, NB:2 NB]) halves of a swiglu block at once. */
-static inline void tile2(const float *x, int rows, int ldx, int depth, const float *w,
-                         v16 *gate, v16 *up) {
-    const int stride = 2 * NB;
-    if (rows == CHUNK) {
-        for (int k = 0; k < depth; k++) {
-            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
-            v16 g = load16(w + (size_t)k * stride), v = load16(w + (size_t)k * stride + NB);
-#pragma GCC unroll 8
-            for (int m = 0; m < CHUNK; m++) {
-                gate[m] += x[(size_t)m * ldx + k] * g;
-                up[m] += x[(size_t)m * ldx + k] * v;
-            }
-        }
-    } else {
-        for (int k = 0; k < depth; k++) {
-            __builtin_prefetch(w + (size_t)k * stride + PREFETCH_BYTES / sizeof(float));
-            v16 g = load16(w + (size_t)k * stride), v = load16(w + (size_t)k * stride + NB);
-            for (int m = 0; m < rows; m++) {
-                gate[m] += x[(size_t)m * ldx + k] * g;
-                up[m] += x[(size_t)m * ldx + k] * v;
-            }
-        }
+static void tile2(const float *x, int rows, int ldx, int depth, const float *w, float *gate,
+                  float *up) {
+#if SPLIT_SWIGLU
+    tile(x, rows, ldx, depth, w, 2 * NB, gate);
+    tile(x, rows, ldx, depth, w + NB, 2 * NB, up);
+#else
+    switch (rows) {
+    TILE2_CASE(8) TILE2_CASE(7) TILE2_CASE(6) TILE2_CASE(5) TILE2_CASE(4) TILE2_CASE(3)
+    TILE2_CASE(2)
+    default: tile2_rows(1, x, ldx, depth, w, gate, up); break;
     }
+#endif
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-typedef int vi16 __attribute__((vector_size(NB * sizeof(int))));
+typedef int vi __attribute__((vector_size(VW * sizeof(int))));
 
-/* The sum of a vector's lanes, by halving in registers (4 shuffles and adds). */
-static inline float hsum(v16 v) {
-    v += __builtin_shuffle(v, (vi16){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vi16){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vi16){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vi16){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+/* The sum of a vector's lanes, by halving in registers. */
+static inline float hsum(vf v) {
+#if VW == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
     return v[0];
 }
 
-/* sum_k p[k] q[k] over n floats, 16 lanes at a time. */
+/* sum_k p[k] q[k] over n floats, VW lanes at a time. */
 static inline float dot(const float *p, const float *q, int n) {
-    v16 acc = {0};
+    vf acc = {0};
     int k = 0;
-    for (; k + NB <= n; k += NB) acc += load16(p + k) * load16(q + k);
+    for (; k + VW <= n; k += VW) acc += loadv(p + k) * loadv(q + k);
     float s = hsum(acc);
     for (; k < n; k++) s += p[k] * q[k];
     return s;
@@ -152,8 +225,8 @@ int gridrl_decode_linear(const float *x, int M, int K, const float *wp, int N,
             const int cols = width - b * NB < NB ? width - b * NB : NB;
             for (int m0 = 0; m0 < M; m0 += CHUNK) {
                 const int rows = M - m0 < CHUNK ? M - m0 : CHUNK;
-                v16 acc[CHUNK], acc2[CHUNK];
-                for (int m = 0; m < CHUNK; m++) acc[m] = acc2[m] = (v16){0};
+                float acc[CHUNK * NB] __attribute__((aligned(64))) = {0};
+                float acc2[CHUNK * NB] __attribute__((aligned(64))) = {0};
                 if (swiglu) {
                     tile2(x + (size_t)m0 * K, rows, K, K, wb, acc, acc2);
                     if (a) tile2(u + (size_t)m0 * R, rows, R, R, bb, acc, acc2);
@@ -166,11 +239,11 @@ int gridrl_decode_linear(const float *x, int M, int K, const float *wp, int N,
                     float *o = out + (size_t)(m0 + m) * width + (size_t)b * NB;
                     if (swiglu) {
                         for (int i = 0; i < cols; i++)
-                            o[i] = silu(s * acc[m][i]) * (s * acc2[m][i]);
+                            o[i] = silu(s * acc[m * NB + i]) * (s * acc2[m * NB + i]);
                     } else {
                         const float *r = add ? add + (size_t)(m0 + m) * N + (size_t)b * NB : NULL;
                         for (int i = 0; i < cols; i++) {
-                            float y = s * acc[m][i];
+                            float y = s * acc[m * NB + i];
                             if (bias) y += bias[b * NB + i];
                             if (r) y += r[i];
                             o[i] = y;
@@ -243,18 +316,18 @@ int gridrl_decode_attention(const float *qkv, int B, int HQ, int HKV, int D,
                independent accumulator chains */
             const float *mrow = mask ? mask + b * mask_ld : NULL;
             int t = 0;
-            if (D % NB == 0) {
+            if (D % VW == 0) {
                 for (; t + 4 <= L; t += 4) {
                     const float *k0 = kc + (size_t)t * D;
                     for (int h = 0; h < G; h++) {
                         const float *q = qrot + (size_t)h * D;
-                        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                        for (int d = 0; d < D; d += NB) {
-                            const v16 qv = load16(q + d);
-                            a0 += qv * load16(k0 + d);
-                            a1 += qv * load16(k0 + D + d);
-                            a2 += qv * load16(k0 + 2 * D + d);
-                            a3 += qv * load16(k0 + 3 * D + d);
+                        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                        for (int d = 0; d < D; d += VW) {
+                            const vf qv = loadv(q + d);
+                            a0 += qv * loadv(k0 + d);
+                            a1 += qv * loadv(k0 + D + d);
+                            a2 += qv * loadv(k0 + 2 * D + d);
+                            a3 += qv * loadv(k0 + 3 * D + d);
                         }
                         float *sh = scores + (size_t)h * L + t;
                         sh[0] = hsum(a0), sh[1] = hsum(a1), sh[2] = hsum(a2), sh[3] = hsum(a3);
@@ -280,17 +353,17 @@ int gridrl_decode_attention(const float *qkv, int B, int HQ, int HKV, int D,
                 const float *ph = scores + (size_t)h * L;
                 float *oh = o + (size_t)h * D;
                 int d = 0;
-                for (; d + NB <= D; d += NB) {
-                    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (; d + VW <= D; d += VW) {
+                    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                     const float *v0 = vc + d;
                     for (t = 0; t + 4 <= L; t += 4) {
-                        a0 += ph[t] * load16(v0 + (size_t)t * D);
-                        a1 += ph[t + 1] * load16(v0 + (size_t)(t + 1) * D);
-                        a2 += ph[t + 2] * load16(v0 + (size_t)(t + 2) * D);
-                        a3 += ph[t + 3] * load16(v0 + (size_t)(t + 3) * D);
+                        a0 += ph[t] * loadv(v0 + (size_t)t * D);
+                        a1 += ph[t + 1] * loadv(v0 + (size_t)(t + 1) * D);
+                        a2 += ph[t + 2] * loadv(v0 + (size_t)(t + 2) * D);
+                        a3 += ph[t + 3] * loadv(v0 + (size_t)(t + 3) * D);
                     }
-                    for (; t < L; t++) a0 += ph[t] * load16(v0 + (size_t)t * D);
-                    const v16 sum = (a0 + a1) + (a2 + a3);
+                    for (; t < L; t++) a0 += ph[t] * loadv(v0 + (size_t)t * D);
+                    const vf sum = (a0 + a1) + (a2 + a3);
                     __builtin_memcpy(oh + d, &sum, sizeof sum);
                 }
                 for (; d < D; d++) {
