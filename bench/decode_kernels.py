@@ -70,9 +70,10 @@ def main() -> None:
                 rows_out.append([m, name, f"{k_us:.0f}", f"{o_us:.0f}", f"{k_us / o_us:.2f}"])
         kernel_s, onednn_s = cpu_kernels.race(kernels)
     print(table(rows_out, ["rows", "product", "kernel us", "oneDNN us", "kernel / oneDNN"]))
-    verdict = "kernels" if kernel_s <= onednn_s else "oneDNN"
+    verdict = "kernels" if kernel_s <= cpu_kernels.KERNEL_HANDICAP * onednn_s else "oneDNN"
     print(f"load-time race (cpu_kernels.RACE_SHAPES): kernels {kernel_s * 1e3:.2f} ms, "
-          f"oneDNN {onednn_s * 1e3:.2f} ms -> by default the lean forward uses {verdict}")
+          f"oneDNN {onednn_s * 1e3:.2f} ms (kernels unless > {cpu_kernels.KERNEL_HANDICAP}x) "
+          f"-> by default the lean forward uses {verdict}")
 
 
 if __name__ == "__main__":

@@ -138,8 +138,9 @@ def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
 
 
 def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> None:
-    """Unset (or "auto"), the kernels race oneDNN once per process and run only if faster:
-    on some CPUs (an AVX2-only EPYC) they are several times slower. "1" skips the race."""
+    """Unset (or "auto"), the kernels race oneDNN once per process and run unless their
+    products are more than KERNEL_HANDICAP (1.25) times slower (they also fuse the work around
+    the products, which the race does not time); "1" skips the race."""
     from test_torch_llama import _tiny
 
     from gridrl.engine.backends.torch_llama import LeanLlama
@@ -160,6 +161,11 @@ def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> 
         monkeypatch.setattr(cpu_kernels, "race", lambda kernels: (0.001, 0.004))
         assert cpu_kernels.load() is not None and cpu_kernels.unavailable_reason() is None
         assert LeanLlama(_tiny()).products == "fused C kernel"
+        assert cpu_kernels.KERNEL_HANDICAP == 1.25
+        for kernel_s, chosen in ((0.00124, True), (0.00126, False)):  # against 1 ms
+            cpu_kernels._load.cache_clear()
+            monkeypatch.setattr(cpu_kernels, "race", lambda kernels, s=kernel_s: (s, 0.001))
+            assert (cpu_kernels.load() is not None) == chosen, kernel_s
 
         cpu_kernels._load.cache_clear()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
