@@ -71,8 +71,8 @@ def mint_command(authorized_tokens: str, scope: str, credential_id: str, address
         credential = mint(authorized_tokens, out, scope, credential_id, address, fingerprint)
     except AuthError as e:
         _fail(e)
-    bound = "".join(f", bound to {x}" for x in (credential.address, cert and f"certificate {cert}")
-                    if x)
+    bound = f", bound to {credential.address}" if credential.address else ""
+    bound += f", bound to certificate {cert}" if cert else ""
     click.echo(f"minted {credential.id} (scope {credential.scope}{bound}): token in {out}, "
                f"sha256 added to {authorized_tokens}")
 
