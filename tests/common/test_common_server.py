@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -88,8 +89,20 @@ def test_metrics_bind_the_listen_host(server: GrpcServer) -> None:
 
 
 def test_stop_flips_health(server: GrpcServer) -> None:
+    """On stop a health watcher (a load balancer, systemd's probe) sees NOT_SERVING before the
+    server goes away, for the whole server and for each service; then new calls are refused."""
     health = health_pb2_grpc.HealthStub(dial(server.address))
-    server.stop(0.5)
+    watches = {name: health.Watch(health_pb2.HealthCheckRequest(service=name), timeout=30)
+               for name in ("", SERVICE)}
+    for stream in watches.values():
+        assert next(stream).status == health_pb2.HealthCheckResponse.SERVING
+    stopper = threading.Thread(target=server.stop, args=(2.0,))
+    stopper.start()
+    try:
+        for stream in watches.values():
+            assert next(stream).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        stopper.join()
     with pytest.raises(grpc.RpcError):
         health.Check(health_pb2.HealthCheckRequest(), timeout=2)
 

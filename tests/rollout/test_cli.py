@@ -9,6 +9,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from click.testing import CliRunner
 from engine_helpers import PROMPT
@@ -131,9 +132,10 @@ def _active_sequences(metrics_port: int) -> float:
 ], ids=["torch-decoding", "mlx-idle", "mlx-decoding"])
 def test_sigterm_exits_zero(service_factory, tiny_llama_dir: Path, tmp_path: Path, backend: str,
                             busy: bool) -> None:
-    """SIGTERM ends a node with exit 0, idle or while it decodes a batch (the batch's caller
-    is cancelled, the batch stopped): no thread is left inside torch or MLX as the
-    interpreter exits. (The torch node's idle SIGTERM is in test_client_commands.)"""
+    """SIGTERM ends a node with exit 0, idle or while it decodes a batch with more queued
+    (calls in flight get the grace period, then the rest are cancelled and the batch
+    stopped): no thread is left inside torch or MLX as the interpreter exits, and every
+    caller gets an answer. (The torch node's idle SIGTERM is in test_client_commands.)"""
     if backend == "mlx":
         pytest.importorskip("mlx.core")
         pytest.importorskip("mlx_lm")
@@ -142,19 +144,29 @@ def test_sigterm_exits_zero(service_factory, tiny_llama_dir: Path, tmp_path: Pat
                             "0", "--adapter-root", str(tmp_path / "adapters"), "--max-n", "8"],
                            f"rollout-{backend}")
     channel = dial(node.address)
+    calls = []
     try:
         if busy:
-            call = rollout_pb2_grpc.RolloutServiceStub(channel).Generate.future(
-                rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT, sampling=(
-                    common_pb2.SamplingParams(n=8, max_tokens=480, temperature=1.0))),
-                timeout=300)
-            wait_until(lambda: call.done() or _active_sequences(node.metrics_port) > 0, 120)
+            # Eight requests of one batch each: the node decodes one and queues the rest, so
+            # the SIGTERM finds work in flight however fast the tiny model decodes.
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            calls = [stub.Generate.future(rollout_pb2.GenerateRequest(
+                prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(
+                    n=8, max_tokens=480, temperature=1.0, seed=i)), timeout=300)
+                for i in range(8)]
+            wait_until(lambda: _active_sequences(node.metrics_port) > 0, 120)
+            assert not all(call.done() for call in calls)
         code = node.stop(signal.SIGTERM, timeout=120)
+        unfinished = [call.exception(timeout=60) for call in calls]
     finally:
         channel.close()
     log = node.log()
     assert code == 0, log[-3000:]
     assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
+    # Every request the SIGTERM found got its answer: its samples when it finished within
+    # the grace period, else a cancellation; none was left hanging or failed otherwise.
+    codes = {e.code() for e in unfinished if e is not None}
+    assert codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
 
 
 def test_serve_refuses_bad_flags(tmp_path: Path) -> None:

@@ -65,6 +65,20 @@ def test_get_run_status_through_the_lifecycle(served) -> None:
     assert got.state == trainer_pb2.RUN_STATE_FAILED and got.error == "CUDA out of memory"
 
 
+def test_a_run_stopped_on_request_is_stopped_not_failed(served) -> None:
+    """SIGTERM's clean stop is its own state (systemd counts it a success), and a watcher's
+    stream ends with it."""
+    status, _server, stub = served
+    status.begin("run-1", "/runs/run-1", total_steps=10, model_id="tiny")
+    status.report(step_report(1))
+    status.stop("stopped after step 1 of 10 (SIGTERM); continue with: gridrl-trainer run "
+                "--resume /runs/run-1")
+    got = stub.GetRunStatus(trainer_pb2.GetRunStatusRequest(), timeout=5)
+    assert got.state == trainer_pb2.RUN_STATE_STOPPED and "--resume /runs/run-1" in got.error
+    watched = list(stub.WatchRun(trainer_pb2.WatchRunRequest(include_history=True), timeout=5))
+    assert [r.report.step for r in watched] == [1]
+
+
 def test_watch_run_history_then_live_until_finished(served) -> None:
     status, _server, stub = served
     status.begin("run-1", "/runs/run-1", total_steps=4, model_id="tiny")

@@ -84,7 +84,7 @@ GRANTS: dict[str, frozenset[str]] = {
     READ: frozenset({READ}),
 }
 # Every RPC of the three services and the scope it requires. An RPC missing here is refused to
-# every credential (a new RPC must be classified; tests/common/test_common_auth.py checks it).
+# every credential (a new RPC must be classified; tests/e2e/test_security_matrix.py checks it).
 METHOD_SCOPES: dict[str, str] = {
     "/gridrl.v1.RegistryService/RegisterNode": NODE,
     "/gridrl.v1.RegistryService/Heartbeat": NODE,

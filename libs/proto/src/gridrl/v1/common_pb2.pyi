@@ -27,7 +27,9 @@ class _BackendEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Backend.Value
     DESCRIPTOR: _descriptor.EnumDescriptor
     BACKEND_UNSPECIFIED: _Backend.ValueType  # 0
     BACKEND_TORCH: _Backend.ValueType  # 1
-    """transformers + peft (CPU fp32, CUDA bf16, MPS)."""
+    """torch (CPU fp32, CUDA bf16, MPS): gridrl's lean forward for llama-family models with the
+    LoRA factors applied in it, else the model's transformers forward with peft.
+    """
     BACKEND_MLX: _Backend.ValueType  # 2
     """mlx-lm (Apple Silicon, or Linux CPU through mlx[cpu])."""
     BACKEND_VLLM: _Backend.ValueType  # 3
@@ -38,7 +40,9 @@ class Backend(_Backend, metaclass=_BackendEnumTypeWrapper):
 
 BACKEND_UNSPECIFIED: Backend.ValueType  # 0
 BACKEND_TORCH: Backend.ValueType  # 1
-"""transformers + peft (CPU fp32, CUDA bf16, MPS)."""
+"""torch (CPU fp32, CUDA bf16, MPS): gridrl's lean forward for llama-family models with the
+LoRA factors applied in it, else the model's transformers forward with peft.
+"""
 BACKEND_MLX: Backend.ValueType  # 2
 """mlx-lm (Apple Silicon, or Linux CPU through mlx[cpu])."""
 BACKEND_VLLM: Backend.ValueType  # 3
@@ -101,7 +105,9 @@ class _NodeStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeStatus
     NODE_STATUS_UNHEALTHY: _NodeStatus.ValueType  # 2
     """Missed heartbeats for longer than the unhealthy timeout; removed after the expiry timeout."""
     NODE_STATUS_DRAINING: _NodeStatus.ValueType  # 3
-    """Up but asked to take no new work (shutting down)."""
+    """Up but taking no new work (shutting down); the trainer takes it out of rotation. gridrl's
+    own nodes deregister as they stop instead; this is for a node that announces it first.
+    """
 
 class NodeStatus(_NodeStatus, metaclass=_NodeStatusEnumTypeWrapper):
     """Liveness of a registered node as the master sees it."""
@@ -112,7 +118,9 @@ NODE_STATUS_HEALTHY: NodeStatus.ValueType  # 1
 NODE_STATUS_UNHEALTHY: NodeStatus.ValueType  # 2
 """Missed heartbeats for longer than the unhealthy timeout; removed after the expiry timeout."""
 NODE_STATUS_DRAINING: NodeStatus.ValueType  # 3
-"""Up but asked to take no new work (shutting down)."""
+"""Up but taking no new work (shutting down); the trainer takes it out of rotation. gridrl's
+own nodes deregister as they stop instead; this is for a node that announces it first.
+"""
 Global___NodeStatus: _TypeAlias = NodeStatus  # noqa: Y015
 
 class _FinishReason:

@@ -73,7 +73,7 @@ class NodeRecord(_message.Message):
     status: _common_pb2.NodeStatus.ValueType
     """Liveness."""
     load: _builtins.float
-    """Load in [0, 1] the node last reported (busy slots / capacity)."""
+    """Load in [0, 1] the node last reported ((sequences decoding + waiting) / capacity, capped)."""
     @_builtins.property
     def info(self) -> _common_pb2.NodeInfo:
         """What the node reported, updated by heartbeats."""
@@ -175,7 +175,7 @@ class HeartbeatRequest(_message.Message):
     queue_depth: _builtins.int
     """Requests waiting for a batch slot."""
     load: _builtins.float
-    """Busy slots / capacity, in [0, 1]."""
+    """(Sequences decoding + waiting) / capacity, capped at 1."""
     status: _common_pb2.NodeStatus.ValueType
     """Set DRAINING to announce a shutdown; unset keeps HEALTHY."""
     sequence: _builtins.int

@@ -68,7 +68,9 @@ class RegistryServiceServicer:
 
     def RegisterNode(self, request, context):
         """Add a node, or replace the record of a node already registered at the same address.
-        INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend.
+        INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend;
+        PERMISSION_DENIED when the caller's credential is bound to another address, another
+        credential holds this address, or its scope does not cover the node's role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,28 +78,34 @@ class RegistryServiceServicer:
 
     def Heartbeat(self, request, context):
         """Keep a node alive and update its adapter version and load. NOT_FOUND for an unknown node_id:
-        the node must register again.
+        the node must register again. INVALID_ARGUMENT naming node_id (empty), load (outside
+        [0, 1]) or status (UNHEALTHY or unknown); PERMISSION_DENIED when another credential holds
+        the node's address.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListNodes(self, request, context):
-        """Nodes matching every filter that is set.
+        """Nodes matching every filter that is set. INVALID_ARGUMENT naming role, backend or status
+        for an unknown enum value.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchNodes(self, request, context):
-        """Server-streaming: a snapshot of the matching nodes, then every join, change and loss.
+        """Server-streaming: a snapshot of the matching nodes, then every join, change and loss; ends
+        (OK) when the master stops. INVALID_ARGUMENT naming role or backend; RESOURCE_EXHAUSTED
+        past the master's watcher limit or when the client falls 10,000 events behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterNode(self, request, context):
-        """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id.
+        """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id; PERMISSION_DENIED
+        when another credential holds the node's address.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

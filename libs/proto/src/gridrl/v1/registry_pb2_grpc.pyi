@@ -35,18 +35,29 @@ class RegistryServiceStub:
     def __new__(cls, channel: _aio.Channel) -> RegistryServiceAsyncStub: ...
     RegisterNode: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RegisterNodeRequest, _registry_pb2.RegisterNodeResponse]
     """Add a node, or replace the record of a node already registered at the same address.
-    INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend.
+    INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend;
+    PERMISSION_DENIED when the caller's credential is bound to another address, another
+    credential holds this address, or its scope does not cover the node's role.
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]
     """Keep a node alive and update its adapter version and load. NOT_FOUND for an unknown node_id:
-    the node must register again.
+    the node must register again. INVALID_ARGUMENT naming node_id (empty), load (outside
+    [0, 1]) or status (UNHEALTHY or unknown); PERMISSION_DENIED when another credential holds
+    the node's address.
     """
     ListNodes: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListNodesRequest, _registry_pb2.ListNodesResponse]
-    """Nodes matching every filter that is set."""
+    """Nodes matching every filter that is set. INVALID_ARGUMENT naming role, backend or status
+    for an unknown enum value.
+    """
     WatchNodes: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchNodesRequest, _registry_pb2.WatchNodesResponse]
-    """Server-streaming: a snapshot of the matching nodes, then every join, change and loss."""
+    """Server-streaming: a snapshot of the matching nodes, then every join, change and loss; ends
+    (OK) when the master stops. INVALID_ARGUMENT naming role or backend; RESOURCE_EXHAUSTED
+    past the master's watcher limit or when the client falls 10,000 events behind.
+    """
     DeregisterNode: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeregisterNodeRequest, _registry_pb2.DeregisterNodeResponse]
-    """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id."""
+    """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id; PERMISSION_DENIED
+    when another credential holds the node's address.
+    """
 
 @_typing.type_check_only
 class RegistryServiceAsyncStub(RegistryServiceStub):
@@ -55,18 +66,29 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterNode: _aio.UnaryUnaryMultiCallable[_registry_pb2.RegisterNodeRequest, _registry_pb2.RegisterNodeResponse]  # type: ignore[assignment]
     """Add a node, or replace the record of a node already registered at the same address.
-    INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend.
+    INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend;
+    PERMISSION_DENIED when the caller's credential is bound to another address, another
+    credential holds this address, or its scope does not cover the node's role.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Keep a node alive and update its adapter version and load. NOT_FOUND for an unknown node_id:
-    the node must register again.
+    the node must register again. INVALID_ARGUMENT naming node_id (empty), load (outside
+    [0, 1]) or status (UNHEALTHY or unknown); PERMISSION_DENIED when another credential holds
+    the node's address.
     """
     ListNodes: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListNodesRequest, _registry_pb2.ListNodesResponse]  # type: ignore[assignment]
-    """Nodes matching every filter that is set."""
+    """Nodes matching every filter that is set. INVALID_ARGUMENT naming role, backend or status
+    for an unknown enum value.
+    """
     WatchNodes: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchNodesRequest, _registry_pb2.WatchNodesResponse]  # type: ignore[assignment]
-    """Server-streaming: a snapshot of the matching nodes, then every join, change and loss."""
+    """Server-streaming: a snapshot of the matching nodes, then every join, change and loss; ends
+    (OK) when the master stops. INVALID_ARGUMENT naming role or backend; RESOURCE_EXHAUSTED
+    past the master's watcher limit or when the client falls 10,000 events behind.
+    """
     DeregisterNode: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeregisterNodeRequest, _registry_pb2.DeregisterNodeResponse]  # type: ignore[assignment]
-    """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id."""
+    """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id; PERMISSION_DENIED
+    when another credential holds the node's address.
+    """
 
 class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     """The master's registry of nodes: who is up, what they serve, which adapter version they hold."""
@@ -78,7 +100,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.RegisterNodeResponse, _abc.Awaitable[_registry_pb2.RegisterNodeResponse]]:
         """Add a node, or replace the record of a node already registered at the same address.
-        INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend.
+        INVALID_ARGUMENT naming the field for a missing or malformed address, unknown role or backend;
+        PERMISSION_DENIED when the caller's credential is bound to another address, another
+        credential holds this address, or its scope does not cover the node's role.
         """
 
     @_abc_1.abstractmethod
@@ -88,7 +112,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.HeartbeatResponse, _abc.Awaitable[_registry_pb2.HeartbeatResponse]]:
         """Keep a node alive and update its adapter version and load. NOT_FOUND for an unknown node_id:
-        the node must register again.
+        the node must register again. INVALID_ARGUMENT naming node_id (empty), load (outside
+        [0, 1]) or status (UNHEALTHY or unknown); PERMISSION_DENIED when another credential holds
+        the node's address.
         """
 
     @_abc_1.abstractmethod
@@ -97,7 +123,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.ListNodesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ListNodesResponse, _abc.Awaitable[_registry_pb2.ListNodesResponse]]:
-        """Nodes matching every filter that is set."""
+        """Nodes matching every filter that is set. INVALID_ARGUMENT naming role, backend or status
+        for an unknown enum value.
+        """
 
     @_abc_1.abstractmethod
     def WatchNodes(
@@ -105,7 +133,10 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.WatchNodesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_pb2.WatchNodesResponse], _abc.AsyncIterator[_registry_pb2.WatchNodesResponse]]:
-        """Server-streaming: a snapshot of the matching nodes, then every join, change and loss."""
+        """Server-streaming: a snapshot of the matching nodes, then every join, change and loss; ends
+        (OK) when the master stops. INVALID_ARGUMENT naming role or backend; RESOURCE_EXHAUSTED
+        past the master's watcher limit or when the client falls 10,000 events behind.
+        """
 
     @_abc_1.abstractmethod
     def DeregisterNode(
@@ -113,6 +144,8 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.DeregisterNodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.DeregisterNodeResponse, _abc.Awaitable[_registry_pb2.DeregisterNodeResponse]]:
-        """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id."""
+        """Remove a node (on clean shutdown). NOT_FOUND for an unknown node_id; PERMISSION_DENIED
+        when another credential holds the node's address.
+        """
 
 def add_RegistryServiceServicer_to_server(servicer: RegistryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

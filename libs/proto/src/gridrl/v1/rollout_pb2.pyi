@@ -311,7 +311,9 @@ class ReloadAdapterRequest(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     BASE_MODEL_FIELD_NUMBER: _builtins.int
     version: _builtins.int
-    """A version pushed earlier (see NodeInfo.stored_adapters)."""
+    """A version pushed earlier (see NodeInfo.stored_adapters): of the serving adapter's name
+    when it has that version, else of the one name that does.
+    """
     path: _builtins.str
     """A directory relative to the node's --adapter-root (never outside it)."""
     base_model: _builtins.bool

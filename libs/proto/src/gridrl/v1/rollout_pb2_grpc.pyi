@@ -38,17 +38,31 @@ class RolloutServiceStub:
     Generate: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GenerateRequest, _rollout_pb2.GenerateResponse]
     """Sample n completions for one prompt. Errors: INVALID_ARGUMENT naming the field (empty prompt,
     token id outside the vocabulary, n / max_tokens out of bounds, prompt + max_tokens beyond
-    the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full.
+    the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full;
+    CANCELLED when the node stops before the request's samples are done (after its grace
+    period) or a push interrupts it past its deadline; UNAVAILABLE while the node shuts down or
+    when its vLLM server is unreachable; INTERNAL when the backend fails while decoding.
     """
     PushAdapter: _grpc.StreamUnaryMultiCallable[_rollout_pb2.PushAdapterRequest, _rollout_pb2.PushAdapterResponse]
     """Client-streaming: first message a header with the manifest, then the files' bytes in
     manifest order, then (only when the manifest left every sha256 empty) a trailer with the
     digests, so a sender can hash while it streams. The node verifies sizes and sha256,
     converts the format when needed and swaps atomically between batches. Any failure leaves
-    the previous adapter serving.
+    the previous adapter serving. Errors: INVALID_ARGUMENT (malformed stream or manifest, files
+    that are not the declared format or do not parse, an adapter that cannot be converted);
+    DATA_LOSS (truncated stream, sha256 mismatch); RESOURCE_EXHAUSTED (over the node's
+    adapter size limit); FAILED_PRECONDITION (made for another base model, or tensors that do
+    not fit it); ALREADY_EXISTS (that name and version stored with other contents); CANCELLED
+    (the client cancelled the stream); DEADLINE_EXCEEDED (it could not be applied before the
+    call's deadline, and never will be).
     """
     ReloadAdapter: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.ReloadAdapterRequest, _rollout_pb2.ReloadAdapterResponse]
-    """Switch to an adapter already on the node, or back to the base model."""
+    """Switch to an adapter already on the node, or back to the base model. Errors:
+    INVALID_ARGUMENT (no target; a path empty, absolute or leaving the adapter root; version 0,
+    or a version stored under several names, none the serving one's), NOT_FOUND (no such version or directory),
+    FAILED_PRECONDITION (the adapter does not fit the base model or cannot be read),
+    DEADLINE_EXCEEDED (not applied before the call's deadline). Nothing changes on any error.
+    """
     GetNodeInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetNodeInfoRequest, _rollout_pb2.GetNodeInfoResponse]
     """What the node serves and how loaded it is."""
 
@@ -62,17 +76,31 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     Generate: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GenerateRequest, _rollout_pb2.GenerateResponse]  # type: ignore[assignment]
     """Sample n completions for one prompt. Errors: INVALID_ARGUMENT naming the field (empty prompt,
     token id outside the vocabulary, n / max_tokens out of bounds, prompt + max_tokens beyond
-    the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full.
+    the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full;
+    CANCELLED when the node stops before the request's samples are done (after its grace
+    period) or a push interrupts it past its deadline; UNAVAILABLE while the node shuts down or
+    when its vLLM server is unreachable; INTERNAL when the backend fails while decoding.
     """
     PushAdapter: _aio.StreamUnaryMultiCallable[_rollout_pb2.PushAdapterRequest, _rollout_pb2.PushAdapterResponse]  # type: ignore[assignment]
     """Client-streaming: first message a header with the manifest, then the files' bytes in
     manifest order, then (only when the manifest left every sha256 empty) a trailer with the
     digests, so a sender can hash while it streams. The node verifies sizes and sha256,
     converts the format when needed and swaps atomically between batches. Any failure leaves
-    the previous adapter serving.
+    the previous adapter serving. Errors: INVALID_ARGUMENT (malformed stream or manifest, files
+    that are not the declared format or do not parse, an adapter that cannot be converted);
+    DATA_LOSS (truncated stream, sha256 mismatch); RESOURCE_EXHAUSTED (over the node's
+    adapter size limit); FAILED_PRECONDITION (made for another base model, or tensors that do
+    not fit it); ALREADY_EXISTS (that name and version stored with other contents); CANCELLED
+    (the client cancelled the stream); DEADLINE_EXCEEDED (it could not be applied before the
+    call's deadline, and never will be).
     """
     ReloadAdapter: _aio.UnaryUnaryMultiCallable[_rollout_pb2.ReloadAdapterRequest, _rollout_pb2.ReloadAdapterResponse]  # type: ignore[assignment]
-    """Switch to an adapter already on the node, or back to the base model."""
+    """Switch to an adapter already on the node, or back to the base model. Errors:
+    INVALID_ARGUMENT (no target; a path empty, absolute or leaving the adapter root; version 0,
+    or a version stored under several names, none the serving one's), NOT_FOUND (no such version or directory),
+    FAILED_PRECONDITION (the adapter does not fit the base model or cannot be read),
+    DEADLINE_EXCEEDED (not applied before the call's deadline). Nothing changes on any error.
+    """
     GetNodeInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetNodeInfoRequest, _rollout_pb2.GetNodeInfoResponse]  # type: ignore[assignment]
     """What the node serves and how loaded it is."""
 
@@ -89,7 +117,10 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_rollout_pb2.GenerateResponse, _abc.Awaitable[_rollout_pb2.GenerateResponse]]:
         """Sample n completions for one prompt. Errors: INVALID_ARGUMENT naming the field (empty prompt,
         token id outside the vocabulary, n / max_tokens out of bounds, prompt + max_tokens beyond
-        the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full.
+        the context, temperature < 0, top_p outside (0, 1]); RESOURCE_EXHAUSTED when the queue is full;
+        CANCELLED when the node stops before the request's samples are done (after its grace
+        period) or a push interrupts it past its deadline; UNAVAILABLE while the node shuts down or
+        when its vLLM server is unreachable; INTERNAL when the backend fails while decoding.
         """
 
     @_abc_1.abstractmethod
@@ -102,7 +133,13 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         manifest order, then (only when the manifest left every sha256 empty) a trailer with the
         digests, so a sender can hash while it streams. The node verifies sizes and sha256,
         converts the format when needed and swaps atomically between batches. Any failure leaves
-        the previous adapter serving.
+        the previous adapter serving. Errors: INVALID_ARGUMENT (malformed stream or manifest, files
+        that are not the declared format or do not parse, an adapter that cannot be converted);
+        DATA_LOSS (truncated stream, sha256 mismatch); RESOURCE_EXHAUSTED (over the node's
+        adapter size limit); FAILED_PRECONDITION (made for another base model, or tensors that do
+        not fit it); ALREADY_EXISTS (that name and version stored with other contents); CANCELLED
+        (the client cancelled the stream); DEADLINE_EXCEEDED (it could not be applied before the
+        call's deadline, and never will be).
         """
 
     @_abc_1.abstractmethod
@@ -111,7 +148,12 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.ReloadAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.ReloadAdapterResponse, _abc.Awaitable[_rollout_pb2.ReloadAdapterResponse]]:
-        """Switch to an adapter already on the node, or back to the base model."""
+        """Switch to an adapter already on the node, or back to the base model. Errors:
+        INVALID_ARGUMENT (no target; a path empty, absolute or leaving the adapter root; version 0,
+        or a version stored under several names, none the serving one's), NOT_FOUND (no such version or directory),
+        FAILED_PRECONDITION (the adapter does not fit the base model or cannot be read),
+        DEADLINE_EXCEEDED (not applied before the call's deadline). Nothing changes on any error.
+        """
 
     @_abc_1.abstractmethod
     def GetNodeInfo(

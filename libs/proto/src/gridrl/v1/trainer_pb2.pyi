@@ -32,7 +32,11 @@ class _RunStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunState.Val
     RUN_STATE_FINISHED: _RunState.ValueType  # 3
     """All steps done."""
     RUN_STATE_FAILED: _RunState.ValueType  # 4
-    """Stopped by an error."""
+    """Stopped by an error (`error` says which)."""
+    RUN_STATE_STOPPED: _RunState.ValueType  # 5
+    """Stopped on request (SIGINT, SIGTERM) before its last step; `error` names the last
+    checkpointed step and the command that resumes the run.
+    """
 
 class RunState(_RunState, metaclass=_RunStateEnumTypeWrapper):
     """Lifecycle of a run."""
@@ -45,7 +49,11 @@ RUN_STATE_RUNNING: RunState.ValueType  # 2
 RUN_STATE_FINISHED: RunState.ValueType  # 3
 """All steps done."""
 RUN_STATE_FAILED: RunState.ValueType  # 4
-"""Stopped by an error."""
+"""Stopped by an error (`error` says which)."""
+RUN_STATE_STOPPED: RunState.ValueType  # 5
+"""Stopped on request (SIGINT, SIGTERM) before its last step; `error` names the last
+checkpointed step and the command that resumes the run.
+"""
 Global___RunState: _TypeAlias = RunState  # noqa: Y015
 
 @_typing.final
@@ -193,7 +201,7 @@ class GetRunStatusResponse(_message.Message):
     model_id: _builtins.str
     """Base model id."""
     error: _builtins.str
-    """Error message when state is FAILED."""
+    """Error message when state is FAILED; when STOPPED, where it stopped and how to resume."""
     @_builtins.property
     def last_report(self) -> Global___StepReport:
         """Report of the last finished step."""

@@ -1,6 +1,6 @@
 """The trainer's entry in the master's registry (``gridrl-master nodes --role trainer``).
 
-    registrar = register_trainer(master, server.address, status, security)
+    registrar = register_trainer(master, server.address, status, model_id, security)
     ...
     registrar.stop()    # deregisters
 

@@ -590,7 +590,7 @@ class Trainer:
         log.warning("%s", message)
         self.console.print(f"[bold yellow]{message}[/]")
         if self.status is not None:
-            self.status.fail(message)
+            self.status.stop(message)
         return {"stopped_at": step, "run_dir": str(self.run_dir.path)}
 
     def _account_nodes(self, step: int, batch: StepBatch,

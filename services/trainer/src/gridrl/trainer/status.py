@@ -125,9 +125,17 @@ class RunStatus:
             self._error = error
             self._cond.notify_all()
 
+    def stop(self, message: str) -> None:
+        """Mark the run STOPPED on request before its last step (``message``: where it stopped
+        and how to resume, shown in ``error``); ends WatchRun streams."""
+        with self._cond:
+            self._state = trainer_pb2.RUN_STATE_STOPPED
+            self._error = message
+            self._cond.notify_all()
+
     @property
     def done(self) -> bool:
-        """True once the run finished or failed."""
+        """True once the run finished, failed or was stopped."""
         with self._cond:
             return self._done()
 
@@ -161,7 +169,7 @@ class RunStatus:
 
         Returns:
             (reports, done): the new reports (possibly none after the timeout) and whether the
-            run has finished or failed (no report will follow those returned).
+            run has finished, failed or stopped (no report will follow those returned).
         """
         with self._cond:
             self._cond.wait_for(
@@ -174,4 +182,5 @@ class RunStatus:
             self._cond.notify_all()
 
     def _done(self) -> bool:
-        return self._state in (trainer_pb2.RUN_STATE_FINISHED, trainer_pb2.RUN_STATE_FAILED)
+        return self._state in (trainer_pb2.RUN_STATE_FINISHED, trainer_pb2.RUN_STATE_FAILED,
+                               trainer_pb2.RUN_STATE_STOPPED)
