@@ -195,8 +195,8 @@ def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
     wait_for_log(shell, "master", f"registered {node_address}", [master, trainer, node])
     listed = answers(shell, command["master nodes"], lambda out: node_address in out,
                      f"gridrl-master nodes lists {node_address}")
-    # one rollout node (a trainer given --master may list itself too, with role trainer,
-    # where its credential allows: not in the secured set-up)
+    # one rollout node (a trainer given --master lists itself too, with role trainer: its
+    # trainer-scoped credential may register a trainer entry)
     assert re.search(rf"{re.escape(node_address)}\s+rollout\s", listed), listed
     assert len(re.findall(r"\srollout\s", listed)) == 1, listed
     try:

@@ -199,6 +199,15 @@ def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_
     # the step in progress was finished and checkpointed (--checkpoint-every 100 never would)
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{steps[-1]:06d}"
     assert "continue with: gridrl-trainer run --resume" in (tmp_path / "first.log").read_text()
+    # The same command again, without --resume, is refused before anything is loaded: a
+    # second run there would mix its log, checkpoints and versions with this one's.
+    log_before = (run_dir / "log.jsonl").read_bytes()
+    again = subprocess.run(args, capture_output=True, text=True, timeout=120, env=ENV)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert (f"--run-dir: {run_dir} already holds a run (checkpoints up to step {steps[-1]} "
+            f"and a log.jsonl); continue it with --resume {run_dir}") in again.stderr, again.stderr
+    assert (run_dir / "log.jsonl").read_bytes() == log_before
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{steps[-1]:06d}"
     resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
                               "--steps", str(len(steps) + 2), "--listen", "127.0.0.1:0",
                               "--metrics-port", "-1"], capture_output=True, text=True,

@@ -3,6 +3,7 @@ optimizer step on a tiny llama."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -442,6 +443,51 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
     assert all(p.dtype == torch.float32 for p in pol.trainable_parameters())
     assert all(v.dtype == torch.float32 for st in opt.state.values() for k, v in st.items()
                if k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_the_bfloat16_update_reads_cast_copies_of_the_frozen_weights(policy, monkeypatch):
+    """A bfloat16 update reads bfloat16 copies of the frozen Linear weights, made once
+    (Policy.frozen_weights_as), instead of autocast casting them at every product: the same
+    gradients and statistics bit for bit, the float32 weights back afterwards (after an error
+    too), the embedding and the output head never swapped."""
+    import gridrl.trainer.update as update
+
+    seqs = _behaviour_shifted(policy, 0.0)
+    results = {}
+    for swap in (False, True):
+        pol = _fresh(policy)
+        with torch.no_grad():
+            for name, p in pol.model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01)
+        if not swap:
+            monkeypatch.setattr(update, "_frozen_weights_cast",
+                                lambda *_: contextlib.nullcontext())
+        else:
+            monkeypatch.undo()
+        frozen = {n: p.detach().clone() for n, p in pol.model.named_parameters()
+                  if not p.requires_grad}
+        rec = _GradientRecorder(pol.trainable_parameters())
+        stats = grpo_update(pol, rec, None, seqs, UpdateConfig(
+            temperature=1.0, max_tokens=8, update_dtype="bfloat16", max_grad_norm=0.0))
+        results[swap] = (stats, rec.grads)
+        for n, p in pol.model.named_parameters():  # the float32 weights are back, unchanged
+            if not p.requires_grad:
+                assert p.dtype == torch.float32 and torch.equal(p, frozen[n]), n
+    swapped = pol._cast_weights[torch.bfloat16]
+    linears = [m for m in pol.model.modules()
+               if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    assert 0 < len(swapped) <= len(linears)
+    kept = {m.weight.data_ptr() for m in pol.model.modules() if isinstance(m, torch.nn.Embedding)}
+    assert all(param.data_ptr() not in kept for param, _ in swapped)
+    assert pol.head_weight is None or all(param is not pol.head_weight for param, _ in swapped)
+    (plain, plain_grads), (cast, cast_grads) = results[False], results[True]
+    assert plain == cast
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, cast_grads, strict=True))
+    with pytest.raises(RuntimeError), pol.frozen_weights_as(torch.bfloat16):
+        assert all(param.dtype == torch.bfloat16 for param, _ in swapped)
+        raise RuntimeError("inside")
+    assert all(param.dtype == torch.float32 for param, _ in swapped)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-cpu", "avx2-cpu"])

@@ -94,6 +94,15 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
     except StatusError as e:
         raise click.UsageError(e.message) from None
     cfg.security = security  # from this start's flags; never saved with the run
+    if not resume and cfg.run_dir:
+        from gridrl.trainer.checkpoint import earlier_run
+
+        held = earlier_run(cfg.run_dir)
+        if held:  # a second run there would mix its log, checkpoints and versions with it
+            raise click.UsageError(
+                f"--run-dir: {cfg.run_dir} already holds a run ({held}); continue it with "
+                f"--resume {cfg.run_dir}, or start a new one with another --run-name or "
+                "--run-dir")
     from gridrl.trainer.preflight import check_inputs
 
     try:  # a typo costs a line, not a model load (before the server binds, too)

@@ -470,7 +470,7 @@ class Trainer:
             log.exception("checkpoint of the failed run failed")
             return
         message = (f"run failed after step {st.step} ({type(error).__name__}); checkpointed "
-                   f"it: continue with: gridrl-trainer run --resume {self.run_dir.path}")
+                   f"it: continue with: {self._resume_command()}")
         log.warning("%s", message)
         self.console.print(f"[bold yellow]{message}[/]")
 
@@ -575,6 +575,16 @@ class Trainer:
             self.backend.broadcast(RankMessage(stop=True))
         return self._finish()
 
+    def _resume_command(self) -> str:
+        """The command that continues this run; the security flags are not saved with it."""
+        assert self.run_dir is not None
+        security = self.cfg.security
+        secured = security is not None and bool(
+            security.token or security.tls.cert or security.tls.ca or security.authorized)
+        return (f"gridrl-trainer run --resume {self.run_dir.path}"
+                + (" and this start's --tls-*, --authorized-tokens and --auth-token-file "
+                   "flags (credentials are never saved with a run)" if secured else ""))
+
     def _stop(self, step: int) -> dict[str, Any]:
         """End a run asked to stop: the checkpoint of ``step`` is written."""
         assert self.run_dir is not None
@@ -583,7 +593,7 @@ class Trainer:
         self.stopped_at = step
         if self.checkpointed_step:
             message = (f"stopped after step {step} of {self.cfg.steps} ({self._stop_reason}); "
-                       f"continue with: gridrl-trainer run --resume {self.run_dir.path}")
+                       f"continue with: {self._resume_command()}")
         else:
             message = (f"stopped before step 1 of {self.cfg.steps} ({self._stop_reason}); "
                        "no step to checkpoint")

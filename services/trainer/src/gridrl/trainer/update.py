@@ -99,50 +99,51 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     #  IS limited units] + per-sequence mismatch kl
     totals = torch.zeros(_TOTALS + n, dtype=torch.float64)
     ratio_max = torch.zeros(1, dtype=torch.float64)
-    for k, idx in enumerate(chunks):
-        batch = collate([seqs[i] for i in idx], policy.pad_id, device)
-        mask = batch["completion_mask"]
-        width = mask.shape[1]
-        sync = k == len(chunks) - 1
-        ctx = par.no_sync() if not sync else contextlib.nullcontext()
-        with ctx:
-            logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model,
-                                   amp=True)
-            ref_logp = None
-            if cfg.beta:
-                with autocast(cfg, device):
-                    ref_logits = policy.reference_logits(batch["input_ids"],
-                                                         batch["attention_mask"], width)
-                ref_logp = grpo_torch.completion_logprobs(ref_logits, batch["completion_ids"],
-                                                          cfg.temperature)
-                del ref_logits
-            iw = (grpo_torch.importance_weights(
-                seen, batch["behaviour"], mask, correction=cfg.is_correction,  # type: ignore[arg-type]
-                level=cfg.is_level, cap=cfg.is_cap) if correct else None)  # type: ignore[arg-type]
-            out = grpo_torch.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
-                                             eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                             beta=cfg.beta, ref_logp=ref_logp,
-                                             is_weights=iw.weights if iw else None)
-            valid = mask > 0
-            token_loss = torch.where(valid, out.loss, torch.zeros_like(out.loss))
-            part = (token_loss * coef[idx].to(device).unsqueeze(-1)).sum()
-            (part * par.world_size).backward()
-        with torch.no_grad():
-            _, per_seq_kl = grpo_torch.mismatch_kl(seen, batch["behaviour"], mask)
-            ntok = mask.sum(dim=1)
-            totals[0] += float(part.detach())
-            totals[1] += float((out.clipped & valid).sum())
-            totals[2] += float(ntok.sum())
-            totals[3] += float((per_seq_kl * ntok).sum())
-            if out.ref_kl is not None:
-                totals[4] += float((out.ref_kl * mask).sum())
-            if iw is not None:
-                totals[5] += float(iw.ratio[iw.units].double().sum())
-                totals[6] += float(iw.units.sum())
-                totals[7] += float(iw.limited.sum())
-                if bool(iw.units.any()):
-                    ratio_max[0] = max(float(ratio_max[0]), float(iw.ratio[iw.units].max()))
-            totals[_TOTALS + torch.tensor(idx)] = per_seq_kl.double().cpu()
+    with _frozen_weights_cast(policy, cfg):
+        for k, idx in enumerate(chunks):
+            batch = collate([seqs[i] for i in idx], policy.pad_id, device)
+            mask = batch["completion_mask"]
+            width = mask.shape[1]
+            sync = k == len(chunks) - 1
+            ctx = par.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model,
+                                       amp=True)
+                ref_logp = None
+                if cfg.beta:
+                    with autocast(cfg, device):
+                        ref_logits = policy.reference_logits(batch["input_ids"],
+                                                             batch["attention_mask"], width)
+                    ref_logp = grpo_torch.completion_logprobs(ref_logits, batch["completion_ids"],
+                                                              cfg.temperature)
+                    del ref_logits
+                iw = (grpo_torch.importance_weights(
+                    seen, batch["behaviour"], mask, correction=cfg.is_correction,  # type: ignore[arg-type]
+                    level=cfg.is_level, cap=cfg.is_cap) if correct else None)  # type: ignore[arg-type]
+                out = grpo_torch.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
+                                                 eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                                 beta=cfg.beta, ref_logp=ref_logp,
+                                                 is_weights=iw.weights if iw else None)
+                valid = mask > 0
+                token_loss = torch.where(valid, out.loss, torch.zeros_like(out.loss))
+                part = (token_loss * coef[idx].to(device).unsqueeze(-1)).sum()
+                (part * par.world_size).backward()
+            with torch.no_grad():
+                _, per_seq_kl = grpo_torch.mismatch_kl(seen, batch["behaviour"], mask)
+                ntok = mask.sum(dim=1)
+                totals[0] += float(part.detach())
+                totals[1] += float((out.clipped & valid).sum())
+                totals[2] += float(ntok.sum())
+                totals[3] += float((per_seq_kl * ntok).sum())
+                if out.ref_kl is not None:
+                    totals[4] += float((out.ref_kl * mask).sum())
+                if iw is not None:
+                    totals[5] += float(iw.ratio[iw.units].double().sum())
+                    totals[6] += float(iw.units.sum())
+                    totals[7] += float(iw.limited.sum())
+                    if bool(iw.units.any()):
+                        ratio_max[0] = max(float(ratio_max[0]), float(iw.ratio[iw.units].max()))
+                totals[_TOTALS + torch.tensor(idx)] = per_seq_kl.double().cpu()
     par.all_reduce_sum(totals)
     if correct:
         par.all_reduce_max(ratio_max)
@@ -169,6 +170,14 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
 
 
 _TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mismatch KL
+
+
+def _frozen_weights_cast(policy: Any, cfg: UpdateConfig) -> contextlib.AbstractContextManager:
+    """A bfloat16 update reads the frozen weights as bfloat16 copies made once
+    (:meth:`Policy.frozen_weights_as`: the same products as autocast casting them anew)."""
+    if cfg.update_dtype == "bfloat16" and hasattr(policy, "frozen_weights_as"):
+        return policy.frozen_weights_as(torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractContextManager:
