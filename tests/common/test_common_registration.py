@@ -195,8 +195,10 @@ def test_unreachable_master_at_start(masters, registrars, caplog, reserved_port)
     wait_until(lambda: failures_logged(caplog)[1] >= 3)  # several attempts failed
     assert registrar.node_id is None and not registrar.registered
     assert failures_logged(caplog)[0] == 1  # one warning for the whole outage
+    assert "UNAVAILABLE" in registrar.last_failure
     master = masters(reserved_port.release())
     assert wait_until(lambda: registrar.registered) < 1.0
+    assert registrar.last_failure is None
     assert set(records(master)) == {node_id_for("10.0.0.1:6000")}
 
 
@@ -215,6 +217,9 @@ def test_node_credential(masters, registrars, creds, caplog) -> None:
     refused = [r.getMessage() for r in caplog.records
                if r.name == LOGGER and r.levelno >= logging.WARNING]
     assert len(refused) == 1 and "UNAUTHENTICATED" in refused[0]
+    # logged once, but kept for the node's status line while the refusals go on
+    assert bad.last_failure.startswith("register failed: UNAUTHENTICATED") and \
+        good.last_failure is None
 
 
 def test_misbehaving_callbacks_never_reach_the_node(masters, registrars) -> None:

@@ -275,13 +275,15 @@ def test_mint_and_revoke(tmp_path: Path) -> None:
     for args, message in (((tmp_path / "b.token", "node", "mac-1"), "--id: 'mac-1' is already"),
                           ((tmp_path / "a.token", "read", "other"), "--out: "),
                           ((tmp_path / "c.token", "root", "c"), "--scope: scope 'root'"),
-                          ((tmp_path / "d.token", "read", "d", "h:1"), "--address: only node")):
+                          ((tmp_path / "d.token", "read", "d", "h:1"), "--address: only node"),
+                          ((tmp_path / "e.token", "node", "mac-2", "mac.lan:50051"),
+                           "--address: mac.lan:50051 is already bound to credential 'mac-1'")):
         before = authorized.read_text()
         with pytest.raises(AuthError) as e:
             mint(authorized, *args)
         assert str(e.value).startswith(message), str(e.value)
         assert authorized.read_text() == before
-    assert not (tmp_path / "b.token").exists() and not (tmp_path / "c.token").exists()
+    assert not any((tmp_path / f"{x}.token").exists() for x in "bcde")
     assert revoke(authorized, "mac-1").id == "mac-1"
     assert "mac-1" not in authorized.read_text() and authorized.read_text().startswith("# ")
     with pytest.raises(AuthError, match="ID: no credential 'mac-1'"):

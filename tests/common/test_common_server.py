@@ -120,3 +120,25 @@ def test_parse_address_accepts() -> None:
     assert parse_address("[::1]:50051") == ("::1", 50051)
     assert parse_address("node-a.local:1") == ("node-a.local", 1)
 
+
+
+def test_a_client_leaving_a_request_stream_is_a_cancellation_not_an_error(server: GrpcServer,
+                                                                          caplog) -> None:
+    """A client that cancels as soon as it has its answer, while the server may still be
+    reading its request stream (what a reflection probe did), ends the call CANCELLED or OK
+    in the metrics, never UNKNOWN with an "unhandled error" traceback in the log."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(dial(server.address))
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    for _ in range(40):
+        call = stub.ServerReflectionInfo(iter([request]), timeout=30)
+        assert next(call).HasField("list_services_response")
+        call.cancel()
+    server.stop(2.0)  # every call has ended and been counted
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    codes = {line.split('code="')[1].split('"')[0]: float(line.split()[-1])
+             for line in body.decode().splitlines()
+             if line.startswith("gridrl_rpc_requests_total{") and "ServerReflectionInfo" in line}
+    assert set(codes) <= {"OK", "CANCELLED"} and sum(codes.values()) == 40, codes
+    assert "unhandled error" not in caplog.text

@@ -20,6 +20,7 @@ from gridrl.rollout.cli import main as rollout_cli
 from gridrl.trainer.cli import main as trainer_cli
 from gridrl.trainer.server import serve_trainer
 from gridrl.trainer.status import RunStatus
+from gridrl.trainer.tasks import WORD_BANK
 
 
 def error_line(result: Result) -> str:
@@ -142,3 +143,6 @@ def test_missing_task_file_before_the_model_loads(tmp_path: Path) -> None:
     assert error_line(unknown) == ("Error: --task: 'reverse-word': not a task name or a file "
                                    "(give 'reverse-words' or a JSONL file with prompt/answer "
                                    "columns)")
+    words = trainer_run(tmp_path, "--min-words", "5", "--max-words", "2")
+    assert error_line(words) == ("Error: --min-words/--max-words: need 2 <= min <= max <= "
+                                 f"{len(WORD_BANK)}, got 5..2")

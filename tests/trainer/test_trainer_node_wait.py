@@ -72,3 +72,17 @@ def test_the_starts_wait_names_min_nodes_and_node_wait_s() -> None:
         "[bold yellow]waiting for 2 rollout node(s)[/] (1 ready) for 0s, 120s left "
         "(--node-wait-s): " + what,
         "[bold green]rollout node(s) ready[/] after waiting 0s"]
+
+
+def test_a_wait_ended_by_a_stop_says_so() -> None:
+    """SIGTERM during the wait ends it: the line says the run stops, not that nodes are ready."""
+    console = Console()
+    stopping = {"now": False}
+    report = NodeWaitReporter(console, None, every_s=5.0, clock=lambda: 0.0,
+                              stopping=lambda: stopping["now"])
+    report(NodeWait(waited_s=39.0, left_s=81.0, waiting_for="none", starting=True,
+                    in_rotation=0, needed=1))
+    stopping["now"] = True
+    report(None)
+    assert console.lines[-1] == ("[bold yellow]stopped waiting for rollout nodes[/] after 39s: "
+                                 "the run was asked to stop")

@@ -545,7 +545,8 @@ def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scop
 
     Raises:
         AuthError: naming the field: bad scope, id, address or cert; an id already in the
-            file; ``token_path`` already existing; a malformed authorized-tokens file.
+            file; an address another credential is bound to; ``token_path`` already existing;
+            a malformed authorized-tokens file.
     """
     authorized_path = Path(authorized_path)
     _check_credential(scope, credential_id, address, None, cert)
@@ -553,6 +554,13 @@ def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scop
     if any(c.id == credential_id for c in existing):
         raise AuthError(f"--id: {credential_id!r} is already in {authorized_path} (revoke it "
                         "first to replace its token)")
+    if address is not None:
+        holder = next((c for c in existing if c.address is not None
+                       and parse_address(c.address) == parse_address(address)), None)
+        if holder is not None:  # the master reserves an address for the credential bound first
+            raise AuthError(f"--address: {address} is already bound to credential "
+                            f"{holder.id!r}, and a node may register it only with that one "
+                            f"(revoke {holder.id!r} first to move the address)")
     token = new_token()
     credential = Credential(credential_id, scope, token_digest(token), address, cert)
     try:

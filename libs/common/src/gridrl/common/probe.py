@@ -50,15 +50,18 @@ def list_services(address: str, security: object | None = None,
     if getattr(security, "token", None) is not None:
         security = dataclasses.replace(security, token=None)  # type: ignore[type-var]
     request = reflection_pb2.ServerReflectionRequest(list_services="")
+    names = None
     try:
         with dial(address, security) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            # Read the stream to its end (the server ends it after our one request): leaving
+            # the loop early would cancel the call under the server's feet.
             for response in stub.ServerReflectionInfo(iter([request]), timeout=timeout_s):
-                if response.HasField("list_services_response"):
-                    return [s.name for s in response.list_services_response.service]
+                if names is None and response.HasField("list_services_response"):
+                    names = [s.name for s in response.list_services_response.service]
     except grpc.RpcError:
-        return None
-    return None
+        return names
+    return names
 
 
 def describe(names: list[str]) -> str:

@@ -85,6 +85,7 @@ class NodeRegistrar:
         self._registered = False
         self._interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
         self._failing_since: float | None = None  # monotonic start of the current outage
+        self._last_failure: str | None = None
         self._logged_in_outage: set[str] = set()
         self._load_fn_failing = False
 
@@ -97,6 +98,12 @@ class NodeRegistrar:
     def registered(self) -> bool:
         """True while the master acknowledged the last registration or heartbeat."""
         return self._registered
+
+    @property
+    def last_failure(self) -> str | None:
+        """Why the last call to the master failed, while it keeps failing (None once it
+        answers): e.g. ``"register failed: PERMISSION_DENIED: node.address: ..."``."""
+        return self._last_failure
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -262,6 +269,7 @@ class NodeRegistrar:
 
     def _note_failure(self, kind: str, message: str) -> None:
         """Log once per outage and kind of failure; later attempts log at debug level."""
+        self._last_failure = message
         if self._failing_since is None:
             self._failing_since = time.monotonic()
         if kind in self._logged_in_outage:
@@ -276,6 +284,7 @@ class NodeRegistrar:
             log.info("master %s answers again after %.1fs", self.master_address,
                      time.monotonic() - self._failing_since)
         self._failing_since = None
+        self._last_failure = None
         self._logged_in_outage.clear()
 
     def _set_interval(self, duration) -> None:

@@ -94,7 +94,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     finish(context, start, e.code)
                     context.abort(e.code, e.message)
                 except Exception:
-                    code = context.code()
+                    code = _ended_code(context)
                     finish(context, start, code or grpc.StatusCode.UNKNOWN)
                     if code is None:
                         log.exception("unhandled error in %s", method)
@@ -121,7 +121,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     finish(context, start, grpc.StatusCode.CANCELLED)
                     raise
                 except Exception:
-                    code = context.code()
+                    code = _ended_code(context)
                     finish(context, start, code or grpc.StatusCode.UNKNOWN)
                     if code is None:
                         log.exception("unhandled error in %s", method)
@@ -149,6 +149,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(
             stream_response(_decoded_stream(handler.stream_stream)), parse,
             handler.response_serializer)
+
+
+def _ended_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    """The status of a call a handler left by an exception: the one it set, CANCELLED when the
+    client is gone (reading a cancelled client's request stream raises), else None (a bug)."""
+    code = context.code()
+    if code is None and not context.is_active():
+        return grpc.StatusCode.CANCELLED
+    return code
 
 
 def _peer_checked(decision: Decision, method: str, context: grpc.ServicerContext) -> Decision:

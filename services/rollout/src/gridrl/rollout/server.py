@@ -275,8 +275,15 @@ class RolloutNode:
         in logs, plain lines at growing intervals); they end by themselves."""
         from gridrl.common.progress import StatusLine
 
-        lines = [StatusLine(f"waiting for the master at {self.config.master} to register this "
-                            "node", until=lambda: registrar.registered, logger=log),
+        waiting = f"waiting for the master at {self.config.master} to register this node"
+
+        def registered() -> bool:  # the line says why, while the master refuses or is away
+            failure = registrar.last_failure
+            master_line.update(f"{waiting}; last answer: {failure}" if failure else waiting)
+            return registrar.registered
+
+        master_line = StatusLine(waiting, until=registered, logger=log)
+        lines = [master_line,
                  StatusLine("waiting for a first adapter; serving the base model until one "
                             "is pushed", until=lambda: self.engine.serving.version > 0
                             or bool(self.engine.serving.name), logger=log,

@@ -124,7 +124,9 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         except (OSError, ValueError) as e:  # port taken; a resumed run's saved --listen
             raise click.UsageError(str(e)) from None  # exposed without TLS and credentials
         write_ready_file(ready_file, server.address, server.port, server.metrics_port)
-        click.echo(f"TrainerService on {server.address} (metrics port {server.metrics_port}); "
+        metrics = (f"metrics port {server.metrics_port}" if server.metrics_port >= 0
+                   else "metrics off")
+        click.echo(f"TrainerService on {server.address} ({metrics}); "
                    f"run directory {cfg.run_dir}")
     listing = None
     if server is not None and cfg.master:  # gridrl-master nodes --role trainer lists it

@@ -312,7 +312,9 @@ class Trainer:
                                  model_identity=backend.identity, security=cfg.security,
                                  request_timeout_s=cfg.request_timeout_s,
                                  wait_for_nodes_s=cfg.wait_for_nodes_s,
-                                 on_wait=NodeWaitReporter(self.console, self.status))
+                                 on_wait=NodeWaitReporter(
+                                     self.console, self.status,
+                                     stopping=lambda: self._stop_reason is not None))
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=backend.identity.num_layers,
@@ -320,9 +322,10 @@ class Trainer:
                                     known_versions=lambda: self.state.lineage)
             nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s,
                                              stop=lambda: self._stop_reason is not None)
-            self.console.print("rollout nodes: " + ", ".join(
-                f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
-                for n in nodes if n.in_rotation))
+            if self._stop_reason is None:  # else the wait ended because the run stops
+                self.console.print("rollout nodes: " + ", ".join(
+                    f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
+                    for n in nodes if n.in_rotation))
             self.source = self.pool
         self._prompt_cache: dict[int, tuple[list[Any], list[list[int]]]] = {}
         self._prompt_lock = threading.Lock()

@@ -27,21 +27,27 @@ class NodeWaitReporter:
         status: the run's :class:`~gridrl.trainer.status.RunStatus`, or None.
         every_s: seconds between console lines while the wait lasts.
         clock: monotonic seconds (tests pass a fake).
+        stopping: True once the run was asked to stop (a wait it ends is not "ready").
     """
 
     def __init__(self, console: Any, status: Any | None = None, every_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self.console = console
         self.status = status
         self.every_s = every_s
         self._clock = clock
+        self._stopping = stopping
         self._printed_at: float | None = None
         self._last: NodeWait | None = None
 
     def __call__(self, wait: NodeWait | None) -> None:
         if wait is None:
             last = self._last
-            if last is not None and last.starting:
+            if last is not None and self._stopping():
+                self.console.print(f"[bold yellow]stopped waiting for rollout nodes[/] after "
+                                   f"{last.waited_s:.0f}s: the run was asked to stop")
+            elif last is not None and last.starting:
                 self.console.print(f"[bold green]rollout node(s) ready[/] after waiting "
                                    f"{last.waited_s:.0f}s")
             elif last is not None:

@@ -38,7 +38,11 @@ def check_inputs(cfg: TrainConfig, probe_timeout_s: float = 3.0) -> None:
     except ModelNameError as e:
         flag, _, problem = str(e).partition(": ")
         raise invalid_argument(flag, problem) from None
-    if cfg.task != "reverse-words" and not Path(cfg.task).is_file():
+    if cfg.task == "reverse-words":
+        from gridrl.trainer.tasks import check_word_range
+
+        check_word_range(cfg.min_words, cfg.max_words)
+    elif not Path(cfg.task).is_file():
         what = "no such file" if cfg.task.endswith(".jsonl") or "/" in cfg.task else (
             "not a task name or a file")
         raise invalid_argument("--task", f"{cfg.task!r}: {what} (give 'reverse-words' or "

@@ -283,11 +283,14 @@ class AdapterSync:
             return
         if adapter is None:
             if node.adapter_name not in ("", self.name):
-                self._submit(self._reset_to_base, node.address, node.adapter_name)
+                self._submit(self._reset_to_base, node.address,
+                             f"another run's adapter {node.adapter_name!r}")
             elif (node.adapter_name == self.name
                   and node.adapter_version not in self._known_versions()):
                 self._submit(self._reset_to_base, node.address,
-                             f"{node.adapter_name} v{node.adapter_version}")
+                             f"{node.adapter_name!r} v{node.adapter_version}, a version this "
+                             "run's checkpoint does not hold (steps after it, or an earlier "
+                             "run of the same name)")
             return
         if node.synced_version >= adapter.version and node.adapter_version >= adapter.version:
             return
@@ -299,10 +302,11 @@ class AdapterSync:
         except RuntimeError:  # shut down meanwhile
             pass
 
-    def _reset_to_base(self, address: str, foreign: str) -> None:
-        """Make a node that serves another run's adapter serve the base model (version 0)."""
-        log.warning("node %s serves adapter %r, not this run's weights (%r); switching it to "
-                    "the base model until the first sync", address, foreign, self.name)
+    def _reset_to_base(self, address: str, serving: str) -> None:
+        """Make a node that serves weights other than this run's (``serving``, in words)
+        serve the base model (version 0)."""
+        log.warning("node %s serves %s, not this run's weights; switching it to the base "
+                    "model until the first sync", address, serving)
         try:
             response = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).ReloadAdapter(
                 rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=self.deadline_s)
@@ -310,7 +314,7 @@ class AdapterSync:
             reason = (f"ReloadAdapter {e.code().name}: {e.details()}"
                       if isinstance(e, grpc.RpcError) else "left the pool")
             log.warning("node %s: could not switch to the base model: %s", address, reason)
-            self.pool.note_sync_failed(address, 0, f"serves another run's adapter {foreign!r} "
+            self.pool.note_sync_failed(address, 0, f"serves {serving} "
                                                    f"and {reason}")
             return
         self.pool.note_synced(address, 0, response.serving)

@@ -155,10 +155,7 @@ class ReverseWords:
     eval_tasks: ClassVar[int] = 128
 
     def __post_init__(self) -> None:
-        if not 2 <= self.min_words <= self.max_words <= len(WORD_BANK):
-            raise invalid_argument("--min-words/--max-words",
-                                   f"need 2 <= min <= max <= {len(WORD_BANK)}, got "
-                                   f"{self.min_words}..{self.max_words}")
+        check_word_range(self.min_words, self.max_words)
         if self.eval_size < 1:
             raise invalid_argument("--eval-tasks", "must be >= 1")
         self._eval_phrases: list[tuple[str, ...]] = []
@@ -317,6 +314,19 @@ def default_eval_tasks(spec: str) -> int:
     """``--eval-tasks``' default for the task named by ``--task`` (``spec``): held-out eval
     prompts (``reverse-words``: 128 generated phrases; a JSONL file: 16 of its rows)."""
     return ReverseWords.eval_tasks if spec == "reverse-words" else JsonlTask.eval_tasks
+
+
+def check_word_range(min_words: int, max_words: int) -> None:
+    """reverse-words' phrase lengths.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT naming ``--min-words/--max-words`` unless
+            2 <= min_words <= max_words <= the word bank's size.
+    """
+    if not 2 <= min_words <= max_words <= len(WORD_BANK):
+        raise invalid_argument("--min-words/--max-words",
+                               f"need 2 <= min <= max <= {len(WORD_BANK)}, got "
+                               f"{min_words}..{max_words}")
 
 
 def make_task(spec: str, *, seed: int, eval_size: int, min_words: int = 3, max_words: int = 4,
