@@ -80,13 +80,15 @@ def _rank_main(rank: int, world: int, store: str, model_dir: str, out: str) -> N
     holder = {}
 
     def factory(policy):
-        holder["p"] = DataParallel(policy.model, torch.device("cpu"))
+        holder["p"] = DataParallel(policy, torch.device("cpu"))
         assert holder["p"].local_share([s.group for s in _batch()]) == (
             [0, 1, 4, 5] if rank == 0 else [2, 3, 6, 7])
         return holder["p"]
 
-    # rank 1 draws a different LoRA init: DDP's broadcast of rank 0's parameters must undo it
-    state = _train(model_dir, factory, micro_batch_size=3, seed=rank)
+    # rank 1 draws a different LoRA init: DDP's broadcast of rank 0's parameters must undo it.
+    # Two passes of one group each (the first under no_sync), as the one process below runs
+    # them: the two then differ only in the order the four groups' gradients are summed.
+    state = _train(model_dir, factory, micro_batch_size=2, seed=rank)
     torch.save(state, f"{out}.rank{rank}")
     # close() ends gloo's worker threads while Python runs: a worker still alive when the
     # interpreter finalizes can abort the process as it frees a collective's tensors
@@ -107,7 +109,7 @@ def test_two_gloo_ranks_match_one_process(tiny_llama_dir, tmp_path):
     out = str(tmp_path / "adapter")
     store = str(tmp_path / "rendezvous")
     mp.spawn(_rank_main, args=(2, store, str(tiny_llama_dir), out), nprocs=2, join=True)
-    single = _train(str(tiny_llama_dir), lambda p: SingleProcess(p.model), micro_batch_size=0)
+    single = _train(str(tiny_llama_dir), lambda p: SingleProcess(p.model), micro_batch_size=2)
     ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
     assert set(ranks[0]) == set(single)
     for key, want in single.items():
@@ -121,7 +123,10 @@ def test_two_gloo_ranks_match_one_process(tiny_llama_dir, tmp_path):
 def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_path):
     """The whole ``gridrl-trainer run`` under ``torchrun --nproc-per-node 2`` (gloo): rank 0
     samples and broadcasts, both ranks train their share; same steps, rewards and adapter as
-    one process."""
+    one process, and bit for bit the adapter of one process that trains in the ranks' layout
+    (``--micro-batch-size 8``: one group a pass): each rank runs one process's passes
+    (``PolicyPasses``), its loss scaled by the world size (2, exact), and DDP averages the
+    two ranks' gradients (a sum of two, then a halving: exact)."""
     import subprocess
 
     from safetensors.torch import load_file
@@ -133,6 +138,11 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
     single = subprocess.run(run_args(tiny_llama_dir, data, reward, single_dir, steps),
                             capture_output=True, text=True, timeout=300, env=ENV)
     assert single.returncode == 0, single.stderr[-3000:]
+    layout_dir = tmp_path / "single-layout"
+    layout = subprocess.run(run_args(tiny_llama_dir, data, reward, layout_dir, steps,
+                                     micro_batch_size=8),
+                            capture_output=True, text=True, timeout=300, env=ENV)
+    assert layout.returncode == 0, layout.stderr[-3000:]
     env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
     # --standalone: torchrun's rendezvous store binds port 0 and the ranks read its port back
     ddp = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2",
@@ -157,3 +167,7 @@ def test_torchrun_cli_run_matches_the_single_process_run(tiny_llama_dir, tmp_pat
     for k in w1:
         assert torch.linalg.norm(w1[k] - w2[k]) <= 1e-4 * torch.linalg.norm(w1[k]), k
         assert (w1[k] - w2[k]).abs().max() <= 1e-3, k
+    w3 = load_file(layout_dir / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(w3[k], w2[k]) for k in w1)
+    assert [r["grad_norm"] for r in records(layout_dir) if r.get("step")] == [
+        r["grad_norm"] for r in two]

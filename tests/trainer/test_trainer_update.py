@@ -87,22 +87,33 @@ def test_on_policy_behaviour_gives_zero_mismatch_and_unit_ratio(policy):
 
 @pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
 def test_micro_batches_give_the_same_update(policy, aggregation):
+    """Micro-batches accumulate the one-pass gradient: the same loss and norm, and every LoRA
+    gradient within float32 summation-order rounding (1e-5 of its tensor's largest entry;
+    1.1-1.4e-6 measured). The gradients are compared, not the weights after an AdamW step:
+    Adam's g / (|g| + eps) magnifies the rounding of entries near eps ~1e4-fold, so a bound
+    on the stepped weights measured the CPU's summation order (an AVX-512 EPYC moved one
+    entry by 1.03e-6 against a 1e-6 bound with the code unchanged)."""
     seqs = _sequences()
     cfg = UpdateConfig(temperature=1.0, max_tokens=8, aggregation=aggregation, beta=0.05)
     results = []
     for mb in (0, 1, 3):
         pol = _fresh(policy)
-        opt = make_optimizer(pol.trainable_parameters(), lr=1e-3)
-        stats = grpo_update(pol, opt, None, seqs,
+        with torch.no_grad():  # non-zero B: every LoRA factor gets a gradient
+            for name, p in pol.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.01, generator=torch.Generator().manual_seed(len(name)))
+        rec = _GradientRecorder(pol.trainable_parameters())
+        stats = grpo_update(pol, rec, None, seqs,
                             UpdateConfig(**{**cfg.__dict__, "micro_batch_size": mb}))
-        results.append((stats, pol.adapter_state()))
-    ref_stats, ref_state = results[0]
+        results.append((stats, rec.grads))
+    ref_stats, ref_grads = results[0]
     assert ref_stats.ref_kl is not None
-    for stats, state in results[1:]:
+    assert all(bool(g.abs().max() > 0) for g in ref_grads)
+    for stats, grads in results[1:]:
         assert stats.loss == pytest.approx(ref_stats.loss, rel=1e-5, abs=1e-7)
-        assert stats.grad_norm == pytest.approx(ref_stats.grad_norm, rel=1e-4)
-        for k, v in ref_state.items():
-            assert torch.allclose(state[k], v, atol=1e-6), k
+        assert stats.grad_norm == pytest.approx(ref_stats.grad_norm, rel=1e-5)
+        for got, want in zip(grads, ref_grads, strict=True):
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
 def test_adapter_files_round_trip_and_load_with_peft(policy, tmp_path, tiny_llama_dir):

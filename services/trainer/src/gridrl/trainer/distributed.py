@@ -23,7 +23,7 @@ import torch
 
 
 class SingleProcess:
-    """One process, no collectives. ``model`` is the module the update calls forward on."""
+    """One process, no collectives. ``model`` is the policy's peft model."""
 
     rank = 0
     world_size = 1
@@ -31,6 +31,11 @@ class SingleProcess:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+
+    def run(self, policy: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``policy.<method>(*args, **kwargs)``: one forward pass of the update (e.g.
+        ``"completion_hidden"``); under DDP through the wrapper, so its hooks see it."""
+        return getattr(policy, method)(*args, **kwargs)
 
     def local_share(self, groups: Sequence[int]) -> list[int]:
         """Indices of the sequences this rank trains on, given each sequence's group index."""
@@ -61,15 +66,31 @@ class SingleProcess:
         :meth:`DataParallel.close`)."""
 
 
+class PolicyPasses(torch.nn.Module):
+    """The module DDP wraps: ``forward(method, ...)`` runs ``policy.<method>(...)``, so every
+    forward pass of the update (hidden states or logits, whole sequences or a shared prefix)
+    goes through DDP's forward, and a rank computes exactly what one process does on the same
+    groups (the same products: the fused head included)."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        self.model = policy.model  # a submodule: its LoRA parameters are DDP's parameters
+        self._policy = policy
+
+    def forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._policy, method)(*args, **kwargs)
+
+
 class DataParallel(SingleProcess):
-    """DDP over the policy's peft model in an initialised process group.
+    """DDP over the policy's passes (:class:`PolicyPasses`) in an initialised process group.
 
     Args:
-        model: the peft model (its LoRA parameters are the DDP parameters).
+        policy: a :class:`gridrl.trainer.policy.Policy` (its LoRA parameters are the DDP
+            parameters).
         device: this rank's device; CUDA devices get ``device_ids=[index]``.
     """
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+    def __init__(self, policy: Any, device: torch.device) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -80,7 +101,11 @@ class DataParallel(SingleProcess):
         ids = [device.index] if device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction: every rank starts
         # from the same LoRA init even if their seeds differed.
-        self.model = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=False)
+        self.model = DistributedDataParallel(PolicyPasses(policy), device_ids=ids,
+                                             find_unused_parameters=False)
+
+    def run(self, policy: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.model(method, *args, **kwargs)
 
     def local_share(self, groups: Sequence[int]) -> list[int]:
         return [i for i, g in enumerate(groups) if g % self.world_size == self.rank]
@@ -192,11 +217,11 @@ def init_process_group(device: torch.device, *, init_method: str | None = None,
     dist.init_process_group(**kwargs)
 
 
-def make_parallel(model: Any, device: torch.device) -> SingleProcess:
-    """:class:`DataParallel` when a process group is initialised with more than one rank,
-    else :class:`SingleProcess`."""
+def make_parallel(policy: Any, device: torch.device) -> SingleProcess:
+    """:class:`DataParallel` over ``policy`` when a process group is initialised with more
+    than one rank, else :class:`SingleProcess`."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return DataParallel(model, device)
-    return SingleProcess(model)
+        return DataParallel(policy, device)
+    return SingleProcess(policy.model)

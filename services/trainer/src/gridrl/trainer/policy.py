@@ -203,7 +203,7 @@ class Policy:
     # ---------------------------------------------------------------- forward passes
 
     def completion_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          completion_width: int, *, model: Any | None = None) -> torch.Tensor:
+                          completion_width: int) -> torch.Tensor:
         """Logits predicting the completion columns of a prompt-left-padded batch.
 
         Args:
@@ -211,23 +211,22 @@ class Policy:
                 them, right-padded to width C.
             attention_mask: (N, P + C) 1 on real tokens.
             completion_width: C.
-            model: the module to call (a DDP wrapper of :attr:`model`); default :attr:`model`.
         Returns:
             (N, C, V) logits in the model's dtype; ``[:, t]`` predicts completion token ``t``.
             Positions are ``cumsum(attention_mask) - 1`` so padding does not shift them.
         """
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = (model or self.model)(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids,
-                                    logits_to_keep=completion_width + 1, use_cache=False)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, logits_to_keep=completion_width + 1,
+                         use_cache=False)
         return out.logits[:, :-1]
 
     def completion_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           completion_width: int) -> torch.Tensor:
         """:meth:`completion_logits` before the output projection: (N, C, H) final hidden
         states (after the model's last norm) whose ``[:, t]`` predicts completion token ``t``.
-        Calls the decoder of :attr:`model` directly (the LoRA layers are in it), so not for a
-        DDP wrapper."""
+        Calls the decoder of :attr:`model` directly (the LoRA layers are in it); under DDP the
+        update calls it through :class:`gridrl.trainer.distributed.PolicyPasses`."""
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model.get_base_model().get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -235,8 +234,7 @@ class Policy:
         return out.last_hidden_state[:, -(completion_width + 1):-1]
 
     def shared_prefix_logits(self, prompts: Sequence[Sequence[int]],
-                             completion_ids: torch.Tensor, *, model: Any | None = None
-                             ) -> torch.Tensor:
+                             completion_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`completion_logits` computed once per distinct prompt instead of per sequence.
 
         The G completions of a GRPO group share their prompt, so the prompt is run once (batch 1,
@@ -249,16 +247,16 @@ class Policy:
             prompts: n prompts (token ids); equal prompts are grouped.
             completion_ids: (n, C) int64, completions right-padded (padding is never attended
                 to by a real token: it comes after them).
-            model: the module to call; default :attr:`model`.
         Returns:
             (n, C, V) logits in the model's dtype; ``[:, t]`` predicts completion token ``t``.
         """
-        return self._shared_prefix(prompts, completion_ids, model or self.model, hidden=False)
+        return self._shared_prefix(prompts, completion_ids, self.model, hidden=False)
 
     def shared_prefix_hidden(self, prompts: Sequence[Sequence[int]],
                              completion_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`shared_prefix_logits` before the output projection: (n, C, H) final hidden
-        states, through the decoder of :attr:`model` (not for a DDP wrapper)."""
+        states, through the decoder of :attr:`model` (under DDP the update calls it through
+        :class:`gridrl.trainer.distributed.PolicyPasses`)."""
         return self._shared_prefix(prompts, completion_ids,
                                    self.model.get_base_model().get_decoder(), hidden=True)
 

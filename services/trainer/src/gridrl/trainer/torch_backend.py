@@ -149,7 +149,7 @@ class TorchTrainerBackend(TrainerBackend):
                         "float32 (measured on an AVX2 CPU, docs/benchmarks.md); use "
                         "--update-dtype float32")
         return cls(policy, optimizer, scheduler, UpdateConfig.from_config(cfg),
-                   make_parallel(policy.model, policy.device))
+                   make_parallel(policy, policy.device))
 
     # ---------------------------------------------------------------- sampling and scoring
 

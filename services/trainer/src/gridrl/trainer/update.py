@@ -107,7 +107,7 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             sync = k == len(chunks) - 1
             ctx = par.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
-                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par.model,
+                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par,
                                        amp=True)
                 ref_logp = None
                 if cfg.beta:
@@ -190,17 +190,18 @@ def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractCont
 
 
 def _logits(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
-            cfg: UpdateConfig, model: Any) -> torch.Tensor:
-    """(n, C, V) completion logits of ``seqs`` (collated as ``batch``) through ``model``."""
+            cfg: UpdateConfig, par: Any) -> torch.Tensor:
+    """(n, C, V) completion logits of ``seqs`` (collated as ``batch``), one forward through
+    ``par`` (:meth:`SingleProcess.run`)."""
     if cfg.shared_prefix:  # one prompt forward per group, its cache repeated
-        return policy.shared_prefix_logits([s.prompt_ids for s in seqs],
-                                           batch["completion_ids"], model=model)
-    return policy.completion_logits(batch["input_ids"], batch["attention_mask"],
-                                    batch["completion_mask"].shape[1], model=model)
+        return par.run(policy, "shared_prefix_logits", [s.prompt_ids for s in seqs],
+                       batch["completion_ids"])
+    return par.run(policy, "completion_logits", batch["input_ids"], batch["attention_mask"],
+                   batch["completion_mask"].shape[1])
 
 
 def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
-              cfg: UpdateConfig, model: Any, *, amp: bool = False
+              cfg: UpdateConfig, par: Any, *, amp: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, seen)``: (n, C) float32 logprobs of the completion tokens under
     ``softmax(logits / T)`` (with the gradient when enabled) and under the sampler's transform
@@ -208,18 +209,19 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
     the model's forward and its output projection run under :func:`autocast`; the
     log-softmax of full logits runs outside it, in float32.
 
-    When the run does not truncate, ``model`` is the policy's own module (not a DDP wrapper)
-    and its head is plain (:attr:`Policy.head_weight`), the logprobs come from the final hidden
-    states through :func:`grpo_torch.head_logprobs`, on the completion tokens only; padding
-    positions are 0 there (every consumer masks them). Otherwise from the full logits.
+    The forward runs through ``par`` (:meth:`SingleProcess.run`: one call, which under DDP
+    goes through its wrapper). When the run does not truncate and the policy's head is plain
+    (:attr:`Policy.head_weight`), the logprobs come from the final hidden states through
+    :func:`grpo_torch.head_logprobs`, on the completion tokens only; padding positions are 0
+    there (every consumer masks them). Otherwise from the full logits.
     """
     def mixed() -> contextlib.AbstractContextManager:
         return autocast(cfg, policy.device) if amp else contextlib.nullcontext()
 
     head = getattr(policy, "head_weight", None)
-    if cfg.truncated or head is None or model is not policy.model:
+    if cfg.truncated or head is None:
         with mixed():
-            logits = _logits(policy, seqs, batch, cfg, model)
+            logits = _logits(policy, seqs, batch, cfg, par)
         logp = grpo_torch.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
         seen = (sampler_logprobs(logits.detach(), batch["completion_ids"], cfg)
                 if cfg.truncated else logp)
@@ -229,10 +231,11 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
     real = batch["completion_mask"].reshape(-1).nonzero().squeeze(-1)
     with mixed():
         if cfg.shared_prefix:
-            hidden = policy.shared_prefix_hidden([s.prompt_ids for s in seqs], tokens)
+            hidden = par.run(policy, "shared_prefix_hidden", [s.prompt_ids for s in seqs],
+                             tokens)
         else:
-            hidden = policy.completion_hidden(batch["input_ids"], batch["attention_mask"],
-                                              width)
+            hidden = par.run(policy, "completion_hidden", batch["input_ids"],
+                             batch["attention_mask"], width)
         picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
                                           tokens.reshape(-1)[real], cfg.temperature)
     logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
@@ -263,7 +266,7 @@ def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
         for start in range(0, len(seqs), mb):
             chunk = list(seqs[start:start + mb])
             batch = collate(chunk, policy.pad_id, policy.device, behaviour=False)
-            _, lp = _logprobs(policy, chunk, batch, cfg, policy.model)
+            _, lp = _logprobs(policy, chunk, batch, cfg, SingleProcess(policy.model))
             out.extend(lp[i, :len(s.completion_ids)].tolist() for i, s in enumerate(chunk))
         return out
     finally:
