@@ -4,8 +4,9 @@ activated venv (``PATH`` of the system only, a new ``HOME``), from a directory w
 
 What the test changes, and only that: ports (each README port becomes a reserved loopback port,
 the metrics ports and the listen defaults come from ``GRIDRL_*`` variables so parallel runs do
-not collide), host names (every ``*.lan`` machine is ``localhost``, as one machine plays them
-all), the model (the tiny llama instead of the bundled SmolLM2: in the node's ``--model`` and
+not collide), host names (each ``*.lan`` machine is a loopback address of its own,
+127.0.0.2, .3, ...: one machine plays them all, and they keep distinct addresses, as the node
+credentials bound to them must), the model (the tiny llama instead of the bundled SmolLM2: in the node's ``--model`` and
 the trainer's ``GRIDRL_TRAINER_MODEL``) and the step budget (2 steps).
 The blocks are found by the HTML comment that precedes them in README.md
 (``<!-- one-machine -->``, ``<!-- cluster-certs -->``, ``<!-- cluster-credentials -->``,
@@ -87,10 +88,22 @@ def fresh_env(home: Path, model: Path) -> dict[str, str]:
     return env
 
 
+_LAN = re.compile(r"\b[\w-]+\.lan\b")
+
+
+def lan_hosts() -> dict[str, str]:
+    """Each ``*.lan`` machine of the README, in order of first mention, as its own loopback
+    address (127.0.0.2, 127.0.0.3, ...; all of 127/8 reaches this machine on Linux)."""
+    names = dict.fromkeys(_LAN.findall((REPO / "README.md").read_text()))
+    return {name: f"127.0.0.{i + 2}" for i, name in enumerate(names)}
+
+
 def on_loopback(text: str, ports: list[int], model: Path) -> str:
-    """The README's text for one machine: ``*.lan`` -> localhost, README ports -> ``ports``,
-    the bundled model -> the tiny llama, ``--steps N`` -> ``--steps 2``."""
-    text = re.sub(r"\b[\w-]+\.lan\b", "localhost", text)
+    """The README's text for one machine: each ``*.lan`` -> its loopback address
+    (:func:`lan_hosts`), README ports -> ``ports``, the bundled model -> the tiny llama,
+    ``--steps N`` -> ``--steps 2``."""
+    hosts = lan_hosts()
+    text = _LAN.sub(lambda m: hosts[m.group()], text)
     for readme_port, port in zip(README_PORTS, ports, strict=True):
         text = re.sub(rf":{readme_port}\b", f":{port}", text)
     text = text.replace("smollm2-135m-instruct", str(model))
@@ -257,4 +270,5 @@ def test_the_readme_multi_machine_commands_train_over_mutual_tls(
     prelude = "".join(line + "\n" for line in block if re.match(r"[A-Z]+=", line))
     assert all(("--listen 0.0.0.0:" in line and "--tls-cert" in line)
                for line in block if " serve " in line or " run " in line), block
-    run_the_cluster(shell_factory(env, prelude), block, held_ports, f"localhost:{ports[1]}")
+    run_the_cluster(shell_factory(env, prelude), block, held_ports,
+                    f"{lan_hosts()['gpu-box-1.lan']}:{ports[1]}")

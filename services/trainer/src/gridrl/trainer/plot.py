@@ -23,8 +23,13 @@ def plot_run(records: Sequence[dict[str, Any]], path: Path, *, baseline: float |
     Returns:
         ``path``.
     """
+    import logging
+
     import matplotlib
 
+    # Its first use in an account builds a font cache and says so at INFO, between step lines.
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING,
+                                                 logging.getLogger("matplotlib").level))
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
