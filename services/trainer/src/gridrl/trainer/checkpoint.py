@@ -117,7 +117,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def earlier_run(run_dir: str | Path) -> str | None:
     """What ``run_dir`` holds of an earlier run, in words (e.g. "checkpoints up to step 13 and
-    a log of 13 steps"), or None when it holds none: missing, empty, or only the config.json
+    a log.jsonl"), or None when it holds none: missing, empty, or only the config.json
     of a start that failed before its first record. A new run must not be started there: it
     would mix its log, checkpoints and adapter versions with the earlier run's."""
     path = Path(run_dir)

@@ -93,10 +93,10 @@ class Policy:
         For an update under autocast: autocast casts a frozen weight anew at every product
         (its cast cache keeps only leaves that require grad), ~a quarter of a bfloat16 update
         on a CPU. The copies round as autocast's own cast does, so products and gradients are
-        bit-identical. Embedding weights (a tied output head too) are left alone: an
-        embedding does not run in ``dtype`` under autocast; so is the plain output head
-        (:attr:`head_weight`), whose gradient pass runs outside autocast. The float32 weights are back
-        when the block ends, on error too; nothing may change the weights inside it.
+        bit-identical. Left alone: embedding weights (a tied output head too), which autocast
+        does not cast, and the plain output head (:attr:`head_weight`), whose gradient pass
+        runs outside autocast. The float32 weights are back when the block ends, on error
+        too; nothing may change the weights inside it.
         """
         if dtype not in self._cast_weights:
             kept = {m.weight.data_ptr() for m in self.model.modules()
