@@ -54,6 +54,11 @@ def test_padded_batch_logprobs_equal_unpadded(policy):
         assert batch["completion_mask"][i].sum() == n
 
 
+def _lora_b(model):
+    """Every LoRA B factor of ``model``."""
+    return [p for name, p in model.named_parameters() if "lora_B" in name]
+
+
 def _fresh(policy):
     return copy.deepcopy(policy)
 
@@ -267,9 +272,8 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir,
     batch = collate(seqs, policy.pad_id, policy.device)
     width = batch["completion_mask"].shape[1]
     with torch.no_grad():  # a non-zero adapter, so the gradient reaches both A and B
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        for p in _lora_b(policy.model):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     results = []
     for path in ("padded", "shared", "shared hidden"):
         policy.model.zero_grad(set_to_none=True)
@@ -293,9 +297,8 @@ def test_shared_prefix_logits_and_gradient_equal_the_padded_path(tiny_llama_dir,
         assert torch.allclose(g_a, g_b, rtol=1e-4, atol=1e-6)
     policy.model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
+        for p in _lora_b(policy.model):
+            p.zero_()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -435,9 +438,8 @@ def test_bfloat16_update_keeps_float32_master_weights_and_close_gradients(policy
     for dtype in ("float32", "bfloat16"):
         pol = _fresh(policy)
         with torch.no_grad():  # non-zero B so that every LoRA factor has a gradient
-            for name, p in pol.model.named_parameters():
-                if "lora_B" in name:
-                    p.fill_(0.01)
+            for p in _lora_b(pol.model):
+                p.fill_(0.01)
         rec = _GradientRecorder(pol.trainable_parameters())
         stats = grpo_update(pol, rec, None, seqs, UpdateConfig(
             temperature=1.0, max_tokens=8, update_dtype=dtype, max_grad_norm=0.0))
@@ -468,9 +470,8 @@ def test_the_bfloat16_update_reads_cast_copies_of_the_frozen_weights(policy, mon
     for swap in (False, True):
         pol = _fresh(policy)
         with torch.no_grad():
-            for name, p in pol.model.named_parameters():
-                if "lora_B" in name:
-                    p.fill_(0.01)
+            for p in _lora_b(pol.model):
+                p.fill_(0.01)
         if not swap:
             monkeypatch.setattr(update, "_frozen_weights_cast",
                                 lambda *_: contextlib.nullcontext())
@@ -573,9 +574,8 @@ def test_the_update_from_hidden_states_is_the_update_from_logits(tiny_llama_dir,
     assert base.head_weight is base.model.get_base_model().lm_head.weight
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # a non-zero adapter, so the gradient reaches both A and B
-        for name, p in base.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+        for p in _lora_b(base.model):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
     seqs = _behaviour_shifted(base, 0.3)
     runs = []
     for fused in (True, False):

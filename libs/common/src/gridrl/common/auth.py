@@ -555,8 +555,9 @@ def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scop
         raise AuthError(f"--id: {credential_id!r} is already in {authorized_path} (revoke it "
                         "first to replace its token)")
     if address is not None:
+        wanted = parse_address(address)
         holder = next((c for c in existing if c.address is not None
-                       and parse_address(c.address) == parse_address(address)), None)
+                       and parse_address(c.address) == wanted), None)
         if holder is not None:  # the master reserves an address for the credential bound first
             raise AuthError(f"--address: {address} is already bound to credential "
                             f"{holder.id!r}, and a node may register it only with that one "

@@ -95,7 +95,7 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         raise click.UsageError(e.message) from None
     cfg.security = security  # from this start's flags; never saved with the run
     if not resume and cfg.run_dir:
-        from gridrl.trainer.checkpoint import earlier_run
+        from gridrl.trainer.rundir import earlier_run
 
         held = earlier_run(cfg.run_dir)
         if held:  # a second run there would mix its log, checkpoints and versions with it

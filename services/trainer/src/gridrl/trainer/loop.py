@@ -314,15 +314,15 @@ class Trainer:
                                  wait_for_nodes_s=cfg.wait_for_nodes_s,
                                  on_wait=NodeWaitReporter(
                                      self.console, self.status,
-                                     stopping=lambda: self._stop_reason is not None))
+                                     stopping=lambda: self.stop_requested))
             self.pool.start()
             self.sync = AdapterSync(self.pool, name=cfg.run_name or "gridrl",
                                     num_layers=backend.identity.num_layers,
                                     deadline_s=cfg.sync_deadline_s,
                                     known_versions=lambda: self.state.lineage)
             nodes = self.pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s,
-                                             stop=lambda: self._stop_reason is not None)
-            if self._stop_reason is None:  # else the wait ended because the run stops
+                                             stop=lambda: self.stop_requested)
+            if not self.stop_requested:  # else the wait ended because the run stops
                 self.console.print("rollout nodes: " + ", ".join(
                     f"{n.address} ({n.backend or '?'}, capacity {n.capacity})"
                     for n in nodes if n.in_rotation))

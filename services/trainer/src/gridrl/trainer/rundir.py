@@ -23,6 +23,25 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from gridrl.trainer.checkpoint import latest_checkpoint
+
+
+def earlier_run(run_dir: str | Path) -> str | None:
+    """What ``run_dir`` holds of an earlier run, in words (e.g. "checkpoints up to step 13 and
+    a log.jsonl"), or None when it holds none: missing, empty, or only the config.json
+    of a start that failed before its first record. A new run must not be started there: it
+    would mix its log, checkpoints and adapter versions with the earlier run's."""
+    path = Path(run_dir)
+    held = []
+    latest = latest_checkpoint(path / "checkpoints")
+    if latest is not None:
+        held.append(f"checkpoints up to step {int(latest.name.removeprefix('step-'))}")
+    log = path / "log.jsonl"
+    if log.is_file() and log.stat().st_size:
+        held.append("a log.jsonl")
+    held += [name for name in ("adapter", "summary.json") if (path / name).exists()]
+    return " and ".join(held) or None
+
 
 class RunDir:
     """Paths and atomic writers of a run directory (created on construction)."""

@@ -120,17 +120,17 @@ class RunStatus:
 
     def fail(self, error: str) -> None:
         """Mark the run FAILED with ``error``; ends WatchRun streams."""
-        with self._cond:
-            self._state = trainer_pb2.RUN_STATE_FAILED
-            self._error = error
-            self._cond.notify_all()
+        self._end(trainer_pb2.RUN_STATE_FAILED, error)
 
     def stop(self, message: str) -> None:
         """Mark the run STOPPED on request before its last step (``message``: where it stopped
         and how to resume, shown in ``error``); ends WatchRun streams."""
+        self._end(trainer_pb2.RUN_STATE_STOPPED, message)
+
+    def _end(self, state: int, error: str) -> None:
         with self._cond:
-            self._state = trainer_pb2.RUN_STATE_STOPPED
-            self._error = message
+            self._state = state
+            self._error = error
             self._cond.notify_all()
 
     @property

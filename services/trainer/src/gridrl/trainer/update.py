@@ -175,7 +175,7 @@ _TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mism
 def _frozen_weights_cast(policy: Any, cfg: UpdateConfig) -> contextlib.AbstractContextManager:
     """A bfloat16 update reads the frozen weights as bfloat16 copies made once
     (:meth:`Policy.frozen_weights_as`: the same products as autocast casting them anew)."""
-    if cfg.update_dtype == "bfloat16" and hasattr(policy, "frozen_weights_as"):
+    if cfg.update_dtype == "bfloat16":
         return policy.frozen_weights_as(torch.bfloat16)
     return contextlib.nullcontext()
 
