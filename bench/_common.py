@@ -34,7 +34,7 @@ def machine() -> str:
         pass
     import torch
 
-    return f"{cpu}, {os.cpu_count()} cores{mem}, torch {torch.__version__}"
+    return (f"{cpu} ({cpu_flags()}), {os.cpu_count()} cores{mem}, torch {torch.__version__}")
 
 
 def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -105,7 +105,7 @@ class Channels:
     for the run, removed by :meth:`close`).
 
     ``node_flags`` go on each ``gridrl-rollout serve``; ``security`` is what the benchmark
-    dials with (``gridrl.common.channel.dial(address, channels.security)``).
+    dials with (``gridrl.common.rpc.channel.dial(address, channels.security)``).
     """
 
     def __init__(self, secure: bool) -> None:
@@ -114,10 +114,10 @@ class Channels:
         self.security = None
         self._dir: Path | None = None
         if secure:
-            from gridrl.common.auth import read_token_file
-            from gridrl.common.certs import local_identities
-            from gridrl.common.security import Security
-            from gridrl.common.tls import TlsFiles
+            from gridrl.common.security.certs import local_identities
+            from gridrl.common.security.policy import Security
+            from gridrl.common.security.tls import TlsFiles
+            from gridrl.common.security.tokens import read_token_file
 
             self._dir = Path(tempfile.mkdtemp(prefix="bench-credentials-"))
             ids = local_identities(self._dir, {"node": None, "bench": "trainer"})
@@ -159,6 +159,62 @@ def runtime_floor_mb(imports: str) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024 / 1e6
     return float("nan")
+
+
+class BackgroundLoad:
+    """``busy`` processes that each keep one core busy (a pure-Python loop, the kind of load an
+    owner's compile or notebook puts on a shared box) while the ``with`` block runs; each also
+    ends by itself after ``limit_s``, so none outlives a bench that crashed.
+
+        with BackgroundLoad(1):
+            ...  # measured with one core busy
+    """
+
+    def __init__(self, busy: int, limit_s: float = 1800.0) -> None:
+        self.busy, self.limit_s = busy, limit_s
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> BackgroundLoad:
+        code = (f"import time\nend = time.monotonic() + {float(self.limit_s)!r}\n"
+                "while time.monotonic() < end:\n    sum(range(1000))\n")
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.busy)]
+        time.sleep(0.5 if self.busy else 0)  # let them get going
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+
+
+def load_average() -> str:
+    """The 1-minute load average and the core count, e.g. "load 0.42 on 2 cores"."""
+    try:
+        one = Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        one = "?"
+    return f"load {one} on {os.cpu_count()} cores"
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide gridrl's fast paths, as /proc/cpuinfo names them
+    (avx2, avx512f, avx512_bf16, amx_bf16, ...): "none of them" where absent."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile",
+              "avx_ne_convert")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in wanted if f in have) or "none of them"
+    except OSError:
+        pass
+    return "unknown"
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -74,15 +74,15 @@ def main() -> None:
     import torch
 
     from gridrl.adapters import build_manifest
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.common.transport import push_requests
     from gridrl.models import resolve_model
-    from gridrl.trainer.policy import LoraSettings, load_policy
+    from gridrl.trainer.backends.torch.policy import LoraSettings, load_policy
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
     model_dir = str(resolve_model("smollm2-135m-instruct"))
     policy = load_policy(model_dir, lora=LoraSettings(rank=16, alpha=32), seed=0)
-    from gridrl.common.server import freeze_long_lived
+    from gridrl.common.rpc.server import freeze_long_lived
 
     freeze_long_lived()  # as the trainer CLI does once its policy is loaded
     params = policy.trainable_parameters()

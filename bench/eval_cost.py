@@ -21,7 +21,7 @@ import numpy as np
 from _common import machine, table
 
 from gridrl.engine.contract import SamplingConfig
-from gridrl.trainer.backend import TrainSequence, create_backend
+from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.evaluation import Evaluator
 from gridrl.trainer.tasks import ReverseWords, encode_chat

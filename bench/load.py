@@ -123,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from gridrl.adapters import build_manifest, read_dir
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.common.transport import push_requests
     from gridrl.models import resolve_model
     from gridrl.models.testing import make_tiny_llama

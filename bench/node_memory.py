@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     from safetensors import safe_open
 
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.models import resolve_model
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 

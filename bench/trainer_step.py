@@ -9,6 +9,10 @@ them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio 
     python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
 
+``--profile`` (torch only): one demo-shaped batch, a warm-up update, then one update under
+``torch.profiler`` per ``--update-dtype``: CPU seconds by kind of work (products, attention,
+casts, the head's log-softmax, elementwise, the optimizer) and the top operators.
+
 ``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
 on it computing the completion logprobs from the final hidden states in chunks
 (``grpo_torch.head_logprobs``, the default for plain-head models) and N from the full
@@ -24,18 +28,20 @@ import numpy as np
 from _common import machine, table
 
 from gridrl.engine.contract import SamplingConfig
-from gridrl.trainer.backend import TrainSequence, create_backend
+from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.tasks import ReverseWords, encode_chat
 
 
-def demo_backend(backend_name: str, model: str, update_dtype: str = "float32"):
+def demo_backend(backend_name: str, model: str, update_dtype: str = "float32",
+                 threads: int = 0):
     """The demo's trainer backend: ``model`` in fp32 with a r16 all-linear LoRA, local sampler;
-    the update in ``update_dtype`` (``--update-dtype``)."""
+    the update in ``update_dtype`` (``--update-dtype``); ``threads`` torch threads (0: torch's
+    default)."""
     cfg = TrainConfig(model=model, backend=backend_name, lora_rank=16,
                       lora_alpha=32.0, lr=3e-4, steps=60, max_tokens=24, temperature=1.0,
                       rollout=["local"], run_dir="unused", seed=0,
-                      update_dtype=update_dtype).finalize()
+                      update_dtype=update_dtype, threads=threads).finalize()
     return create_backend(cfg)
 
 
@@ -112,6 +118,52 @@ def compare_logits(repeats: int, model: str) -> None:
     print(f"hidden + head_logprobs / full logits: {fused / base:.2f}x")
 
 
+#: operator name prefixes -> the kind of work they are (first match wins)
+KINDS = (("casts", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone")),
+         ("products (mm, linear)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear",
+                                    "aten::matmul", "mkldnn", "aten::_mkl")),
+         ("attention", ("aten::_scaled_dot_product", "aten::scaled_dot_product",
+                        "aten::_flash_attention", "aten::_efficient_attention")),
+         ("log-softmax / the head's logprobs", ("aten::_log_softmax", "aten::log_softmax",
+                                                "aten::logsumexp", "aten::gather")),
+         ("optimizer", ("aten::_foreach", "Optimizer.step", "aten::addcdiv",
+                        "aten::lerp", "aten::sqrt")),
+         ("elementwise and the rest", ("",)))
+
+
+def profile(model: str, dtypes: list[str], threads: int = 0) -> None:
+    """Where an update's CPU time goes, per update dtype (see the module docstring)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for dtype in dtypes:
+        backend = demo_backend("torch", model, dtype, threads)
+        try:
+            prompts = demo_prompts(backend, ReverseWords(seed=0, min_words=3, max_words=4), 0)
+            seqs = sequences(prompts, sample(backend, prompts), 0)
+            backend.update(seqs)  # warm-up: the bfloat16 weight copies, allocators
+            t0 = time.perf_counter()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                backend.update(seqs)
+            wall = time.perf_counter() - t0
+        finally:
+            backend.close()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events) / 1e6
+        kinds = {name: 0.0 for name, _ in KINDS}
+        for e in events:
+            kind = next(n for n, prefixes in KINDS if e.key.startswith(prefixes))
+            kinds[kind] += e.self_cpu_time_total / 1e6
+        print(f"\nupdate dtype {dtype}: {wall:.2f} s wall (profiled), {total:.2f} s of "
+              f"operator self CPU time, {sum(len(s.completion_ids) for s in seqs)} "
+              "completion tokens")
+        print(table([[k, f"{v:.2f}", f"{v / total:.0%}"] for k, v in kinds.items()],
+                    ["kind", "self CPU s", "share"]))
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+        print(table([[e.key, str(e.count), f"{e.self_cpu_time_total / 1e6:.3f}"] for e in top],
+                    ["operator", "calls", "self CPU s"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", action="append", choices=["torch", "mlx"])
@@ -119,10 +171,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--update-dtype", action="append", choices=["float32", "bfloat16"],
                         help="torch: the update's dtype (repeatable; default float32)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of --profile (0: torch's default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch: where one update's time goes, per --update-dtype")
     parser.add_argument("--compare-logits", type=int, default=0, metavar="N",
                         help="torch: alternate N updates with and without the fused head")
     args = parser.parse_args()
     print(machine())
+    if args.profile:
+        profile(args.model, args.update_dtype or ["float32", "bfloat16"], args.threads)
+        return
     if args.compare_logits:
         compare_logits(args.compare_logits, args.model)
         return

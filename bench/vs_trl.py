@@ -108,9 +108,9 @@ def run_trl(seed: int, steps: int, extra: list[str], out: Path, threads: int = 0
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from gridrl.trainer.backends.torch.backend import TorchTrainerBackend
     from gridrl.trainer.evaluation import Evaluator
     from gridrl.trainer.tasks import make_task
-    from gridrl.trainer.torch_backend import TorchTrainerBackend
 
     cfg = train_config(seed, steps, extra)
     cfg.rollout = ["local"]

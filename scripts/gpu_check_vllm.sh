@@ -33,7 +33,7 @@ cleanup() {
 trap cleanup EXIT
 
 command -v "$VLLM" >/dev/null || { echo "no '$VLLM' command: install vLLM (CUDA)"; exit 2; }
-"$GRIDRL_PY" -c "import gridrl.engine.backends.vllm, gridrl.rollout" \
+"$GRIDRL_PY" -c "import gridrl.engine.backends.vllm.backend, gridrl.rollout" \
   || { echo "gridrl is not installed in $GRIDRL_PY"; exit 2; }
 MODEL=$("$GRIDRL_PY" -c 'from gridrl.models import resolve_model; print(resolve_model("smollm2-135m-instruct", progress=False))')
 KEY=$("$GRIDRL_PY" -c 'import secrets; print(secrets.token_hex(16))')
@@ -61,7 +61,7 @@ start_vllm vllm-raw
 "$GRIDRL_PY" - "$PORT" "$MODEL" "$WORK" <<'EOF'
 import sys
 from pathlib import Path
-from gridrl.engine.backends.vllm import VllmBackend, VllmRefused
+from gridrl.engine.backends.vllm.backend import VllmBackend, VllmRefused
 port, model, work = sys.argv[1:]
 key = (Path(work) / "vllm.key").read_text().strip()
 try:
@@ -90,7 +90,7 @@ from pathlib import Path
 import numpy as np
 from gridrl.adapters import tensors as st
 from gridrl.adapters.peft_format import PREFIX, encode_config
-from gridrl.engine.backends.vllm import VllmBackend
+from gridrl.engine.backends.vllm.backend import VllmBackend
 from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
 port, model, work = sys.argv[1:]
@@ -136,7 +136,7 @@ check(np.median(diffs) < 0.02 and diffs.max() < 0.5,
       "vs prefill)")
 try:
     import torch  # noqa: F401
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
     ref = TorchBackend.from_pretrained(model, device="cpu", dtype="float32")
     d = np.array([abs(a - b) for req, res in zip(batch, results)
                   for a, b in zip(ref.score(req.prompt_ids, res.token_ids, req.sampling, None),

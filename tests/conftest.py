@@ -18,6 +18,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# Every master a test starts serves its dashboard on a free port, not on the default 8321
+# (tests run in parallel); a test that wants another sets the flag or the variable itself.
+os.environ.setdefault("GRIDRL_MASTER_DASHBOARD_PORT", "0")
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +47,7 @@ class ReservedPort(int):
 def reserved_port() -> Iterator[ReservedPort]:
     """A loopback port kept for this test: bound (never listening) until the test calls
     ``release()`` to start a server on it. Connecting to it meanwhile is refused. gRPC servers
-    do not share ports (``SO_REUSEPORT`` is off, see gridrl.common.server.NO_REUSEPORT), so the
+    do not share ports (``SO_REUSEPORT`` is off, see gridrl.common.rpc.server.NO_REUSEPORT), so the
     holder lets go immediately before the bind instead of seconds before it, as a picked and
     closed port would. A server restarted on it after a kill binds it again on its own."""
     sock = socket.socket()
@@ -75,7 +78,7 @@ def tiny_backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
     """A fresh TorchBackend on the tiny llama (about 50 ms to load), once with each forward:
     the lean llama forward (adapters as LoRA factors) and the transformers forward (adapters
     merged into weight copies)."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir, lean=request.param == "lean")
     assert backend.forward_kind == request.param
@@ -109,7 +112,7 @@ def smollm2_backend(smollm2_dir: Path):
     """A TorchBackend on the bundled model (one per test module), decoding on one thread."""
     import torch
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -178,7 +181,7 @@ def service_factory(tmp_path: Path) -> Iterator:
 
 @dataclass(frozen=True)
 class Pki:
-    """Certificates made for the test session with ``gridrl.common.certs`` (the
+    """Certificates made for the test session with ``gridrl.common.security.certs`` (the
     ``cryptography`` package): a CA; ``server`` for localhost, 127.0.0.1 and ::1; ``client``
     and ``node`` signed by the same CA; and ``rogue``, a certificate for localhost from another
     CA that nothing trusts."""
@@ -197,7 +200,7 @@ class Pki:
 
     def tls(self, name: str | None, ca: bool = True):
         """``TlsFiles`` with ``name``'s certificate and key (None: none) and the CA."""
-        from gridrl.common.tls import TlsFiles
+        from gridrl.common.security.tls import TlsFiles
 
         return TlsFiles(self.crt(name) if name else None, self.key(name) if name else None,
                         self.ca if ca else None)
@@ -210,7 +213,7 @@ class Pki:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    from gridrl.common.certs import make_ca, make_cert
+    from gridrl.common.security.certs import make_ca, make_cert
 
     root = tmp_path_factory.mktemp("pki")
     make_ca(root)
@@ -228,7 +231,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 @dataclass(frozen=True)
 class Creds:
-    """An authorized-tokens file minted with ``gridrl.common.auth.mint``: one credential per
+    """An authorized-tokens file minted with ``gridrl.common.security.minting.mint``: one credential per
     scope (ids ``node-1``, ``trainer-1``, ``reader``), their tokens and token files, and
     ``wrong``, a well-formed token the file does not list."""
 
@@ -238,9 +241,9 @@ class Creds:
 
     def security(self, scope: str | None, tls=None, authorized: bool = False):
         """A client ``Security`` sending ``scope``'s token (None: no token)."""
-        from gridrl.common.auth import AuthorizedTokens
-        from gridrl.common.security import Security
-        from gridrl.common.tls import TlsFiles
+        from gridrl.common.security.policy import Security
+        from gridrl.common.security.tls import TlsFiles
+        from gridrl.common.security.tokens import AuthorizedTokens
 
         return Security(tls=tls or TlsFiles(), token=self.tokens[scope] if scope else None,
                         authorized=AuthorizedTokens(self.authorized) if authorized else None)
@@ -248,7 +251,8 @@ class Creds:
 
 @pytest.fixture(scope="session")
 def creds(tmp_path_factory: pytest.TempPathFactory) -> Creds:
-    from gridrl.common.auth import mint, new_token
+    from gridrl.common.security.minting import mint
+    from gridrl.common.security.tokens import new_token
 
     root = tmp_path_factory.mktemp("creds")
     authorized = root / "authorized_tokens"

@@ -80,10 +80,11 @@ def test_dict_schema_and_protobuf(peft_dir: Path) -> None:
     common_pb2 = pytest.importorskip("gridrl.v1.common_pb2")
     from google.protobuf import json_format
 
-    msg = json_format.ParseDict(m.to_proto_dict(), common_pb2.AdapterManifest())
+    msg = m.to_proto()
     assert msg.format == common_pb2.ADAPTER_FORMAT_PEFT
     assert (msg.version, msg.rank, list(msg.layers)) == (7, 8, [1])
     assert msg.files[0].sha256 == m.files[0].sha256
+    assert AdapterManifest.from_proto(msg) == m
     for names in (True, False):
         back = json_format.MessageToDict(msg, preserving_proto_field_name=names)
         assert AdapterManifest.from_dict(back) == m

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from gridrl.adapters import AdapterError, convert_files, merge_dir, read_dir, write_dir
 from gridrl.adapters.cli import main
+from gridrl.models import portable_config
 
 # Logits of the merged model against peft's unmerged base + adapter: the same sums in another
 # order, so they agree to float32 rounding (measured ~1e-6 of the largest logit; 2**-23 = 1.2e-7
@@ -72,8 +73,13 @@ def test_merged_model_computes_base_plus_adapter(tiny_llama_dir: Path, lora_dir:
     # a full model directory: every base file, the weights replaced, no adapter left
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(
         p.name for p in tiny_llama_dir.iterdir())
-    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+    for name in ("tokenizer.json", "generation_config.json"):
         assert (tmp_path / "merged" / name).read_bytes() == (tiny_llama_dir / name).read_bytes()
+    # the base's config, with the top-level keys mlx-lm and llama.cpp read (rope_theta...)
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    base_config = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert config == {**base_config, **portable_config(base_config)}
+    assert config["rope_theta"] == base_config["rope_parameters"]["rope_theta"]
     _check_same_model(tmp_path / "merged", tiny_llama_dir, lora_dir)
 
     # the weights are peft's own merge_and_unload to float32 rounding, the rest bit for bit
@@ -289,3 +295,28 @@ def test_cli(tiny_llama_dir: Path, lora_dir: Path, tmp_path: Path) -> None:
     assert "Error: cannot merge this peft adapter: use_dora=true" in res.output
     assert not (tmp_path / "x").exists()
     assert "GRIDRL_ADAPTERS_BASE" in runner.invoke(main, ["merge", "--help"]).output
+
+
+def test_cli_takes_the_alias_every_other_command_takes(tiny_llama_dir: Path, lora_dir: Path,
+                                                       tmp_path: Path, monkeypatch) -> None:
+    """``--base smollm2-135m-instruct`` resolves as ``--model`` does (here a cache holding the
+    tiny llama under the alias' name, so nothing is converted); a misspelt alias or a hub id
+    is one line naming --base."""
+    cached = tmp_path / "cache" / "models" / "smollm2-135m-instruct"
+    shutil.copytree(tiny_llama_dir, cached)
+    monkeypatch.setenv("GRIDRL_CACHE_DIR", str(tmp_path / "cache"))
+    runner = CliRunner()
+    out = tmp_path / "merged"
+    res = runner.invoke(main, ["merge", "--base", "smollm2-135m-instruct", "--adapter",
+                               str(lora_dir), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"+ {cached} -> {out}: folded 14 LoRA modules" in res.output
+    merge_dir(tiny_llama_dir, lora_dir, tmp_path / "by-path")
+    assert read_dir(out) == read_dir(tmp_path / "by-path")
+    for base, said in (("smollm2-135m-instuct", "did you mean 'smollm2-135m-instruct'?"),
+                       ("HuggingFaceTB/SmolLM2-135M-Instruct", "is not a local directory")):
+        res = runner.invoke(main, ["merge", "--base", base, "--adapter", str(lora_dir),
+                                   "--out", str(tmp_path / "x")])
+        assert res.exit_code == 2 and "Invalid value for '--base'" in res.output, res.output
+        assert said in res.output, res.output
+    assert not (tmp_path / "x").exists()

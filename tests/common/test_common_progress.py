@@ -10,17 +10,9 @@ import threading
 
 import pytest
 from rich.console import Console
+from waiting import wait_for
 
 from gridrl.common.progress import StatusLine, status_text
-
-
-def wait_until(pred, timeout: float = 20.0) -> None:
-    done = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        done.wait(0.01)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @pytest.fixture
@@ -44,9 +36,9 @@ def test_off_a_terminal_it_logs_plain_lines_at_growing_intervals(caplog, logger)
     stream = io.StringIO()
     line = StatusLine("waiting for the master at m:1", stream=stream, logger=logger,
                       delay_s=0, log_every_s=0.05, max_log_every_s=0.1).start()
-    wait_until(lambda: len(_messages(caplog)) >= 3)
+    wait_for(lambda: len(_messages(caplog)) >= 3)
     line.update("waiting for the master at m:2")
-    wait_until(lambda: any("m:2 (" in m for m in _messages(caplog)))
+    wait_for(lambda: any("m:2 (" in m for m in _messages(caplog)))
     line.stop()
     messages = _messages(caplog)
     assert messages[0].startswith("waiting for the master at m:1 (") and messages[0][-2:] == "s)"
@@ -67,10 +59,10 @@ def test_until_ends_the_status_by_itself(caplog, logger) -> None:
     registered = threading.Event()
     line = StatusLine("waiting for the master", until=registered.is_set, logger=logger,
                       stream=io.StringIO(), delay_s=0, log_every_s=0.05).start()
-    wait_until(lambda: len(_messages(caplog)) >= 1)
+    wait_for(lambda: len(_messages(caplog)) >= 1)
     assert line.active
     registered.set()
-    wait_until(lambda: not line.active)
+    wait_for(lambda: not line.active)
     assert _messages(caplog)[-1].startswith("waiting for the master: done after ")
 
 
@@ -78,7 +70,7 @@ def test_a_failure_is_said_on_exit(caplog, logger) -> None:
     with pytest.raises(ValueError), StatusLine("writing checkpoint", logger=logger,
                                                stream=io.StringIO(), delay_s=0,
                                                log_every_s=0.01) as line:
-        wait_until(lambda: line.shown)
+        wait_for(lambda: line.shown)
         raise ValueError("disk full")
     assert _messages(caplog)[-1].startswith("writing checkpoint: failed (ValueError) after ")
 
@@ -93,16 +85,16 @@ def test_on_a_terminal_it_redraws_and_log_records_print_above(caplog, logger) ->
                            delay_s=0).start()
         second = StatusLine("waiting for a first adapter", console=console, logger=logger,
                             delay_s=0, timeout_s=600).start()
-        wait_until(lambda: "waiting for a first adapter (" in screen.getvalue()
+        wait_for(lambda: "waiting for a first adapter (" in screen.getvalue()
                    and "waiting for the master (" in screen.getvalue())
         assert "\x1b[" in screen.getvalue()  # a terminal: the lines are redrawn in place
         assert handler.stream is not screen  # records go through the live display
         long_record = "a log record while the lines show, longer than the screen " * 3
         logger.info(long_record)
-        wait_until(lambda: long_record + "\n" in screen.getvalue())  # whole: not re-wrapped
+        wait_for(lambda: long_record + "\n" in screen.getvalue())  # whole: not re-wrapped
         first.stop()
         second.stop()
-        wait_until(lambda: handler.stream is screen)  # handed back once nothing shows
+        wait_for(lambda: handler.stream is screen)  # handed back once nothing shows
         assert "left)" in screen.getvalue()
         assert _messages(caplog)[-1].startswith("waiting for a first adapter: done after ")
     finally:

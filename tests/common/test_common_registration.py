@@ -8,12 +8,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
+from waiting import seconds_until, wait_for
 
-from gridrl.common.channel import dial
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError
 from gridrl.common.registration import NodeRegistrar
+from gridrl.common.rpc.channel import dial
+from gridrl.master.config import Liveness
 from gridrl.master.registry import node_id_for
 from gridrl.master.server import Master
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -43,16 +44,6 @@ class Node:
         return self.load
 
 
-def wait_until(pred: Callable[[], bool], timeout: float = 10.0, every: float = 0.01) -> float:
-    """Seconds until ``pred()`` held; AssertionError after ``timeout``."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(every)
-    return time.monotonic() - t0
-
-
 def failures_logged(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
     """(warnings, debug retries) the registrar logged: one warning per outage, then one debug
     record per further failed attempt (needs caplog at DEBUG for LOGGER)."""
@@ -77,8 +68,7 @@ def masters() -> Iterator[Callable[..., Master]]:
 
     def start(port: int = 0, store_path: str | None = None, security=None, token=None):
         master = Master(f"127.0.0.1:{port}", store_path=store_path, security=security,
-                        heartbeat_interval_s=HEARTBEAT_S, unhealthy_after_s=UNHEALTHY_S,
-                        expire_after_s=EXPIRE_S, grace_s=1).start()
+                        liveness=Liveness(HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S), grace_s=1).start()
         master.token = token  # what records() reads with
         started.append(master)
         return master
@@ -110,7 +100,7 @@ def test_registers_heartbeats_and_deregisters(masters, registrars) -> None:
     t0 = time.monotonic()
     registrar.start()
     assert time.monotonic() - t0 < 0.5  # returns at once
-    wait_until(lambda: registrar.registered)
+    wait_for(lambda: registrar.registered)
     assert registrar.node_id == node_id_for("10.0.0.1:6000")
     assert registrar.heartbeat_interval_s == pytest.approx(HEARTBEAT_S)
     assert records(master)[registrar.node_id].info.capacity == 4
@@ -124,8 +114,12 @@ def test_registers_heartbeats_and_deregisters(masters, registrars) -> None:
         r = records(master)[registrar.node_id]
         return (r.info.adapter.version, r.info.queue_depth, r.load) == (3, 5, 0.75)
 
-    assert wait_until(updated) < HEARTBEAT_S + 1.0
-    time.sleep(EXPIRE_S + 0.3)  # heartbeats keep it alive past the expiry time
+    assert seconds_until(updated, what="the new load at the master") < HEARTBEAT_S + 1.0
+    # heartbeats keep it alive past the expiry time: a heartbeat lands later than EXPIRE_S
+    # after this point while the record stays (an expired node would be gone)
+    past = time.time_ns() + int(EXPIRE_S * 1e9)
+    wait_for(lambda: records(master)[registrar.node_id].last_seen.ToNanoseconds() > past,
+             timeout_s=EXPIRE_S + 10, what="a heartbeat past the expiry time")
     record = records(master)[registrar.node_id]
     assert record.status == common_pb2.NODE_STATUS_HEALTHY
     assert time.time() - record.last_seen.ToNanoseconds() / 1e9 < HEARTBEAT_S + 0.5
@@ -147,11 +141,13 @@ def test_back_within_an_interval_after_master_restart(masters, registrars, tmp_p
     node = Node("10.0.0.1:6000")
     registrar = registrars(first.address, node.info_fn, node.load_fn)
     registrar.start()
-    wait_until(lambda: registrar.registered)
+    wait_for(lambda: registrar.registered)
     node_id = registrar.node_id
     first.stop(0)
-    wait_until(lambda: not registrar.registered, timeout=5)
-    time.sleep(1.0)  # an outage of several retry periods
+    wait_for(lambda: not registrar.registered, timeout_s=5)
+    # an outage of several retry periods: three more failed attempts logged
+    retries = failures_logged(caplog)[1]
+    wait_for(lambda: failures_logged(caplog)[1] >= retries + 3, what="three retries")
 
     restarted_ns = time.time_ns()
     second = masters(port, store_path=store)
@@ -162,17 +158,17 @@ def test_back_within_an_interval_after_master_restart(masters, registrars, tmp_p
     if with_store:
         assert set(records(second)) == {node_id}  # restored before the node says anything
         first_seen = records(second)[node_id].last_seen.ToNanoseconds()
-        wait_until(lambda: registrar.registered
+        wait_for(lambda: registrar.registered
                    and records(second)[node_id].last_seen.ToNanoseconds() > first_seen)
     else:
         # Nothing restored: the record is a fresh registration on the new master (not "empty at
         # first": the node's retry, every 0.2 s, can land before the first ListNodes).
-        wait_until(lambda: node_id in records(second))
+        wait_for(lambda: node_id in records(second))
         assert records(second)[node_id].registered_at.ToNanoseconds() >= restarted_ns
     back = time.monotonic() - t0
     print(f"node back {back:.2f}s after the master restarted ({'with' if with_store else 'no'} store)")
     assert back < BACK_WITHIN_S, f"node back after {back:.2f}s"
-    wait_until(lambda: registrar.registered)
+    wait_for(lambda: registrar.registered)
     assert registrar.node_id == node_id  # ids are stable per address
     assert records(second)[node_id].status == common_pb2.NODE_STATUS_HEALTHY
 
@@ -195,12 +191,12 @@ def test_unreachable_master_at_start(masters, registrars, caplog, reserved_port)
     t0 = time.monotonic()
     registrar.start()
     assert time.monotonic() - t0 < 0.5
-    wait_until(lambda: failures_logged(caplog)[1] >= 3)  # several attempts failed
+    wait_for(lambda: failures_logged(caplog)[1] >= 3)  # several attempts failed
     assert registrar.node_id is None and not registrar.registered
     assert failures_logged(caplog)[0] == 1  # one warning for the whole outage
     assert "UNAVAILABLE" in registrar.last_failure
     master = masters(reserved_port.release())
-    assert wait_until(lambda: registrar.registered) < 1.0
+    assert seconds_until(lambda: registrar.registered, what="registered again") < 1.0
     assert registrar.last_failure is None
     assert set(records(master)) == {node_id_for("10.0.0.1:6000")}
 
@@ -213,8 +209,8 @@ def test_node_credential(masters, registrars, creds, caplog) -> None:
     bad = registrars(master.address, bad_node.info_fn, retry_interval_s=0.1)
     good.start()
     bad.start()
-    wait_until(lambda: good.registered)
-    wait_until(lambda: failures_logged(caplog)[1] >= 3)  # bad was refused several times
+    wait_for(lambda: good.registered)
+    wait_for(lambda: failures_logged(caplog)[1] >= 3)  # bad was refused several times
     assert not bad.registered
     assert set(records(master)) == {good.node_id}
     refused = [r.getMessage() for r in caplog.records
@@ -249,7 +245,7 @@ def test_misbehaving_callbacks_never_reach_the_node(masters, registrars) -> None
 
     registrar = registrars(master.address, flaky_info, load_fn, retry_interval_s=0.05)
     registrar.start()
-    wait_until(lambda: registrar.registered)
+    wait_for(lambda: registrar.registered)
     assert calls["info"] >= 3  # the two failures were retried
     seen: list[float] = []  # loads the master recorded, consecutive duplicates collapsed
     deadline = time.monotonic() + 10
@@ -261,7 +257,7 @@ def test_misbehaving_callbacks_never_reach_the_node(masters, registrars) -> None
     # NaN -> 0, 7 -> 1 (clamped), -1 -> 0 (clamped); a raising load_fn reports 0.
     assert seen == [0.0, 1.0, 0.0]
     last = records(master)[registrar.node_id].last_seen.ToNanoseconds()
-    wait_until(lambda: records(master)[registrar.node_id].last_seen.ToNanoseconds() > last)
+    wait_for(lambda: records(master)[registrar.node_id].last_seen.ToNanoseconds() > last)
     assert records(master)[registrar.node_id].load == 0.0
     assert registrar.registered
 
@@ -271,7 +267,7 @@ def test_stop_is_prompt_with_master_gone(masters, registrars) -> None:
     node = Node("10.0.0.1:6000")
     registrar = registrars(master.address, node.info_fn)
     registrar.start()
-    wait_until(lambda: registrar.registered)
+    wait_for(lambda: registrar.registered)
     master.stop(0)
     t0 = time.monotonic()
     registrar.stop()  # deregistration fails fast and is only logged
@@ -284,6 +280,6 @@ def test_stop_is_prompt_with_master_gone(masters, registrars) -> None:
 def test_rejects_bad_master_address() -> None:
     with pytest.raises(StatusError) as e:
         NodeRegistrar("no-port", Node("a:1").info_fn)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.kind is Kind.INVALID_ARGUMENT
     assert e.value.message == ("master_address: 'no-port' is not host:port: the port is missing "
                                "(give no-port:PORT)")

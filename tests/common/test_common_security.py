@@ -16,22 +16,21 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
-from gridrl.common.auth import (
+from gridrl.common.auth_cli import main as auth_main
+from gridrl.common.rpc.channel import connection_hint, dial
+from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.security.minting import mint, revoke
+from gridrl.common.security.policy import ExposedError, Security, check_exposure, is_loopback
+from gridrl.common.security.tls import TlsError, TlsFiles
+from gridrl.common.security.tokens import (
     AuthError,
     AuthorizedTokens,
     cert_fingerprint,
     certificate_file_fingerprint,
-    mint,
     parse_authorized_tokens,
     read_token_file,
-    revoke,
     token_digest,
 )
-from gridrl.common.auth_cli import main as auth_main
-from gridrl.common.channel import connection_hint, dial
-from gridrl.common.security import ExposedError, Security, check_exposure, is_loopback
-from gridrl.common.server import GrpcServer
-from gridrl.common.tls import TlsError, TlsFiles
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -325,7 +324,7 @@ def test_a_running_server_follows_revocations_and_survives_a_bad_edit(tmp_path: 
         # an edit that breaks the file keeps the credentials read before, and says so
         with authorized.open("a") as f:
             f.write("this line is not a credential\n")
-        with caplog.at_level(logging.ERROR, logger="gridrl.common.auth"):
+        with caplog.at_level(logging.ERROR, logger="gridrl.common.security.tokens"):
             assert _call(server.address, Security(token=new)) == grpc.StatusCode.OK
             assert _call(server.address, Security(token=new)) == grpc.StatusCode.OK
         errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -413,9 +412,9 @@ def test_an_insecure_server_beyond_loopback_warns_naming_its_real_address(pki, c
     """``--insecure`` lets a server listen beyond loopback unprotected; it then says so at
     WARNING with the address it really binds (its ``address`` shows 0.0.0.0 as 127.0.0.1) and
     what is missing. Loopback, and TLS with credentials, say nothing."""
-    from gridrl.common.security import exposure_warning
+    from gridrl.common.security.policy import exposure_warning
 
-    caplog.set_level(logging.WARNING, logger="gridrl.common.server")
+    caplog.set_level(logging.WARNING, logger="gridrl.common.rpc.server")
     tokens = AuthorizedTokens(creds.authorized)
     server = GrpcServer("0.0.0.0:0", security=Security(insecure=True), grace_s=0).start()
     try:
@@ -432,7 +431,7 @@ def test_an_insecure_server_beyond_loopback_warns_naming_its_real_address(pki, c
 
 
 def test_a_writable_authorized_tokens_file_is_warned_about(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="gridrl.common.auth")
+    caplog.set_level(logging.WARNING, logger="gridrl.common.security.tokens")
     authorized = tmp_path / "authorized_tokens"
     mint(authorized, tmp_path / "t", "read", "ops")
     authorized.chmod(0o644)
@@ -478,7 +477,7 @@ def test_a_taken_port_is_probed_without_the_token(tmp_path: Path) -> None:
     import click
 
     from gridrl.common.cli import check_ports_free
-    from gridrl.common.probe import list_services
+    from gridrl.common.rpc.probe import list_services
 
     seen: list[tuple] = []
 

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridrl.common.address import parse_address
-from gridrl.common.channel import dial
-from gridrl.common.errors import StatusError, invalid_argument
-from gridrl.common.security import Security
-from gridrl.common.server import GrpcServer
+from gridrl.common.errors import Kind, StatusError, invalid_argument
+from gridrl.common.rpc.channel import dial
+from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.security.policy import Security
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -111,7 +111,7 @@ def test_stop_flips_health(server: GrpcServer) -> None:
 def test_parse_address_rejects(bad: str) -> None:
     with pytest.raises(StatusError) as e:
         parse_address(bad, field="node.address")
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.kind is Kind.INVALID_ARGUMENT
     assert e.value.message.startswith("node.address: ")
 
 

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import hashlib
 
-import grpc
 import pytest
 
-from gridrl.common.errors import StatusError
-from gridrl.common.transport import (
-    manifest_to_dict,
-    manifest_to_proto,
-    push_requests,
-    receive_push,
-)
+from gridrl.adapters import AdapterManifest
+from gridrl.common.errors import Kind, StatusError
+from gridrl.common.transport import push_requests, receive_push
 from gridrl.v1 import common_pb2, rollout_pb2
 
 FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": bytes(range(256)) * 40}
+
+
+def manifest_to_proto(d: dict) -> common_pb2.AdapterManifest:
+    return AdapterManifest.from_dict(d).to_proto()
 
 
 def manifest(files=FILES, **over):
@@ -37,39 +36,39 @@ def test_round_trip_small_chunks() -> None:
     got = receive_push(reqs, max_bytes=1 << 20)
     assert got.files == FILES
     assert got.bytes_received == sum(map(len, FILES.values()))
-    assert manifest_to_dict(got.manifest) == manifest()
+    assert AdapterManifest.from_proto(got.manifest).to_dict() == manifest()
     assert manifest_to_proto(manifest()).format == common_pb2.ADAPTER_FORMAT_PEFT
 
 
 def _code(reqs, max_bytes=1 << 20):
     with pytest.raises(StatusError) as e:
         receive_push(reqs, max_bytes=max_bytes)
-    return e.value.code, e.value.message
+    return e.value.kind, e.value.message
 
 
 def test_refusals() -> None:
     good = list(push_requests(manifest(), FILES, chunk_size=4096))
     code, msg = _code(good[1:])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("header:")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("header:")
     code, msg = _code(good[:-1])  # truncated
-    assert code == grpc.StatusCode.DATA_LOSS and "truncated" in msg
+    assert code is Kind.DATA_LOSS and "truncated" in msg
     bad = list(good)
     bad[-1] = rollout_pb2.PushAdapterRequest(chunk=rollout_pb2.AdapterChunk(
         path=bad[-1].chunk.path, offset=bad[-1].chunk.offset,
         data=b"\0" * len(bad[-1].chunk.data)))
     code, msg = _code(bad)
-    assert code == grpc.StatusCode.DATA_LOSS and "sha256" in msg
+    assert code is Kind.DATA_LOSS and "sha256" in msg
     code, msg = _code(good, max_bytes=100)
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and msg.startswith("header.manifest.files")
+    assert code is Kind.RESOURCE_EXHAUSTED and msg.startswith("header.manifest.files")
     code, msg = _code(list(push_requests(manifest(version=0), FILES)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("header.manifest.version")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("header.manifest.version")
     m = manifest()
     m["files"][0]["path"] = "../etc/passwd"
     code, msg = _code([rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(
         manifest=manifest_to_proto(m)))])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("header.manifest.files[0].path")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("header.manifest.files[0].path")
     code, msg = _code([good[0], good[2], good[1]])  # out of order
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("chunk.")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("chunk.")
 
 
 @pytest.mark.parametrize("name", ["", "..", ".x", "-x", "a/b", "a b", "r\u00e9sum\u00e9",
@@ -80,7 +79,7 @@ def test_adapter_names_that_cannot_name_a_store_directory_are_refused(name) -> N
     ``--run-name`` follows the same rule)."""
     code, msg = _code([rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(
         manifest=manifest_to_proto(manifest(name=name))))])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert code is Kind.INVALID_ARGUMENT
     assert msg.startswith("header.manifest.name") and "1-128 characters" in msg
 
 
@@ -106,7 +105,7 @@ def test_digests_in_the_trailer() -> None:
                                                   for p in sorted(FILES)]
     got = receive_push(reqs, max_bytes=1 << 20)
     assert got.files == FILES
-    assert manifest_to_dict(got.manifest) == manifest()  # digests filled in from the trailer
+    assert AdapterManifest.from_proto(got.manifest).to_dict() == manifest()  # digests from the trailer
     # a manifest with digests sends no trailer
     assert all(r.WhichOneof("payload") != "trailer" for r in push_requests(manifest(), FILES))
 
@@ -115,29 +114,29 @@ def test_trailer_refusals() -> None:
     good = list(push_requests(_undigested(), FILES, chunk_size=4096))
     header, chunks, trailer = good[0], good[1:-1], good[-1]
     code, msg = _code([header, *chunks])  # every byte, no trailer
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: missing")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer: missing")
     code, msg = _code([header, *chunks[:-1]])  # truncated: the size check comes first
-    assert code == grpc.StatusCode.DATA_LOSS and "truncated" in msg
+    assert code is Kind.DATA_LOSS and "truncated" in msg
     code, msg = _code([header, *chunks[:-1], trailer, chunks[-1]])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
     code, msg = _code([header, *chunks, trailer, trailer])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer: must be the last")
     wrong = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
         file_sha256=[trailer.trailer.file_sha256[0], "0" * 64]))
     code, msg = _code([header, *chunks, wrong])
-    assert code == grpc.StatusCode.DATA_LOSS and "does not match the trailer's" in msg
+    assert code is Kind.DATA_LOSS and "does not match the trailer's" in msg
     short = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
         file_sha256=[trailer.trailer.file_sha256[0]]))
     code, msg = _code([header, *chunks, short])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256:")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256:")
     upper = rollout_pb2.PushAdapterRequest(trailer=rollout_pb2.PushAdapterTrailer(
         file_sha256=[d.upper() for d in trailer.trailer.file_sha256]))
     code, msg = _code([header, *chunks, upper])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256[0]")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer.file_sha256[0]")
     # a header with digests takes no trailer
     with_digests = list(push_requests(manifest(), FILES, chunk_size=4096))
     code, msg = _code([*with_digests, trailer])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trailer: unexpected")
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith("trailer: unexpected")
     # some digests but not all: refused by both ends
     mixed = manifest()
     mixed["files"][1]["sha256"] = ""
@@ -145,5 +144,5 @@ def test_trailer_refusals() -> None:
         list(push_requests(mixed, FILES))
     code, msg = _code([rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(
         manifest=manifest_to_proto(mixed)))])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith(
+    assert code is Kind.INVALID_ARGUMENT and msg.startswith(
         "header.manifest.files[1].sha256")

@@ -48,8 +48,8 @@ SCRIPTS = ("gridrl-master", "gridrl-rollout", "gridrl-trainer", "gridrl-adapters
 JOBS = {"gridrl-master": "gridrl-master", "gridrl-rollout": "gridrl-rollout",
         "gridrl-trainer": "gridrl-trainer"}
 # Service metrics modules: every series the dashboard and alerts use comes from one of them.
-METRICS_MODULES = ("gridrl.common.metrics", "gridrl.master.metrics", "gridrl.rollout.metrics",
-                   "gridrl.trainer.metrics")
+METRICS_MODULES = ("gridrl.common.rpc.metrics", "gridrl.master.metrics", "gridrl.rollout.metrics",
+                   "gridrl.trainer.report.metrics", "gridrl.trainer.fleet.metrics")
 PROMQL_BUILTINS = {"up"}  # series Prometheus itself adds to every target
 
 
@@ -572,7 +572,8 @@ def test_master_and_rollout_units_serve_with_their_environment(tmp_path: Path,
     Restart=on-failure and KeepAlive.SuccessfulExit=false count as a clean stop."""
     master, master_info, master_log = _start_unit(
         DEPLOY / "systemd" / "gridrl-master.service", tmp_path,
-        {"GRIDRL_MASTER_LISTEN": "127.0.0.1:0", "GRIDRL_MASTER_METRICS_PORT": "0"}, "master",
+        {"GRIDRL_MASTER_LISTEN": "127.0.0.1:0", "GRIDRL_MASTER_METRICS_PORT": "0",
+         "GRIDRL_MASTER_DASHBOARD_PORT": "0"}, "master",
         pki, creds)
     node = None
     try:

@@ -9,17 +9,19 @@ The commands run in-process through click's CliRunner; the services at the addre
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
+from gridrl.common.auth_cli import main as auth_cli
 from gridrl.master.cli import main as master_cli
 from gridrl.rollout.cli import main as rollout_cli
 from gridrl.trainer.cli import main as trainer_cli
+from gridrl.trainer.report.status import RunStatus
 from gridrl.trainer.server import serve_trainer
-from gridrl.trainer.status import RunStatus
 from gridrl.trainer.tasks import WORD_BANK
 
 
@@ -91,6 +93,34 @@ def test_master_must_be_host_and_port(tmp_path: Path, master: str, line: str) ->
                                             "Error: Invalid value for --master: ")
 
 
+@pytest.mark.parametrize(("cli", "args", "flag"), [
+    (master_cli, ["nodes", "--master"], "--master"),
+    (master_cli, ["nodes", "--address"], "--master"),
+    (rollout_cli, ["generate", "--prompt", "a", "--address"], "--address"),
+    (rollout_cli, ["info", "--address"], "--address"),
+    (rollout_cli, ["reload-adapter", "--address"], "--address"),
+    (rollout_cli, ["push-adapter", ".", "--address"], "--address"),
+    (trainer_cli, ["status", "--address"], "--address"),
+    (auth_cli, ["mint", "--authorized-tokens", "t", "--scope", "node", "--id", "n",
+                "--address"], "--address"),
+])
+def test_every_address_flag_is_host_and_port(cli, args: list[str], flag: str) -> None:
+    """A client command given a bare host fails in one line naming its flag before it dials
+    anything (gRPC would dial port 443 and wait for its deadline); so does a URL."""
+    import time
+
+    start = time.monotonic()
+    bare = CliRunner().invoke(cli, [*args, "127.0.0.1"])
+    assert bare.exit_code == 2, bare.output
+    assert error_line(bare) == (f"Error: Invalid value for {flag}: '127.0.0.1' is not "
+                                "host:port: the port is missing (give 127.0.0.1:PORT)")
+    url = CliRunner().invoke(cli, [*args, "http://node.lan:50051"])
+    assert url.exit_code == 2, url.output
+    assert error_line(url) == (f"Error: Invalid value for {flag}: 'http://node.lan:50051' is "
+                               "not host:port: drop the http:// (give node.lan:50051)")
+    assert time.monotonic() - start < 5  # no connection attempt, no deadline waited out
+
+
 def test_another_service_at_master_is_named(tmp_path: Path, trainer_service: str) -> None:
     result = trainer_run(tmp_path, "--master", trainer_service)
     assert error_line(result) == (f"Error: --master: {trainer_service} is a trainer "
@@ -131,18 +161,109 @@ def test_ports_in_use_name_the_flag(tmp_path: Path, taken_port: int,
     assert not (tmp_path / "run").exists()
 
 
-def test_missing_task_file_before_the_model_loads(tmp_path: Path) -> None:
+def test_missing_task_file_before_the_model_loads(tmp_path: Path, monkeypatch) -> None:
     task = tmp_path / "tasks.jsonl"
     result = trainer_run(tmp_path, "--task", str(task))
-    assert error_line(result) == (f"Error: --task: '{task}': no such file (give "
-                                  "'reverse-words' or a JSONL file with prompt/answer columns)")
+    assert error_line(result) == f"Error: --task: {task}: no such file"
     task.write_text('{"prompt": "a", "answer": "a"}\n')
     reward = trainer_run(tmp_path, "--task", str(task), "--reward-file", "rewards.py")
     assert error_line(reward) == "Error: --reward-file: 'rewards.py': no such file"
+    few = trainer_run(tmp_path, "--task", str(task))
+    assert error_line(few) == (f"Error: --task: {task}: 1 rows, need more than "
+                               "--eval-tasks=16 to hold out")
     unknown = trainer_run(tmp_path, "--task", "reverse-word")
-    assert error_line(unknown) == ("Error: --task: 'reverse-word': not a task name or a file "
-                                   "(give 'reverse-words' or a JSONL file with prompt/answer "
-                                   "columns)")
+    assert error_line(unknown) == (
+        "Error: --task: 'reverse-word' is none of reverse-words, reverse-words-retry, "
+        "tool-arithmetic, reasoning-gym:<dataset>, verifiers:<environment>, a .py file or a "
+        ".jsonl file")
+    dataset = trainer_run(tmp_path, "--task", "reasoning-gym:spell_backwards")
+    assert error_line(dataset).startswith(
+        "Error: --task: reasoning-gym has no dataset 'spell_backwards'")
+    params = trainer_run(tmp_path, "--task", "reasoning-gym:spell_backward",
+                         "--task-params", "min_word_len")
+    assert error_line(params) == "Error: --task-params: 'min_word_len' is not key=value"
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # the extra not installed
+    extra = trainer_run(tmp_path, "--task", "reasoning-gym:spell_backward")
+    assert error_line(extra) == (
+        "Error: --task: reasoning-gym is not installed: pip install "
+        "'gridrl-trainer[reasoning-gym]' (or pip install reasoning-gym==0.1.25)")
+    env_file = tmp_path / "env.py"
+    env_file.write_text("x = 1\n")
+    no_env = trainer_run(tmp_path, "--task", str(env_file))
+    assert error_line(no_env) == (f"Error: --task: {env_file}: defines 0 Environment "
+                                  "subclasses; set ENVIRONMENT = <the one to run>")
     words = trainer_run(tmp_path, "--min-words", "5", "--max-words", "2")
     assert error_line(words) == ("Error: --min-words/--max-words: need 2 <= min <= max <= "
                                  f"{len(WORD_BANK)}, got 5..2")
+
+
+def _no_hub_env(tmp_path: Path, closed_port: int) -> dict[str, str]:
+    """An environment whose hub is a loopback port nobody listens on (what no network looks
+    like, decided at once) and whose Hugging Face cache is empty."""
+    import os
+
+    return {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{closed_port}",
+            "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "HF_HUB_OFFLINE": ""}
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_hub_id_without_network_is_one_line_at_once(tmp_path: Path, closed_port: int) -> None:
+    """``--model org/name`` with no hub to reach and no local copy: one line naming the flag
+    and the two ways out, from the trainer and the node alike, before anything loads (the
+    loader's retries took ~50 s and ended in a 136-line traceback)."""
+    import subprocess
+    import sys
+
+    env = _no_hub_env(tmp_path, closed_port)
+    bin_dir = Path(sys.executable).parent
+    message = ("'HuggingFaceTB/SmolLM2-135M-Instruct': no network to reach the hub (127.0.0.1) "
+               "and no local copy; use a local directory or the bundled alias "
+               "'smollm2-135m-instruct'")
+    for command, line in (
+            (["gridrl-trainer", "run", "--run-dir", str(tmp_path / "run")],
+             f"Error: --model: {message}"),
+            (["gridrl-rollout", "serve"], f"Error: Invalid value for --model: {message}")):
+        done = subprocess.run([str(bin_dir / command[0]), *command[1:], "--model",
+                               "HuggingFaceTB/SmolLM2-135M-Instruct", "--listen", "127.0.0.1:0",
+                               "--metrics-port", "-1"], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == line, done.stderr
+    assert not (tmp_path / "run").exists()
+    # the decision itself (what the process start-up above adds to) takes milliseconds here
+    # and at most the 3 s connect timeout where name resolution hangs
+    probe = subprocess.run(
+        [sys.executable, "-c", "import time; from gridrl.models import check_model\n"
+         "start = time.monotonic()\ntry:\n check_model('org/name')\nexcept Exception as e:\n"
+         " print(type(e).__name__, round(time.monotonic() - start, 2))"],
+        capture_output=True, text=True, env=env, timeout=60)
+    kind, seconds = probe.stdout.split()
+    assert kind == "ModelNameError" and float(seconds) < 3.5, probe.stdout + probe.stderr
+
+
+def test_a_hub_id_with_a_local_copy_loads_it_without_network(tmp_path: Path, closed_port: int,
+                                                              tiny_llama_dir: Path) -> None:
+    """A hub id cached by an earlier download passes the check without network and resolves
+    to its snapshot directory, which the loaders read without calling the hub."""
+    import shutil
+    import subprocess
+    import sys
+
+    env = _no_hub_env(tmp_path, closed_port)
+    repo = tmp_path / "hf-cache" / "models--org--tiny"
+    shutil.copytree(tiny_llama_dir, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    done = subprocess.run(
+        [sys.executable, "-c", "from gridrl.models import check_model, resolve_model\n"
+         "check_model('org/tiny'); print(resolve_model('org/tiny'))"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(repo / "snapshots" / "0123abcd")

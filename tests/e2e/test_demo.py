@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 DEMO = [sys.executable, "-m", "gridrl.trainer.demo"]
 
@@ -100,7 +101,10 @@ def test_demo_interrupted_stops_every_process(tiny_llama_dir: Path, tmp_path: Pa
         children.update(_children_of(proc.pid))
         time.sleep(0.2)
     assert len(children) >= 3, "demo did not start its services"
-    time.sleep(3)
+    # the trainer has started its run (its run directory holds its settings), so the Ctrl-C
+    # lands on a running cluster, not on one still starting
+    wait_for(lambda: (tmp_path / "run" / "config.json").exists() or proc.poll() is not None,
+             timeout_s=180, what="the demo's run to start")
     proc.send_signal(signal.SIGINT)
     proc.wait(120)
     assert proc.returncode == 130, proc.stdout.read()

@@ -10,7 +10,7 @@ credentials bound to them must), the model (the tiny llama instead of the bundle
 the trainer's ``GRIDRL_TRAINER_MODEL``) and the step budget (2 steps).
 The blocks are found by the HTML comment that precedes them in README.md
 (``<!-- one-machine -->``, ``<!-- cluster-certs -->``, ``<!-- cluster-credentials -->``,
-``<!-- cluster-run -->``). The trainer is started before the node so that its TrainerService
+``<!-- cluster-run -->``, ``<!-- tinker-serve -->``...). The trainer is started before the node so that its TrainerService
 answers ``gridrl-trainer status`` while it waits for one, then the node joins and the run
 finishes its steps."""
 
@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,13 +32,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
-README_PORTS = ("50050", "50051", "50052")  # master, rollout node, trainer
+# master, rollout node, trainer, dashboard, the trainer's Tinker API (serve-api)
+README_PORTS = ("50050", "50051", "50052", "8321", "8100")
 SERVICES = ("MASTER", "ROLLOUT", "TRAINER")
 
 
 class HeldPorts:
-    """Three loopback ports (master, node, trainer), each held by a bound, never listening
-    socket until :meth:`release` lets its server bind it (as ``conftest.reserved_port``)."""
+    """Five loopback ports (master, node, trainer, the master's dashboard, the Tinker API),
+    each held by a
+    bound, never listening socket until :meth:`release` lets its server bind it (as
+    ``conftest.reserved_port``)."""
 
     def __init__(self) -> None:
         self._socks = [socket.socket() for _ in README_PORTS]
@@ -181,10 +185,10 @@ def answers(shell: Shell, line: str, ok: Callable[[str], bool], what: str,
 
 
 def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
-                    node_address: str) -> None:
+                    node_address: str, watch: Callable[[Shell], None] | None = None) -> None:
     """Start the master, then the trainer (it waits for a node; ``status`` answers), then the
-    node (``nodes`` lists it), and let the trainer finish its 2 steps; then SIGTERM the node
-    and the master, which exit 0."""
+    node (``nodes`` lists it), and let the trainer finish its 2 steps; ``watch`` looks at the
+    master's dashboard; then SIGTERM the node and the master, which exit 0."""
     by_role = {role: [line for line in lines if f"/gridrl-{role}" in line] for role in
                ("master serve", "rollout serve", "trainer run", "master nodes",
                 "trainer status")}
@@ -193,6 +197,7 @@ def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
     command = {role: v[0] for role, v in by_role.items()}
 
     ports.release(0)
+    ports.release(3)  # the dashboard's
     master = shell.start(command["master serve"], "master")
     wait_for_log(shell, "master", "serving gridrl.v1.RegistryService", [master])
     listed = answers(shell, command["master nodes"], lambda out: True, "gridrl-master nodes")
@@ -221,6 +226,8 @@ def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
     assert summary["steps"] == 2, summary
     last = json.loads((run_dir / "log.jsonl").read_text().splitlines()[-1])
     assert (last["policy_version"], last["synced_nodes"]) == (2, [node_address]), last
+    if watch is not None:
+        watch(shell)
     for proc, name in ((node, "node"), (master, "master")):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, shell.log(name)
@@ -239,11 +246,41 @@ def test_the_readme_one_machine_commands_train(shell_factory, held_ports: HeldPo
     ports = held_ports.ports
     env = fresh_env(tmp_path / "home", tiny_llama_dir)
     # the servers' default --listen, moved to the held ports
-    env.update({f"GRIDRL_{s}_LISTEN": f"127.0.0.1:{p}" for s, p in zip(SERVICES, ports,
+    env.update({f"GRIDRL_{s}_LISTEN": f"127.0.0.1:{p}" for s, p in zip(SERVICES, ports[:3],
                                                                       strict=True)})
     lines = shell_lines(on_loopback(readme_block("one-machine"), ports, tiny_llama_dir))
     assert not any("--listen" in line for line in lines), lines  # the defaults: loopback
-    run_the_cluster(shell_factory(env), lines, held_ports, f"127.0.0.1:{ports[1]}")
+    # the master's default dashboard port, 8321 in the README, is the held one here
+    (watch_line,) = shell_lines(on_loopback(readme_block("watch-it"), ports, tiny_llama_dir))
+    assert watch_line.endswith(f"http://127.0.0.1:{ports[3]}"), watch_line
+    node_address = f"127.0.0.1:{ports[1]}"
+
+    def watch(shell: Shell) -> None:
+        """The README's one command opens the page: $BROWSER (webbrowser's choice) saves
+        what it got; the page's API shows the finished run and the node."""
+        page = shell.cwd / "page.html"
+        fetch = (f"{sys.executable} -c \"import sys, urllib.request; open('{page}', 'wb')"
+                 ".write(urllib.request.urlopen(sys.argv[1]).read())\" %s")
+        done = Shell(shell.cwd, {**shell.env, "BROWSER": fetch}, shell.prelude).run(watch_line)
+        assert done.returncode == 0, done.stderr
+        assert "<title>gridrl</title>" in page.read_text(), page.read_text()[:500]
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/api/state") as response:
+            state = json.loads(response.read())
+        assert [(r["state"], r["last_step"]) for r in state["runs"]] == [("finished", 2)]
+        assert node_address in {row["address"] for row in state["fleet"]}
+        # the plaintext grpcurl lines reach the loopback master: its services, and the node
+        listed, nodes = shell_lines(on_loopback(readme_block("grpcurl-loopback"), ports,
+                                                tiny_llama_dir))
+        done = shell.run(listed)
+        assert done.returncode == 0, done.stderr
+        assert {"gridrl.v1.RegistryService", "grpc.health.v1.Health"} <= \
+            set(done.stdout.split()), done.stdout
+        done = shell.run(nodes)
+        assert done.returncode == 0, done.stderr
+        assert node_address in {n["info"]["address"] for n in json.loads(done.stdout)["nodes"]}
+
+    env["GRIDRL_MASTER_DASHBOARD_PORT"] = str(ports[3])
+    run_the_cluster(shell_factory(env), lines, held_ports, node_address, watch)
 
 
 @pytest.mark.slow
@@ -260,7 +297,7 @@ def test_the_readme_multi_machine_commands_train_over_mutual_tls(
         {p.name for p in (work / "certs").iterdir()}
     assert {"gpu-box-1.token", "trainer.token", "ops.token", "authorized_tokens"} <= \
         {p.name for p in work.iterdir()}
-    from gridrl.common.auth import AuthorizedTokens, certificate_file_fingerprint
+    from gridrl.common.security.tokens import AuthorizedTokens, certificate_file_fingerprint
 
     trainer = AuthorizedTokens(work / "authorized_tokens").lookup(
         (work / "trainer.token").read_text().strip())
@@ -270,5 +307,153 @@ def test_the_readme_multi_machine_commands_train_over_mutual_tls(
     prelude = "".join(line + "\n" for line in block if re.match(r"[A-Z]+=", line))
     assert all(("--listen 0.0.0.0:" in line and "--tls-cert" in line)
                for line in block if " serve " in line or " run " in line), block
-    run_the_cluster(shell_factory(env, prelude), block, held_ports,
-                    f"{lan_hosts()['gpu-box-1.lan']}:{ports[1]}")
+    node_address = f"{lan_hosts()['gpu-box-1.lan']}:{ports[1]}"
+
+    def watch(shell: Shell) -> None:
+        """The README's curl reads the dashboard over mutual TLS with the read credential."""
+        (line,) = shell_lines(on_loopback(readme_block("cluster-watch"), ports, tiny_llama_dir))
+        done = shell.run(line)
+        assert done.returncode == 0, done.stderr
+        state = json.loads(done.stdout)
+        assert [(r["state"], r["last_step"]) for r in state["runs"]] == [("finished", 2)]
+        assert node_address in {row["address"] for row in state["fleet"]}
+
+    env["GRIDRL_MASTER_DASHBOARD_PORT"] = str(ports[3])  # the README's 8321, held here
+    run_the_cluster(shell_factory(env, prelude), block, held_ports, node_address, watch)
+
+
+@pytest.mark.slow
+def test_the_readme_tinker_example_runs_on_serve_api(shell_factory, held_ports: HeldPorts,
+                                                     tiny_llama_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """The Tinker API section: a node and ``serve-api`` as written, then the example file with
+    the README's environment: it trains, samples on the node's version, and saves the weights
+    as peft and mlx-lm directories under ``runs/api``."""
+    ports = held_ports.ports
+    env = fresh_env(tmp_path / "home", tiny_llama_dir)
+    env.update({"GRIDRL_ROLLOUT_LISTEN": f"127.0.0.1:{ports[1]}",
+                "GRIDRL_TRAINER_LISTEN": f"127.0.0.1:{ports[2]}",
+                "GRIDRL_TRAINER_HTTP_LISTEN": f"127.0.0.1:{ports[4]}", "TINKER_TELEMETRY": "0"})
+    shell = shell_factory(env)
+    node_line, api_line = shell_lines(on_loopback(readme_block("tinker-serve"), ports,
+                                                  tiny_llama_dir))
+    held_ports.release(1)
+    node = shell.start(node_line, "node")
+    wait_for_log(shell, "node", "serving gridrl.v1.RolloutService", [node])
+    held_ports.release(2)
+    held_ports.release(4)
+    api = shell.start(api_line, "serve-api")
+    wait_for_log(shell, "serve-api", f"Tinker API on http://127.0.0.1:{ports[4]}", [node, api])
+    found = re.search(r"<!-- tinker-hello -->\n```python\n(.*?)```",
+                      (REPO / "README.md").read_text(), re.S)
+    assert found, "README.md has no python block marked <!-- tinker-hello -->"
+    (shell.cwd / "tinker_hello.py").write_text(on_loopback(found.group(1), ports,
+                                                           tiny_llama_dir))
+    done = shell.run("\n".join(shell_lines(on_loopback(readme_block("tinker-run"), ports,
+                                                        tiny_llama_dir))), timeout=600)
+    assert done.returncode == 0, done.stderr + shell.log("serve-api")
+    losses = [float(x) for x in re.findall(r"step \d: loss ([\d.]+)", done.stdout)]
+    assert len(losses) == 5 and losses[-1] < losses[0], done.stdout
+    path = done.stdout.strip().splitlines()[-1]
+    model, kind, name = path.removeprefix("tinker://").split("/")
+    assert (kind, name) == ("sampler_weights", "hello"), path
+    saved = shell.cwd / "runs" / "api" / model.replace(":", "-") / "sampler_weights" / "hello"
+    assert (saved / "peft" / "adapter_model.safetensors").is_file()
+    assert (saved / "mlx" / "adapters.safetensors").is_file()
+    for proc, name in ((api, "serve-api"), (node, "node")):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, shell.log(name)
+
+
+@pytest.mark.slow
+def test_the_readme_own_task_runs_as_written(shell_factory, tiny_llama_dir: Path,
+                                             tmp_path: Path) -> None:
+    """"Bring your own task": the JSONL file and the reward file are written by the README's
+    lines, and the trainer trains on them (2 steps, the tiny llama, sampling in-process)."""
+    env = fresh_env(tmp_path / "home", tiny_llama_dir)
+    env["GRIDRL_TRAINER_LISTEN"] = "127.0.0.1:0"
+    shell = shell_factory(env)
+    block = readme_block("own-task").replace("--steps 60", "--steps 2")
+    assert "--master" not in block and "--steps 2" in block
+    done = shell.run(block, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (shell.cwd / "upper.jsonl").read_text().splitlines()]
+    assert rows[0] == {"prompt": rows[0]["prompt"], "answer": rows[0]["prompt"].upper()}
+    (run_dir,) = (shell.cwd / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2, summary
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["reward_files"] == ["upper_reward.py"] and config["task"] == "upper.jsonl"
+    assert config["system_prompt"] == "Reply with the word in capital letters and nothing else."
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert all(set(r["reward_funcs"]) == {"upper"} for r in records if r.get("step"))
+    evals = [r for r in records if r.get("eval_score") is not None]
+    assert evals and all(r["eval_n"] == 16 for r in evals), evals  # 16 rows held out
+
+
+@pytest.mark.slow
+def test_the_readme_quick_try_is_the_demo_with_a_small_eval(tiny_llama_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """The quick try is ``make demo`` with ``--eval-tasks 16``: the command make runs (read
+    with ``make -n``), run on the tiny llama for 2 steps, evaluates 16 prompts."""
+    import os
+
+    (line,) = shell_lines(readme_block("quick-try"))
+    assert line.startswith("make demo ")
+    dry = subprocess.run(["bash", "-c", line.replace("make ", "make -n ", 1)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    (command,) = [ln for ln in dry.stdout.splitlines() if "gridrl.trainer.demo" in ln]
+    assert command.endswith("-- --eval-tasks 16"), command
+    run_dir = tmp_path / "run"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    wiring = f"--model {tiny_llama_dir} --run-dir {run_dir} --nodes"
+    command = command.replace("--nodes", wiring, 1) + \
+        " --steps 2 --eval-every 2 --max-tokens 4 --threads 1"
+    done = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "TMPDIR": str(scratch)})
+    assert done.returncode in (0, 1), done.stdout[-3000:]  # 1: the tiny model did not climb
+    evals = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
+             if '"eval_score"' in line]
+    assert evals and {r["eval_n"] for r in evals if r.get("eval_score") is not None} == {16}
+
+
+@pytest.mark.slow
+def test_the_readme_openai_curl_sends_the_trained_system_prompt(live_openai_node) -> None:
+    """The curl of "Over the OpenAI API" carries reverse-words' own system prompt, the one the
+    run trained with, and streams an answer from a node (the tiny llama's, asked by its base
+    model id in place of the pushed adapter's name)."""
+    from gridrl.trainer.tasks import REVERSE_SYSTEM_PROMPT
+
+    block = readme_block("openai-curl")
+    body = json.loads(re.search(r"-d '(.*)'", block, re.S).group(1))
+    assert body["messages"][0] == {"role": "system", "content": REVERSE_SYSTEM_PROMPT}
+    assert body["model"] == "reverse-words" and body["temperature"] == 0
+    node, model_id = live_openai_node
+    script = block.replace('"reverse-words"', json.dumps(model_id)).replace(
+        "127.0.0.1:8000", node.openai.address)
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = [ln[len("data: "):] for ln in done.stdout.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2, done.stdout
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["policy_version"] for c in chunks} == {0}
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.fixture
+def live_openai_node(tiny_llama_dir: Path, tmp_path: Path):
+    """An in-process node on the tiny llama with the OpenAI endpoint on a free port."""
+    from gridrl.engine.backends.torch.backend import TorchBackend
+    from gridrl.rollout.server import NodeConfig, RolloutNode
+
+    backend = TorchBackend.from_pretrained(tiny_llama_dir)
+    node = RolloutNode(backend, NodeConfig(listen="127.0.0.1:0", openai_listen="127.0.0.1:0",
+                                           adapter_root=str(tmp_path / "adapters"),
+                                           grace_s=2.0)).start()
+    try:
+        yield node, backend.identity.model_id
+    finally:
+        node.stop(0)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gridrl.common.channel import dial
-from gridrl.common.security import Security
-from gridrl.common.tls import TlsFiles
+from gridrl.common.rpc.channel import dial
+from gridrl.common.security.policy import Security
+from gridrl.common.security.tls import TlsFiles
 from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
 BIN = Path(sys.executable).parent
@@ -233,7 +233,7 @@ def test_certificates_made_with_the_readme_openssl_recipe_work(tmp_path: Path) -
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", recipe.group(1)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    from gridrl.common.server import GrpcServer
+    from gridrl.common.rpc.server import GrpcServer
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
     class _T(trainer_pb2_grpc.TrainerServiceServicer):

@@ -1,6 +1,7 @@
-"""Every RPC of the three services x {no credential, a wrong one, node, trainer, read-only}:
-the exact status each call gets, through real servers (master, torch rollout node on the tiny
-llama, TrainerService) over mutual TLS with a client certificate and a bearer token.
+"""Every RPC of the services x {no credential, a wrong one, node, trainer, read-only}: the
+exact status each call gets, through real servers (master, torch rollout node on the tiny
+llama, TrainerService, the training primitives' TrainingService) over mutual TLS with a client
+certificate and a bearer token.
 
 Denied calls get UNAUTHENTICATED (no or an unknown token) or PERMISSION_DENIED (a known
 credential outside its scope); allowed ones get what the handler answers to the small request
@@ -18,17 +19,22 @@ import pytest
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gridrl.common.auth import METHOD_SCOPES, AuthorizedTokens
-from gridrl.common.channel import dial
-from gridrl.common.security import Security
+from gridrl.common.rpc.channel import dial
+from gridrl.common.security.access import METHOD_SCOPES
+from gridrl.common.security.policy import Security
+from gridrl.common.security.tokens import AuthorizedTokens
 from gridrl.master.registry import node_id_for
 from gridrl.master.server import Master
 from gridrl.v1 import (
     common_pb2,
+    primitives_pb2,
+    primitives_pb2_grpc,
     registry_pb2,
     registry_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
+    runs_pb2,
+    runs_pb2_grpc,
     trainer_pb2,
     trainer_pb2_grpc,
 )
@@ -92,17 +98,69 @@ def _calls() -> dict[str, tuple[str, Callable[[grpc.Channel], None], grpc.Status
             trainer_pb2.GetRunStatusRequest(), timeout=10), OK, read_scope),
         "WatchRun": ("trainer", lambda ch: list(trainer(ch).WatchRun(
             trainer_pb2.WatchRunRequest(include_history=True), timeout=10)), OK, read_scope),
+        "ReportRun": ("master", lambda ch: runs_pb2_grpc.RunReportServiceStub(ch).ReportRun(
+            runs_pb2.ReportRunRequest(run=runs_pb2.RunInfo(run_id="matrix")), timeout=10),
+            OK, {"trainer"}),
+        **_primitive_calls(),
     }
+
+
+def _primitive_calls() -> dict[str, tuple[str, Callable[[grpc.Channel], None], grpc.StatusCode,
+                                          set]]:
+    """TrainingService (gridrl-trainer serve-api): the trainer scope alone; requests on a
+    session that does not exist (NOT_FOUND), a session without a base model (INVALID), a
+    sample of the base model (OK)."""
+    def stub(ch: grpc.Channel) -> primitives_pb2_grpc.TrainingServiceStub:
+        return primitives_pb2_grpc.TrainingServiceStub(ch)
+
+    pb, trainer = primitives_pb2, {"trainer"}
+    datum = pb.Datum(input_token_ids=[1, 2], target_token_ids=[2, 3])
+    adam = pb.AdamParams(learning_rate=1e-3, beta2=0.99, eps=1e-8)
+    return {
+        "CreateTrainingSession": ("primitives", lambda ch: stub(ch).CreateTrainingSession(
+            pb.CreateTrainingSessionRequest(), timeout=30), INVALID, trainer),
+        "GetTrainingSession": ("primitives", lambda ch: stub(ch).GetTrainingSession(
+            pb.GetTrainingSessionRequest(session_id="none"), timeout=30), NOT_FOUND, trainer),
+        "CloseTrainingSession": ("primitives", lambda ch: stub(ch).CloseTrainingSession(
+            pb.CloseTrainingSessionRequest(session_id="none"), timeout=30), NOT_FOUND, trainer),
+        "Forward": ("primitives", lambda ch: stub(ch).Forward(pb.ForwardRequest(
+            session_id="none", data=[datum], loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY),
+            timeout=30), NOT_FOUND, trainer),
+        "ForwardBackward": ("primitives", lambda ch: stub(ch).ForwardBackward(
+            pb.ForwardBackwardRequest(session_id="none", data=[datum],
+                                      loss_function=pb.LOSS_FUNCTION_CROSS_ENTROPY),
+            timeout=30), NOT_FOUND, trainer),
+        "OptimStep": ("primitives", lambda ch: stub(ch).OptimStep(pb.OptimStepRequest(
+            session_id="none", adam=adam), timeout=30), NOT_FOUND, trainer),
+        "SaveState": ("primitives", lambda ch: stub(ch).SaveState(pb.SaveStateRequest(
+            session_id="none", name="a"), timeout=30), NOT_FOUND, trainer),
+        "LoadState": ("primitives", lambda ch: stub(ch).LoadState(pb.LoadStateRequest(
+            session_id="none", path="tinker://none/weights/a"), timeout=30), NOT_FOUND,
+            trainer),
+        "SaveWeightsForSampler": ("primitives", lambda ch: stub(ch).SaveWeightsForSampler(
+            pb.SaveWeightsForSamplerRequest(session_id="none"), timeout=30), NOT_FOUND,
+            trainer),
+        "Sample": ("primitives", lambda ch: stub(ch).Sample(pb.SampleRequest(
+            base_model=_TINY[0], prompt_token_ids=[1, 2, 3],
+            sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120), OK, trainer),
+    }
+
+
+_TINY: list[str] = []  # the tiny llama's directory, set by the servers fixture
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_llama_dir: Path, pki, creds) -> Iterator[dict[str, str]]:
-    """Master, rollout node and TrainerService, each with mutual TLS (the ``server``
+    """Master, rollout node, TrainerService and TrainingService, each with mutual TLS (the ``server``
     certificate) and the session's authorized tokens."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.common.rpc.server import GrpcServer
+    from gridrl.engine.backends.torch.backend import TorchBackend
     from gridrl.rollout.server import NodeConfig, RolloutNode
+    from gridrl.trainer.primitives import grpc_servicer
+    from gridrl.trainer.primitives.serve import torch_loader
+    from gridrl.trainer.primitives.service import PrimitivesService
+    from gridrl.trainer.report.status import RunStatus
     from gridrl.trainer.server import serve_trainer
-    from gridrl.trainer.status import RunStatus
 
     security = Security(tls=pki.tls("server"), authorized=AuthorizedTokens(creds.authorized))
     master = Master("127.0.0.1:0", security=security, grace_s=1).start()
@@ -113,7 +171,16 @@ def servers(tmp_path_factory, tiny_llama_dir: Path, pki, creds) -> Iterator[dict
     status.begin("matrix", "/runs/matrix", total_steps=1, model_id="tiny")
     status.finish()
     trainer = serve_trainer(status, "127.0.0.1:0", metrics_port=-1, security=security)
-    yield {"master": master.address, "rollout": node.address, "trainer": trainer.address}
+    _TINY[:] = [str(tiny_llama_dir)]
+    service = PrimitivesService(root=tmp_path_factory.mktemp("matrix-api"),
+                                load_model=torch_loader("cpu", "auto"))
+    primitives = GrpcServer("127.0.0.1:0", security=security, grace_s=1)
+    grpc_servicer.add_to(primitives, service)
+    primitives.start()
+    yield {"master": master.address, "rollout": node.address, "trainer": trainer.address,
+           "primitives": primitives.address}
+    primitives.stop(0)
+    service.close()
     trainer.stop(0)
     node.stop(1)
     master.stop(0)
@@ -128,11 +195,12 @@ def _status(fn: Callable[[grpc.Channel], None], channel: grpc.Channel) -> grpc.S
 
 
 def test_every_rpc_of_the_services_is_in_the_scope_table() -> None:
-    """A new RPC must be classified: the table lists exactly the RPCs of the three services
-    (an RPC missing from it would be refused to everyone)."""
+    """A new RPC must be classified: the table lists exactly the RPCs of the services (an RPC
+    missing from it would be refused to everyone)."""
     pool = descriptor_pool.Default()
     rpcs = {f"/gridrl.v1.{service}/{m.name}"
-            for service in ("RegistryService", "RolloutService", "TrainerService")
+            for service in ("RegistryService", "RolloutService", "TrainerService",
+                            "RunReportService", "TrainingService")
             for m in pool.FindServiceByName(f"gridrl.v1.{service}").methods}
     assert set(METHOD_SCOPES) == rpcs
     assert {m.rsplit("/", 1)[1] for m in rpcs} == set(_calls())

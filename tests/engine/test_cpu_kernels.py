@@ -6,11 +6,13 @@ the fallback when the library cannot be built."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gridrl.engine.backends import cpu_kernels
+from gridrl.engine.backends.torch import cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -29,30 +31,95 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 11, 13, 40])  # every tile size (AVX2: 6 rows)
 @pytest.mark.parametrize("n,k", [(832, 576), (50, 40), (3000, 100)])
-def test_every_term_matches_float64(kernels, rows: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_term_matches_float64(kernels, rows: int, n: int, k: int,
+                                    dtype: torch.dtype) -> None:
+    """Both weight dtypes hold to float32 rounding: the reference reads the weights the kernel
+    reads (bfloat16: the norm weight folded in float32 and rounded once, when packed)."""
     torch.manual_seed(rows * 7 + n)
     x = torch.randn(rows, k)
-    w, g = torch.randn(n, k) * 0.05, torch.rand(k) + 0.5
+    w, g = (torch.randn(n, k) * 0.05).to(dtype), torch.rand(k) + 0.5
     a, b = torch.randn(16, k) * 0.1, torch.randn(n, 16) * 0.1
     bias, add = torch.randn(n), torch.randn(rows, n)
+    # the packed weight with the norm weight taken back out
+    w_eff = w.double() if dtype == torch.float32 else (
+        (w.float() * g).to(dtype).double() / g.double())
+    pack = functools.partial(cpu_kernels.pack_weight, dtype=dtype)
     h = F.rms_norm(x.double(), (k,), g.double(), 1e-5)
-    pre = h @ w.double().t() + (h @ a.double().t()) @ b.double().t()
+    pre = h @ w_eff.t() + (h @ a.double().t()) @ b.double().t()
     a_folded = (a * g).contiguous()  # the LoRA input is the raw x: norm weight folded into A
 
-    plain = kernels.linear(x, cpu_kernels.pack_weight(w), n)
+    plain = kernels.linear(x, pack(w), n)
     assert _rel(plain, x.double() @ w.double().t()) < 1e-5
 
-    full = kernels.linear(x, cpu_kernels.pack_weight(w, in_scale=g), n,
+    full = kernels.linear(x, pack(w, in_scale=g), n,
                           lora=(a_folded, cpu_kernels.pack_weight(b)), eps=1e-5, bias=bias, add=add)
     assert full.shape == (rows, n)
     assert _rel(full, pre + bias.double() + add.double()) < 1e-5
 
     if n % 2 == 0:
-        act = kernels.linear(x, cpu_kernels.pack_weight(w, swiglu=True, in_scale=g), n,
+        act = kernels.linear(x, pack(w, swiglu=True, in_scale=g), n,
                              lora=(a_folded, cpu_kernels.pack_weight(b, swiglu=True)), eps=1e-5,
                              swiglu=True)
         assert act.shape == (rows, n // 2)
         assert _rel(act, F.silu(pre[:, :n // 2]) * pre[:, n // 2:]) < 1e-5
+
+
+def test_dynamic_blocks_give_the_same_bits(kernels) -> None:
+    """Handing column blocks out dynamically (a team that shares its cores) changes which
+    thread computes a column, not how: bit-identical results."""
+    torch.manual_seed(3)
+    x, w = torch.randn(8, 576), torch.randn(3072, 576) * 0.05
+    for dtype in (torch.float32, torch.bfloat16):
+        for swiglu in (False, True):
+            packed = cpu_kernels.pack_weight(w, swiglu=swiglu, dtype=dtype)
+            kernels.set_dynamic_blocks(False)
+            static = kernels.linear(x, packed, 3072, eps=1e-5, swiglu=swiglu)
+            try:
+                kernels.set_dynamic_blocks(True)
+                dynamic = kernels.linear(x, packed, 3072, eps=1e-5, swiglu=swiglu)
+            finally:
+                kernels.set_dynamic_blocks(False)
+            assert torch.equal(static, dynamic)
+
+
+def test_pack_weight_rounds_bfloat16_once() -> None:
+    w = torch.randn(32, 8)
+    g = torch.rand(8) + 0.5
+    p = cpu_kernels.pack_weight(w, in_scale=g, dtype=torch.bfloat16)
+    assert p.dtype == torch.bfloat16
+    assert torch.equal(p[0, :, 3], (w[3] * g).to(torch.bfloat16))
+    assert torch.equal(p[1, :, 0], (w[16] * g).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"dtype torch\.float16 is not one of float32, bfloat16"):
+        cpu_kernels.pack_weight(w, dtype=torch.float16)
+
+
+def test_kernels_that_compute_wrong_are_never_used(kernels, monkeypatch) -> None:
+    """The load-time check against float64 (run on every CPU before the race): a build whose
+    products or attention are off by more than float32 rounding is refused, even when forced
+    with GRIDRL_CPU_KERNELS=1, and says what differed."""
+    assert cpu_kernels.verify(kernels) is None
+    real = cpu_kernels.DecodeKernels.linear
+
+    def off_by_a_little(self, x, packed, n, **kw):
+        out = real(self, x, packed, n, **kw)
+        out[0, -1] += 1e-3 * out.abs().max()
+        return out
+
+    monkeypatch.setattr(cpu_kernels.DecodeKernels, "linear", off_by_a_little)
+    assert "linear 1x72->40 float32 weights, static: relative error" in cpu_kernels.verify(kernels)
+    monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
+    try:
+        cpu_kernels.clear_cache()
+        assert cpu_kernels.load() is None
+        assert cpu_kernels.unavailable_reason().startswith("wrong results on this CPU: linear")
+        monkeypatch.setattr(cpu_kernels.DecodeKernels, "linear", real)
+        real_attention = cpu_kernels.DecodeKernels.attention
+        monkeypatch.setattr(cpu_kernels.DecodeKernels, "attention",
+                            lambda self, *a: real_attention(self, *a) * (1 + 1e-4))
+        assert "attention D=64" in cpu_kernels.verify(kernels)
+    finally:
+        cpu_kernels.clear_cache()
 
 
 def test_residual_is_updated_in_place(kernels) -> None:
@@ -97,35 +164,35 @@ def test_refusals_name_the_argument(kernels) -> None:
 def test_unavailable_kernels_say_why(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("GRIDRL_CACHE_DIR", str(tmp_path))
     try:
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "0")
         assert cpu_kernels.load() is None
         assert "GRIDRL_CPU_KERNELS=0" in cpu_kernels.unavailable_reason()
 
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
         monkeypatch.delenv("GRIDRL_CPU_KERNELS")
         monkeypatch.setenv("CC", "false")  # a "compiler" that fails
         assert cpu_kernels.load() is None
         assert "build failed" in cpu_kernels.unavailable_reason()
         assert not list(tmp_path.glob("kernels/*"))  # no half-written library left behind
 
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
         monkeypatch.delenv("CC")
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")  # built, whichever path is faster here
         assert cpu_kernels.load() is not None  # builds into the new cache directory
         assert cpu_kernels.unavailable_reason() is None
         assert len(list(tmp_path.glob("kernels/decode-*.so"))) == 1
     finally:
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
 
 
 def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
     from test_torch_llama import _tiny
 
-    from gridrl.engine.backends.torch_llama import LeanLlama
+    from gridrl.engine.backends.torch.llama import LeanLlama
 
     try:
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "0")
         lean = LeanLlama(_tiny())
         assert lean.products.endswith("(fused C kernels unavailable: disabled by "
@@ -134,7 +201,7 @@ def test_lean_forward_without_kernels_names_the_reason(monkeypatch) -> None:
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
         assert LeanLlama(_tiny()).products == "fused C kernel"
     finally:
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
 
 
 def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> None:
@@ -143,12 +210,12 @@ def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> 
     the products, which the race does not time); "1" skips the race."""
     from test_torch_llama import _tiny
 
-    from gridrl.engine.backends.torch_llama import LeanLlama
+    from gridrl.engine.backends.torch.llama import LeanLlama
 
     monkeypatch.delenv("GRIDRL_CPU_KERNELS", raising=False)
     try:
-        cpu_kernels._load.cache_clear()
-        monkeypatch.setattr(cpu_kernels, "race", lambda kernels: (0.004, 0.001))
+        cpu_kernels.clear_cache()
+        monkeypatch.setattr(cpu_kernels, "race", lambda kernels, **kw: (0.004, 0.001))
         assert cpu_kernels.load() is None
         lean = LeanLlama(_tiny())
         assert lean.products == (
@@ -157,17 +224,17 @@ def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> 
             "GRIDRL_CPU_KERNELS=1 forces them)")
         assert {layer.down.kind for layer in lean.layers} == {"onednn"}
 
-        cpu_kernels._load.cache_clear()
-        monkeypatch.setattr(cpu_kernels, "race", lambda kernels: (0.001, 0.004))
+        cpu_kernels.clear_cache()
+        monkeypatch.setattr(cpu_kernels, "race", lambda kernels, **kw: (0.001, 0.004))
         assert cpu_kernels.load() is not None and cpu_kernels.unavailable_reason() is None
         assert LeanLlama(_tiny()).products == "fused C kernel"
         assert cpu_kernels.KERNEL_HANDICAP == 1.25
         for kernel_s, chosen in ((0.00124, True), (0.00126, False)):  # against 1 ms
-            cpu_kernels._load.cache_clear()
-            monkeypatch.setattr(cpu_kernels, "race", lambda kernels, s=kernel_s: (s, 0.001))
+            cpu_kernels.clear_cache()
+            monkeypatch.setattr(cpu_kernels, "race", lambda kernels, s=kernel_s, **kw: (s, 0.001))
             assert (cpu_kernels.load() is not None) == chosen, kernel_s
 
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
         monkeypatch.setattr(cpu_kernels, "race", None)  # not called
         assert cpu_kernels.load() is not None
@@ -177,35 +244,12 @@ def test_by_default_the_kernels_run_only_where_they_beat_onednn(monkeypatch) -> 
         assert cpu_kernels.unavailable_reason() == (
             "GRIDRL_CPU_KERNELS='yes' is not one of auto, 1, 0")
     finally:
-        cpu_kernels._load.cache_clear()
+        cpu_kernels.clear_cache()
 
 
 def test_the_race_times_both_paths(kernels) -> None:
     kernel_s, onednn_s = cpu_kernels.race(kernels, repeats=1)
     assert 0 < kernel_s < 10 and 0 < onednn_s < 10
-
-
-def _attention_reference(qkv, hq, hkv, cos, sin, keys, values, column, mask, scale):
-    """float64 torch: rotate pairs (2j, 2j+1) by angle j, append, GQA softmax attention."""
-    b, d = qkv.shape[0], keys.shape[3]
-    heads = qkv.double().view(b, hq + 2 * hkv, d)
-
-    def rotate(x):  # (b, h, d)
-        pairs = x.unflatten(-1, (d // 2, 2))
-        c, s = cos.double()[:, None, :], sin.double()[:, None, :]
-        return torch.stack((pairs[..., 0] * c - pairs[..., 1] * s,
-                            pairs[..., 0] * s + pairs[..., 1] * c), dim=-1).flatten(-2)
-
-    q, k, v = rotate(heads[:, :hq]), rotate(heads[:, hq:hq + hkv]), heads[:, hq + hkv:]
-    keys, values = keys.double().clone(), values.double().clone()
-    keys[:, :, column], values[:, :, column] = k, v
-    keys, values = keys[:, :, :column + 1], values[:, :, :column + 1]
-    group = hq // hkv
-    scores = torch.einsum("bhd,bhtd->bht", q, keys.repeat_interleave(group, dim=1)) * scale
-    if mask is not None:
-        scores = scores + mask.double().reshape(b, -1)[:, None, :column + 1]
-    attn = torch.einsum("bht,bhtd->bhd", scores.softmax(-1), values.repeat_interleave(group, 1))
-    return attn.reshape(b, hq * d), k
 
 
 @pytest.mark.parametrize("d,column", [(64, 0), (64, 37), (24, 11)])
@@ -220,7 +264,7 @@ def test_decode_attention_matches_float64(kernels, d: int, column: int) -> None:
     keys, values = torch.randn(b, hkv, width, d), torch.randn(b, hkv, width, d)
     mask = torch.zeros(b, 1, 1, width)
     mask[1, ..., :3] = torch.finfo(torch.float32).min  # row 1 is left-padded by 3
-    want, rotated_k = _attention_reference(qkv, hq, hkv, cos, sin, keys, values, column,
+    want, rotated_k = cpu_kernels.attention_reference(qkv, hq, hkv, cos, sin, keys, values, column,
                                            mask, 0.125)
     got = kernels.attention(qkv, hq, hkv, cos, sin, keys, values, column,
                             mask[..., :column + 1], 0.125)

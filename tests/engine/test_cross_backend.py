@@ -26,8 +26,8 @@ def backends(smollm2_dir: Path):
     pytest.importorskip("mlx.core")
     import torch
 
-    from gridrl.engine.backends.mlx import MlxBackend
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -57,19 +57,6 @@ class Recorder:
         return tokens, logprobs
 
 
-@pytest.fixture(params=["torch-lean", "torch-transformers",
-                        pytest.param("mlx", marks=pytest.mark.mlx)])
-def backend(request: pytest.FixtureRequest, tiny_llama_dir: Path):
-    if request.param == "mlx":
-        pytest.importorskip("mlx.core")
-        from gridrl.engine.backends.mlx import MlxBackend
-
-        return MlxBackend.from_pretrained(tiny_llama_dir, device="cpu")
-    from gridrl.engine.backends.torch import TorchBackend
-
-    return TorchBackend.from_pretrained(tiny_llama_dir, lean=request.param == "torch-lean")
-
-
 def test_observer_sees_every_step_and_they_add_up_to_the_results(backend) -> None:
     assert isinstance(Recorder(), DecodeObserver)
     recorder = Recorder()
@@ -132,7 +119,7 @@ def test_mlx_sequence_at_a_time_path_reports_and_interrupts(tiny_llama_dir: Path
     """Cache types mlx-lm cannot merge decode one sequence at a time: the observer hears each
     sequence's steps (one row per call) and can stop it."""
     pytest.importorskip("mlx.core")
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     backend = MlxBackend.from_pretrained(tiny_llama_dir, device="cpu")
     want = backend.generate(BATCH, None)

@@ -59,7 +59,7 @@ def test_refusals() -> None:
 def test_the_torch_backend_keeps_to_the_cap(tiny_llama_dir: Path, tmp_path: Path) -> None:
     from engine_helpers import make_tiny_model
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     mistral = make_tiny_model(tmp_path / "mistral", "mistral", tiny_llama_dir)  # window 48
     backend = TorchBackend.from_pretrained(mistral)

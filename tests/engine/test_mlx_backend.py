@@ -36,7 +36,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def backend(tiny_llama_dir: Path):
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     return MlxBackend.from_pretrained(tiny_llama_dir)
 
@@ -81,7 +81,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def test_transform_matches_hand_computed_cases():
-    from gridrl.engine.backends.mlx_sampling import transform_logits
+    from gridrl.engine.backends.mlx.sampling import transform_logits
 
     probs = np.log(np.array([[0.6, 0.3, 0.1]], np.float32))
     logits = mx.array(probs)
@@ -114,7 +114,7 @@ def test_transform_matches_hand_computed_cases():
 
 def test_transform_matches_numpy_reference_per_row():
     """Rows with different configs in one call equal a direct numpy transcription of base.py."""
-    from gridrl.engine.backends.mlx_sampling import transform_logits
+    from gridrl.engine.backends.mlx.sampling import transform_logits
 
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((5, 64)) * 3).astype(np.float32)
@@ -291,7 +291,7 @@ def test_rope_parameters_of_transformers5_configs_are_honoured(tmp_path, tiny_ll
     """transformers 5 nests rope_theta under rope_parameters; mlx-lm alone would use 10000."""
     import shutil
 
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     d = tmp_path / "tiny-theta"
     shutil.copytree(tiny_llama_dir, d)
@@ -379,7 +379,7 @@ def adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
 
 
 def test_adapters_match_mlx_lm_and_alternate(tiny_llama_dir, prompts, adapters):
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     backend = MlxBackend.from_pretrained(tiny_llama_dir)  # its own: adapters wrap layers
     prompt, completion = prompts[0], [40, 7, 300, 2, 511, 16]
@@ -459,7 +459,7 @@ MISFITS = {
 
 def test_misfit_adapters_raise_and_change_nothing(tiny_llama_dir, prompts, adapters,
                                                   tmp_path):
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     backend = MlxBackend.from_pretrained(tiny_llama_dir)
     prompt, completion, t1 = prompts[1], [40, 7, 300], SamplingConfig(3, 1.0)
@@ -485,7 +485,7 @@ def test_misfit_adapters_raise_and_change_nothing(tiny_llama_dir, prompts, adapt
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_smollm2_greedy_matches_transformers_and_invariant_holds(smollm2_dir):
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     backend = MlxBackend.from_pretrained(smollm2_dir)
     assert (backend.device, backend.dtype, backend.identity.num_layers) == ("mlx-cpu",

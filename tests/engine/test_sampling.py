@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gridrl.engine import rng
-from gridrl.engine.backends.torch_sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.backends.torch.sampling import RowSampling, draw_tokens, transform_logits
 from gridrl.engine.contract import SamplingConfig
 
 NEG = float("-inf")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import PROMPT, make_peft_adapter, peft_reference, reference_greedy
 
-from gridrl.engine.backends.torch_adapters import (
+from gridrl.engine.backends.torch.adapters import (
     LeanFactors,
     LivePeftFactors,
     MergedWeights,
@@ -31,7 +31,7 @@ def dora_adapter(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def _start_up_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "gridrl.engine.backends.torch" and "adapters:" in r.getMessage()]
+            if r.name == "gridrl.engine.backends.torch.backend" and "adapters:" in r.getMessage()]
 
 
 def test_each_backend_names_its_forward_and_strategy_in_one_line(
@@ -39,10 +39,10 @@ def test_each_backend_names_its_forward_and_strategy_in_one_line(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")  # the kernels, faster or not on this CPU
-    caplog.set_level(logging.INFO, logger="gridrl.engine.backends.torch")
+    caplog.set_level(logging.INFO, logger="gridrl.engine.backends.torch.backend")
     cases = [
         (lambda: TorchBackend.from_pretrained(tiny_llama_dir), LeanFactors,
          r"forward: lean \(llama model, fused C kernel products\); adapters: lean LoRA factors "
@@ -81,7 +81,7 @@ def test_dora_goes_through_peft_and_alternates_with_plain_lora(
 ) -> None:
     """On a node, plain LoRA is held by the primary strategy (lean factors / merged weights),
     DoRA by peft beside it; switching between them never mixes one into the other."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir, lean=lean)
     want = {name: reference_greedy(peft_reference(tiny_llama_dir, path), PROMPT, 8)

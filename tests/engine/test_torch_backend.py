@@ -61,7 +61,7 @@ def test_seeded_samples_do_not_depend_on_the_batch(tiny_backend) -> None:
 
 def test_cache_growth_does_not_change_samples(tiny_backend, monkeypatch) -> None:
     """The KV buffers start small and double; samples are the same as with room for all."""
-    from gridrl.engine.backends import torch_cache
+    from gridrl.engine.backends.torch import cache as torch_cache
 
     batch = [SequenceRequest(PROMPTS[i % 3], list(CONFIGS.values())[i % 5], seed=60 + i)
              for i in range(8)]
@@ -185,7 +185,7 @@ def test_from_model_uses_the_peft_model_as_it_is(tiny_llama_dir: Path,
                                                  tiny_adapters: dict[str, Path]) -> None:
     """The trainer's in-process use: adapter=None decodes with the model's active adapter, in
     eval mode, and leaves the model in the mode it found it."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     model = peft_reference(tiny_llama_dir, tiny_adapters["a"])
     ref_tokens, ref_lps = reference_greedy(model, PROMPT, 6)

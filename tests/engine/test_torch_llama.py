@@ -4,14 +4,15 @@ LoRA scaling (rank/alpha patterns, rsLoRA, lm_head), and the architectures it re
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
-from gridrl.engine.backends.torch_cache import SlabCache
-from gridrl.engine.backends.torch_llama import LeanLlama, unsupported_reason
-from gridrl.engine.backends.torch_merge import read_lora
+from gridrl.engine.backends.torch.cache import SlabCache
+from gridrl.engine.backends.torch.llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch.merge import read_lora
 
 
 def _tiny(kind: str = "llama", **overrides):
@@ -37,6 +38,38 @@ def _decode_reference(model, prompts: list[list[int]], steps: list[list[int]]) -
     return torch.stack(out)
 
 
+def _score_prefill_and_decode_like(lean: LeanLlama, model) -> None:
+    """``lean`` gives ``model``'s float32 logits (to 1e-5) when scoring a sequence, when
+    prefilling two prompts alone, and when decoding both from a left-padded cache."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    with torch.inference_mode():
+        # scoring: causal forward over the whole sequence, every position
+        ids = torch.tensor([prompts[0]])
+        got = lean.forward(ids, torch.arange(7)[None])
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, model(ids).logits, atol=1e-5, rtol=1e-5)
+        # prefill each prompt alone, then decode both rows together from a left-padded cache
+        kvs = []
+        for p in prompts:
+            layers: list = []
+            logits = lean.forward(torch.tensor([p]), torch.arange(len(p))[None], cache=layers,
+                                  logits_at=torch.tensor([len(p) - 1]))
+            assert torch.allclose(logits[0, -1], model(torch.tensor([p])).logits[0, -1],
+                                  atol=1e-5, rtol=1e-5)
+            kvs.append(layers)
+        cache = SlabCache.from_prefills(kvs, [len(p) for p in prompts], [0, 1], 5, torch.float32)
+        steps: list[list[int]] = [[], []]
+        for t in range(3):
+            tokens = torch.tensor([[30 + t], [40 + t]])
+            for row in range(2):
+                steps[row].append(int(tokens[row, 0]))
+            positions = (cache.layers[0].length - cache.pad)[:, None]
+            got = lean.forward(tokens, positions, cache=cache,
+                               attention_mask=cache.next_step(always=True))[:, -1]
+            want = _decode_reference(model, prompts, steps)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
 #: head_dim 16 (attention scaling 1/4, a power of two) and head_dim 24 with llama3 rope scaling.
 SHAPES = {"d16": {}, "d24-llama3-rope": dict(
     hidden_size=96, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -52,50 +85,30 @@ def test_lean_forward_matches_transformers(kind: str, products: str, shape: str,
     """Each way of running the products: the fused C kernels (float32 CPU, the default where
     they build), oneDNN-prepacked weights (16-bit, or no compiler), plain weights (GPUs, MPS,
     non-x86 CPUs)."""
-    from gridrl.engine.backends import torch_llama
+    from gridrl.engine.backends.torch import llama as torch_llama
+    from gridrl.engine.backends.torch import projection as torch_projection
 
     if products == "kernel":  # whether or not they are the faster path on this CPU
         monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")
     else:
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
     if products == "plain":
-        monkeypatch.setattr(torch_llama, "_packable", lambda weight: False)
+        monkeypatch.setattr(torch_projection, "_packable", lambda weight: False)
     model = _tiny(kind, **SHAPES[shape])
     lean = LeanLlama(model)
     assert {layer.qkv.kind for layer in lean.layers} == {products}
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
-    with torch.inference_mode():
-        # scoring: causal forward over the whole sequence, every position
-        ids = torch.tensor([prompts[0]])
-        got = lean.forward(ids, torch.arange(7)[None])
-        assert torch.allclose(got, model(ids).logits, atol=1e-5, rtol=1e-5)
-        # prefill each prompt alone, then decode both rows together from a left-padded cache
-        kvs, firsts = [], []
-        for p in prompts:
-            layers: list = []
-            logits = lean.forward(torch.tensor([p]), torch.arange(len(p))[None], cache=layers,
-                                  logits_at=torch.tensor([len(p) - 1]))
-            assert torch.allclose(logits[0, -1], model(torch.tensor([p])).logits[0, -1],
-                                  atol=1e-5, rtol=1e-5)
-            kvs.append(layers)
-            firsts.append(logits[0, -1])
-        cache = SlabCache.from_prefills(kvs, [len(p) for p in prompts], [0, 1], 5, torch.float32)
-        steps: list[list[int]] = [[], []]
-        for t in range(3):
-            tokens = torch.tensor([[30 + t], [40 + t]])
-            for row in range(2):
-                steps[row].append(int(tokens[row, 0]))
-            positions = (cache.layers[0].length - cache.pad)[:, None]
-            got = lean.forward(tokens, positions, cache=cache,
-                               attention_mask=cache.next_step(always=True))[:, -1]
-            want = _decode_reference(model, prompts, steps)
-            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    _score_prefill_and_decode_like(lean, model)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_bfloat16_follows_transformers(shape: str) -> None:
+def test_bfloat16_follows_transformers(shape: str, monkeypatch) -> None:
+    """Without the kernels (oneDNN or torch products in bfloat16)."""
+    from gridrl.engine.backends.torch import llama as torch_llama
+
+    monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
     model = _tiny(**SHAPES[shape]).to(torch.bfloat16)
     lean = LeanLlama(model)
+    assert lean.compute_dtype == torch.bfloat16
     # the scaling goes into bf16 q weights only when that rounds nothing (a power of two)
     assert lean._attn_scale == (1.0 if shape == "d16" else 24 ** -0.5)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -107,6 +120,23 @@ def test_bfloat16_follows_transformers(shape: str) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bfloat16_weights_through_the_kernels_compute_in_float32(kind: str,
+                                                                  monkeypatch) -> None:
+    """A bfloat16 model through the fused kernels: the packed weights are its bfloat16
+    weights, everything else float32, so scoring, prefill and decode give the logits of the
+    same weights widened to float32 up to float32 rounding (head_dim 16: the attention scaling
+    1/4 folds into the q weights exactly; the norm weights are ones)."""
+    monkeypatch.setenv("GRIDRL_CPU_KERNELS", "1")  # whether or not they win the race here
+    model = _tiny(kind).to(torch.bfloat16)
+    lean = LeanLlama(model)
+    widened = copy.deepcopy(model).float()  # buffers too (rotary's inv_freq, now rounded)
+    assert lean.products == "fused C kernel (bfloat16 weights, float32 arithmetic)"
+    assert lean.compute_dtype == torch.float32 and lean._attn_scale == 1.0
+    assert {layer.down.weight.dtype for layer in lean.layers} == {torch.bfloat16}
+    _score_prefill_and_decode_like(lean, widened)
+
+
 @pytest.mark.parametrize("products", ["kernel", "onednn"])
 def test_lora_factors_equal_peft(tmp_path: Path, products: str, monkeypatch) -> None:
     """Per-module ranks and alphas, rsLoRA, partial q/k/v coverage and lm_head: the factors
@@ -114,7 +144,7 @@ def test_lora_factors_equal_peft(tmp_path: Path, products: str, monkeypatch) -> 
     and the norm weight folded into A; with oneDNN, two small products after it)."""
     from peft import LoraConfig, get_peft_model
 
-    from gridrl.engine.backends import torch_llama
+    from gridrl.engine.backends.torch import llama as torch_llama
 
     if products == "onednn":
         monkeypatch.setattr(torch_llama, "_decode_kernels", lambda dtype, device: None)
@@ -176,7 +206,7 @@ def test_in_process_peft_model_runs_lean_with_its_live_lora(tiny_llama_dir: Path
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
     from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
     torch.manual_seed(0)
@@ -212,7 +242,7 @@ def test_in_process_model_with_trainable_base_is_not_lean(tiny_llama_dir: Path) 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
     assert TorchBackend.from_model(model, None).forward_kind == "transformers"

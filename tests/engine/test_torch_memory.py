@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_helpers import PROMPT, reference_greedy
 
-from gridrl.engine.backends.torch_memory import drop_mapped_pages
+from gridrl.engine.backends.torch.memory import drop_mapped_pages
 from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
 GREEDY = SamplingConfig(max_tokens=8, temperature=0.0)
@@ -47,7 +47,7 @@ def _projections(model) -> list[torch.nn.Linear]:
 def test_a_lean_node_holds_the_packed_weights_only(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     tied = reference.lm_head.weight is reference.model.embed_tokens.weight
@@ -75,7 +75,7 @@ def test_other_forwards_and_wrapped_models_keep_their_weights(tiny_llama_dir: Pa
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     node = TorchBackend.from_pretrained(tiny_llama_dir, lean=False)
     assert all(p.device.type == "cpu" for p in node._hf.parameters())
@@ -107,7 +107,7 @@ def test_packing_a_mapped_weight_hands_its_pages_back_chunk_by_chunk(
     """An output head packed with ``drop_source`` (a node's own model): the same packed
     values, and every source row's pages handed back, in more than one chunk (the source
     and the packed copy are never both resident in full)."""
-    from gridrl.engine.backends import cpu_kernels
+    from gridrl.engine.backends.torch import cpu_kernels
 
     rows, cols = 2 * 8200, 576  # ~38 MB: several 8 MB chunks, a width not a multiple of 16
     data = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)

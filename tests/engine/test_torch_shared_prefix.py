@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import make_peft_adapter
 
-from gridrl.engine.backends.torch_steps import LeanSteps
+from gridrl.engine.backends.torch.steps import LeanSteps
 from gridrl.engine.contract import SamplingConfig, SequenceRequest
 
 PREFIX = [5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 14 shared tokens
@@ -36,7 +36,7 @@ def test_a_shared_prefix_decodes_as_whole_prompts_do(tiny_llama_dir: Path, adapt
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      sampling: SamplingConfig,
                                                      with_adapter: bool) -> None:
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir)
     assert backend.forward_kind == "lean" and not backend.share_prefix
@@ -65,7 +65,7 @@ def test_a_shared_prefix_decodes_as_whole_prompts_do(tiny_llama_dir: Path, adapt
 
 def test_prompts_with_too_short_a_common_prefix_are_prefilled_whole(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gridrl.engine.backends.torch import MIN_SHARED_PREFIX, TorchBackend
+    from gridrl.engine.backends.torch.backend import MIN_SHARED_PREFIX, TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir)
     backend.share_prefix = True
@@ -87,7 +87,7 @@ def test_prompts_with_too_short_a_common_prefix_are_prefilled_whole(
 
 def test_a_prefix_prefill_continues_a_whole_prefill(tiny_llama_dir: Path) -> None:
     """The keys/values and last logits of prefix-then-rest equal a whole prompt's prefill."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir)
     prompt = PREFIX + SUFFIXES[1]
@@ -109,7 +109,7 @@ def test_the_batched_prefill_after_a_prefix_is_each_prompts_own(tiny_llama_dir: 
     """``LeanSteps.prefill_batch``: the suffixes right-padded into few forwards (with a budget
     of 6 tokens: the 3- and 2-token suffixes together, the 5-token one alone) give each prompt the keys/values
     and next-token logits of its own prefill after the prefix."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir)
     prompts = [PREFIX + s for s in SUFFIXES]

@@ -63,7 +63,7 @@ def test_no_weights_or_a_broken_header(tiny_llama_dir: Path, tmp_path: Path) -> 
 
 
 def test_backends_report_it(tiny_llama_dir: Path) -> None:
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     expected = weights_fingerprint(tiny_llama_dir)
     assert TorchBackend.from_pretrained(tiny_llama_dir).identity.weights_fingerprint == expected
@@ -72,7 +72,7 @@ def test_backends_report_it(tiny_llama_dir: Path) -> None:
 @pytest.mark.mlx
 def test_mlx_backend_reports_it(tiny_llama_dir: Path) -> None:
     pytest.importorskip("mlx.core")
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     backend = MlxBackend.from_pretrained(tiny_llama_dir, device="cpu")
     assert backend.identity.weights_fingerprint == weights_fingerprint(tiny_llama_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -16,33 +15,12 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from trainer_runs import BIN, ONE_THREAD, records  # the trainer tests' helpers
+from waiting import wait_for
 
-__all__ = ["BIN", "ONE_THREAD"]
+__all__ = ["BIN", "ONE_THREAD", "wait_for"]
 
 T = TypeVar("T")
 
-POLL_S = 0.05
-
-
-def wait_for(probe: Callable[[], T], timeout_s: float, what: str,
-             alive: Any = None) -> T:
-    """Poll ``probe`` every 50 ms until it returns something truthy; return it.
-
-    Raises:
-        AssertionError: naming ``what`` after ``timeout_s``, or at once when the process
-            ``alive`` (a ``Service``) exited meanwhile (with the end of its log).
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if alive is not None and alive.proc.poll() is not None:
-            raise AssertionError(f"{what}: {alive.log_path.name} exited "
-                                 f"{alive.proc.returncode}:\n{alive.log()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(POLL_S)
 
 
 class Cluster:
@@ -149,7 +127,7 @@ def run_status(address: str):
     """The trainer's GetRunStatus, or None when it does not answer."""
     import grpc
 
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
     with dial(address) as channel:
@@ -162,7 +140,7 @@ def run_status(address: str):
 
 def node_adapter(address: str):
     """The adapter a rollout node reports serving (GetNodeInfo)."""
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
     with dial(address) as channel:
@@ -175,7 +153,7 @@ def healthy_at_master(master: str) -> set[str]:
     answer)."""
     import grpc
 
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
     with dial(master) as channel:
@@ -192,7 +170,7 @@ def heard_since(master: str, since: float) -> dict[str, float]:
     seconds): address -> when (``last_seen``), by the master's clock."""
     import grpc
 
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
     with dial(master) as channel:

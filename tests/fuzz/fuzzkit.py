@@ -38,6 +38,7 @@ import grpc
 from google.protobuf import descriptor as pb_descriptor
 from hypothesis import strategies as st
 
+from gridrl.master.config import Liveness
 from gridrl.v1 import (
     common_pb2,
     registry_pb2,
@@ -172,17 +173,16 @@ class Cluster:
     """
 
     def __init__(self, model_dir: Path, work: Path) -> None:
-        from gridrl.common.channel import dial
-        from gridrl.engine.backends.torch import TorchBackend
+        from gridrl.common.rpc.channel import dial
+        from gridrl.engine.backends.torch.backend import TorchBackend
         from gridrl.master.server import Master
         from gridrl.rollout.server import NodeConfig, RolloutNode
+        from gridrl.trainer.report.status import RunStatus
         from gridrl.trainer.server import serve_trainer
-        from gridrl.trainer.status import RunStatus
 
         self._stopping: list[Callable[[], None]] = []
         try:
-            self.master = Master("127.0.0.1:0", heartbeat_interval_s=5.0,
-                                 unhealthy_after_s=15.0, expire_after_s=60.0,
+            self.master = Master("127.0.0.1:0", liveness=Liveness(5.0, 15.0, 60.0),
                                  grace_s=1.0).start()
             self._stopping.append(lambda: self.master.stop(0))
             self.node = RolloutNode(TorchBackend.from_pretrained(model_dir), NodeConfig(
@@ -227,7 +227,7 @@ class Cluster:
         from gridrl.common.transport import push_requests
 
         manifest = build_manifest(self.files, name=name, version=version,
-                                  base_model=self.node.adapters.base_model(),
+                                  base_model=self.node.adapters.identity,
                                   hash_files=not trailer)
         return list(push_requests(manifest.to_dict(), self.files, chunk_size=chunk_size))
 
@@ -797,9 +797,10 @@ class SecuredMaster:
     """
 
     def __init__(self, work: Path) -> None:
-        from gridrl.common.auth import AuthorizedTokens, mint, new_token
-        from gridrl.common.channel import dial
-        from gridrl.common.security import Security
+        from gridrl.common.rpc.channel import dial
+        from gridrl.common.security.minting import mint
+        from gridrl.common.security.policy import Security
+        from gridrl.common.security.tokens import AuthorizedTokens, new_token
         from gridrl.master.server import Master
 
         authorized = work / "authorized_tokens"

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from master_helpers import EXPIRE_S, HEARTBEAT_S, UNHEALTHY_S
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
+from gridrl.master.config import Liveness
 from gridrl.master.server import Master
 from gridrl.v1 import registry_pb2_grpc
 
@@ -20,9 +21,7 @@ def make_master() -> Iterator[Callable[..., Master]]:
     started: list[Master] = []
 
     def make(store_path: str | None = None, listen: str = "127.0.0.1:0", **kw) -> Master:
-        kw.setdefault("heartbeat_interval_s", HEARTBEAT_S)
-        kw.setdefault("unhealthy_after_s", UNHEALTHY_S)
-        kw.setdefault("expire_after_s", EXPIRE_S)
+        kw.setdefault("liveness", Liveness(HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S))
         kw.setdefault("grace_s", 2.0)
         master = Master(listen, store_path=store_path, **kw).start()
         started.append(master)

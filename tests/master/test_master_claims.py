@@ -13,9 +13,10 @@ import grpc
 import pytest
 from master_helpers import node_info
 
-from gridrl.common.auth import AuthorizedTokens, mint, read_token_file, revoke
-from gridrl.common.channel import dial
-from gridrl.common.security import Security
+from gridrl.common.rpc.channel import dial
+from gridrl.common.security.minting import mint, revoke
+from gridrl.common.security.policy import Security
+from gridrl.common.security.tokens import AuthorizedTokens, read_token_file
 from gridrl.master.registry import node_id_for
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 

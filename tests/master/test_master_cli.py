@@ -13,8 +13,9 @@ import grpc
 from click.testing import CliRunner
 from master_helpers import node_info
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
 from gridrl.master.cli import main
+from gridrl.master.config import Liveness
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 BIN = f"{sys.prefix}/bin/gridrl-master"
@@ -223,11 +224,10 @@ def test_nodes_json_is_live_and_lists_the_trainer(tmp_path) -> None:
     with its run's adapter (issue 20)."""
     from gridrl.common.registration import NodeRegistrar
     from gridrl.master.server import Master
-    from gridrl.trainer.listing import register_trainer
-    from gridrl.trainer.status import RunStatus
+    from gridrl.trainer.fleet.listing import register_trainer
+    from gridrl.trainer.report.status import RunStatus
 
-    master = Master("127.0.0.1:0", store_path="", heartbeat_interval_s=0.2,
-                    unhealthy_after_s=5.0, expire_after_s=10.0)
+    master = Master("127.0.0.1:0", store_path="", liveness=Liveness(0.2, 5.0, 10.0))
     master.start()
     state = {"uptime": 1.0, "stored": [common_pb2.AdapterRef(name="run", version=1)],
              "sequence": 100}

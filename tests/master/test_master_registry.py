@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError
+from gridrl.master.config import Liveness
 from gridrl.master.registry import (
     CHANGED,
     JOINED,
@@ -85,7 +85,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def registry(clock: FakeClock) -> Registry:
-    return Registry(heartbeat_interval_s=1, unhealthy_after_s=3, expire_after_s=10,
+    return Registry(Liveness(1, 3, 10),
                     clock=clock.time, monotonic=clock.monotonic)
 
 
@@ -149,7 +149,7 @@ def test_heartbeat_updates_and_emits_only_meaningful_changes(registry, clock) ->
     assert [e.node.status for e in drain(sub)] == [DRAINING, HEALTHY]
     with pytest.raises(StatusError) as e:
         registry.heartbeat("n-unknown", common_pb2.AdapterRef(), 0, 0.0)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.kind is Kind.NOT_FOUND
     assert e.value.message.startswith("node_id: unknown node 'n-unknown'")
 
 
@@ -183,7 +183,7 @@ def test_liveness_unhealthy_then_expired(registry, clock) -> None:
     assert registry.list_nodes() == []
     with pytest.raises(StatusError) as e:
         registry.heartbeat(a.node_id, common_pb2.AdapterRef(), 0, 0.0)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert e.value.kind is Kind.NOT_FOUND
 
 
 def test_subscribe_snapshot_order_and_strict_sequences(registry) -> None:
@@ -214,13 +214,13 @@ def test_filtered_watch_sees_records_enter_and_leave(registry) -> None:
 
 
 def test_subscription_close_overflow_and_limits(clock) -> None:
-    registry = Registry(1, 3, 10, clock=clock.time, monotonic=clock.monotonic,
+    registry = Registry(Liveness(1, 3, 10), clock=clock.time, monotonic=clock.monotonic,
                         max_watchers=2, max_pending_events=5)
     slow = registry.subscribe()
     other = registry.subscribe()
     with pytest.raises(StatusError) as e:
         registry.subscribe()
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.kind is Kind.RESOURCE_EXHAUSTED
     other.close()
     other.close()  # idempotent
     assert registry.watcher_count == 1
@@ -231,7 +231,7 @@ def test_subscription_close_overflow_and_limits(clock) -> None:
     assert registry.watcher_count == 0
     with pytest.raises(StatusError) as e:
         slow.get(0)
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.kind is Kind.RESOURCE_EXHAUSTED
 
 
 def test_blocked_get_wakes_on_event_and_on_close(registry) -> None:
@@ -250,7 +250,7 @@ def test_blocked_get_wakes_on_event_and_on_close(registry) -> None:
     assert not reader.is_alive() and got[1] is None and sub.closed
     with pytest.raises(StatusError) as e:
         registry.subscribe()
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.kind is Kind.UNAVAILABLE
 
 
 def test_stopping_master_delivers_what_was_queued_then_ends(registry) -> None:
@@ -266,14 +266,14 @@ def test_stopping_master_delivers_what_was_queued_then_ends(registry) -> None:
 
 def test_restore_keeps_records_and_restarts_liveness(clock) -> None:
     store = MemoryStore()
-    old = Registry(1, 3, 10, store=store, clock=clock.time, monotonic=clock.monotonic)
+    old = Registry(Liveness(1, 3, 10), store=store, clock=clock.time, monotonic=clock.monotonic)
     a, _ = old.register(info("a:1", adapter=("run", 2)))
     b, _ = old.register(info("b:1"))
     old.heartbeat(a.node_id, common_pb2.AdapterRef(name="run", version=2), 4, 0.5)
     old.close()  # flushes the heartbeat-only update
     assert store.rows[a.node_id].load == 0.5
     clock.advance(100)  # the master was down far longer than expire_after_s
-    new = Registry(1, 3, 10, store=store, clock=clock.time, monotonic=clock.monotonic)
+    new = Registry(Liveness(1, 3, 10), store=store, clock=clock.time, monotonic=clock.monotonic)
     restored = {r.node_id: r for r in new.list_nodes()}
     assert set(restored) == {a.node_id, b.node_id}
     assert restored[a.node_id].info.adapter.version == 2 and restored[a.node_id].status == HEALTHY
@@ -291,7 +291,7 @@ def test_restore_keeps_records_and_restarts_liveness(clock) -> None:
 
 def test_store_writes_are_batched_for_heartbeats(registry, clock) -> None:
     store = MemoryStore()
-    registry = Registry(1, 3, 10, store=store, clock=clock.time, monotonic=clock.monotonic)
+    registry = Registry(Liveness(1, 3, 10), store=store, clock=clock.time, monotonic=clock.monotonic)
     a, _ = registry.register(info("a:1"))
     puts = store.puts
     for _ in range(20):
@@ -308,16 +308,15 @@ def test_failing_store_never_fails_calls(registry, clock) -> None:
         def put(self, records):
             raise OSError("disk full")
 
-    registry = Registry(1, 3, 10, store=Broken(), clock=clock.time, monotonic=clock.monotonic)
+    registry = Registry(Liveness(1, 3, 10), store=Broken(), clock=clock.time, monotonic=clock.monotonic)
     a, _ = registry.register(info("a:1"))
     registry.heartbeat(a.node_id, common_pb2.AdapterRef(name="x", version=1), 0, 0.0)
     assert registry.get(a.node_id).info.adapter.version == 1
 
 
 def test_rejects_non_increasing_durations() -> None:
-    with pytest.raises(ValueError):
-        Registry(5, 5, 60)
-    with pytest.raises(ValueError):
-        Registry(1, 10, 10)
-    with pytest.raises(ValueError):
-        Registry(0, 1, 2)
+    for durations, flag in (((5, 5, 60), "--unhealthy-after"), ((1, 10, 10), "--expire-after"),
+                            ((0, 1, 2), "--heartbeat-interval")):
+        with pytest.raises(StatusError) as e:
+            Registry(Liveness(*durations))
+        assert e.value.kind is Kind.INVALID_ARGUMENT and e.value.field == flag

@@ -14,6 +14,7 @@ import pytest
 from master_helpers import EXPIRE_S, HEARTBEAT_S, UNHEALTHY_S, node_info
 from prometheus_client import REGISTRY
 
+from gridrl.master.config import Liveness
 from gridrl.master.registry import node_id_for
 from gridrl.v1 import common_pb2, registry_pb2
 
@@ -272,7 +273,7 @@ def _replay(events, state: dict[str, registry_pb2.NodeRecord]) -> None:
 
 
 def test_watch_ordering_under_concurrent_changes(make_master, stub_for) -> None:
-    master = make_master(heartbeat_interval_s=5, unhealthy_after_s=30, expire_after_s=60)
+    master = make_master(liveness=Liveness(5, 30, 60))
     stub = stub_for(master)
     for i in range(10):
         register(stub, node_info(f"10.0.1.{i}:6000"))
@@ -336,8 +337,7 @@ def test_watch_ordering_under_concurrent_changes(make_master, stub_for) -> None:
 @pytest.mark.parametrize("with_store", [False, True], ids=["memory", "store"])
 def test_hundreds_of_nodes_register_at_once(make_master, stub_for, tmp_path, with_store) -> None:
     store = str(tmp_path / "master.sqlite") if with_store else None
-    master = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
-                         expire_after_s=60)
+    master = make_master(store_path=store, liveness=Liveness(5, 30, 60))
     stub = stub_for(master)
     watcher = Watcher(stub)
     watcher.wait_for(lambda e: e.type == E.NODE_EVENT_TYPE_SNAPSHOT_END)
@@ -370,24 +370,21 @@ def test_hundreds_of_nodes_register_at_once(make_master, stub_for, tmp_path, wit
     print(f"{n} concurrent registrations in {elapsed:.2f}s ({'with' if with_store else 'no'} store)")
     if with_store:  # every one of them is back after a restart
         master.stop(1)
-        restarted = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
-                                expire_after_s=60)
+        restarted = make_master(store_path=store, liveness=Liveness(5, 30, 60))
         assert sorted(r.node_id for r in list_nodes(stub_for(restarted))) == sorted(ids)
 
 
 @pytest.mark.parametrize("with_store", [True, False])
 def test_restart_with_and_without_store(make_master, stub_for, tmp_path, with_store) -> None:
     store = str(tmp_path / "master.sqlite") if with_store else None
-    first = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
-                        expire_after_s=60)
+    first = make_master(store_path=store, liveness=Liveness(5, 30, 60))
     stub = stub_for(first)
     ids = [register(stub, node_info(f"10.0.0.{i}:6000")).node_id for i in range(3)]
     heartbeat(stub, ids[0], adapter=("run", 7), load=0.75)  # heartbeat-only parts: flushed on stop
     before = {n.node_id: n for n in list_nodes(stub)}
     first.stop(1)
 
-    second = make_master(store_path=store, heartbeat_interval_s=5, unhealthy_after_s=30,
-                         expire_after_s=60)
+    second = make_master(store_path=store, liveness=Liveness(5, 30, 60))
     stub = stub_for(second)
     if with_store:
         after = {n.node_id: n for n in list_nodes(stub)}
@@ -437,8 +434,7 @@ def test_watch_filters_and_limit(make_master, stub_for) -> None:
 
 
 def test_metrics_endpoint(make_master, stub_for) -> None:
-    master = make_master(metrics_port=0, heartbeat_interval_s=5, unhealthy_after_s=30,
-                         expire_after_s=60)
+    master = make_master(metrics_port=0, liveness=Liveness(5, 30, 60))
     stub = stub_for(master)
     registrations = sample("gridrl_master_registrations_total",
                            {"role": "rollout", "replaced": "false"})

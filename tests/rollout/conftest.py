@@ -18,7 +18,7 @@ def _one_torch_thread(one_torch_thread: None) -> None:
 @pytest.fixture
 def live_node(tmp_path: Path, tiny_llama_dir: Path) -> Iterator[Callable[..., LiveNode]]:
     """``live_node(backend=None, **NodeConfig fields)``: in-process nodes, stopped at teardown."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     nodes: list[LiveNode] = []
 

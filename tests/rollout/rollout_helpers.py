@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from engine_helpers import PROMPT
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
 from gridrl.common.transport import push_requests
 from gridrl.engine.contract import (
     Backend,
@@ -23,15 +23,6 @@ from gridrl.engine.contract import (
 )
 from gridrl.rollout.server import NodeConfig, RolloutNode
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 20.0, every: float = 0.01) -> None:
-    """Poll ``pred`` until true; AssertionError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(every)
 
 
 class GatedBackend(Backend):

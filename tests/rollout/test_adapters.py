@@ -9,17 +9,18 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from engine_helpers import PROMPT, make_peft_adapter, peft_reference, reference_greedy
 from prometheus_client import REGISTRY
-from rollout_helpers import GatedBackend, push_dir, push_files, rpc_error, tree, wait_until
+from rollout_helpers import GatedBackend, push_dir, push_files, rpc_error, tree
+from waiting import wait_for
 
 from gridrl.adapters import build_manifest, convert_files, read_dir, write_dir
 from gridrl.common.transport import push_requests
+from gridrl.rollout import adapter_manager
 from gridrl.v1 import rollout_pb2
 
 
@@ -168,7 +169,7 @@ def test_failed_pushes_change_nothing(live_node, tiny_llama_dir, tiny_adapters, 
     # tensors of another model under a manifest that claims this one
     foreign = read_dir(_other_model_adapter(tmp_path))
     claims = build_manifest(foreign, name="a", version=2,
-                            base_model=node.node.adapters.base_model()).to_dict()
+                            base_model=node.node.adapters.identity).to_dict()
     check(grpc.StatusCode.FAILED_PRECONDITION, "adapter: adapter does not fit the base model",
           lambda: push_files(node.stub, foreign, claims))
     # shapes that do not fit one module
@@ -196,15 +197,29 @@ def test_failed_pushes_change_nothing(live_node, tiny_llama_dir, tiny_adapters, 
     _assert_serves_like_peft(node, tiny_llama_dir, tiny_adapters["b"], 2)
 
 
-def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters) -> None:
+def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters,
+                                       monkeypatch) -> None:
     node = live_node()
+    read = threading.Event()  # the node has read the first chunks
+    receive = adapter_manager.receive_push
+
+    def counting(requests, max_bytes):
+        def counted():
+            for i, request in enumerate(requests):
+                yield request
+                if i == 2:  # the third message read: the node asks for the next
+                    read.set()
+
+        return receive(counted(), max_bytes)
+
+    monkeypatch.setattr(adapter_manager, "receive_push", counting)
     push_dir(node.stub, tiny_adapters["a"], "a", 1)
     root = node.node.adapters.store.pushed_root
     assert node.node.adapters.flush(timeout=30)  # the push is stored after its reply
     stored = tree(root)
     assert "a/v1/adapter_model.safetensors" in stored
     files = read_dir(tiny_adapters["b"])
-    requests = list(push_requests(build_manifest(files, name="a", version=2).to_dict(), files,
+    requests = list(push_requests(build_manifest(files, name="a", version=2), files,
                                   chunk_size=4096))
     release = threading.Event()
     sent = threading.Event()
@@ -224,10 +239,10 @@ def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters
     before = push_calls()
     call = node.stub.PushAdapter.future(stream(), timeout=30)
     assert sent.wait(10)
-    time.sleep(0.2)  # let the node read the first chunks
+    assert read.wait(10)
     call.cancel()
     release.set()
-    wait_until(lambda: sum(push_calls().values()) > sum(before.values()))  # handler returned
+    wait_for(lambda: sum(push_calls().values()) > sum(before.values()))  # handler returned
     after = push_calls()
     ended = {code for code in after if after[code] > before.get(code, 0)}
     # grpc ends the node's request iterator with an error (CANCELLED) or, when the call is
@@ -250,7 +265,7 @@ def test_push_interrupts_the_generate_in_flight(live_node, tiny_llama_dir, tiny_
     gated.gate.clear()
     pool = concurrent.futures.ThreadPoolExecutor(2)
     in_flight = pool.submit(node.generate, max_tokens=8, temperature=0)
-    wait_until(lambda: gated.entered == 1)
+    wait_for(lambda: gated.entered == 1)
     # the held batch stops at its first step for the push; the gate holds its second run
     assert push_dir(node.stub, tiny_adapters["b"], "a", 2).serving.version == 2
     assert not in_flight.done()

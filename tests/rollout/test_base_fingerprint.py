@@ -48,7 +48,7 @@ def test_push_for_another_checkpoint_is_refused(live_node, tiny_llama_dir, other
 
 def test_stored_adapter_of_another_checkpoint_is_not_reloaded(
         live_node, tiny_llama_dir, other_seed, tiny_adapters, tmp_path) -> None:
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     root = tmp_path / "shared-adapters"
     first = live_node(adapter_root=root)

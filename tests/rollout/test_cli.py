@@ -13,9 +13,9 @@ import grpc
 import pytest
 from click.testing import CliRunner
 from engine_helpers import PROMPT
-from rollout_helpers import wait_until
+from waiting import wait_for
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
 from gridrl.models import weights_fingerprint
 from gridrl.rollout.cli import main
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -154,7 +154,7 @@ def test_sigterm_exits_zero(service_factory, tiny_llama_dir: Path, tmp_path: Pat
                 prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(
                     n=8, max_tokens=480, temperature=1.0, seed=i)), timeout=300)
                 for i in range(8)]
-            wait_until(lambda: _active_sequences(node.metrics_port) > 0, 120)
+            wait_for(lambda: _active_sequences(node.metrics_port) > 0, 120)
             assert not all(call.done() for call in calls)
         code = node.stop(signal.SIGTERM, timeout=120)
         unfinished = [call.exception(timeout=60) for call in calls]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 
-import grpc
 import pytest
 from engine_helpers import PROMPT
-from rollout_helpers import GatedBackend, wait_until
+from rollout_helpers import GatedBackend
+from waiting import wait_for
 
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import SamplingConfig
-from gridrl.rollout.engine import Engine, GenerateJob, ServingAdapter
+from gridrl.rollout.scheduler import Engine, GenerateJob, ServingAdapter
 
 T1 = SamplingConfig(max_tokens=6, temperature=1.0)
 
@@ -36,7 +36,7 @@ def gated(tiny_backend):
 def test_concurrent_requests_share_one_batch(gated) -> None:
     backend, engine = gated
     blocker = engine.submit(_job(n=1, seed=99))
-    wait_until(lambda: backend.entered == 1)  # the blocker is decoding, the gate holds it
+    wait_for(lambda: backend.entered == 1)  # the blocker is decoding, the gate holds it
     a = engine.submit(_job(n=3, seed=1))
     b = engine.submit(_job(n=2, seed=2, prompt=[10, 11, 12], temperature=0.5, top_k=5))
     backend.gate.set()
@@ -55,12 +55,12 @@ def test_concurrent_requests_share_one_batch(gated) -> None:
 def test_queue_bound_is_resource_exhausted(gated) -> None:
     backend, engine = gated
     running = engine.submit(_job(n=1))
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     waiting = [engine.submit(_job(n=1, seed=i)) for i in range(3)]
     assert engine.queue_depth == 3
     with pytest.raises(StatusError) as e:
         engine.submit(_job(n=1))
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.kind is Kind.RESOURCE_EXHAUSTED
     assert "queue full" in e.value.message
     backend.gate.set()
     for f in [running, *waiting]:
@@ -85,7 +85,7 @@ def test_large_n_is_split_across_batches_with_the_same_samples(tiny_backend) -> 
 def test_swap_waits_for_requests_in_flight(gated) -> None:
     backend, engine = gated
     in_flight = engine.submit(_job(n=2))
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     swapped = threading.Event()
     new = ServingAdapter(name="x", version=7, handle=None)
 
@@ -110,7 +110,7 @@ def test_split_request_keeps_its_adapter(tiny_backend) -> None:
     engine = Engine(backend, capacity=2, batch_window_s=0.0).start()
     try:
         request = engine.submit(_job(n=5))
-        wait_until(lambda: backend.entered == 1)
+        wait_for(lambda: backend.entered == 1)
         swap = concurrent.futures.ThreadPoolExecutor(1).submit(
             engine.call_between_batches,
             lambda: engine.set_serving(ServingAdapter("x", 3, None)))
@@ -127,7 +127,7 @@ def test_split_request_keeps_its_adapter(tiny_backend) -> None:
 def test_cancelled_while_queued_is_dropped(gated) -> None:
     backend, engine = gated
     running = engine.submit(_job(n=1))
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     dropped = engine.submit(_job(n=4))
     assert dropped.cancel()
     backend.gate.set()
@@ -141,7 +141,7 @@ def test_close_fails_waiting_requests(tiny_backend) -> None:
     backend = GatedBackend(tiny_backend)
     engine = Engine(backend, capacity=1, batch_window_s=0.0).start()
     running = engine.submit(_job(n=1))
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     waiting = engine.submit(_job(n=1))
     closer = threading.Thread(target=engine.close)
     closer.start()
@@ -150,7 +150,7 @@ def test_close_fails_waiting_requests(tiny_backend) -> None:
     assert len(running.result(30).samples) == 1  # the batch in flight finishes
     with pytest.raises(StatusError) as e:
         waiting.result(30)
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.kind is Kind.UNAVAILABLE
     with pytest.raises(StatusError):
         engine.submit(_job(n=1))
 
@@ -161,12 +161,12 @@ def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
     backend = GatedBackend(tiny_backend)
     engine = Engine(backend, capacity=4, batch_window_s=0.0).start()
     running = engine.submit(_job(n=2))
-    wait_until(lambda: backend.entered == 1)  # held at the gate: in flight
+    wait_for(lambda: backend.entered == 1)  # held at the gate: in flight
     assert engine.scheduler_alive
     engine.close(timeout=30, interrupt=True)  # the held batch goes on and stops at once
     with pytest.raises(StatusError) as e:
         running.result(0)
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.message
+    assert e.value.kind is Kind.UNAVAILABLE and "shutting down" in e.value.message
     assert not engine.scheduler_alive
     assert engine.recent_batches() == []  # no batch completed
     again = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
@@ -182,7 +182,7 @@ def test_backend_failure_fails_only_its_batch(tiny_backend) -> None:
         bad = GenerateJob(prompt_ids=[10**6], sampling=T1, n=1, seed=0)  # beyond the embedding
         with pytest.raises(StatusError) as e:
             engine.generate(bad, timeout=30)
-        assert e.value.code == grpc.StatusCode.INTERNAL
+        assert e.value.kind is Kind.INTERNAL
         assert len(engine.generate(_job(n=2), timeout=30).samples) == 2
     finally:
         engine.close()
@@ -192,7 +192,7 @@ def test_the_scheduler_thread_releases_its_framework_state_on_every_way_out(
         tiny_backend, monkeypatch) -> None:
     """The scheduler thread frees its per-thread framework state (MLX streams,
     gridrl.engine.threads) as it ends: after close, and when loading the model on it failed."""
-    import gridrl.rollout.engine as engine_module
+    import gridrl.rollout.scheduler as engine_module
     import gridrl.rollout.server as server_module
 
     released: list[str] = []

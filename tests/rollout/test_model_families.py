@@ -47,7 +47,7 @@ def family(request: pytest.FixtureRequest, tiny_llama_dir: Path,
 def torch_node(family, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveNode]:
     import torch
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -104,7 +104,7 @@ def test_trainer_step_then_its_adapter_pushed_in_peft_and_mlx_layout(
         family, torch_node: LiveNode) -> None:
     import torch
 
-    from gridrl.trainer.backend import TrainSequence, create_backend
+    from gridrl.trainer.backends.base import TrainSequence, create_backend
     from gridrl.trainer.config import TrainConfig
     from gridrl.trainer.local import LocalRollout
 
@@ -150,7 +150,7 @@ def test_an_mlx_node_serves_the_family(family, tmp_path: Path) -> None:
     what peft gives (within float32 rounding across frameworks)."""
     pytest.importorskip("mlx.core")
     from gridrl.adapters import read_dir
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     name, model_dir = family
     backend = MlxBackend.from_pretrained(model_dir, device="cpu")

@@ -19,10 +19,11 @@ import numpy as np
 import openai
 import pytest
 from engine_helpers import PROMPT
-from rollout_helpers import GatedBackend, push_dir, wait_until
+from rollout_helpers import GatedBackend, push_dir
+from waiting import wait_for
 
-from gridrl.common.security import Security
-from gridrl.common.tls import TlsFiles
+from gridrl.common.security.policy import Security
+from gridrl.common.security.tls import TlsFiles
 from gridrl.engine.contract import Backend, DecodeObserver, SequenceRequest, SequenceResult
 from gridrl.rollout.openai_server import OpenAIServer
 from gridrl.v1 import common_pb2, rollout_pb2
@@ -187,7 +188,7 @@ def test_bad_requests_are_openai_errors_naming_the_field(oa) -> None:
 
 
 def test_queue_full_is_429(live_node, tiny_llama_dir) -> None:
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = GatedBackend(TorchBackend.from_pretrained(tiny_llama_dir))
     node = live_node(backend, openai_listen="127.0.0.1:0", max_queue=1)
@@ -195,12 +196,12 @@ def test_queue_full_is_429(live_node, tiny_llama_dir) -> None:
     model = backend.identity.model_id
     running = node.stub.Generate.future(rollout_pb2.GenerateRequest(
         prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=60)
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     waiting: list[Any] = []
     thread = threading.Thread(target=lambda: waiting.append(client.completions.create(
         model=model, prompt=PROMPT, max_tokens=4)))
     thread.start()
-    wait_until(lambda: node.engine.queue_depth == 1)
+    wait_for(lambda: node.engine.queue_depth == 1)
     with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=4)
     assert e.value.status_code == 429 and "queue full" in e.value.body["message"]
@@ -237,8 +238,9 @@ def test_a_certificate_bound_credential_is_refused_over_http(live_node, pki, tmp
     """The HTTP endpoint does not see the TLS client certificate, so a credential bound to one
     (``gridrl-auth mint --cert``) is refused there (401, saying why), even by a client
     presenting that certificate: taking its token alone would undo the binding."""
-    from gridrl.common.auth import AuthorizedTokens, certificate_file_fingerprint, mint
-    from gridrl.common.security import Security
+    from gridrl.common.security.minting import mint
+    from gridrl.common.security.policy import Security
+    from gridrl.common.security.tokens import AuthorizedTokens, certificate_file_fingerprint
 
     authorized = tmp_path / "authorized_tokens"
     mint(authorized, tmp_path / "bound.token", "trainer", "bound",
@@ -318,7 +320,7 @@ class StepGate(GatedBackend):
 @pytest.fixture
 def gated_node(live_node, tiny_llama_dir):
     """``gated_node(hold_at)`` -> (node, StepGate backend, client)."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backends: list[StepGate] = []
 
@@ -355,9 +357,9 @@ def test_an_abandoned_stream_stops_its_batch(gated_node) -> None:
         next(iter(stream))
     assert backend.held.is_set()
     # the client went away: the engine's observer now asks the backend to stop
-    wait_until(lambda: backend.observer is not None and backend.observer.interrupted())
+    wait_for(lambda: backend.observer is not None and backend.observer.interrupted())
     backend.release.set()
-    wait_until(lambda: node.engine.active_sequences == 0)
+    wait_for(lambda: node.engine.active_sequences == 0)
     assert backend.steps == 1  # stopped before the next step, not after 200 tokens
     assert node.engine.recent_batches() == []  # the batch never completed
     after = client.completions.create(model=backend.identity.model_id, prompt=PROMPT,
@@ -376,9 +378,9 @@ def test_a_client_leaving_a_whole_request_stops_it_too(gated_node) -> None:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                      b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         assert backend.held.wait(30)
-    wait_until(lambda: backend.observer is not None and backend.observer.interrupted())
+    wait_for(lambda: backend.observer is not None and backend.observer.interrupted())
     backend.release.set()
-    wait_until(lambda: node.engine.active_sequences == 0)
+    wait_for(lambda: node.engine.active_sequences == 0)
     assert backend.steps == 1 and node.engine.recent_batches() == []
 
 
@@ -477,7 +479,7 @@ def test_cli_flag_serves_it_and_curl_streams(service_factory, tiny_llama_dir: Pa
 @pytest.mark.mlx
 def test_mlx_node(live_node, tiny_llama_dir: Path) -> None:
     pytest.importorskip("mlx.core")
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     node = live_node(MlxBackend.from_pretrained(tiny_llama_dir, device="cpu"),
                      openai_listen="127.0.0.1:0")
@@ -497,3 +499,140 @@ def test_mlx_node(live_node, tiny_llama_dir: Path) -> None:
             **sampling):
         streamed[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
     assert streamed == {i: s.text for i, s in enumerate(chat_want.samples)}
+
+
+# -------------------------------------------------- alternatives, echo, an RL orchestrator
+
+def _on_engine(node, fn):
+    """Run a backend call on the node's scheduler thread (where every backend call runs)."""
+    return node.node.engine.call_between_batches(fn, timeout=60)
+
+
+def test_alternatives_are_the_top_of_the_processed_distribution(oa) -> None:
+    """``logprobs=N`` (completions) and ``top_logprobs=N`` (chat): beside each token, the N
+    most likely tokens of the distribution it was drawn from (temperature 0.8, top-k 50,
+    top-p 0.9 here), as teacher-forced scoring gives them; streamed the same."""
+    from gridrl.engine.contract import SamplingConfig
+
+    node, client, model = oa
+    backend = node.node.backend
+    config = SamplingConfig(max_tokens=6, temperature=0.8, top_p=0.9, top_k=50)
+    got = client.completions.create(model=model, prompt=PROMPT, logprobs=5, extra_body=EXTRA,
+                                    **SAMPLING)
+    for choice in got.choices:
+        tokens = _ids(choice.logprobs.tokens)
+        _, top = _on_engine(node, lambda t=tokens: backend.score_top(PROMPT, t, config, None, 5))
+        for pos, (entry, lp, want) in enumerate(zip(
+                choice.logprobs.top_logprobs, choice.logprobs.token_logprobs, top,
+                strict=True)):
+            assert entry[f"token_id:{tokens[pos]}"] == lp  # the sampled one, its logprob
+            named = {f"token_id:{t}": max(v, -9999.0) for t, v in want}
+            # the N alternatives and the sampled token (one of them, or one more)
+            assert set(entry) == set(named) | {f"token_id:{tokens[pos]}"}
+            for key, value in named.items():
+                assert entry[key] == pytest.approx(value, abs=1e-4), (pos, key)
+    streamed: dict[int, list[dict]] = {i: [] for i in range(3)}
+    for chunk in client.completions.create(model=model, prompt=PROMPT, logprobs=5,
+                                           extra_body=EXTRA, stream=True, **SAMPLING):
+        streamed[chunk.choices[0].index] += chunk.choices[0].logprobs.top_logprobs
+    assert streamed == {c.index: c.logprobs.top_logprobs for c in got.choices}
+
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "the cat"}], logprobs=True,
+        top_logprobs=3, extra_body=EXTRA, **SAMPLING)
+    prompt = node.node.codec.encode("the cat", True)
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        tokens = _ids([t.token for t in content])
+        _, top = _on_engine(node, lambda t=tokens: backend.score_top(prompt, t, config, None, 3))
+        for entry, want in zip(content, top, strict=True):
+            assert [t.token for t in entry.top_logprobs] == [f"token_id:{t}" for t, _ in want]
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                [max(v, -9999.0) for _, v in want], abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=PROMPT, logprobs=21)
+    assert e.value.param == "logprobs" and "must be in [0, 20]" in e.value.body["message"]
+
+
+def test_echo_returns_the_prompt_scored_by_the_model(oa) -> None:
+    """``echo`` with ``max_tokens`` 0 (what lm-evaluation-harness sends for loglikelihoods,
+    with 1): the prompt's text and tokens, each token's logprob under the model (the first
+    null), its alternatives; with new tokens, the prompt then the completion."""
+    from gridrl.engine.contract import SamplingConfig
+
+    node, client, model = oa
+    backend, codec = node.node.backend, node.node.codec
+    text = "the red cat jump"
+    ids = codec.encode(text, False)
+    greedy = SamplingConfig(max_tokens=1, temperature=0.0)
+    want, want_top = _on_engine(node, lambda: backend.score_top(ids[:1], ids[1:], greedy,
+                                                                None, 2))
+    got = client.completions.create(model=model, prompt=text, echo=True, max_tokens=0,
+                                    logprobs=2, temperature=0)
+    (choice,) = got.choices
+    assert choice.text == text and choice.finish_reason == "length"
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == codec.token_texts(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == want  # the same computation: equal
+    for entry, token, pairs in zip(lp.top_logprobs[1:], lp.tokens[1:], want_top, strict=True):
+        assert token in entry and set(codec.token_texts([t for t, _ in pairs])) <= set(entry)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+    sample = node.generate(ids, max_tokens=2, temperature=0.0).samples[0]
+    two = client.completions.create(model=model, prompt=ids, echo=True, max_tokens=2,
+                                    logprobs=1, temperature=0, extra_body=EXTRA)
+    (choice,) = two.choices
+    assert choice.text == codec.decode(ids) + sample.text
+    assert _ids(choice.logprobs.tokens) == ids + list(sample.token_ids)
+    assert choice.logprobs.token_logprobs[1:len(ids)] == want
+    assert _same_logprobs(choice.logprobs.token_logprobs[len(ids):], sample.logprobs)
+    plain = client.completions.create(model=model, prompt=text, echo=True, max_tokens=2,
+                                      temperature=0)
+    assert plain.choices[0].text == text + sample.text and plain.choices[0].logprobs is None
+
+
+def test_an_rl_orchestrator_reads_what_it_reads_from_vllm(oa, tiny_adapters) -> None:
+    """What a framework that drives vLLM for RL asks (``return_token_ids``,
+    ``return_tokens_as_token_ids``, ``logprobs``): the sampled ids as ``"token_id:<id>"`` and
+    as ``token_ids``, their behaviour logprobs (the node's policy, teacher-forced: the
+    importance ratio starts at 1), the prompt's ids, and the policy version that sampled them,
+    whole and streamed, chat and completions."""
+    from gridrl.engine.contract import SamplingConfig
+
+    node, client, _ = oa
+    push_dir(node.stub, tiny_adapters["a"], "run", 3)
+    wait_for(lambda: node.node.engine.serving.version == 3)
+    backend, handle = node.node.backend, node.node.engine.serving.handle
+    asks = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    messages = [{"role": "user", "content": "the cat"}]
+    prompt = node.node.codec.encode("the cat", True)
+    got = client.chat.completions.create(model="run", messages=messages, logprobs=True,
+                                         max_tokens=6, temperature=1.0, seed=5, n=2,
+                                         extra_body=asks)
+    assert got.model_extra["policy_version"] == 3 and got.system_fingerprint == "gridrl:run:v3"
+    assert got.model_extra["prompt_token_ids"] == prompt
+    config = SamplingConfig(max_tokens=6, temperature=1.0)
+    for choice in got.choices:
+        ids = choice.model_extra["token_ids"]
+        assert _ids([t.token for t in choice.logprobs.content]) == ids
+        scored = _on_engine(node, lambda i=ids: backend.score(prompt, i, config, handle))
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(scored, abs=1e-4)
+    completion = client.completions.create(model="run", prompt=prompt, logprobs=0,
+                                           max_tokens=6, temperature=1.0, seed=5, n=2,
+                                           extra_body=asks)
+    assert completion.model_extra["policy_version"] == 3
+    for choice, chat_choice in zip(completion.choices, got.choices, strict=True):
+        assert choice.model_extra["prompt_token_ids"] == prompt
+        assert choice.model_extra["token_ids"] == chat_choice.model_extra["token_ids"]  # seed
+    chunks = list(client.chat.completions.create(model="run", messages=messages, logprobs=True,
+                                                 max_tokens=6, temperature=1.0, seed=5, n=2,
+                                                 stream=True, extra_body=asks))
+    assert {c.model_extra["policy_version"] for c in chunks} == {3}
+    assert [c.model_extra.get("prompt_token_ids") for c in chunks if
+            c.model_extra.get("prompt_token_ids")] == [prompt, prompt]  # each choice's first
+    for choice in got.choices:
+        streamed = [i for c in chunks for ch in c.choices if ch.index == choice.index
+                    for i in (ch.model_extra.get("token_ids") or [])]
+        assert streamed == choice.model_extra["token_ids"]

@@ -10,14 +10,14 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
-import grpc
 import pytest
 from engine_helpers import PROMPT
-from rollout_helpers import GatedBackend, wait_until
+from rollout_helpers import GatedBackend
+from waiting import wait_for
 
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import SamplingConfig
-from gridrl.rollout.engine import BASE_MODEL, Engine, GenerateJob, ServingAdapter
+from gridrl.rollout.scheduler import BASE_MODEL, Engine, GenerateJob, ServingAdapter
 
 
 class Sink:
@@ -54,7 +54,7 @@ def test_sinks_get_their_own_tokens_step_by_step(tiny_backend) -> None:
     engine = Engine(backend, capacity=3, batch_window_s=0.0).start()
     try:
         blocker = engine.submit(_job(n=1, seed=9))
-        wait_until(lambda: backend.entered == 1)
+        wait_for(lambda: backend.entered == 1)
         sinks = [Sink(), Sink()]
         futures = [engine.submit(_job(n=2, seed=1), sink=sinks[0]),
                    engine.submit(_job(n=3, seed=2), sink=sinks[1]),
@@ -89,7 +89,7 @@ def test_a_failing_sink_does_not_fail_the_batch(tiny_backend) -> None:
 
 def test_base_model_requests_skip_the_adapter_and_get_batches_of_their_own(
         tiny_llama_dir: Path, tiny_adapters) -> None:
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = GatedBackend(TorchBackend.from_pretrained(tiny_llama_dir))
     engine = Engine(backend, capacity=16, batch_window_s=0.0).start()
@@ -104,7 +104,7 @@ def test_base_model_requests_skip_the_adapter_and_get_batches_of_their_own(
             [s.token_ids for s in base_alone.samples]
         backend.gate.clear()
         blocker = engine.submit(_job(n=1, seed=9))
-        wait_until(lambda: backend.entered == 3)
+        wait_for(lambda: backend.entered == 3)
         sink = Sink()
         tuned = engine.submit(_job(seed=7))
         base = engine.submit(_job(seed=7), sink=sink, base_model=True)
@@ -137,7 +137,7 @@ class LeavesAfterFirstStep(Sink):
 
 @pytest.fixture
 def gated_engine(tiny_llama_dir: Path):
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     backend = GatedBackend(TorchBackend.from_pretrained(tiny_llama_dir))
     engine = Engine(backend, capacity=2, batch_window_s=0.0).start()
@@ -149,7 +149,7 @@ def gated_engine(tiny_llama_dir: Path):
 def _cancelled(future) -> bool:
     with pytest.raises(StatusError) as e:
         future.result(60)
-    return e.value.code == grpc.StatusCode.CANCELLED
+    return e.value.kind is Kind.CANCELLED
 
 
 def test_a_batch_whose_requests_all_left_stops(gated_engine) -> None:
@@ -165,7 +165,7 @@ def test_a_batch_whose_requests_all_left_stops(gated_engine) -> None:
 def test_abandoned_requests_are_dropped_from_the_queue(gated_engine) -> None:
     backend, engine = gated_engine
     blocker = engine.submit(_job(n=1, seed=9))
-    wait_until(lambda: backend.entered == 1)
+    wait_for(lambda: backend.entered == 1)
     plain = engine.submit(_job(n=1, seed=1))  # no sink: the batch decodes to the end
     split_sink, queued_sink = LeavesAfterFirstStep(), Sink()
     split = engine.submit(_job(n=3, seed=2), sink=split_sink)  # 1 sample fits, 2 wait

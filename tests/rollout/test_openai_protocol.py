@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import pytest
 
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.engine import rng
-from gridrl.rollout.engine import BASE_MODEL, ServingAdapter
 from gridrl.rollout.openai_decode import SampleText
 from gridrl.rollout.openai_protocol import (
     OpenAIError,
@@ -19,6 +17,7 @@ from gridrl.rollout.openai_protocol import (
     parse_body,
     prepare,
 )
+from gridrl.rollout.scheduler import BASE_MODEL, ServingAdapter
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 
@@ -131,6 +130,15 @@ def test_fields_become_the_job_generate_would_queue(codec: TextCodec) -> None:
     assert _prepare(codec).job.sampling.max_tokens == 16  # completions default: OpenAI's
     assert _prepare(codec, top_k=-1).job.sampling.top_k == 0  # vLLM's "disabled"
     assert _prepare(codec, "chat", logprobs=True, top_logprobs=0).logprobs
+    # alternatives and the prompt's logprobs (echo) become the job's
+    top = _prepare(codec, logprobs=5, echo=True, max_tokens=0)
+    assert top.top_logprobs == top.job.sampling.top_logprobs == 5 and top.echo
+    assert top.job.prompt_logprobs == 5 and top.job.sampling.max_tokens == 0
+    assert top.prompt_text == "the cat"
+    assert _prepare(codec, echo=True).job.prompt_logprobs is None  # text only: nothing scored
+    chat_top = _prepare(codec, "chat", logprobs=True, top_logprobs=20)
+    assert chat_top.job.sampling.top_logprobs == 20 and chat_top.job.prompt_logprobs is None
+    assert _prepare(codec, return_token_ids=True).token_ids
 
 
 def test_seed_gives_generate_sequence_seeds(codec: TextCodec) -> None:
@@ -146,7 +154,8 @@ def test_seed_gives_generate_sequence_seeds(codec: TextCodec) -> None:
     ({"top_k": -2}, "top_k", ">= 0"),
     ({"n": 0}, "n", "[1,"),
     ({"n": 5}, "n", "[1, 4] on this node"),
-    ({"max_tokens": 0}, "max_tokens", "[1,"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with echo: true"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens", "[0,"),
     ({"max_tokens": 33}, "max_tokens", "[1, 32] on this node"),
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),
     ({"prompt": [5, 600]}, "prompt", "outside the vocabulary"),
@@ -155,8 +164,9 @@ def test_seed_gives_generate_sequence_seeds(codec: TextCodec) -> None:
     ({"stop": ["a", ""]}, "stop[1]", "must not be empty"),
     ({"stop_token_ids": [512]}, "stop_token_ids", "outside the vocabulary"),
     ({"seed": -1}, "seed", "[0,"),
-    ({"logprobs": 2}, "logprobs", "only 0"),
-    ({"echo": True}, "echo", "not supported"),
+    ({"logprobs": 21}, "logprobs", "must be in [0, 20] (alternatives per token), got 21"),
+    ({"logprobs": -1}, "logprobs", "must be in [0, 20]"),
+    ({"echo": True, "stream": True}, "echo", "not supported with stream"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ({"best_of": 3}, "best_of", "must equal n"),
@@ -177,7 +187,8 @@ def test_bad_completion_fields_are_400_naming_the_field(codec: TextCodec, body, 
     ({"messages": []}, "messages", "at least 1"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid"),
-    ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "only 0"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs",
+     "must be in [0, 20] (alternatives per token), got 21"),
     ({"top_logprobs": 0}, "top_logprobs", "needs logprobs"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "text"),
@@ -197,12 +208,11 @@ def test_chat_prompt_beyond_the_context_names_messages(codec: TextCodec) -> None
 
 
 def test_status_errors_map_to_openai_statuses() -> None:
-    assert OpenAIError.from_status(StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+    assert OpenAIError.from_status(StatusError(Kind.RESOURCE_EXHAUSTED,
                                                "queue full")).status == 429
-    assert OpenAIError.from_status(StatusError(grpc.StatusCode.UNAVAILABLE, "x")).status == 503
-    assert OpenAIError.from_status(StatusError(grpc.StatusCode.INTERNAL, "x")).status == 500
-    bad = OpenAIError.from_status(StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                              "sampling.stop_token_ids[2]: out"))
+    assert OpenAIError.from_status(StatusError(Kind.UNAVAILABLE, "x")).status == 503
+    assert OpenAIError.from_status(StatusError(Kind.INTERNAL, "x")).status == 500
+    bad = OpenAIError.from_status(invalid_argument("sampling.stop_token_ids[2]", "out"))
     assert (bad.status, bad.param, bad.message) == (400, "stop_token_ids",
                                                     "stop_token_ids[2]: out")
 

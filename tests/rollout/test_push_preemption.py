@@ -15,9 +15,11 @@ import concurrent.futures
 import grpc
 import pytest
 from prometheus_client import REGISTRY
-from rollout_helpers import SlowBackend, push_dir, rpc_error, tree, wait_until
+from rollout_helpers import SlowBackend, push_dir, rpc_error, tree
+from waiting import wait_for
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
+from gridrl.master.config import Liveness
 from gridrl.master.server import Master
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -78,7 +80,7 @@ def test_push_that_cannot_be_applied_in_time_fails_and_never_applies(
     expired = _expired()
     e = rpc_error(lambda: push_dir(node.stub, tiny_adapters["a"], "a", 1, timeout=2))
     assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_until(lambda: _expired() == expired + 1)  # the node gave up on it too
+    wait_for(lambda: _expired() == expired + 1)  # the node gave up on it too
     assert node.info().adapter.version == 0
     slow.stall.set()
     samples = long.result(120).samples
@@ -94,8 +96,7 @@ def test_push_that_cannot_be_applied_in_time_fails_and_never_applies(
 
 @pytest.fixture
 def master():
-    m = Master("127.0.0.1:0", heartbeat_interval_s=0.2, unhealthy_after_s=0.6,
-               expire_after_s=1.2, grace_s=0.5).start()
+    m = Master("127.0.0.1:0", liveness=Liveness(0.2, 0.6, 1.2), grace_s=0.5).start()
     yield m
     m.stop(0)
 
@@ -118,18 +119,18 @@ def test_node_info_and_heartbeats_answer_while_a_push_waits_on_a_batch(
     ignores interruptions (stalled) while a push waits for it."""
     slow = SlowBackend(tiny_backend, step_s=0.0, hold_from=None)
     node = live_node(slow, batch_window_s=0.0, master=master.address)
-    wait_until(lambda: node.node.registrar.registered)
+    wait_for(lambda: node.node.registrar.registered)
     slow.stall.clear()
     pool = concurrent.futures.ThreadPoolExecutor(2)
     long = pool.submit(node.generate, timeout=120, **{**LONG, "max_tokens": 20})
     assert slow.stalled.wait(60)
     push = pool.submit(push_dir, node.stub, tiny_adapters["a"], "a", 1, timeout=120)
-    wait_until(node.engine.preempt_pending)  # the push waits for the stalled step
+    wait_for(node.engine.preempt_pending)  # the push waits for the stalled step
     info = node.info()  # GetNodeInfo, 10 s deadline
     assert info.adapter.version == 0 and info.queue_depth == 0
     seen = _record(master.address).last_seen.ToNanoseconds()
     for _ in range(3):  # three more heartbeats while the push waits on the batch
-        wait_until(lambda s=seen: _record(master.address).last_seen.ToNanoseconds() > s)
+        wait_for(lambda s=seen: _record(master.address).last_seen.ToNanoseconds() > s)
         record = _record(master.address)
         seen = record.last_seen.ToNanoseconds()
         assert record.info.adapter.version == 0
@@ -138,4 +139,4 @@ def test_node_info_and_heartbeats_answer_while_a_push_waits_on_a_batch(
     slow.stall.set()
     assert push.result(60).serving.version == 1
     assert [s.adapter_version for s in long.result(120).samples] == [1, 1]
-    wait_until(lambda: _record(master.address).info.adapter.version == 1)
+    wait_for(lambda: _record(master.address).info.adapter.version == 1)

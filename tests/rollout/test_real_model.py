@@ -57,7 +57,7 @@ def test_peft_push_to_an_mlx_node(smollm2_dir, tmp_path) -> None:
     """The node converts the peft push to mlx-lm and serves what peft gives locally (within
     float32 rounding across frameworks)."""
     pytest.importorskip("mlx.core")
-    from gridrl.engine.backends.mlx import MlxBackend
+    from gridrl.engine.backends.mlx.backend import MlxBackend
 
     mlx_backend = MlxBackend.from_pretrained(smollm2_dir, device="cpu")
     prompt = chat_ids(mlx_backend.tokenizer, "Reverse the words: the cat sat on the mat")

@@ -4,9 +4,11 @@ serving while the master is down, registers again when it returns, deregisters o
 from __future__ import annotations
 
 import pytest
-from rollout_helpers import push_dir, wait_until
+from rollout_helpers import push_dir
+from waiting import wait_for
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
+from gridrl.master.config import Liveness
 from gridrl.master.server import Master
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -14,8 +16,7 @@ HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S = 0.2, 0.6, 1.2
 
 
 def _master(port: int) -> Master:
-    return Master(f"127.0.0.1:{port}", heartbeat_interval_s=HEARTBEAT_S,
-                  unhealthy_after_s=UNHEALTHY_S, expire_after_s=EXPIRE_S, grace_s=0.5).start()
+    return Master(f"127.0.0.1:{port}", liveness=Liveness(HEARTBEAT_S, UNHEALTHY_S, EXPIRE_S), grace_s=0.5).start()
 
 
 def _nodes(address: str) -> list[registry_pb2.NodeRecord]:
@@ -45,7 +46,7 @@ def test_registers_heartbeats_and_survives_the_master(live_node, start_master,
                                                       tiny_adapters) -> None:
     master = start_master()
     node = live_node(master=master.address, capacity=6)
-    wait_until(lambda: len(_nodes(master.address)) == 1)
+    wait_for(lambda: len(_nodes(master.address)) == 1)
     record = _nodes(master.address)[0]
     info = record.info
     assert info.address == node.node.address and info.role == common_pb2.NODE_ROLE_ROLLOUT
@@ -55,15 +56,15 @@ def test_registers_heartbeats_and_survives_the_master(live_node, start_master,
     assert record.status == common_pb2.NODE_STATUS_HEALTHY
 
     push_dir(node.stub, tiny_adapters["a"], "run", 4)
-    wait_until(lambda: _nodes(master.address)[0].info.adapter.version == 4)
+    wait_for(lambda: _nodes(master.address)[0].info.adapter.version == 4)
 
     master.stop(0)  # the node keeps serving without its master
     assert len(node.generate(max_tokens=2).samples) == 1
     master = start_master()  # same port, empty registry
-    wait_until(lambda: len(_nodes(master.address)) == 1)
+    wait_for(lambda: len(_nodes(master.address)) == 1)
     back = _nodes(master.address)[0]
     assert back.info.address == node.node.address and back.info.adapter.version == 4
-    wait_until(lambda: node.node.registrar.registered)  # the reply may land after the record
+    wait_for(lambda: node.node.registrar.registered)  # the reply may land after the record
 
     node.close()  # deregisters on the way out
-    wait_until(lambda: not _nodes(master.address))
+    wait_for(lambda: not _nodes(master.address))

@@ -10,7 +10,8 @@ import urllib.request
 import grpc
 import pytest
 from engine_helpers import PROMPT
-from rollout_helpers import GatedBackend, rpc_error, wait_until
+from rollout_helpers import GatedBackend, push_dir, rpc_error
+from waiting import wait_for
 
 from gridrl.rollout.text import TextCodec
 from gridrl.v1 import common_pb2, rollout_pb2
@@ -50,11 +51,11 @@ def test_seed_determinism_across_batch_compositions(live_node, tiny_backend) -> 
     gated.gate.clear()
     pool = concurrent.futures.ThreadPoolExecutor(4)
     blocker = pool.submit(node.generate, [30, 31], max_tokens=2, seed=1)
-    wait_until(lambda: gated.entered == 2)
+    wait_for(lambda: gated.entered == 2)
     others = [pool.submit(node.generate, [40 + i, 41, 42, 43][:2 + i], n=3, max_tokens=6,
                           temperature=0.7, top_k=9, seed=i) for i in range(2)]
     target = pool.submit(node.generate, n=4, max_tokens=8, temperature=0.9, top_p=0.9, seed=5)
-    wait_until(lambda: node.engine.queue_depth == 3)
+    wait_for(lambda: node.engine.queue_depth == 3)
     gated.gate.set()
     together = target.result(30)
     for f in (blocker, *others):
@@ -83,9 +84,9 @@ def test_queue_full_is_resource_exhausted(live_node, tiny_backend) -> None:
     node = live_node(gated, max_queue=2, batch_window_s=0.0)
     pool = concurrent.futures.ThreadPoolExecutor(4)
     running = pool.submit(node.generate, max_tokens=2)
-    wait_until(lambda: gated.entered == 1)
+    wait_for(lambda: gated.entered == 1)
     queued = [pool.submit(node.generate, max_tokens=2, seed=i) for i in range(2)]
-    wait_until(lambda: node.engine.queue_depth == 2)
+    wait_for(lambda: node.engine.queue_depth == 2)
     e = rpc_error(lambda: node.generate(max_tokens=2))
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.details()
     gated.gate.set()
@@ -161,7 +162,7 @@ BAD_REQUESTS = [
 def validating_node(tiny_llama_dir, tmp_path_factory):
     from rollout_helpers import LiveNode
 
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     node = LiveNode(TorchBackend.from_pretrained(tiny_llama_dir),
                     tmp_path_factory.mktemp("validating"), max_tokens=300)
@@ -215,7 +216,7 @@ def test_metrics(live_node) -> None:
 
 
 def test_credentials_are_required(live_node, creds) -> None:
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import rollout_pb2_grpc
 
     node = live_node(security=creds.security(None, authorized=True))
@@ -236,7 +237,7 @@ def test_requests_over_16_mib_are_refused_before_the_credential_check(live_node,
     by gRPC while it is read (RESOURCE_EXHAUSTED), before the credential check, so a caller
     without a credential cannot make the node buffer the channels' 64 MiB; a trainer's
     ordinary Generate still goes through."""
-    from gridrl.common.channel import NODE_REQUEST_BYTES, dial
+    from gridrl.common.rpc.channel import NODE_REQUEST_BYTES, dial
     from gridrl.v1 import rollout_pb2_grpc
 
     node = live_node(security=creds.security(None, authorized=True))
@@ -251,3 +252,55 @@ def test_requests_over_16_mib_are_refused_before_the_credential_check(live_node,
     request = rollout_pb2.GenerateRequest(prompt_token_ids=PROMPT,
                                           sampling=common_pb2.SamplingParams(max_tokens=2))
     assert len(trainer.Generate(request, timeout=30).samples) == 1
+
+
+def test_keep_cache_lets_the_next_turn_reuse_the_node_s_keys_and_values(live_node,
+                                                                     tiny_llama_dir) -> None:
+    """Generate(keep_cache) leaves each sample's keys/values on the node; a request whose prompt
+    continues a sample prefills only its new tokens, and samples what a cold node samples."""
+    from gridrl.engine.backends.torch.backend import TorchBackend
+    from gridrl.v1 import common_pb2, rollout_pb2
+
+    backend = TorchBackend.from_pretrained(tiny_llama_dir, prefix_cache_bytes=16 << 20)
+    node = live_node(backend)
+    first = node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, keep_cache=True, sampling=common_pb2.SamplingParams(
+            n=2, max_tokens=5, temperature=1.0, seed=3)), timeout=60)
+    assert backend.prefix_cache.stats.stored == 2
+    cont = PROMPT + list(first.samples[0].token_ids) + [4, 5, 6]
+    warm = node.generate(cont, n=1, max_tokens=5, temperature=1.0, seed=4)
+    assert backend.prefix_cache.stats.hits == 1
+    assert backend.prefix_cache.stats.reused_tokens == len(PROMPT) + 4
+    cold = live_node().generate(cont, n=1, max_tokens=5, temperature=1.0, seed=4)
+    assert list(warm.samples[0].token_ids) == list(cold.samples[0].token_ids)
+    assert list(warm.samples[0].logprobs) == pytest.approx(list(cold.samples[0].logprobs),
+                                                           abs=1e-5)
+
+
+def test_a_push_invalidates_the_prefix_cache_even_of_the_same_weights(live_node, tiny_llama_dir,
+                                                                     tiny_adapters) -> None:
+    """The prefix cache is keyed by the served adapter's name AND policy version (the node's
+    backend key ``<name>-v<version>-<n>``): keys and values kept under v1 are never reused
+    under v2, even when v2 carries the very same weights, and they are freed with v1."""
+    from gridrl.engine.backends.torch.backend import TorchBackend
+    from gridrl.v1 import common_pb2, rollout_pb2
+
+    backend = TorchBackend.from_pretrained(tiny_llama_dir, prefix_cache_bytes=16 << 20)
+    node = live_node(backend)
+    cache = backend.prefix_cache
+
+    def turn(prompt, seed):
+        return node.stub.Generate(rollout_pb2.GenerateRequest(
+            prompt_token_ids=prompt, keep_cache=True, sampling=common_pb2.SamplingParams(
+                n=1, max_tokens=5, temperature=1.0, seed=seed)), timeout=60).samples[0]
+
+    push_dir(node.stub, tiny_adapters["a"], "run", 1)
+    first = turn(PROMPT, 3)
+    assert first.adapter_version == 1 and cache.stats.stored == 1
+    cont = PROMPT + list(first.token_ids) + [4, 5, 6]
+    assert turn(cont, 4).adapter_version == 1 and cache.stats.hits == 1  # same version: reused
+    push_dir(node.stub, tiny_adapters["a"], "run", 2)  # the same files, the next version
+    assert cache.stats.bytes == 0 and len(cache) == 0  # v1's entries went with v1
+    hits = cache.stats.hits
+    again = turn(cont, 4)
+    assert again.adapter_version == 2 and cache.stats.hits == hits  # prefilled afresh

@@ -10,14 +10,16 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
-from rollout_helpers import PROMPT, wait_until
+from rollout_helpers import PROMPT
 from vllm_standin import StandInVllm
+from waiting import wait_for
 
 from gridrl.adapters import read_dir
-from gridrl.engine.backends.vllm import (
+from gridrl.engine.backends.vllm.backend import (
     PROBE_TOP_K,
     DecodeInterrupted,
     VllmBackend,
@@ -71,7 +73,7 @@ def connect(tiny_llama_dir: Path, tmp_path: Path):
 @pytest.fixture
 def reference(tiny_llama_dir: Path):
     """A torch backend on the same weights: the contract's score, to check behaviour logprobs."""
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     return TorchBackend.from_pretrained(tiny_llama_dir)
 
@@ -357,7 +359,7 @@ def test_an_interrupted_batch_cancels_its_requests(standin, connect) -> None:
     with pytest.raises(DecodeInterrupted):  # once vLLM has all of them
         backend.generate(batch, None, observer=Observer(
             lambda: len(server.completions) - started >= len(batch)))
-    wait_until(lambda: server.aborted == len(batch), timeout=30)
+    wait_for(lambda: server.aborted == len(batch), timeout_s=30)
     server.step_delay = 0.0
     short = [SequenceRequest(prompt_ids=list(PROMPT), sampling=CONFIGS[0], seed=0)]
     assert len(backend.generate(short, None, observer=Observer(lambda: False))[0]
@@ -397,3 +399,53 @@ def test_connect_clears_what_an_earlier_node_left(standin, connect, tmp_path,
     connect(server, landing_dir=landing)
     assert stale.name not in server.loras and not stale.exists()
     assert list(landing.iterdir()) == []
+
+
+def test_an_interrupted_batch_says_how_it_stopped() -> None:
+    """vLLM sees no decode steps: the interruption reports 0 steps and why, as an int and a
+    message (the scheduler logs ``e.steps`` with %d)."""
+    import asyncio
+
+    from gridrl.engine.backends.vllm.backend import _LoopThread
+    from gridrl.engine.contract import DecodeInterrupted
+
+    loop = _LoopThread()
+    try:
+        with pytest.raises(DecodeInterrupted) as e:
+            loop.run(asyncio.sleep(30), SimpleNamespace(interrupted=lambda: True))
+    finally:
+        loop.close()
+    assert e.value.steps == 0
+    assert str(e.value) == "decoding interrupted after 0 step(s): its vLLM requests were cancelled"
+
+
+def test_alternatives_and_prompt_scores_come_from_vllm(standin, connect, reference) -> None:
+    """``top_logprobs`` N asks vLLM for ``logprobs`` N: each position's N most likely tokens of
+    the processed distribution (the sampled one, which vLLM adds, left out unless among them),
+    as the reference's teacher-forced ``score_top``; a prompt's scores come from vLLM's
+    ``prompt_logprobs`` (raw, the model's distribution) with their alternatives."""
+    backend = connect(standin())
+    batch = [SequenceRequest(list(PROMPT), SamplingConfig(6, 0.7, top_k=20, top_logprobs=4),
+                             seed=3),
+             SequenceRequest(list(PROMPT), SamplingConfig(4, 0.0, top_logprobs=2), seed=4),
+             SequenceRequest(list(PROMPT), SamplingConfig(4, 1.0), seed=5)]
+    results = backend.generate(batch, None)
+    _assert_behaviour_logprobs(reference, batch, results)
+    for req, res in zip(batch, results, strict=True):
+        n = req.sampling.top_logprobs
+        if not n:
+            assert res.top_logprobs == []
+            continue
+        _, want = reference.score_top(req.prompt_ids, res.token_ids, req.sampling, None, n)
+        for got, exp in zip(res.top_logprobs, want, strict=True):
+            assert [t for t, _ in got] == [t for t, _ in exp]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(got, exp, strict=True)) < TOL
+    greedy = SamplingConfig(1, 0.0)
+    prompt = [5, 12, 13, 2, 6]
+    mine = backend.score_top(prompt[:1], prompt[1:], greedy, None, 3)
+    theirs = reference.score_top(prompt[:1], prompt[1:], greedy, None, 3)
+    assert max(abs(a - b) for a, b in zip(mine[0], theirs[0], strict=True)) < TOL
+    assert [[t for t, _ in pairs] for pairs in mine[1]] == \
+        [[t for t, _ in pairs] for pairs in theirs[1]]
+    with pytest.raises(NotImplementedError, match="without alternatives"):
+        backend.score_top(list(PROMPT), [30], SamplingConfig(1, 0.6, top_k=5), None, 2)

@@ -18,12 +18,14 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from rollout_helpers import PROMPT, push_dir, rpc_error, wait_until
+from rollout_helpers import PROMPT, push_dir, rpc_error
 from vllm_standin import StandInVllm
+from waiting import wait_for
 
-from gridrl.common.channel import dial
-from gridrl.engine.backends.vllm import VllmBackend
+from gridrl.common.rpc.channel import dial
+from gridrl.engine.backends.vllm.backend import VllmBackend
 from gridrl.engine.contract import SamplingConfig
+from gridrl.master.config import Liveness
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 TOL = 1e-4
@@ -59,7 +61,7 @@ def vllm_node(live_node, tiny_llama_dir: Path, tmp_path: Path):
 
 @pytest.fixture
 def reference(tiny_llama_dir: Path):
-    from gridrl.engine.backends.torch import TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
 
     return TorchBackend.from_pretrained(tiny_llama_dir)
 
@@ -190,14 +192,13 @@ def test_serve_process_registers_generates_and_takes_pushes(standin, service_fac
     key_file = tmp_path / "vllm.key"
     key_file.write_text("s3cret\n")
     # the stand-in's model shares this process (and its GIL) with the master: lenient timings
-    master = Master("127.0.0.1:0", heartbeat_interval_s=0.2, unhealthy_after_s=10,
-                    expire_after_s=60, grace_s=0.5).start()
+    master = Master("127.0.0.1:0", liveness=Liveness(0.2, 10, 60), grace_s=0.5).start()
     try:
         node = service_factory(_serve_argv(server, tiny_llama_dir, tmp_path / "adapters",
                                            "--vllm-api-key-file", str(key_file),
                                            "--master", master.address, metrics_port=0),
                                "vllm-node")
-        wait_until(lambda: len(_records(master.address)) == 1)
+        wait_for(lambda: len(_records(master.address)) == 1)
         info = _records(master.address)[0].info
         assert info.backend == common_pb2.BACKEND_VLLM
         assert info.adapter_format == common_pb2.ADAPTER_FORMAT_PEFT
@@ -216,7 +217,7 @@ def test_serve_process_registers_generates_and_takes_pushes(standin, service_fac
             assert server.completions[-1]["prompt"] == PROMPT and text.samples[0].text
 
             push_dir(stub, tiny_adapters["a"], "run", 1)
-            wait_until(lambda: _records(master.address)[0].info.adapter.version == 1)
+            wait_for(lambda: _records(master.address)[0].info.adapter.version == 1)
             err = rpc_error(lambda: push_dir(stub, tiny_adapters["b"], "run", 2))
             assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(),
@@ -228,7 +229,7 @@ def test_serve_process_registers_generates_and_takes_pushes(standin, service_fac
                   if line.startswith("gridrl_rollout_completion_tokens_total ")]
         assert tokens and float(tokens[0].split()[1]) >= 3
         assert node.stop(signal.SIGTERM) == 0
-        wait_until(lambda: not _records(master.address))
+        wait_for(lambda: not _records(master.address))
         assert "processed logprobs" in node.log()
     finally:
         master.stop(0)

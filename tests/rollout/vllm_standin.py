@@ -1,6 +1,6 @@
 """A stand-in for ``vllm serve MODEL`` on a tiny model, for the vllm backend's tests (imported as
 ``vllm_standin``). No vLLM runs on these machines; this server answers real HTTP with the shapes
-of vLLM 0.33.0's OpenAI routes (see ``gridrl.engine.backends.vllm`` for the file and line
+of vLLM 0.33.0's OpenAI routes (see ``gridrl.engine.backends.vllm.backend`` for the file and line
 ranges it follows) and samples honestly:
 
 - the model is the tiny llama (transformers), LoRA adapters are loaded by peft from the path

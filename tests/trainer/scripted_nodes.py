@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Mapping
 
-import grpc
-
-from gridrl.common.errors import StatusError, invalid_argument
-from gridrl.common.server import GrpcServer
-from gridrl.common.transport import format_enum, manifest_to_dict, receive_push
+from gridrl.adapters import AdapterManifest
+from gridrl.adapters.wire import adapter_format_to_proto
+from gridrl.common.errors import Kind, StatusError, invalid_argument
+from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.transport import receive_push
+from gridrl.models import ModelIdentity
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 IDENTITY = {"architecture": "llama", "hidden_size": 64, "num_layers": 2, "vocab_size": 512}
+# The trainer's base model in the pool / sync tests (the scripted nodes serve IDENTITY).
+BASE = ModelIdentity(model_id="tiny", max_context=2048, **IDENTITY)
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 _BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
              "vllm": common_pb2.BACKEND_VLLM}
@@ -75,7 +77,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _check_up(self) -> None:
         if self.down:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self.address} is asleep")
+            raise StatusError(Kind.UNAVAILABLE, f"{self.address} is asleep")
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -94,7 +96,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             self._sleep(self.generate_s)
             if self.fail_generate:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, f"{self.address}: engine failed")
+                raise StatusError(Kind.UNAVAILABLE, f"{self.address}: engine failed")
             name, version = self.adapter
             samples = [common_pb2.Sample(token_ids=[10 + i, 2], logprobs=[-0.5, -0.25],
                                          text=f"sample {i}",
@@ -113,7 +115,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         received = receive_push(request_iterator, max_bytes=64 << 20)
         self._sleep(self.push_s)
         self._check_up()
-        manifest = manifest_to_dict(received.manifest)
+        manifest = AdapterManifest.from_proto(received.manifest).to_dict()
         with self._lock:
             self.pushes.append(manifest)
             self.pushed_files.append(received.files)
@@ -125,7 +127,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
     def ReloadAdapter(self, request, context):
         self._check_up()
         if request.WhichOneof("target") != "base_model":
-            raise StatusError(grpc.StatusCode.UNIMPLEMENTED, "scripted node: base_model only")
+            raise StatusError(Kind.UNIMPLEMENTED, "scripted node: base_model only")
         with self._lock:
             self.reloads += 1
             self.adapter = ("", 0)
@@ -141,7 +143,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         name, version = self.adapter
         return common_pb2.NodeInfo(
             address=self.address, role=common_pb2.NODE_ROLE_ROLLOUT,
-            backend=_BACKENDS[self.backend], adapter_format=format_enum(self.adapter_format),
+            backend=_BACKENDS[self.backend], adapter_format=adapter_format_to_proto(self.adapter_format),
             base_model=common_pb2.BaseModel(model_id="tiny", **self.identity),
             adapter=common_pb2.AdapterRef(name=name, version=version), capacity=self.capacity,
             max_n=64, max_tokens=512, max_context=1024, device="cpu", dtype="float32")
@@ -163,15 +165,6 @@ class NodeFarm:
             node.kill()
 
 
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``predicate`` every 20 ms; AssertionError naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def peft_files(version_seed: int = 0) -> dict[str, bytes]:
     """A real (small) peft LoRA adapter for the tiny llama, built with numpy: r=4, alpha=8,
     q_proj / v_proj of both blocks. Different seeds give different weights."""
@@ -191,11 +184,3 @@ def peft_files(version_seed: int = 0) -> dict[str, bytes]:
               "use_rslora": False, "use_dora": False, "base_model_name_or_path": "tiny"}
     return {"adapter_config.json": json.dumps(config).encode(),
             "adapter_model.safetensors": save(tensors)}
-
-
-def peft_manifest(files: Mapping[str, bytes], name: str, version: int) -> dict:
-    """The ``gridrl.adapters`` manifest dict of peft ``files``."""
-    from gridrl.adapters import build_manifest
-
-    return build_manifest(files, name=name, version=version,
-                          base_model={"model_id": "tiny", **IDENTITY}, infer_local=False).to_dict()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gridrl.trainer.admission import admit, readmission
+from gridrl.trainer.grpo.admission import admit, readmission
 from gridrl.trainer.rollouts import Group, RolloutSample
 
 LINEAGE = {0: 0, 3: 2, 4: 3, 5: 4}  # version -> step whose weights it names

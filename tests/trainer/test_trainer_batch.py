@@ -12,19 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-from gridrl.trainer import grpo
-from gridrl.trainer.backend import UpdateStats
-from gridrl.trainer.batch import build_batch
+from gridrl.trainer.backends.base import UpdateStats
 from gridrl.trainer.evaluation import EvalResult, standard_error
-from gridrl.trainer.prefetch import StepRollouts
-from gridrl.trainer.records import (
-    IS_KEYS,
-    STEP_REPORT_FIELDS,
-    StepRecord,
-    SyncOutcome,
-    step_report,
-)
-from gridrl.trainer.rollouts import Group, RolloutSample
+from gridrl.trainer.grpo import advantages as grpo
+from gridrl.trainer.grpo.batch import build_batch
+from gridrl.trainer.report.records import IS_KEYS, STEP_REPORT_FIELDS, StepRecord, SyncOutcome
+from gridrl.trainer.report.status import step_report
+from gridrl.trainer.rollouts import Group, RolloutSample, StepRollouts
 from gridrl.trainer.tasks import TaskItem
 
 # version -> the step whose weights it names
@@ -101,7 +95,8 @@ def test_step_record_json_keeps_the_log_keys():
     assert (bare["loss"], bare["mismatch_kl"], bare["updated"], bare["eval_score"]) == (
         0.0, 0.0, False, None)
     assert bare["nodes"]["a"] == {"samples": 3, "dropped": 1, "versions": [0, 3, 4],
-                                  "staleness_mean": 0.5, "fresh_mismatch_kl": None}
+                                  "staleness_mean": 0.5, "fresh_mismatch_kl": None,
+                                  "tokens_per_s": 6 / 0.5}  # its group: 6 tokens in 0.5 s
     assert (bare["rollout_s"], bare["rollout_wait_s"], bare["tokens_per_s"]) == (2.0, 0.25, 5.0)
     assert (bare["staleness_max"], bare["samples_used"], bare["dropped_samples"]) == (1, 4, 2)
     assert bare["excluded_samples"] == {}
@@ -127,8 +122,13 @@ def test_step_record_json_keeps_the_log_keys():
     assert (record["eval_score"], record["eval_policy_version"]) == (0.75, 5)
     assert (record["eval_stderr"], record["eval_n"]) == (0.125, 4)
     assert json.loads(json.dumps(record)) == record
-    assert full.report() == step_report(record) == {k: record[k] for k in STEP_REPORT_FIELDS}
-    assert full.importance() == {}
+    report = step_report(full)  # the gridrl.v1.StepReport fields are the record's
+    assert {k: getattr(report, k) if k != "eval_score" or report.HasField(k) else None
+            for k in STEP_REPORT_FIELDS} == {k: record[k] for k in STEP_REPORT_FIELDS}
+    assert not step_report(StepRecord.of_step(batch, None, SyncOutcome(), None, {},
+                                              **base)).HasField("eval_score")
+    assert StepRecord.from_json(json.loads(json.dumps(record))) == full  # read back typed
+    assert (full.is_weight_mean, full.is_weight_max, full.is_limited_fraction) == (None,) * 3
 
     corrected = UpdateStats(loss=0.5, mismatch_kl=1e-3, per_sequence_mismatch_kl=[0.0] * 4,
                             tokens=6, is_weight_mean=1.25, is_weight_max=3.5,
@@ -136,8 +136,8 @@ def test_step_record_json_keeps_the_log_keys():
     with_is = StepRecord.of_step(batch, corrected, SyncOutcome(), None, {}, **base)
     assert set(with_is.to_json()) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl",
                                                "train_tokens", *IS_KEYS}
-    assert with_is.importance() == {"is_weight_mean": 1.25, "is_weight_max": 3.5,
-                                    "is_limited_fraction": 0.25}
+    assert {k: with_is.to_json()[k] for k in IS_KEYS} == {
+        "is_weight_mean": 1.25, "is_weight_max": 3.5, "is_limited_fraction": 0.25}
 
 
 def test_eval_standard_error_by_hand():
@@ -150,7 +150,7 @@ def test_eval_standard_error_by_hand():
 
 
 def test_the_loop_imports_no_tensor_framework():
-    code = ("import sys, gridrl.trainer.loop, gridrl.trainer.cli; print(sorted(m for m in "
+    code = ("import sys, gridrl.trainer.run.driver, gridrl.trainer.cli; print(sorted(m for m in "
             "sys.modules if m.split('.')[0] in ('torch', 'mlx', 'transformers', 'peft')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

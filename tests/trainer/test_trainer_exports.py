@@ -13,13 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from trainer_runs import BIN, ENV, run_args, write_task_files
 from trainer_runs import records as read_records
+from waiting import wait_for
 
-from gridrl.trainer.trackers import (
+from gridrl.common.errors import Kind
+from gridrl.trainer.report.trackers import (
     extra_requirement,
     parse_report_to,
     require,
@@ -159,7 +160,6 @@ def test_resume_after_kill_9_continues_the_tracker_runs(tiny_llama_dir: Path,
     killed run had logged (each step appears once, with the resumed run's value) and W&B
     continues the same run id."""
     import signal
-    import time
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -170,10 +170,8 @@ def test_resume_after_kill_9_continues_the_tracker_runs(tiny_llama_dir: Path,
                     eval_every=100, report_to="tensorboard,wandb", metrics_port=-1)
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while max((r.get("step", 0) for r in read_records(run_dir)), default=0) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: max((r.get("step", 0) for r in read_records(run_dir)), default=0) >= 3,
+                 180, "step 3 in log.jsonl", alive=proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -206,12 +204,12 @@ def test_report_to_names_and_missing_packages(monkeypatch) -> None:
     assert parse_report_to("wandb, tensorboard,wandb") == ["wandb", "tensorboard"]
     with pytest.raises(StatusError) as e:
         parse_report_to("tensorboard,mlflow")
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.kind is Kind.INVALID_ARGUMENT
     assert e.value.message.startswith("--report-to: unknown tracker 'mlflow'")
     monkeypatch.setitem(sys.modules, "trackio", None)  # what an uninstalled package looks like
     with pytest.raises(StatusError) as e:
         require(["tensorboard", "trackio"])
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.kind is Kind.FAILED_PRECONDITION
     assert e.value.message == ("--report-to trackio: the trackio package is not installed: "
                                f"pip install '{extra_requirement('trackio')}' (the "
                                "gridrl-trainer[trackio] extra)")
@@ -292,3 +290,60 @@ def test_run_mlx_adapter_loads_with_mlx_lm(run: dict, tiny_llama_dir: Path) -> N
     base, _ = load(str(tiny_llama_dir))
     assert np.abs(np.array(base(mx.array([IDS]))[0]) - want).max() > 1e-3
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def _peft_greedy(model_dir: Path, adapter: Path, prompt: list[int], tokens: int) -> list[int]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter).eval()
+    ids = list(prompt)
+    with torch.no_grad():  # argmax, token after token, eos or not (as mlx-lm's generate_step)
+        for _ in range(tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _mlx_greedy(model_dir: Path, adapter: Path, prompt: list[int], tokens: int
+                ) -> tuple[list[int], np.ndarray]:
+    """``mlx_lm.load(model_dir, adapter_path=adapter)`` with no override: its greedy tokens
+    (mlx-lm's own generator) and its logits over ``prompt``."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(model_dir), adapter_path=str(adapter))
+    steps = generate_step(mx.array(prompt), model, max_tokens=tokens)
+    return [int(t) for t, _ in steps], np.array(model(mx.array([prompt]))[0])
+
+
+@pytest.mark.mlx
+def test_mlx_lm_reads_the_model_directory_as_transformers_does(run: dict,
+                                                               tmp_path: Path) -> None:
+    """The same tiny llama with rope base 100000 (SmolLM2's), written as transformers 5 writes
+    it (``rope_parameters`` only): mlx-lm silently uses 10000 and its logits differ from
+    peft's; once gridrl wrote the directory's ``config.json`` (top-level ``rope_theta``, as the
+    converted cache and merged models carry it), ``mlx_lm.load(model_dir,
+    adapter_path=run/adapter-mlx)`` with no override gives peft's greedy tokens and logits."""
+    from gridrl.models import make_config_portable
+    from gridrl.models.testing import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path / "rope1e5", rope_theta=100000.0)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 100000.0
+    run_dir = run["run_dir"]
+    want = _torch_logits(model_dir, run_dir / "adapter")
+    _, wrong = _mlx_greedy(model_dir, run_dir / "adapter-mlx", IDS, 1)
+    assert np.abs(wrong - want).max() > 1e-3  # the rope base mlx-lm fell back to
+
+    assert make_config_portable(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0 and config["rope_parameters"]["rope_theta"] == 1e5
+    assert not make_config_portable(model_dir)  # nothing more to add
+    greedy, logits = _mlx_greedy(model_dir, run_dir / "adapter-mlx", IDS, 6)
+    assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
+    assert greedy == _peft_greedy(model_dir, run_dir / "adapter", IDS, 6)
+    assert np.abs(_torch_logits(model_dir, run_dir / "adapter") - want).max() == 0  # the same
+    # model for transformers 5, which reads rope_parameters first

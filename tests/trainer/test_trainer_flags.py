@@ -13,7 +13,7 @@ from rich.console import Console
 
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.local import LocalRollout
-from gridrl.trainer.loop import Trainer
+from gridrl.trainer.run.driver import train
 
 BAD = "10.0.0.9:50051"
 
@@ -26,17 +26,18 @@ class DefectiveNode:
         self.local = LocalRollout(backend, version)
         self.defect = defect
 
-    def generate_groups(self, prompts, **kw):
-        groups = self.local.generate_groups(prompts, **kw)
-        for g in groups[1::2]:
-            g.node = BAD
-            for s in g.samples:
+    def sample_turns(self, requests, **kw):
+        results = self.local.sample_turns(requests, **kw)
+        for request, samples in zip(requests, results, strict=True):
+            if request.group % 2 == 0:
+                continue
+            for s in samples:
                 s.node = BAD
                 if self.defect == "stale":
                     s.policy_version = 0
                 else:
                     s.logprobs = [lp - 0.5 for lp in s.logprobs]
-        return groups
+        return results
 
     def close(self) -> None:
         pass
@@ -52,8 +53,8 @@ def test_bad_node_is_dropped_and_flagged(tiny_llama_dir, tmp_path, defect, first
                       run_dir=str(tmp_path / "run"), rollout=["local"], flag_after=2,
                       lora_rank=4, lora_alpha=8).finalize()
     out = io.StringIO()
-    summary = Trainer(cfg, console=Console(file=out, width=300),
-                      source=lambda p, v: DefectiveNode(p, v, defect)).run()
+    summary = train(cfg, console=Console(file=out, width=300),
+                    source=lambda p, v: DefectiveNode(p, v, defect)).summary
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
     steps = {r["step"]: r for r in records if r.get("step")}
     assert sorted(steps) == [1, 2, 3, 4]
@@ -72,4 +73,4 @@ def test_bad_node_is_dropped_and_flagged(tiny_llama_dir, tmp_path, defect, first
             assert r["nodes"]["local"]["fresh_mismatch_kl"] < 1e-6
     assert reason in steps[first_flag]["flagged_nodes"][BAD]
     assert f"NODE FLAGGED  {BAD} at step {first_flag}" in out.getvalue()
-    assert summary["flagged_nodes"][BAD].startswith(reason.split(":")[0])
+    assert summary.flagged_nodes[BAD].startswith(reason.split(":")[0])

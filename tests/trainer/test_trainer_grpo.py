@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gridrl.trainer import grpo, grpo_torch
+from gridrl.trainer.backends.torch import losses as grpo_torch
+from gridrl.trainer.grpo import advantages as grpo
 
 
 def test_advantages_std_scaled_unbiased_std_and_eps():

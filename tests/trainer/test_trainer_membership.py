@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-from scripted_nodes import IDENTITY
+from dataclasses import replace
 
-from gridrl.trainer.membership import MAX_PROBE_BACKOFF_S, Membership
+import grpc
+import pytest
+from scripted_nodes import BASE, IDENTITY
+
+from gridrl.trainer.fleet.backoff import Backoff
+from gridrl.trainer.fleet.membership import MAX_PROBE_BACKOFF_S, Membership
+from gridrl.trainer.fleet.outcomes import FailureKind, GenerateFailure
 from gridrl.v1 import common_pb2, registry_pb2
 
 A, B = "10.0.0.1:50051", "10.0.0.2:50051"
@@ -26,13 +31,17 @@ def event(kind, address: str = A, healthy: bool = True, **kw) -> registry_pb2.Wa
         type=kind, node=registry_pb2.NodeRecord(info=info(address, **kw), status=status))
 
 
+def rpc(code: str, detail: str) -> GenerateFailure:
+    return GenerateFailure.of_rpc(grpc.StatusCode[code], detail)
+
+
 def ref(name: str, version: int) -> common_pb2.AdapterRef:
     return common_pb2.AdapterRef(name=name, version=version)
 
 
 @pytest.fixture
 def members() -> Membership:
-    m = Membership(IDENTITY, max_consecutive_failures=2, probe_interval_s=5.0)
+    m = Membership(BASE, max_consecutive_failures=2, probe_interval_s=5.0)
     m.add_static(A)
     return m
 
@@ -58,9 +67,9 @@ def test_static_node_probed_into_and_out_of_rotation(members) -> None:
 
 def test_failures_bench_and_probe_backoff_doubles_until_a_generate_succeeds(members) -> None:
     members.probe_answered(A, info(), 0.0)
-    members.generate_failed(A, "UNAVAILABLE", "down", now=10.0)
+    members.generate_failed(A, rpc("UNAVAILABLE", "down"), now=10.0)
     assert rotation(members) == [A]  # one failure of two
-    effects = members.generate_failed(A, "DEADLINE_EXCEEDED", "slow", now=11.0)
+    effects = members.generate_failed(A, rpc("DEADLINE_EXCEEDED", "slow"), now=11.0)
     assert rotation(members) == [] and effects.redial == [A]
     assert members.state(A).benched == ("2 consecutive Generate failures, last "
                                         "DEADLINE_EXCEEDED: slow")
@@ -68,18 +77,18 @@ def test_failures_bench_and_probe_backoff_doubles_until_a_generate_succeeds(memb
     members.probe_answered(A, info(), 16.0)
     assert rotation(members) == [A] and members.state(A).failures == 0
     for t in (20.0, 21.0):  # benched again before any Generate succeeded: 10 s
-        members.generate_failed(A, "UNAVAILABLE", "down", now=t)
+        members.generate_failed(A, rpc("UNAVAILABLE", "down"), now=t)
     assert members.probes_due(30.9) == [] and members.probes_due(31.0) == [A]
     members.probe_answered(A, info(), 31.0)
     usable, _ = members.generate_succeeded(A, "", 0, started_at=32.0, seconds=0.5)
     assert usable and members.state(A).group_s == 0.5
     for t in (40.0, 41.0):  # the success reset the backoff: 5 s again
-        members.generate_failed(A, "UNAVAILABLE", "down", now=t)
+        members.generate_failed(A, rpc("UNAVAILABLE", "down"), now=t)
     assert members.probes_due(46.0) == [A]
     # INVALID_ARGUMENT is the request's fault
     members.probe_answered(A, info(), 47.0)
     for _ in range(3):
-        members.generate_failed(A, "INVALID_ARGUMENT", "prompt too long", now=48.0)
+        members.generate_failed(A, rpc("INVALID_ARGUMENT", "prompt too long"), now=48.0)
     assert rotation(members) == [A]
     assert MAX_PROBE_BACKOFF_S >= 5.0
 
@@ -92,7 +101,7 @@ def test_base_model_mismatch_is_excluded_for_good(members) -> None:
 
 
 def test_master_events_snapshot_orphans_and_removal() -> None:
-    m = Membership(IDENTITY)
+    m = Membership(BASE)
     m.master_connected()
     m.master_event(event(EV.NODE_EVENT_TYPE_SNAPSHOT, A), 0.0)
     m.master_event(event(EV.NODE_EVENT_TYPE_SNAPSHOT, B), 0.0)
@@ -123,8 +132,8 @@ def test_a_node_entering_after_a_push_waits_for_the_adapter(members) -> None:
     members.probe_answered(A, info(), 0.0)
     members.set_target("run", 3)
     assert rotation(members) == [A]  # in rotation during a push: stays
-    members.generate_failed(A, "UNAVAILABLE", "down", now=1.0)
-    members.generate_failed(A, "UNAVAILABLE", "down", now=2.0)  # benched
+    members.generate_failed(A, rpc("UNAVAILABLE", "down"), now=1.0)
+    members.generate_failed(A, rpc("UNAVAILABLE", "down"), now=2.0)  # benched
     effects = members.probe_answered(A, info(version=0), observed_at=10.0)  # restarted
     s = members.state(A)
     assert not s.in_rotation and s.syncing and s.why_out().startswith("syncing")
@@ -158,7 +167,7 @@ def test_a_restarted_node_in_rotation_loses_its_group_and_syncs(members) -> None
 
 
 def test_the_masters_stale_copy_never_sends_a_node_to_syncing() -> None:
-    m = Membership(IDENTITY)
+    m = Membership(BASE)
     m.master_event(event(EV.NODE_EVENT_TYPE_JOINED, A), 0.0)
     m.set_target("run", 4)
     m.push_succeeded(A, 4, ref("run", 4), now=1.0)
@@ -205,6 +214,25 @@ def test_flag_and_unflag(members) -> None:
     assert rotation(members) == [A] and [n.address for n in effects.notify] == [A]
 
 
+def test_membership_owns_every_flag(members) -> None:
+    """One owner: the flags of members (benched) and of other addresses (recorded only), the
+    reason kept current, every flag of the run remembered; a node that left the pool leaves
+    its flag behind (it comes back as a new member)."""
+    members.master_event(event(EV.NODE_EVENT_TYPE_JOINED, B), now=0.0)
+    members.flag(B, "stale: 1")
+    members.flag("elsewhere:1", "mismatched: ...")  # not a member: nothing to bench
+    members.flag(B, "stale: 2")  # still bad: the reason is the latest
+    assert members.flags() == {B: "stale: 2", "elsewhere:1": "mismatched: ..."}
+    assert members.benched_flags() == {B: "stale: 2"} and members.state(B).flagged == "stale: 2"
+    members.master_event(event(EV.NODE_EVENT_TYPE_REMOVED, B), now=1.0)
+    assert members.flags() == {"elsewhere:1": "mismatched: ..."}
+    members.master_event(event(EV.NODE_EVENT_TYPE_JOINED, B), now=2.0)
+    assert members.state(B).in_rotation and not members.state(B).flagged
+    members.unflag("elsewhere:1")
+    assert members.flags() == {}
+    assert members.flagged_ever() == {B: "stale: 1", "elsewhere:1": "mismatched: ..."}
+
+
 def test_scheduler_view_and_in_flight(members) -> None:
     members.probe_answered(A, info(), 0.0)
     members.assign(A, now=3.0)
@@ -220,9 +248,9 @@ def test_scheduler_view_and_in_flight(members) -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"^model_identity: missing vocab_size"):
-        Membership({k: v for k, v in IDENTITY.items() if k != "vocab_size"})
+        Membership(replace(BASE, vocab_size=0))
     with pytest.raises(ValueError, match=r"^max_consecutive_failures"):
-        Membership(IDENTITY, max_consecutive_failures=0)
+        Membership(BASE, max_consecutive_failures=0)
 
 
 def test_relayed_heartbeats_are_ordered_by_the_nodes_report_sequence(caplog) -> None:
@@ -235,11 +263,11 @@ def test_relayed_heartbeats_are_ordered_by_the_nodes_report_sequence(caplog) -> 
         e.node.info.sequence = sequence
         return e
 
-    m = Membership(IDENTITY)
+    m = Membership(BASE)
     m.master_event(sequenced(EV.NODE_EVENT_TYPE_JOINED, 100), 0.0)
     m.set_target("run", 18)
     m.push_succeeded(A, 18, ref("run", 18), now=1.0, sequence=110)
-    caplog.set_level("INFO", logger="gridrl.trainer.membership")
+    caplog.set_level("INFO", logger="gridrl.trainer.fleet.membership")
     effects = m.master_event(sequenced(EV.NODE_EVENT_TYPE_CHANGED, 105, version=17, name="run"),
                              2.0)
     assert rotation(m) == [A] and effects.notify == []
@@ -249,3 +277,26 @@ def test_relayed_heartbeats_are_ordered_by_the_nodes_report_sequence(caplog) -> 
     effects = m.master_event(sequenced(EV.NODE_EVENT_TYPE_CHANGED, 200), 3.0)
     assert [n.address for n in effects.notify] == [A]
     assert "serves policy version 0 but was pushed 18 (master; restarted?)" in caplog.text
+
+
+def test_generate_failures_are_typed() -> None:
+    """A Generate that gave no group carries a kind the pool branches on; its label (logs,
+    records, the failures metric) is the gRPC status's name or the kind's."""
+    rejected = rpc("INVALID_ARGUMENT", "prompt too long")
+    assert rejected.kind is FailureKind.REJECTED and not rejected.nodes_fault
+    down = rpc("UNAVAILABLE", "down")
+    assert (down.kind, down.label, down.nodes_fault) == (FailureKind.RPC_ERROR, "UNAVAILABLE",
+                                                         True)
+    malformed = GenerateFailure(FailureKind.MALFORMED_RESPONSE, "samples: 3 samples for n=4")
+    assert malformed.label == "MALFORMED_RESPONSE" and malformed.nodes_fault
+    assert not GenerateFailure(FailureKind.LOST_ADAPTER, "sampled with v1").nodes_fault
+
+
+def test_the_fleets_backoff_doubles_to_its_cap() -> None:
+    """One rule for the probes of a benched node, the reviews of a flagged one and the master's
+    reconnections: first_s, doubled per failure in a row, capped."""
+    probes = Backoff(5.0, MAX_PROBE_BACKOFF_S)
+    assert [probes.delay(n) for n in (1, 2, 3, 4, 5, 50, 5000)] == [5, 10, 20, 40, 60, 60, 60]
+    assert Backoff(0.2, 2.0).delay(3) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match=r"^failures"):
+        probes.delay(0)

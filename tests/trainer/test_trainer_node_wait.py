@@ -1,13 +1,19 @@
 """Reporting a wait for a rollout node: console lines every few seconds (a fake clock), and
-``GetRunStatus.node_wait`` over a real TrainerService while it lasts."""
+``GetRunStatus.node_wait`` over a real TrainerService while it lasts: the pool's ``on_wait``
+as the run wires it, a ``NodeWaitChanged`` event through the reporter to the console and
+status subscribers."""
 
 from __future__ import annotations
 
-from gridrl.common.channel import dial
-from gridrl.trainer.node_wait import NodeWaitReporter
-from gridrl.trainer.pool import NodeWait
+from collections.abc import Callable
+
+from gridrl.common.rpc.channel import dial
+from gridrl.trainer.fleet.pool import NodeWait
+from gridrl.trainer.report.console import ConsoleLines
+from gridrl.trainer.report.events import NodeWaitChanged
+from gridrl.trainer.report.reporter import Reporter
+from gridrl.trainer.report.status import RunStatus, StatusSubscriber
 from gridrl.trainer.server import serve_trainer
-from gridrl.trainer.status import RunStatus
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
@@ -19,13 +25,26 @@ class Console:
         self.lines.append(line)
 
 
+def on_wait(console: Console, status: RunStatus | None, every_s: float,
+                     clock: Callable[[], float],
+                     stopping: Callable[[], bool] = lambda: False
+                     ) -> Callable[[NodeWait | None], None]:
+    """The pool's ``on_wait`` of a run (``build_run``): each wait becomes an event."""
+    reporter = Reporter()
+    reporter.subscribe(ConsoleLines(console, total_steps=10, remote=True, wait_every_s=every_s,
+                                    clock=clock))
+    if status is not None:
+        reporter.subscribe(StatusSubscriber(status))
+    return lambda wait: reporter.event(NodeWaitChanged(wait, stopping=stopping()))
+
+
 def test_wait_reported_on_the_console_and_in_get_run_status() -> None:
     status = RunStatus()
     status.begin("run", "/runs/run", total_steps=10, model_id="tiny")
     server = serve_trainer(status, "127.0.0.1:0", metrics_port=-1)
     clock = {"now": 100.0}
     console = Console()
-    report = NodeWaitReporter(console, status, every_s=5.0, clock=lambda: clock["now"])
+    report = on_wait(console, status, every_s=5.0, clock=lambda: clock["now"])
 
     def get_status() -> trainer_pb2.GetRunStatusResponse:
         with dial(server.address) as channel:
@@ -62,7 +81,7 @@ def test_the_starts_wait_names_min_nodes_and_node_wait_s() -> None:
     (--node-wait-s), and ends with 'ready', not 'back'."""
     clock = {"now": 0.0}
     console = Console()
-    report = NodeWaitReporter(console, None, every_s=5.0, clock=lambda: clock["now"])
+    report = on_wait(console, None, every_s=5.0, clock=lambda: clock["now"])
     what = "master 127.0.0.1:50050 (UNAVAILABLE: failed to connect to all addresses)"
     report(NodeWait(waited_s=0.0, left_s=120.0, waiting_for=what, starting=True,
                     in_rotation=1, needed=2))
@@ -78,7 +97,7 @@ def test_a_wait_ended_by_a_stop_says_so() -> None:
     """SIGTERM during the wait ends it: the line says the run stops, not that nodes are ready."""
     console = Console()
     stopping = {"now": False}
-    report = NodeWaitReporter(console, None, every_s=5.0, clock=lambda: 0.0,
+    report = on_wait(console, None, every_s=5.0, clock=lambda: 0.0,
                               stopping=lambda: stopping["now"])
     report(NodeWait(waited_s=39.0, left_s=81.0, waiting_for="none", starting=True,
                     in_rotation=0, needed=1))

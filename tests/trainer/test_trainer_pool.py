@@ -9,12 +9,14 @@ import threading
 import time
 from collections import Counter
 from concurrent import futures
+from dataclasses import replace
 
 import pytest
-from scripted_nodes import IDENTITY, NodeFarm, wait_until
+from scripted_nodes import BASE, IDENTITY, NodeFarm
+from waiting import wait_for
 
 from gridrl.common.registration import NodeRegistrar
-from gridrl.trainer.pool import NodePool
+from gridrl.trainer.fleet.pool import NodePool
 from gridrl.trainer.rollouts import group_seed
 
 SAMPLING = {"group_size": 2, "max_tokens": 8, "temperature": 1.0}
@@ -33,7 +35,7 @@ def make_pool():
 
     def make(addresses=(), master=None, **kw) -> NodePool:
         kw.setdefault("probe_interval_s", 0.2)
-        kw.setdefault("model_identity", IDENTITY)
+        kw.setdefault("model_identity", BASE)
         pool = NodePool(master=master, addresses=list(addresses), **kw)
         pools.append(pool)
         pool.start()
@@ -90,11 +92,13 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     """A node 10x slower than another (MLX on a Linux CPU beside torch): once both latencies
     are measured, groups go to the fast node, queueing there, instead of a batch waiting for
     the slow node; the slow node is tried again after sitting idle long enough."""
-    from gridrl.trainer import scheduling
+    from gridrl.trainer.fleet import scheduling
 
     fast = farm.start(capacity=4, generate_s=0.05)  # 2 groups at a time
     slow = farm.start(capacity=4, generate_s=0.5)
-    pool = make_pool([fast.address, slow.address])
+    skipped = [0.0]  # seconds the pool's clock is ahead of real time
+    pool = make_pool([fast.address, slow.address],
+                     clock=lambda: time.monotonic() + skipped[0])
     pool.wait_for_nodes(2, timeout_s=10)
     first = pool.generate_groups(prompts(4), **SAMPLING)  # measures both
     assert {g.node for g in first} == {fast.address, slow.address}
@@ -113,7 +117,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     # idle for REEXPLORE_AFTER latencies (min REEXPLORE_MIN_S): tried again
     monkeypatch.setattr(scheduling, "REEXPLORE_MIN_S", 0.0)
     monkeypatch.setattr(scheduling, "REEXPLORE_AFTER", 0.5)
-    time.sleep(0.3)
+    skipped[0] += 0.3  # the pool's clock: the slow node idle 0.3 s more, no sleep
     groups = pool.generate_groups(prompts(6), **SAMPLING)
     assert slow.address in {g.node for g in groups}
 
@@ -127,7 +131,7 @@ def test_batch_waits_for_a_node_busy_with_another_batch(farm, make_pool) -> None
     pool.wait_for_nodes(2, timeout_s=10)
     pool.generate_groups(prompts(2), **SAMPLING)  # measures both latencies
     with concurrent_call(lambda: pool.generate_groups(prompts(1), **SAMPLING)) as other:
-        wait_until(lambda: fast.active == 1, 5, "the other batch's group on the fast node")
+        wait_for(lambda: fast.active == 1, 5, "the other batch's group on the fast node")
         groups = pool.generate_groups(prompts(1), **SAMPLING)  # waits ~0.3 s for the fast node
     assert [g.node for g in groups] == [fast.address]
     assert [g.node for g in other.result()] == [fast.address]
@@ -164,7 +168,7 @@ def test_failing_node_retried_elsewhere_benched_and_back(farm, make_pool, failur
     # Back once a probe answers (and only Generate was failing in the deadline case).
     bad.down = False
     bad.generate_s = 0.0
-    wait_until(lambda: pool.node(bad.address).in_rotation, 5, "the node back in rotation")
+    wait_for(lambda: pool.node(bad.address).in_rotation, 5, "the node back in rotation")
     assert returned == [bad.address]
     groups = pool.generate_groups(prompts(8), **SAMPLING)
     # it gets groups again (most of them: it now answers at once, the other node takes 0.2 s,
@@ -202,16 +206,16 @@ def test_all_nodes_dead_raises_quickly(farm, make_pool) -> None:
     assert time.monotonic() - start < 5
     assert a.address in str(e.value) and b.address in str(e.value)
     assert "UNAVAILABLE" in str(e.value)
-    wait_until(lambda: all(s.in_flight == 0 for s in pool.nodes()), 5, "no call left in flight")
+    wait_for(lambda: all(s.in_flight == 0 for s in pool.nodes()), 5, "no call left in flight")
 
 
 def test_model_mismatch_is_excluded_loudly(farm, make_pool, caplog) -> None:
     good = farm.start()
     other = farm.start(identity={**IDENTITY, "hidden_size": 32})
-    caplog.set_level(logging.ERROR, logger="gridrl.trainer.pool")
+    caplog.set_level(logging.ERROR, logger="gridrl.trainer.fleet.pool")
     pool = make_pool([good.address, other.address])
     pool.wait_for_nodes(1, timeout_s=10)
-    wait_until(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
+    wait_for(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
 
     state = pool.node(other.address)
     assert not state.in_rotation and state.excluded == "hidden_size 32 != 64"
@@ -228,11 +232,11 @@ def test_another_checkpoint_of_the_architecture_is_excluded(farm, make_pool, cap
     same = farm.start(identity={**IDENTITY, "weights_fingerprint": mine})
     unknown = farm.start()
     other = farm.start(identity={**IDENTITY, "weights_fingerprint": theirs})
-    caplog.set_level(logging.ERROR, logger="gridrl.trainer.pool")
+    caplog.set_level(logging.ERROR, logger="gridrl.trainer.fleet.pool")
     pool = make_pool([same.address, unknown.address, other.address],
-                     model_identity={**IDENTITY, "weights_fingerprint": mine})
+                     model_identity=replace(BASE, weights_fingerprint=mine))
     pool.wait_for_nodes(2, timeout_s=10)
-    wait_until(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
+    wait_for(lambda: pool.node(other.address).excluded, 5, "the mismatch to be seen")
     assert pool.node(other.address).excluded == (
         f"weights_fingerprint {theirs!r} != the trainer's {mine!r} (another checkpoint of this "
         "architecture: start the node on the trainer's --model)")
@@ -247,7 +251,7 @@ def test_wait_for_nodes_timeout_names_nodes(farm, make_pool) -> None:
     node = farm.start()
     node.down = True
     pool = make_pool([node.address])
-    wait_until(lambda: pool.node(node.address).last_error, 5, "the first probe to fail")
+    wait_for(lambda: pool.node(node.address).last_error, 5, "the first probe to fail")
     with pytest.raises(TimeoutError) as e:
         pool.wait_for_nodes(1, timeout_s=0.5)
     assert node.address in str(e.value) and "UNAVAILABLE" in str(e.value)
@@ -296,12 +300,12 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
         registrars[1].stop(deregister=False)
         groups = pool.generate_groups(prompts(8), **SAMPLING)
         assert {g.node for g in groups} == {a.address}
-        wait_until(lambda: not pool.node(b.address).healthy, 5, "the master to mark b unhealthy")
+        wait_for(lambda: not pool.node(b.address).healthy, 5, "the master to mark b unhealthy")
         # b wakes up and heartbeats: the master's CHANGED(HEALTHY) puts it back.
         joined.clear()
         b.down = False
         registrars[1] = _register(b, master.address)
-        wait_until(lambda: pool.node(b.address).in_rotation, 5, "b back in rotation")
+        wait_for(lambda: pool.node(b.address).in_rotation, 5, "b back in rotation")
         assert joined == [b.address]
 
         # The master restarts on the same port (with its store): the pool reconnects, keeps
@@ -313,13 +317,13 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
         master = service_factory([*args, "--listen", f"127.0.0.1:{port}"], "master2")
         c = farm.start(capacity=4)
         registrars.append(_register(c, master.address))
-        wait_until(lambda: pool.node(c.address) is not None and pool.node(c.address).in_rotation,
+        wait_for(lambda: pool.node(c.address) is not None and pool.node(c.address).in_rotation,
                    10, "c discovered after the master restart")
         assert {s.address for s in pool.nodes()} == {a.address, b.address, c.address}
 
         # A node deregistering leaves the pool.
         registrars[0].stop(deregister=True)
-        wait_until(lambda: pool.node(a.address) is None, 5, "a removed")
+        wait_for(lambda: pool.node(a.address) is None, 5, "a removed")
     finally:
         for r in registrars:
             r.stop(deregister=False)
@@ -342,7 +346,7 @@ def test_no_node_in_rotation_waits_reports_and_goes_on(farm, make_pool) -> None:
     started = len(reports)
     node.down = True
     with concurrent_call(lambda: pool.generate_groups(prompts(3), **SAMPLING)) as batch:
-        wait_until(lambda: len(reports) >= started + 2, 10, "the wait to be reported")
+        wait_for(lambda: len(reports) >= started + 2, 10, "the wait to be reported")
         wait = reports[-1]
         assert wait is not None and not wait.starting
         assert 0 < wait.left_s <= 30 and wait.waited_s >= 0

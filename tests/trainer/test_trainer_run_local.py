@@ -25,7 +25,7 @@ def _args(model, data, reward, run_dir, steps, **extra):
 
 
 def _watch_all(address: str) -> list:
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
     with dial(address) as channel:

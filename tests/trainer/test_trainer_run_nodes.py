@@ -10,11 +10,10 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from trainer_runs import BIN, ENV, ONE_THREAD, records
+from trainer_runs import BIN, ENV, ONE_THREAD, records, wait_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,7 @@ def step_records(run_dir: Path) -> list[dict]:
 
 
 def node_adapter(address: str):
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
     with dial(address) as channel:
@@ -61,23 +60,13 @@ def node_adapter(address: str):
 def warm_up(address: str) -> None:
     """One group through ``address`` (compiles the node's kernels), so the pool's latency
     estimates in the run are steady-state ones, not a cold start's."""
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
     with dial(address) as channel:
         rollout_pb2_grpc.RolloutServiceStub(channel).Generate(rollout_pb2.GenerateRequest(
             prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
                 n=4, max_tokens=8, temperature=1.0)), timeout=120)
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r["step"] >= step for r in step_records(run_dir)):
-            return
-        assert proc.poll() is None, "the trainer exited early"
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached in {timeout}s")
 
 
 def run_trainer(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

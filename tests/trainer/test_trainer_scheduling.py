@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gridrl.trainer.scheduling import (
+from gridrl.trainer.fleet.scheduling import (
     REEXPLORE_MIN_S,
     Assignment,
     Candidate,
     PendingGroup,
     expected_finish_s,
     schedule,
+    stranded,
     unservable,
 )
 
@@ -68,6 +69,42 @@ CASES = [
     ("a node with max_n below the group size is never used",
      [node("n4", capacity=16, max_n=4), node("n8", capacity=16, max_n=8)], groups(1), 8,
      ["n8"]),
+    # a group of 2 sequences of 3 + 8 tokens, each with 5 more for sampling: 32 KV tokens
+    ("slots follow the KV cache too",
+     [node("roomy", capacity=8, kv_cache_tokens=1000), node("tight", capacity=8,
+                                                          kv_cache_tokens=64,
+                                                          sequence_overhead_tokens=5)],
+     groups(7), 2, ["roomy", "tight", "roomy", "roomy", "tight", "roomy"]),  # 4 + 2 slots
+    ("a node holds one group even when its cache takes it a few sequences at a time",
+     [node("tiny", capacity=8, kv_cache_tokens=20, sequence_overhead_tokens=5)], groups(2), 2,
+     ["tiny"]),
+    ("a node whose cache cannot hold one sequence is never used",
+     [node("tiny", capacity=8, kv_cache_tokens=15, sequence_overhead_tokens=5),
+      node("big", capacity=8, kv_cache_tokens=16, sequence_overhead_tokens=5)], groups(1), 2,
+     ["big"]),
+    # episodes: a later turn is pinned to the node of its episode's earlier turns
+    ("a pinned turn goes to its node even when another is faster and idle",
+     [node("a", capacity=8, group_s=2.0), node("b", capacity=8, group_s=0.1)],
+     [PendingGroup(i, 3, n=1, pinned="a") for i in range(3)], 4, ["a", "a", "a"]),
+    ("pinned turns take their node's slots of their own n, the rest wait there",
+     [node("a", capacity=2), node("b", capacity=8)],
+     [PendingGroup(i, 3, n=1, pinned="a") for i in range(4)], 8, ["a", "a"]),
+    ("a group's episodes stay together: each turn follows its episode's node",
+     [node("a", capacity=4), node("b", capacity=4)],
+     [PendingGroup(0, 3, n=1, pinned="b"), PendingGroup(1, 3, n=1, pinned="a"),
+      PendingGroup(2, 3, n=1, pinned="b")], 4, ["b", "a", "b"]),
+    ("a pinned turn never moves to a node it did not start on, even after a failure",
+     [node("a", capacity=4), node("b", capacity=4)],
+     [PendingGroup(0, 3, tried=("a",), n=1, pinned="a")], 4, ["a"]),
+    ("a pinned turn whose node is out of rotation is not placed (stranded)",
+     [node("b", capacity=4)], [PendingGroup(0, 3, n=1, pinned="a")], 4, []),
+    ("first turns (unpinned groups of n samples) and pinned turns share a round",
+     [node("a", capacity=4), node("b", capacity=4, last_assigned=5)],
+     [PendingGroup(0, 3, n=1, pinned="b"), PendingGroup(1, 3, n=4), PendingGroup(2, 3, n=4)],
+     4, ["b", "a"]),  # the pinned turn holds b's one slot for a group of 4: group 2 waits
+    ("a pinned turn beyond its node's bounds is not placed",
+     [node("a", capacity=4, max_context=16)],
+     [PendingGroup(0, 20, n=1, pinned="a")], 4, []),
 ]
 
 
@@ -110,8 +147,34 @@ def test_unservable_names_the_problem_or_waits() -> None:
     assert unservable([], g, group_size=2, max_tokens=8) == ""  # no node: the caller waits
     msg = unservable([a, b], g, group_size=2, max_tokens=8)
     assert msg.startswith("prompt 3: 20 prompt tokens + max_tokens 8, n=2 exceed every "
-                          "node's bounds: a (max_n 0, max_tokens 0, max_context 16)")
+                          "node's bounds: a (max_n 0, max_tokens 0, max_context 16, KV-cache "
+                          "tokens unlimited, 0 more a sequence)")
+    small = node("c", kv_cache_tokens=30, sequence_overhead_tokens=4)
+    assert unservable([small], g, group_size=2, max_tokens=8) == (
+        "prompt 3: 20 prompt tokens + max_tokens 8, n=2 exceed every node's bounds: c (max_n "
+        "0, max_tokens 0, max_context 0, KV-cache tokens 30, 4 more a sequence)")
     rejected = PendingGroup(1, 3, rejected={"a": "no", "b": "never"})
     assert unservable([a, b], rejected, group_size=2, max_tokens=8) == (
         "prompt 1: rejected by every node in rotation: a: no; b: never")
     assert unservable([a, b], PendingGroup(0, 3), group_size=2, max_tokens=8) == ""
+
+
+def test_stranded_says_why_a_pinned_turn_can_never_be_served() -> None:
+    a, b = node("a", max_context=16), node("b")
+    assert stranded([a, b], PendingGroup(0, 3), group_size=1, max_tokens=8) == ""  # unpinned
+    assert stranded([a, b], PendingGroup(0, 3, n=1, pinned="a"), group_size=1,
+                    max_tokens=8) == ""
+    assert stranded([b], PendingGroup(2, 3, n=1, pinned="a"), group_size=1, max_tokens=8) == (
+        "request 2: its episode's node a is out of rotation")
+    assert stranded([], PendingGroup(2, 3, n=1, pinned="a"), group_size=1, max_tokens=8) == (
+        "request 2: its episode's node a is out of rotation")  # no waiting for a node
+    assert stranded([a], PendingGroup(1, 3, rejected={"a": "bad id"}, n=1, pinned="a"),
+                    group_size=1, max_tokens=8) == (
+        "request 1: rejected by its episode's node a: bad id")
+    assert stranded([a], PendingGroup(1, 12, n=1, max_tokens=8, pinned="a"), group_size=4,
+                    max_tokens=2) == (
+        "request 1: 12 prompt tokens + max_tokens 8, n=1 exceed the bounds of its episode's "
+        "node a (max_n 0, max_tokens 0, max_context 16)")
+    # unservable() defers to it for a pinned request, whatever is in rotation
+    assert unservable([b], PendingGroup(2, 3, n=1, pinned="a"), group_size=1,
+                      max_tokens=8) == "request 2: its episode's node a is out of rotation"

@@ -9,12 +9,13 @@ import urllib.request
 
 import grpc
 import pytest
-from scripted_nodes import wait_until
+from waiting import wait_for
 
-from gridrl.common.channel import dial
-from gridrl.trainer import metrics
+from gridrl.common.rpc.channel import dial
+from gridrl.trainer.report import metrics
+from gridrl.trainer.report.records import StepRecord
+from gridrl.trainer.report.status import RunStatus
 from gridrl.trainer.server import serve_trainer
-from gridrl.trainer.status import RunStatus
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 
@@ -101,7 +102,7 @@ def test_watch_run_history_then_live_until_finished(served) -> None:
                threading.Thread(target=lambda: got_live.extend(r.report.step for r in live_only))]
     for t in readers:
         t.start()
-    wait_until(lambda: got_history == [1, 2], 5, "the history")
+    wait_for(lambda: got_history == [1, 2], 5, "the history")
     assert subscribed.wait(5), "the live-only WatchRun never started"
     status.report(step_report(3))
     status.report(step_report(4))
@@ -160,7 +161,7 @@ def test_report_refuses_unknown_fields() -> None:
 def test_metrics_endpoint_shows_step_metrics(served) -> None:
     _status, server, _stub = served
     before = metrics.DROPPED_SAMPLES._value.get()
-    metrics.record_step(step_report(7, eval_score=0.75, dropped_samples=4))
+    metrics.record_step(StepRecord.from_json(step_report(7, eval_score=0.75, dropped_samples=4)))
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=5).read().decode()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
@@ -180,15 +181,37 @@ def test_metrics_endpoint_shows_step_metrics(served) -> None:
     assert values["gridrl_trainer_nodes_skipped"] == 1
     assert values["gridrl_trainer_tokens_per_second"] == 850.0
     assert 'gridrl_trainer_phase_seconds_total{phase="rollout"}' in values
+    # the step's episodes, reward functions and the environment's eval figures
+    counters = ('gridrl_trainer_episodes_total', 'gridrl_trainer_truncated_episodes_total',
+                'gridrl_trainer_episode_tokens_total{source="model"}',
+                'gridrl_trainer_episode_tokens_total{source="environment"}',
+                'gridrl_trainer_dropped_episodes_total{reason="sampler"}',
+                'gridrl_trainer_environment_events_total{event="tool_calls"}')
+    before = {k: values.get(k, 0.0) for k in counters}
+    metrics.record_step(StepRecord.from_json(step_report(
+        8, eval_score=0.5, episodes=16, turns_mean=1.5, model_tokens=300, env_tokens=120,
+        truncated_episodes=2, dropped_episodes={"sampler": 3}, env_counts={"tool_calls": 5},
+        reward_funcs={"retry:attempt": 0.25, "none": None},
+        eval_metrics={"first_attempt_success": 0.125})))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line.startswith("gridrl_trainer_")}
+    assert {k: values[k] - before[k] for k in counters} == dict(zip(
+        counters, (16, 2, 300, 120, 3, 5), strict=True))
+    assert values["gridrl_trainer_episode_turns_mean"] == 1.5
+    assert values['gridrl_trainer_reward_function_mean{function="retry:attempt"}'] == 0.25
+    assert 'gridrl_trainer_reward_function_mean{function="none"}' not in values
+    assert values['gridrl_trainer_eval_metric{metric="first_attempt_success"}'] == 0.125
     with pytest.raises(ValueError, match=r"^report\.loss"):
-        metrics.record_step({"loss": "nan-ish"})
+        metrics.record_step(StepRecord.from_json({**step_report(8), "loss": "nan-ish"}))
 
 
 def test_metrics_endpoint_shows_importance_weights(served) -> None:
     """--is-correction: the step record's is_* keys go to Prometheus beside the report."""
     _status, server, _stub = served
-    metrics.record_step({**step_report(8), "is_weight_mean": 1.25, "is_weight_max": 3.5,
-                         "is_limited_fraction": 0.125})
+    metrics.record_step(StepRecord.from_json({**step_report(8), "is_weight_mean": 1.25,
+                                              "is_weight_max": 3.5, "is_limited_fraction": 0.125}))
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=5).read().decode()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
 import numpy as np
 import pytest
 import torch
-from scripted_nodes import wait_until
+from scripted_nodes import BASE
+from waiting import wait_for
 
 from gridrl.common.errors import StatusError
-from gridrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gridrl.trainer.config import TrainConfig
-from gridrl.trainer.monitor import NodeMonitor, NodeStepStats
-from gridrl.trainer.plot import plot_run
-from gridrl.trainer.prefetch import Prefetcher
-from gridrl.trainer.rundir import RunDir
+from gridrl.trainer.fleet.membership import Membership
+from gridrl.trainer.fleet.monitor import NodeMonitor
+from gridrl.trainer.grpo.admission import NodeStepStats
+from gridrl.trainer.report.plot import eval_points, plot_run
+from gridrl.trainer.report.records import StepRecord
+from gridrl.trainer.rollouts import EpisodeStats
+from gridrl.trainer.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gridrl.trainer.run.rundir import RunDir
+from gridrl.trainer.run.steps import Prefetcher
 
 
 def test_checkpoint_round_trip_keeps_the_backend_files_and_the_state(tmp_path):
@@ -52,7 +58,7 @@ def test_a_crafted_checkpoint_cannot_run_code(tmp_path):
     import io
     import pickle
 
-    from gridrl.trainer.torch_backend import load_state_bytes, rng_state
+    from gridrl.trainer.backends.torch.backend import load_state_bytes, rng_state
 
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
@@ -125,7 +131,7 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
         TrainConfig(rollout=["local", "h:1"]).finalize()
     with pytest.raises(StatusError, match="--run-name"):
         TrainConfig(run_name="my run/1").finalize()
-    from gridrl.common.security import Security
+    from gridrl.common.security.policy import Security
 
     cfg = TrainConfig(security=Security(token="gridrl_secret-never-saved"),
                       run_dir=str(tmp_path)).finalize()
@@ -138,20 +144,27 @@ def test_config_defaults_validation_and_staleness_bound(tmp_path):
 
 def test_node_monitor_flags_after_consecutive_bad_steps_and_recovers():
     mon = NodeMonitor(max_staleness=0, mismatch_kl_max=0.01, flag_after=2)
+    flags = Membership(BASE)  # the flags' one owner; no member: flags are only recorded
     stale = NodeStepStats(samples=8, dropped=8, versions={3})
     good = NodeStepStats(samples=8, fresh_kl_sum=1e-6 * 80, fresh_tokens=80, versions={5})
     mismatched = NodeStepStats(samples=8, fresh_kl_sum=0.05 * 80, fresh_tokens=80,
                                versions={5})
-    assert mon.observe(1, {"a": stale, "b": good}) == {}
-    newly = mon.observe(2, {"a": stale, "b": good})
+    assert mon.observe(1, {"a": stale, "b": good}, flags) == {}
+    newly = mon.observe(2, {"a": stale, "b": good}, flags)
     assert list(newly) == ["a"] and "stale: 8/8 samples dropped" in newly["a"]
-    assert mon.observe(3, {"a": stale}) == {} and "a" in mon.flagged  # flagged once
-    assert mon.observe(4, {"b": mismatched}) == {}
-    assert "mismatched" in mon.observe(5, {"b": mismatched})["b"]
-    mon.observe(6, {"a": good})
-    assert set(mon.flagged) == {"b"}
+    assert mon.observe(3, {"a": stale}, flags) == {} and "a" in flags.flags()  # flagged once
+    assert mon.observe(4, {"b": mismatched}, flags) == {}
+    assert "mismatched" in mon.observe(5, {"b": mismatched}, flags)["b"]
+    mon.observe(6, {"a": good}, flags)
+    assert set(flags.flags()) == {"b"}
     unknown = NodeStepStats(samples=2, dropped=2, unknown_version=2, versions={9})
     assert "outside this run's lineage" in mon.problem(unknown)
+    # readmitted (probation's unflag): its bad steps count afresh, flag_after of them again
+    flags.unflag("b")
+    assert mon.observe(7, {"b": mismatched}, flags) == {} and flags.flags() == {}
+    assert list(mon.observe(8, {"b": mismatched}, flags)) == ["b"]
+    assert set(flags.flagged_ever()) == {"a", "b"}
+    assert flags.benched_flags() == {}  # neither is a member of a pool: nothing benched
 
 
 def test_node_monitor_holds_16_bit_steps_to_their_own_bound():
@@ -179,7 +192,7 @@ def test_prefetcher_runs_ahead_by_depth_and_no_further():
     def generate(step):
         with lock:
             calls.append(step)
-        return [step]
+        return [step], EpisodeStats()
 
     def requested() -> list[int]:
         with lock:
@@ -189,14 +202,14 @@ def test_prefetcher_runs_ahead_by_depth_and_no_further():
     first = pre.get(1)
     assert first.groups == [1] and first.generate_s >= 0
     # steps 2 and 3 are sampled while step 1 "trains" (one worker: in order, one at a time)
-    wait_until(lambda: len(requested()) >= 3, 10, "steps 2 and 3 prefetched")
+    wait_for(lambda: len(requested()) >= 3, 10, "steps 2 and 3 prefetched")
     assert requested() == [1, 2, 3]
     assert pre.get(2).groups == [2]  # taken from the prefetch: not generated again
-    wait_until(lambda: len(requested()) >= 4, 10, "step 4 prefetched")
+    wait_for(lambda: len(requested()) >= 4, 10, "step 4 prefetched")
     assert [pre.get(s).groups for s in (3, 4)] == [[3], [4]]
     pre.close()  # waits for anything in flight
     assert requested() == [1, 2, 3, 4]  # each step once, never beyond last_step
-    sync = Prefetcher(lambda s: [s], depth=0, last_step=3)
+    sync = Prefetcher(lambda s: ([s], EpisodeStats()), depth=0, last_step=3)
     assert sync.get(2).groups == [2]
 
 
@@ -204,6 +217,20 @@ def test_plot_writes_a_png(tmp_path):
     records = [{"step": s, "reward_mean": s / 10, "reward_std": 0.1, "staleness_mean": s % 2,
                 "dropped_samples": s % 3, "eval_score": 0.5 if s == 5 else None}
                for s in range(1, 11)]
-    out = plot_run([*records, {"event": "baseline"}], tmp_path / "plot.png", baseline=0.1,
-                   title="t")
+    out = plot_run([StepRecord.from_json(r) for r in records], tmp_path / "plot.png",
+                   baseline=0.1, title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_the_evals_standard_error_as_error_bars(tmp_path):
+    records = [StepRecord.from_json(
+        {"step": s, "reward_mean": 0.5, "reward_std": 0.1, "staleness_mean": 0,
+         "dropped_samples": 0, "eval_score": 0.4 if s == 4 else None,
+         "eval_stderr": 0.08 if s == 4 else None}) for s in range(1, 6)]
+    assert eval_points(records, baseline=0.1, baseline_stderr=0.02) == [(0, 0.1, 0.02),
+                                                                        (4, 0.4, 0.08)]
+    assert eval_points(records, baseline=0.1) == [(0, 0.1, 0.0), (4, 0.4, 0.08)]
+    with_bars = plot_run(records, tmp_path / "bars.png", baseline=0.1,
+                         baseline_stderr=0.02).read_bytes()
+    without = [dataclasses.replace(r, eval_stderr=None) for r in records]
+    assert plot_run(without, tmp_path / "none.png", baseline=0.1).read_bytes() != with_bars

@@ -11,25 +11,17 @@ import json
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from test_trainer_run_nodes import serve_node, step_records, trainer_args, wait_for_step
-from trainer_runs import ENV, run_args, write_task_files
+from test_trainer_run_nodes import serve_node, step_records, trainer_args
+from trainer_runs import ENV, run_args, wait_for_step, write_task_files
+from waiting import wait_for
 
-from gridrl.common.channel import dial
+from gridrl.common.rpc.channel import dial
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -47,7 +39,7 @@ def trainer_process(args: list[str], log_path: Path):
 
 
 def wait_for_text(log_path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    wait_for(lambda: text in log_path.read_text(), proc, timeout, repr(text))
+    wait_for(lambda: text in log_path.read_text(), timeout, repr(text), alive=proc, every_s=0.1)
 
 
 def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_path,
@@ -58,7 +50,7 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
     args[args.index("--node-wait-s") + 1] = "120"
     args += ["--master", master, "--ready-file", str(ready)]
     with trainer_process(args, log_path) as proc:
-        wait_for(ready.exists, proc, 120, "ready file")
+        wait_for(ready.exists, 120, "ready file", alive=proc, every_s=0.1)
         address = json.loads(ready.read_text())["address"]
 
         def node_wait():
@@ -67,7 +59,7 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
                     trainer_pb2.GetRunStatusRequest(), timeout=10)
             return response.node_wait if response.HasField("node_wait") else None
 
-        wait_for(node_wait, proc, 120, "node_wait in GetRunStatus")
+        wait_for(node_wait, 120, "node_wait in GetRunStatus", alive=proc, every_s=0.1)
         wait = node_wait()
         assert master in wait.waiting_for and 0 < wait.left_s <= 120, wait
         wait_for_text(log_path, "waiting for 1 rollout node(s)", proc, 30)

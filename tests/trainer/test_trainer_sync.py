@@ -8,11 +8,12 @@ import threading
 
 import pytest
 from prometheus_client import REGISTRY
-from scripted_nodes import IDENTITY, NodeFarm, peft_files, peft_manifest, wait_until
+from scripted_nodes import BASE, IDENTITY, NodeFarm, peft_files
+from waiting import wait_for
 
 from gridrl.adapters import convert_files
-from gridrl.trainer.pool import NodePool
-from gridrl.trainer.sync import AdapterSync
+from gridrl.trainer.fleet.pool import NodePool
+from gridrl.trainer.fleet.sync import AdapterSync
 
 NAME = "run-1"
 
@@ -33,8 +34,8 @@ def make_sync():
         """``listeners``: more pool listeners, called after the sync's."""
         kw.setdefault("probe_interval_s", 0.2)
         pool = NodePool(master=None, addresses=[n.address for n in nodes],
-                        model_identity=IDENTITY, **kw)
-        sync = AdapterSync(pool, name=NAME, num_layers=IDENTITY["num_layers"],
+                        model_identity=BASE, **kw)
+        sync = AdapterSync(pool, name=NAME, base_model=BASE,
                            deadline_s=deadline_s, known_versions=known_versions)
         for fn in listeners:
             pool.add_listener(fn)
@@ -48,9 +49,8 @@ def make_sync():
         pool.close()
 
 
-def adapter(version: int) -> tuple[dict[str, bytes], dict]:
-    files = peft_files(version)
-    return files, peft_manifest(files, NAME, version)
+def adapter(version: int) -> dict[str, bytes]:
+    return peft_files(version)
 
 
 def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
@@ -62,13 +62,13 @@ def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
     pool, sync = make_sync([*fast, sleepy, late, other_model], deadline_s=1.0,
                            probe_interval_s=0.5)
     pool.wait_for_nodes(4, timeout_s=10)
-    wait_until(lambda: pool.node(other_model.address).excluded, 5, "the mismatch to be seen")
+    wait_for(lambda: pool.node(other_model.address).excluded, 5, "the mismatch to be seen")
     # The late node must have been probed (and refused) once, or its skip reason is only
     # "no GetNodeInfo answer yet" (seen once on a fast CI machine).
-    wait_until(lambda: pool.node(late.address).last_error, 5, "the late node's failed probe")
+    wait_for(lambda: pool.node(late.address).last_error, 5, "the late node's failed probe")
 
-    files, manifest = adapter(1)
-    report = sync.push(1, files, manifest)
+    files = adapter(1)
+    report = sync.push(1, files)
 
     assert report.synced == sorted(n.address for n in fast)
     assert set(report.skipped) == {sleepy.address, late.address}
@@ -97,13 +97,13 @@ def test_concurrent_push_deadline_skip_and_catch_up(farm, make_sync) -> None:
     # Both come back and receive the newest version without another push.
     sleepy.push_s = 0.0
     late.down = False
-    wait_until(lambda: sync.lagging_nodes(1) == [], 10, "the skipped nodes to catch up")
+    wait_for(lambda: sync.lagging_nodes(1) == [], 10, "the skipped nodes to catch up")
     for node in (sleepy, late):
         assert node.adapter == (NAME, 1) and node.pushed_files[-1] == files
         assert pool.node(node.address).in_rotation
 
-    files2, manifest2 = adapter(2)
-    report = sync.push(2, files2, manifest2)
+    files2 = adapter(2)
+    report = sync.push(2, files2)
     assert report.skipped == {}
     assert report.synced == sorted(n.address for n in [*fast, sleepy, late])
     assert sync.lagging_nodes(2) == []
@@ -114,8 +114,8 @@ def test_mlx_nodes_receive_converted_files(farm, make_sync) -> None:
     mlx_node = farm.start(backend="mlx", adapter_format="mlx")
     pool, sync = make_sync([torch_node, mlx_node])
     pool.wait_for_nodes(2, timeout_s=10)
-    files, manifest = adapter(1)
-    report = sync.push(1, files, manifest)
+    files = adapter(1)
+    report = sync.push(1, files)
 
     assert report.synced == sorted([torch_node.address, mlx_node.address])
     assert torch_node.pushes[0]["format"] == "peft" and torch_node.pushed_files == [files]
@@ -133,8 +133,8 @@ def test_restarted_node_is_caught_up_before_its_samples_are_used(farm, make_sync
     node = farm.start()
     pool, sync = make_sync([node], wait_for_nodes_s=10)
     pool.wait_for_nodes(1, timeout_s=10)
-    files, manifest = adapter(1)
-    assert sync.push(1, files, manifest).synced == [node.address]
+    files = adapter(1)
+    assert sync.push(1, files).synced == [node.address]
 
     node.adapter = ("", 0)  # the process restarted: it serves the base model again
     groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
@@ -154,8 +154,8 @@ def test_a_catch_up_overtaken_by_a_newer_push_never_rolls_the_node_back(farm, ma
     node = farm.start()
     pool, sync = make_sync([node], wait_for_nodes_s=10)
     pool.wait_for_nodes(1, timeout_s=10)
-    files1, manifest1 = adapter(1)
-    assert sync.push(1, files1, manifest1).synced == [node.address]
+    files1 = adapter(1)
+    assert sync.push(1, files1).synced == [node.address]
     node.adapter = ("", 0)  # restarted, unnoticed: the catch-up below finds it on the base model
 
     lock = sync._node_lock(node.address)
@@ -164,11 +164,11 @@ def test_a_catch_up_overtaken_by_a_newer_push_never_rolls_the_node_back(farm, ma
     # the pool's listener call for a node seen serving the base model: catch it up to version
     # 1 (the newest, for now)
     sync._on_node(dataclasses.replace(pool.node(node.address), adapter_version=0))
-    wait_until(lambda: node.infos > infos, what="the catch-up's GetNodeInfo")
-    files2, manifest2 = adapter(2)
-    pushing = threading.Thread(target=sync.push, args=(2, files2, manifest2))
+    wait_for(lambda: node.infos > infos, 10, what="the catch-up's GetNodeInfo")
+    files2 = adapter(2)
+    pushing = threading.Thread(target=sync.push, args=(2, files2))
     pushing.start()
-    wait_until(lambda: sync.newest_version == 2, what="the push of version 2 to begin")
+    wait_for(lambda: sync.newest_version == 2, 10, what="the push of version 2 to begin")
     lock.release()
     pushing.join(10)
     sync.close()  # waits for the catch-up
@@ -182,9 +182,9 @@ def test_foreign_adapter_reset_to_base_before_first_push(farm, make_sync) -> Non
     node = farm.start(adapter=("someone-elses-run", 7))
     pool, _sync = make_sync([node])
     pool.wait_for_nodes(1, timeout_s=10)
-    wait_until(lambda: node.reloads == 1, 5, "the node switched to the base model")
+    wait_for(lambda: node.reloads == 1, 5, "the node switched to the base model")
     assert node.adapter == ("", 0)
-    wait_until(lambda: pool.node(node.address).adapter_version == 0, 5, "version 0 recorded")
+    wait_for(lambda: pool.node(node.address).adapter_version == 0, 5, "version 0 recorded")
 
 
 def test_same_name_adapter_of_an_earlier_run_reset_to_base(farm, make_sync) -> None:
@@ -192,7 +192,7 @@ def test_same_name_adapter_of_an_earlier_run_reset_to_base(farm, make_sync) -> N
     node = farm.start(adapter=(NAME, 7))
     pool, _sync = make_sync([node])
     pool.wait_for_nodes(1, timeout_s=10)
-    wait_until(lambda: node.reloads == 1, 5, "the node switched to the base model")
+    wait_for(lambda: node.reloads == 1, 5, "the node switched to the base model")
     assert node.adapter == ("", 0)
 
 
@@ -211,13 +211,14 @@ def test_push_refuses_inconsistent_input(farm, make_sync) -> None:
     node = farm.start()
     pool, sync = make_sync([node])
     pool.wait_for_nodes(1, timeout_s=10)
-    files, manifest = adapter(2)
-    with pytest.raises(ValueError, match=r"^manifest\.version: 2 != version 3"):
-        sync.push(3, files, manifest)
-    with pytest.raises(ValueError, match=r"^manifest\.name"):
-        sync.push(2, files, {**manifest, "name": "other"})
-    sync.push(2, files, manifest)
-    files1, manifest1 = adapter(1)
+    files = adapter(2)
+    with pytest.raises(ValueError, match=r"not a peft or mlx-lm adapter"):  # not an adapter's files
+        sync.push(2, {"weights.bin": b"..."})
+    sync.push(2, files)
+    files1 = adapter(1)
     with pytest.raises(ValueError, match=r"^version: 1 is older than the last push \(2\)"):
-        sync.push(1, files1, manifest1)
+        sync.push(1, files1)
     assert [p["version"] for p in node.pushes] == [2]
+    # the manifest is the sync's own: its adapter name, the version pushed, the base model
+    assert node.pushes[0]["name"] == NAME and node.pushes[0]["format"] == "peft"
+    assert node.pushes[0]["base_model"]["num_layers"] == BASE.num_layers

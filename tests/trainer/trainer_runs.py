@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
+
+from waiting import wait_for
 
 BIN = Path(sys.executable).parent
 # One intra-op thread per process: tests run a trainer and nodes side by side on a few shared
@@ -71,12 +72,7 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:
     ``subprocess.Popen``) runs.
 
     Raises:
-        AssertionError: the process ended first; TimeoutError: ``timeout`` seconds passed.
+        AssertionError: the process ended first, or ``timeout`` seconds passed.
     """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(r.get("step", 0) >= step for r in records(run_dir)):
-            return
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.02)
-    raise TimeoutError(f"step {step} not reached")
+    wait_for(lambda: any(r.get("step", 0) >= step for r in records(run_dir)), timeout,
+             f"step {step} in {run_dir / 'log.jsonl'}", alive=proc)

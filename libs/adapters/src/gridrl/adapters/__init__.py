@@ -10,7 +10,6 @@ numpy + safetensors-format only: importing this package imports neither torch no
 """
 
 from gridrl.adapters.adapter import LoraAdapter, LoraModule
-from gridrl.adapters.base_model import BaseModelInfo
 from gridrl.adapters.convert import (
     PROVENANCE_KEY,
     convert_dir,
@@ -36,7 +35,6 @@ __all__ = [
     "AdapterError",
     "AdapterFile",
     "AdapterManifest",
-    "BaseModelInfo",
     "LoraAdapter",
     "LoraModule",
     "MergeResult",

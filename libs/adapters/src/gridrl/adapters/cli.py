@@ -4,7 +4,7 @@ into its base model.
     gridrl-adapters convert SRC DST [--to mlx|peft] [--num-layers N] [--dtype D] [--force]
                             [--only-adapter]
     gridrl-adapters inspect DIR [--json]
-    gridrl-adapters merge --base MODEL_DIR --adapter ADAPTER_DIR --out OUT_DIR [--force]
+    gridrl-adapters merge --base MODEL_DIR|ALIAS --adapter ADAPTER_DIR --out OUT_DIR [--force]
 
 Every flag also reads ``GRIDRL_ADAPTERS_<FLAG>``. Exit status 1 with ``Error: <reason>`` when
 an adapter cannot be read or converted.
@@ -66,8 +66,8 @@ def convert(src: Path, dst: Path, to: str | None, num_layers: int | None, dtype:
 
 @main.command()
 @_option("--base", env="BASE", required=True,
-         type=click.Path(exists=True, file_okay=False, path_type=Path),
-         help="The base model: a local Hugging Face directory with safetensors weights.")
+         help="The base model: a local Hugging Face directory with safetensors weights, or "
+              "the alias of the bundled model (smollm2-135m-instruct), as --model takes it.")
 @_option("--adapter", env="ADAPTER", required=True,
          type=click.Path(exists=True, file_okay=False, path_type=Path),
          help="The LoRA adapter directory, peft or mlx-lm layout (e.g. RUN_DIR/adapter).")
@@ -75,7 +75,7 @@ def convert(src: Path, dst: Path, to: str | None, num_layers: int | None, dtype:
          help="The merged model directory to write.")
 @_option("--force", env="FORCE", is_flag=True, default=False,
          help="Replace OUT if it exists.")
-def merge(base: Path, adapter: Path, out: Path, force: bool) -> None:
+def merge(base: str, adapter: Path, out: Path, force: bool) -> None:
     """Write OUT: the base model with the adapter folded into its weights
     (W' = W + scale * B @ A), loadable by transformers, vLLM, TGI or mlx-lm without peft.
 
@@ -84,16 +84,45 @@ def merge(base: Path, adapter: Path, out: Path, force: bool) -> None:
     LoRA product are refused."""
     if out.exists() and not force:
         raise click.ClickException(f"{out} exists; pass --force to replace it")
+    base_dir = _local_model(base)
     try:
-        result = merge_dir(base, adapter, out)
+        result = merge_dir(base_dir, adapter, out)
     except AdapterError as e:
         raise click.ClickException(str(e)) from e
     dtypes = ", ".join(result.dtypes)
-    click.echo(f"{adapter} ({result.adapter_format}) + {base} -> {out}: folded "
+    click.echo(f"{adapter} ({result.adapter_format}) + {base_dir} -> {out}: folded "
                f"{len(result.modules)} LoRA modules into {len(result.weight_files)} weight "
                f"file(s), computed in {result.compute_dtype}, stored as {dtypes}")
     if result.skipped:
         click.echo(f"left out (unmerged weights in other files): {', '.join(result.skipped)}")
+
+
+def _local_model(base: str) -> Path:
+    """``--base`` as a local directory: an alias resolves as ``--model`` does (converted once
+    into the gridrl cache); a hub id is its copy in the local Hugging Face cache, or refused
+    (the merge reads local safetensors; nothing is downloaded).
+
+    Raises:
+        click.BadParameter: naming ``--base``: not an alias, an existing directory or a hub id
+            with a local copy.
+    """
+    from gridrl.models import ALIASES, ModelNameError, hub, resolve_model
+
+    is_dir = Path(base).expanduser().is_dir()
+    if base not in ALIASES and not is_dir and base.count("/") == 1 and all(base.split("/")) \
+            and not base.startswith((".", "~")):
+        cached = hub.local_copy(base)
+        if cached is not None:
+            return cached
+        raise click.BadParameter(
+            f"{base!r} is not a local directory: download it first (e.g. `hf download "
+            f"{base} --local-dir DIR`), or use an alias ({', '.join(sorted(ALIASES))})",
+            param_hint="'--base'")
+    try:
+        return Path(resolve_model(base, progress=False))
+    except (ModelNameError, FileNotFoundError) as e:
+        raise click.BadParameter(str(e).removeprefix("--model: "),
+                                 param_hint="'--base'") from e
 
 
 @main.command()

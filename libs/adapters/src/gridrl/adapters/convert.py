@@ -24,6 +24,7 @@ from gridrl.adapters import mlx_format, peft_format
 from gridrl.adapters import tensors as st
 from gridrl.adapters._common import CONFIG, refuse_unsupported
 from gridrl.adapters.adapter import FORMATS, LoraAdapter
+from gridrl.adapters.base_model import local_identity
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.io import read_dir, write_dir
 
@@ -210,10 +211,8 @@ def convert_dir(src: Path | str, dst: Path | str, to: Format | None = None,
         files = {k: v for k, v in files.items() if k in (CONFIG, WEIGHTS[fmt])}
     target: str = to or ("mlx" if fmt == "peft" else "peft")
     if num_layers is None and fmt == "peft" and target == "mlx":
-        from gridrl.adapters.base_model import local_identity
-
         base = local_identity(read_adapter(files).base_model_path)
-        if base is not None and base.get("num_layers"):
-            num_layers = int(base["num_layers"])
+        if base is not None and base.num_layers:
+            num_layers = base.num_layers
     write_dir(convert_files(files, target, num_layers, dtype=dtype), dst)  # type: ignore[arg-type]
     return dst

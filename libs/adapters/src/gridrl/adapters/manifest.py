@@ -1,14 +1,17 @@
 """The adapter manifest: what an adapter is, what base model it fits, and its files' digests.
 
-Its dict form mirrors the protobuf message ``gridrl.v1.AdapterManifest`` field for field
-(snake_case names), except that ``format`` is "peft" / "mlx" in :meth:`AdapterManifest.to_dict`
-and the enum name (``ADAPTER_FORMAT_PEFT``) in :meth:`AdapterManifest.to_proto_dict`, which is
-what ``google.protobuf.json_format.ParseDict`` accepts. :meth:`AdapterManifest.from_dict`
-reads both, and ``MessageToDict`` output (camelCase or not, 64-bit ints as strings).
+One type, :class:`AdapterManifest`, converted straight to and from the protobuf message
+``gridrl.v1.AdapterManifest`` (:meth:`AdapterManifest.to_proto`, :meth:`AdapterManifest.from_proto`)
+for the wire, and to and from a JSON dict (:meth:`AdapterManifest.to_dict`, ``format`` "peft" /
+"mlx") for files on disk (a node's stored pushes, ``gridrl-adapters manifest --json``).
+:meth:`AdapterManifest.from_dict` also reads older JSON forms: the enum name
+(``ADAPTER_FORMAT_PEFT``) or number as ``format``, ``MessageToDict`` output (camelCase or not,
+64-bit ints as strings).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -16,12 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gridrl.adapters.base_model import BaseModelInfo, local_identity
+from gridrl.adapters.base_model import local_identity
 from gridrl.adapters.convert import read_adapter
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.io import check_relpath, read_dir
+from gridrl.adapters.wire import (
+    adapter_format_from_proto,
+    adapter_format_to_proto,
+    base_model_from_proto,
+    base_model_to_proto,
+)
+from gridrl.models import ModelIdentity
+from gridrl.v1 import common_pb2
 
-_PROTO_FORMATS = {"peft": "ADAPTER_FORMAT_PEFT", "mlx": "ADAPTER_FORMAT_MLX"}
+# the JSON forms of ``format`` that from_dict reads (older files and MessageToDict output)
 _FORMAT_ALIASES = {
     "peft": "peft", "mlx": "mlx", "ADAPTER_FORMAT_PEFT": "peft", "ADAPTER_FORMAT_MLX": "mlx",
     1: "peft", 2: "mlx", "ADAPTER_FORMAT_UNSPECIFIED": "", 0: "", "": "",
@@ -61,7 +72,7 @@ class AdapterManifest:
     name: str = ""
     version: int = 0
     format: str = ""
-    base_model: BaseModelInfo = field(default_factory=BaseModelInfo)
+    base_model: ModelIdentity = field(default_factory=ModelIdentity)
     rank: int = 0
     scale: float = 0.0
     target_modules: list[str] = field(default_factory=list)
@@ -78,16 +89,31 @@ class AdapterManifest:
                       for f in self.files],
         }
 
-    def to_proto_dict(self) -> dict[str, Any]:
-        """:meth:`to_dict` with ``format`` as the proto enum name, for ``json_format.ParseDict``."""
-        d = self.to_dict()
-        d["format"] = _PROTO_FORMATS.get(self.format, "ADAPTER_FORMAT_UNSPECIFIED")
-        return d
+    def to_proto(self) -> common_pb2.AdapterManifest:
+        """The ``gridrl.v1.AdapterManifest`` message (format by enum name; an unknown format is
+        ``ADAPTER_FORMAT_UNSPECIFIED``, which a node refuses)."""
+        return common_pb2.AdapterManifest(
+            name=self.name, version=self.version, format=adapter_format_to_proto(self.format),
+            base_model=base_model_to_proto(self.base_model), rank=self.rank, scale=self.scale,
+            target_modules=self.target_modules, layers=self.layers,
+            files=[common_pb2.AdapterFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256)
+                   for f in self.files])
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.AdapterManifest) -> AdapterManifest:
+        """Inverse of :meth:`to_proto` (format ``""`` when unspecified)."""
+        return cls(
+            name=message.name, version=message.version,
+            format=adapter_format_from_proto(message.format),
+            base_model=base_model_from_proto(message.base_model), rank=message.rank,
+            scale=message.scale, target_modules=list(message.target_modules),
+            layers=list(message.layers),
+            files=[AdapterFile(f.path, f.size_bytes, f.sha256) for f in message.files])
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AdapterManifest:
-        """Inverse of :meth:`to_dict` / :meth:`to_proto_dict`; also reads ``MessageToDict``
-        output. Missing fields take their zero value.
+        """Inverse of :meth:`to_dict`; also reads the older JSON forms (module docstring).
+        Missing fields take their zero value.
 
         Raises:
             AdapterError: an unknown format or a malformed field.
@@ -104,7 +130,7 @@ class AdapterManifest:
                                  str(f.get("sha256", ""))) for f in get("files", [])]
             return cls(
                 name=str(get("name", "")), version=int(get("version", 0)),
-                format=_FORMAT_ALIASES[fmt], base_model=BaseModelInfo.from_any(get("base_model")),
+                format=_FORMAT_ALIASES[fmt], base_model=ModelIdentity.from_any(get("base_model")),
                 rank=int(get("rank", 0)), scale=float(get("scale", 0.0)),
                 target_modules=[str(t) for t in get("target_modules", [])],
                 layers=[int(i) for i in get("layers", [])], files=files,
@@ -113,20 +139,20 @@ class AdapterManifest:
             raise AdapterError(f"manifest: malformed field: {e!r}") from e
 
 
-def _infer_base(adapter, infer_local: bool) -> BaseModelInfo:
-    base = BaseModelInfo(model_id=adapter.base_model_path)
+def _infer_base(adapter, infer_local: bool) -> ModelIdentity:
+    base = ModelIdentity(model_id=adapter.base_model_path)
     local = local_identity(adapter.base_model_path) if infer_local else None
     if local is not None:
-        base = BaseModelInfo.from_any(local)
-    if not base.hidden_size:
-        base.hidden_size = adapter.hidden_size()
-    if not base.num_layers:
+        base = local
+    num_layers = base.num_layers
+    if not num_layers:
         layers = adapter.layers()
         if layers and adapter.format == "mlx" and (adapter.mlx_num_layers or 0) > 0:
-            base.num_layers = layers[-1] + 1  # mlx-lm adapts the last N blocks
+            num_layers = layers[-1] + 1  # mlx-lm adapts the last N blocks
         elif layers and adapter.all_layers and layers == list(range(len(layers))):
-            base.num_layers = len(layers)
-    return base
+            num_layers = len(layers)
+    return dataclasses.replace(base, hidden_size=base.hidden_size or adapter.hidden_size(),
+                               num_layers=num_layers)
 
 
 def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", version: int = 0,
@@ -134,7 +160,7 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
                    infer_local: bool = True, hash_files: bool = True) -> AdapterManifest:
     """The manifest of an adapter (file name -> bytes, or a directory).
 
-    ``base_model`` (dict with the fields of :class:`BaseModelInfo`, or a ``ModelIdentity``)
+    ``base_model`` (a :class:`gridrl.models.ModelIdentity`, or a dict of its fields)
     wins field by field; fields it leaves zero are inferred: the local
     ``base_model_name_or_path/config.json`` (mlx: ``model``) when ``infer_local`` and it exists,
     the hidden size from tensor shapes, the block count where the config implies it (mlx-lm
@@ -159,10 +185,7 @@ def build_manifest(files: Mapping[str, bytes] | Path | str, *, name: str = "", v
             AdapterFile(p, len(files[p]), "") for p in sorted(files)]
     base = _infer_base(adapter, infer_local)
     if base_model is not None:
-        given = BaseModelInfo.from_any(base_model)
-        for key, value in given.to_dict().items():
-            if value:
-                setattr(base, key, value)
+        base = base.known(**ModelIdentity.from_any(base_model).to_dict())
     rank = adapter.uniform_rank()
     scale = adapter.uniform_scale()
     return AdapterManifest(
@@ -218,7 +241,7 @@ def check_fits(manifest_or_files: AdapterManifest | Mapping[str, bytes] | Path |
         manifest = manifest_or_files
     else:
         manifest = build_manifest(manifest_or_files, infer_local=False, hash_files=False)
-    base = BaseModelInfo.from_any(base_model)
+    base = ModelIdentity.from_any(base_model)
     have = manifest.base_model
     problems = [
         f"{key}: adapter {getattr(have, key)!r}, base model {getattr(base, key)!r}"

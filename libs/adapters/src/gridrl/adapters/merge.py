@@ -16,9 +16,10 @@ stored in; every other tensor is copied bit for bit, so the merged model keeps t
 dtypes. (peft's ``merge_and_unload`` does the same with its default float32 LoRA factors; with
 16-bit factors it rounds the delta to 16 bits before adding it, one rounding more.)
 
-Everything else of the base directory (config, tokenizer, generation config, chat template,
-the safetensors index) is copied unchanged; weights in other formats (``*.bin``, ``*.pt``,
-``*.gguf``...) and safetensors files the model does not load are left out, since they would
+Everything else of the base directory (tokenizer, generation config, chat template, the
+safetensors index) is copied unchanged, and ``config.json`` with the top-level keys older readers
+need (:mod:`gridrl.models.portable`: ``rope_theta`` beside ``rope_parameters``...);
+weights in other formats (``*.bin``, ``*.pt``, ``*.gguf``...) and safetensors files the model does not load are left out, since they would
 still hold the unmerged weights. Adapters this cannot fold exactly are refused, naming the
 config field: DoRA (a per-row magnitude that rescales ``W'``), LoRA variants, trained biases or
 tokens, ``modules_to_save``, initialisations that changed the base weights (PiSSA, OLoRA...),
@@ -42,6 +43,7 @@ from gridrl.adapters.convert import read_adapter
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.io import read_dir, write_dir
 from gridrl.adapters.manifest import check_fits
+from gridrl.models import portable_config_text
 
 SINGLE_FILE = "model.safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -279,6 +281,8 @@ def merge_dir(base: Path | str, adapter: Path | str, out: Path | str) -> MergeRe
             out_files[rel] = _shard_chunks(opened[rel][1], folds[rel])
         elif _is_other_weights(rel) or rel.endswith(".safetensors"):
             skipped.append(rel)
+        elif rel == "config.json":  # with the top-level keys mlx-lm and llama.cpp read
+            out_files[rel] = portable_config_text(cfg).encode()
         else:
             out_files[rel] = p.read_bytes()
     write_dir(out_files, out)

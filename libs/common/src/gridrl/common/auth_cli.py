@@ -9,22 +9,21 @@
     gridrl-auth revoke --authorized-tokens authorized_tokens mac-mini
     gridrl-auth list --authorized-tokens authorized_tokens
 
-Formats and scopes: :mod:`gridrl.common.auth`; certificates: :mod:`gridrl.common.certs`.
+Formats and scopes: :mod:`gridrl.common.security.tokens`; certificates: :mod:`gridrl.common.security.certs`.
 """
 
 from __future__ import annotations
 
 import click
 
-from gridrl.common.auth import (
+from gridrl.common.cli import address_option, env_option
+from gridrl.common.security.minting import mint, revoke
+from gridrl.common.security.tokens import (
     SCOPES,
     AuthError,
     AuthorizedTokens,
     certificate_file_fingerprint,
-    mint,
-    revoke,
 )
-from gridrl.common.cli import env_option
 
 _authorized = env_option(
     "--authorized-tokens", env="GRIDRL_AUTHORIZED_TOKENS", required=True, show_default=False,
@@ -53,7 +52,7 @@ def main() -> None:
             show_default=False, help="What it may call.")
 @env_option("--id", "credential_id", env="GRIDRL_AUTH_ID", required=True, show_default=False,
             help="Who holds it: [A-Za-z0-9][A-Za-z0-9._-]*, unique in the file.")
-@env_option("--address", env="GRIDRL_AUTH_ADDRESS", default=None, show_default=False,
+@address_option("--address", env="GRIDRL_AUTH_ADDRESS", default=None, show_default=False,
             help="node scope: the only host:port the credential may register (its "
                    "--advertise-address).")
 @env_option("--cert", env="GRIDRL_AUTH_CERT", default=None, show_default=False,
@@ -113,7 +112,7 @@ def list_command(authorized_tokens: str) -> None:
             help="The CA's common name.")
 def ca_command(directory: str, name: str) -> None:
     """Make a private CA (10 years). Keep ca.key off the cluster's machines."""
-    from gridrl.common.certs import CertError, make_ca
+    from gridrl.common.security.certs import CertError, make_ca
 
     try:
         crt, key = make_ca(directory, name)
@@ -132,7 +131,7 @@ def ca_command(directory: str, name: str) -> None:
 def cert_command(directory: str, name: str, hosts: tuple[str, ...]) -> None:
     """Make NAME.crt/NAME.key signed by the CA (825 days), valid as server and client
     certificate: one per machine."""
-    from gridrl.common.certs import CertError, make_cert
+    from gridrl.common.security.certs import CertError, make_cert
 
     try:
         crt, key = make_cert(directory, name, list(hosts) or [name])

@@ -31,6 +31,31 @@ def env_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*decls, envvar=env, show_envvar=True, **kwargs)
 
 
+def address_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """:func:`env_option` for a flag naming a server to dial (``--master``, ``--address``):
+    its value (from the command line or ``env``) must be ``host:port``
+    (:func:`gridrl.common.address.parse_address`), checked before the command runs, so a bare
+    host never dials gRPC's default port 443. A bad value is click's one-line usage error,
+    ``Invalid value for --master: '127.0.0.1' is not host:port: the port is missing (give
+    127.0.0.1:PORT)``, exit 2."""
+    return env_option(*decls, env=env, callback=_host_port, **kwargs)
+
+
+def _host_port(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    from gridrl.common.address import parse_address
+    from gridrl.common.errors import StatusError
+
+    flag = next((o for o in param.opts if o.startswith("--")), param.name or "address")
+    for one in (value if isinstance(value, tuple) else (value,)):
+        if one is None:
+            continue
+        try:
+            parse_address(one, flag)
+        except StatusError as e:
+            raise bad_parameter(e) from None
+    return value
+
+
 def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[Any], Any]:
     """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
     ``dest`` (declared under its new name by another option) when given; the new name wins
@@ -68,7 +93,7 @@ def server_options(service: str, listen: str, metrics_port: int,
       sends; its TLS files serve for those calls too.
 
     A non-loopback ``--listen`` without TLS and credentials is refused here, before the
-    command loads anything (:func:`gridrl.common.security.check_exposure`).
+    command loads anything (:func:`gridrl.common.security.policy.check_exposure`).
     """
     s = service.upper()
 
@@ -78,14 +103,13 @@ def server_options(service: str, listen: str, metrics_port: int,
             security = _build_security(kwargs, server=True, client=client)
             from gridrl.common.address import parse_listen
             from gridrl.common.errors import StatusError
-            from gridrl.common.security import ExposedError, check_exposure
+            from gridrl.common.security.policy import ExposedError, check_exposure
 
             try:
                 host, port = parse_listen(kwargs["listen"], "--listen")
                 check_exposure(host, security)
             except StatusError as e:
-                raise click.BadParameter(e.message.removeprefix("--listen: "),
-                                         param_hint="--listen") from None
+                raise bad_parameter(e) from None
             except ExposedError as e:
                 raise click.UsageError(str(e)) from None
             check_ports_free(host, port, kwargs["metrics_port"], security)
@@ -124,10 +148,16 @@ def server_options(service: str, listen: str, metrics_port: int,
     return decorate
 
 
+def bad_parameter(error: Any) -> click.BadParameter:
+    """The click error of a :class:`gridrl.common.errors.StatusError` raised for a flag: its
+    problem, with the flag (``error.field``) as the parameter hint."""
+    return click.BadParameter(error.problem, param_hint=error.field)
+
+
 def check_ports_free(host: str, port: int, metrics_port: int, security: Any = None) -> None:
     """Refuse, before a server loads anything, a ``--listen`` or ``--metrics-port`` whose port
     is taken on ``host`` (:func:`gridrl.common.address.port_in_use`), naming the flag, the port,
-    the gridrl service already there when reflection says (:mod:`gridrl.common.probe`), and
+    the gridrl service already there when reflection says (:mod:`gridrl.common.rpc.probe`), and
     what to do. The server's own bind still reports a port taken in between.
 
     Raises:
@@ -137,7 +167,7 @@ def check_ports_free(host: str, port: int, metrics_port: int, security: Any = No
     from gridrl.common.address import join_address, port_in_use
 
     if port_in_use(host, port):
-        from gridrl.common.probe import describe, list_services
+        from gridrl.common.rpc.probe import describe, list_services
 
         dial_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
         names = list_services(join_address(dial_host, port), security, timeout_s=2.0)
@@ -206,9 +236,14 @@ _rejected_token_option = click.option("--auth-token", "auth_token", envvar="GRID
 def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
     """Pop the security flags from ``kwargs`` into a ``Security``; bad values -> click errors
     naming the flag."""
-    from gridrl.common.auth import AuthError, AuthorizedTokens, check_token, read_token_file
-    from gridrl.common.security import Security
-    from gridrl.common.tls import TlsError, TlsFiles
+    from gridrl.common.security.policy import Security
+    from gridrl.common.security.tls import TlsError, TlsFiles
+    from gridrl.common.security.tokens import (
+        AuthError,
+        AuthorizedTokens,
+        check_token,
+        read_token_file,
+    )
 
     value = kwargs.pop("auth_token", None)
     token_file = kwargs.pop("auth_token_file", None)
@@ -284,12 +319,12 @@ def exit_on_rpc_error(fn: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError as e:
             code = e.code().name if hasattr(e, "code") else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
-            from gridrl.common.channel import connection_hint
+            from gridrl.common.rpc.channel import connection_hint
 
             hint = connection_hint(code, details, kwargs.get("security"))
             address = kwargs.get("address")
             if code == "UNIMPLEMENTED" and address:  # another service there: say which
-                from gridrl.common.probe import describe, list_services
+                from gridrl.common.rpc.probe import describe, list_services
 
                 names = list_services(address, kwargs.get("security"))
                 if names:

@@ -12,6 +12,12 @@ A heartbeat answered NOT_FOUND (the master restarted without its store, or expir
 triggers an immediate re-registration. While the master is unreachable it retries every
 ``min(retry_interval_s, heartbeat interval)`` seconds on a fresh channel (so gRPC's reconnect
 backoff never delays the return), logs once per outage, and never raises into the node.
+
+A refusal that retrying cannot heal (the master answers UNAUTHENTICATED: an unknown or revoked
+credential; or PERMISSION_DENIED: e.g. an address another credential holds) is reported on
+``on_refused`` (the master's message; None once it accepts again), and after ``max_refusals``
+refusals in a row the thread stops and calls ``on_give_up`` with the message, so the node can
+exit and its supervisor show it failed.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ import time
 from collections.abc import Callable
 
 import grpc
+import tenacity
 
 from gridrl.common.address import parse_address
-from gridrl.common.channel import connection_hint, dial
-from gridrl.common.security import Security
+from gridrl.common.rpc.channel import connection_hint, dial
+from gridrl.common.security.policy import Security
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,8 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 5.0
 # Codes after which the channel is replaced (its connection is likely gone).
 _RECONNECT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+#: The master refused the credential: retrying with the same one cannot change the answer.
+REFUSAL_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class _Stopped(Exception):
@@ -59,6 +68,12 @@ class NodeRegistrar:
             the heartbeat interval).
         failure_level: ``logging`` level of the once-per-outage failure line (a best-effort
             registration, like the trainer's listing, logs at INFO).
+        on_refused: called on the registrar's thread when the master starts refusing the
+            credential (:data:`REFUSAL_CODES`; with its message) and when it accepts it again
+            (None); it must return quickly.
+        max_refusals: refusals in a row after which the registrar gives up (0: never).
+        on_give_up: called once on the registrar's thread when it gives up, with the last
+            refusal (``"register failed: UNAUTHENTICATED: ..."``); the thread then ends.
 
     Raises:
         StatusError: INVALID_ARGUMENT ``master_address: ...`` when not host:port.
@@ -67,10 +82,19 @@ class NodeRegistrar:
     def __init__(self, master_address: str, info_fn: Callable[[], common_pb2.NodeInfo],
                  load_fn: Callable[[], float] | None = None,
                  security: Security | str | None = None,
-                 retry_interval_s: float = 2.0, failure_level: int = logging.WARNING) -> None:
+                 retry_interval_s: float = 2.0, failure_level: int = logging.WARNING,
+                 on_refused: Callable[[str | None], None] | None = None,
+                 max_refusals: int = 0,
+                 on_give_up: Callable[[str], None] | None = None) -> None:
         parse_address(master_address, field="master_address")
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
+        if max_refusals < 0:
+            raise ValueError(f"max_refusals must be >= 0, got {max_refusals}")
+        self._on_refused, self._on_give_up = on_refused, on_give_up
+        self.max_refusals = max_refusals
+        self._refusals = 0  # in a row
+        self._gave_up: str | None = None
         self.master_address = master_address
         self._info_fn = info_fn
         self._load_fn = load_fn
@@ -104,6 +128,17 @@ class NodeRegistrar:
         """Why the last call to the master failed, while it keeps failing (None once it
         answers): e.g. ``"register failed: PERMISSION_DENIED: node.address: ..."``."""
         return self._last_failure
+
+    @property
+    def refused(self) -> str | None:
+        """The master's refusal of the credential while it lasts (None otherwise, and once
+        the master accepts again)."""
+        return self._last_failure if self._refusals else None
+
+    @property
+    def gave_up(self) -> str | None:
+        """The last refusal, once the registrar gave up after ``max_refusals``; else None."""
+        return self._gave_up
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -156,24 +191,12 @@ class NodeRegistrar:
     # -------------------------------------------------------------------------- thread
 
     def _run(self) -> None:
-        need_registration = True
-        next_beat = 0.0
+        """Register (retrying until the master accepts, :meth:`_retrying`), heartbeat until the
+        master forgets the node, register again; until :meth:`stop`."""
         while not self._stop.is_set():
             try:
-                if need_registration:
-                    if not self._register():
-                        self._stop.wait(self._retry_wait_s())
-                        continue
-                    need_registration = False
-                    next_beat = time.monotonic() + self._interval_s
-                if self._stop.wait(max(0.0, next_beat - time.monotonic())):
-                    break
-                next_beat = time.monotonic() + self._interval_s
-                outcome = self._heartbeat()
-                if outcome == "not_found":
-                    need_registration = True
-                elif outcome == "failed":
-                    next_beat = time.monotonic() + self._retry_wait_s()
+                if self._retrying(self._register):
+                    self._heartbeat_until_lost()
             except _Stopped:
                 break
             except Exception:  # never let the thread die: the node would silently vanish
@@ -181,6 +204,34 @@ class NodeRegistrar:
                     break
                 log.exception("registrar error; retrying")
                 self._stop.wait(self._retry_wait_s())
+        if self._gave_up is not None:
+            self._drop_channel()
+        if self._gave_up is not None and self._on_give_up is not None:
+            try:
+                self._on_give_up(self._gave_up)
+            except Exception:
+                log.exception("on_give_up failed")
+
+    def _retrying(self, attempt: Callable[[], bool]) -> bool:
+        """``attempt()`` until it returns True, every :meth:`_retry_wait_s` seconds (tenacity);
+        False once :meth:`stop` was called."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_result(lambda ok: not ok),
+            wait=lambda _: self._retry_wait_s(), stop=tenacity.stop_when_event_set(self._stop),
+            sleep=self._stop.wait, retry_error_callback=lambda _: False)
+        return retrying(attempt)
+
+    def _heartbeat_until_lost(self) -> None:
+        """Heartbeat every interval (start to start; after a failed one, every retry wait)
+        until the master answers NOT_FOUND or :meth:`stop`."""
+        next_beat = time.monotonic() + self._interval_s
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat = time.monotonic() + self._interval_s
+            outcome = self._heartbeat()
+            if outcome == "not_found":
+                return
+            if outcome == "failed":
+                next_beat = time.monotonic() + self._retry_wait_s()
 
     def _register(self) -> bool:
         try:
@@ -265,7 +316,32 @@ class NodeRegistrar:
         if code in _RECONNECT_CODES:
             self._drop_channel()
         hint = connection_hint(code.name, e.details() or "", self._security)
-        self._note_failure(code.name, f"{what} failed: {code.name}: {e.details()}{hint}")
+        message = f"{what} failed: {code.name}: {e.details()}{hint}"
+        self._note_failure(code.name, message)
+        if code in REFUSAL_CODES:
+            self._refused(message)
+
+    def _refused(self, message: str) -> None:
+        """Count a refusal; tell ``on_refused`` when they start; past ``max_refusals`` in a
+        row, give up (the thread unwinds, then calls ``on_give_up``)."""
+        self._refusals += 1
+        if self._refusals == 1:
+            self._tell_refused(message)
+        if self.max_refusals and self._refusals >= self.max_refusals:
+            log.error("master %s refused this node's credential %d times in a row: %s; giving "
+                      "up", self.master_address, self._refusals, message)
+            self._gave_up = message
+            with self._lock:
+                self._stop.set()
+            raise _Stopped
+
+    def _tell_refused(self, message: str | None) -> None:
+        if self._on_refused is None:
+            return
+        try:
+            self._on_refused(message)
+        except Exception:
+            log.exception("on_refused failed")
 
     def _note_failure(self, kind: str, message: str) -> None:
         """Log once per outage and kind of failure; later attempts log at debug level."""
@@ -280,6 +356,9 @@ class NodeRegistrar:
                 self.master_address, message, self._retry_wait_s())
 
     def _note_success(self) -> None:
+        if self._refusals:
+            self._refusals = 0
+            self._tell_refused(None)
         if self._failing_since is not None:
             log.info("master %s answers again after %.1fs", self.master_address,
                      time.monotonic() - self._failing_since)

@@ -34,50 +34,33 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
-from gridrl.common.errors import StatusError, invalid_argument
+from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.v1 import common_pb2, rollout_pb2
 
 CHUNK_SIZE = 1 << 20
-_FORMATS = {"peft": common_pb2.ADAPTER_FORMAT_PEFT, "mlx": common_pb2.ADAPTER_FORMAT_MLX}
-_FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
+# the adapter formats a node takes (gridrl.adapters.wire converts the domain's names)
+_FORMATS = (common_pb2.ADAPTER_FORMAT_PEFT, common_pb2.ADAPTER_FORMAT_MLX)
 
 
-def manifest_to_proto(manifest: Mapping[str, Any]) -> common_pb2.AdapterManifest:
-    """Convert ``gridrl.adapters.AdapterManifest.to_dict()`` (format ``"peft"``/``"mlx"``) to
-    the protobuf message."""
+def _message(manifest: Any) -> common_pb2.AdapterManifest:
+    """The manifest message of ``manifest``: the message itself, or the domain type's
+    ``to_proto()`` (:class:`gridrl.adapters.AdapterManifest`). A plain dict (the JSON form of
+    ``AdapterManifest.to_dict()``, format "peft"/"mlx") is still read, for callers that have
+    not moved to passing the manifest itself."""
+    if isinstance(manifest, common_pb2.AdapterManifest):
+        return manifest
+    if hasattr(manifest, "to_proto"):
+        return manifest.to_proto()
     d = dict(manifest)
     fmt = d.pop("format", "")
     msg = json_format.ParseDict(d, common_pb2.AdapterManifest(), ignore_unknown_fields=False)
-    msg.format = _FORMATS.get(fmt, common_pb2.ADAPTER_FORMAT_UNSPECIFIED)
+    msg.format = common_pb2.AdapterFormat.Value(f"ADAPTER_FORMAT_{fmt.upper()}") if fmt else 0
     return msg
 
 
-def manifest_to_dict(manifest: common_pb2.AdapterManifest) -> dict[str, Any]:
-    """Inverse of :func:`manifest_to_proto` (every field present, format as ``"peft"``/``"mlx"``
-    or ``""`` when unspecified)."""
-    d = json_format.MessageToDict(manifest, preserving_proto_field_name=True,
-                                  always_print_fields_with_no_presence=True)
-    d["format"] = _FORMAT_NAMES.get(manifest.format, "")
-    d["version"] = int(d.get("version", 0))
-    for f in d.get("files", []):
-        f["size_bytes"] = int(f.get("size_bytes", 0))
-    return d
-
-
-def format_name(fmt: int) -> str:
-    """``ADAPTER_FORMAT_PEFT`` -> ``"peft"``; ``""`` for unspecified."""
-    return _FORMAT_NAMES.get(fmt, "")
-
-
-def format_enum(name: str) -> int:
-    """``"peft"`` -> ``ADAPTER_FORMAT_PEFT``; unknown names -> unspecified."""
-    return _FORMATS.get(name, common_pb2.ADAPTER_FORMAT_UNSPECIFIED)
-
-
-def push_requests(manifest: Mapping[str, Any] | common_pb2.AdapterManifest,
+def push_requests(manifest: Any,
                   files: Mapping[str, bytes], *, stage_only: bool = False,
                   chunk_size: int = CHUNK_SIZE) -> Iterator[rollout_pb2.PushAdapterRequest]:
     """Yield the PushAdapter stream: the header, then every file of ``manifest.files`` in
@@ -85,7 +68,8 @@ def push_requests(manifest: Mapping[str, Any] | common_pb2.AdapterManifest,
     computed while its chunks were yielded.
 
     Args:
-        manifest: the adapter's manifest (dict schema of ``gridrl.adapters`` or the message);
+        manifest: the adapter's manifest (:class:`gridrl.adapters.AdapterManifest`, or the
+            message);
             its ``files`` must describe ``files`` (path, size_bytes) and give every sha256 or
             none (``build_manifest(..., hash_files=False)``).
         files: file path -> bytes (any bytes-like object), as listed in the manifest.
@@ -94,7 +78,7 @@ def push_requests(manifest: Mapping[str, Any] | common_pb2.AdapterManifest,
         KeyError: a manifest file is missing from ``files``.
         ValueError: the manifest gives the sha256 of some files but not of others.
     """
-    msg = manifest if isinstance(manifest, common_pb2.AdapterManifest) else manifest_to_proto(manifest)
+    msg = _message(manifest)
     deferred = _digests_deferred(msg)
     if deferred is None:
         raise ValueError("manifest.files: give the sha256 of every file or of none")
@@ -171,7 +155,7 @@ def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
         raise invalid_argument(f"{prefix}.name", f"{m.name!r} must be {ADAPTER_NAME_RULE}")
     if m.version < 1:
         raise invalid_argument(f"{prefix}.version", "must be >= 1")
-    if m.format not in _FORMAT_NAMES:
+    if m.format not in _FORMATS:
         raise invalid_argument(f"{prefix}.format", "must be ADAPTER_FORMAT_PEFT or ADAPTER_FORMAT_MLX")
     if not m.files:
         raise invalid_argument(f"{prefix}.files", "is empty")
@@ -190,7 +174,7 @@ def validate_manifest(m: common_pb2.AdapterManifest, max_bytes: int) -> None:
             raise invalid_argument(f"{prefix}.files[{i}].sha256", "must be 64 lower-case hex digits")
     total = sum(f.size_bytes for f in m.files)
     if total > max_bytes:
-        raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        raise StatusError(Kind.RESOURCE_EXHAUSTED,
                           f"{prefix}.files: adapter is {total} bytes, over the node's limit of "
                           f"{max_bytes} bytes")
 
@@ -273,7 +257,7 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
     for path in order:
         want = expected[path]
         if sizes[path] != want.size_bytes:
-            raise StatusError(grpc.StatusCode.DATA_LOSS,
+            raise StatusError(Kind.DATA_LOSS,
                               f"{path}: received {sizes[path]} of {want.size_bytes} bytes "
                               "(truncated stream)")
     if deferred and trailer is None:
@@ -286,7 +270,7 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
             want.sha256, "manifest's")
         digest = hashers[path].hexdigest()
         if digest != claimed:
-            raise StatusError(grpc.StatusCode.DATA_LOSS,
+            raise StatusError(Kind.DATA_LOSS,
                               f"{path}: sha256 {digest} does not match the {source} {claimed}")
         want.sha256 = digest
     return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only, files=buffers,

@@ -1,6 +1,6 @@
 """The sampling contract, and the Backend every inference framework (torch, mlx) implements.
 
-The engine (``gridrl.rollout.engine``) owns queuing, batching, validation and adapter
+The engine (``gridrl.rollout.scheduler``) owns queuing, batching, validation and adapter
 bookkeeping; a backend only knows how to run a batch of sequences on its framework, and how to
 load an adapter directory of its own format next to the weights already serving.
 
@@ -19,6 +19,12 @@ Sampling semantics, identical in every backend (this is what makes behaviour log
 A sequence stops after a token in ``eos_token_ids | stop_token_ids`` (included in the output,
 ``finish_reason="stop"``) or after ``max_tokens`` tokens (``"length"``).
 
+Alternatives (``top_logprobs`` N > 0, at most :data:`MAX_TOP_LOGPROBS`): beside each sampled
+token, the N most likely tokens of the distribution it was drawn from (step 3's ``logprobs``,
+after temperature, top-k and top-p: what vLLM's ``processed_logprobs`` shows), most likely
+first, ``-inf`` for entries outside the kept support when N exceeds it. :meth:`Backend.score_top`
+gives the same for teacher-forced tokens.
+
 Seeds: each sequence carries its own ``seed``; the same seed, weights and prompt give the same
 tokens regardless of what else is in the batch (up to float rounding changing an argmax).
 
@@ -35,6 +41,7 @@ the same weights sample the same tokens again (their seeds fix every draw).
 from __future__ import annotations
 
 import abc
+import math
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +51,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from gridrl.models import ModelIdentity
 
 FinishReason = Literal["stop", "length"]
+#: ``(token id, logprob)`` pairs of one position, most likely first (natural log).
+TopLogprobs = list[tuple[int, float]]
+#: Most alternatives per position a request may ask for (OpenAI's chat ``top_logprobs`` bound,
+#: vLLM's default ``--max-logprobs``).
+MAX_TOP_LOGPROBS = 20
+#: Smallest positive temperature every backend samples at: below it ``logits / T`` overflows
+#: float32 (0 is greedy).
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    #: alternatives returned per sampled token (module docstring), 0..MAX_TOP_LOGPROBS
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -66,11 +83,16 @@ class SequenceRequest:
         sampling: how to pick each token.
         seed: seed of this sequence's RNG (the engine derives it from the request seed and the
             sample index).
+        keep_cache: keep this sequence's keys and values (prompt and sampled tokens) for a
+            later request whose prompt continues it (a multi-turn episode's next turn), where
+            the backend has a prefix cache (the torch backend's lean forward); a hint: results
+            are the same either way up to float rounding.
     """
 
     prompt_ids: list[int]
     sampling: SamplingConfig
     seed: int
+    keep_cache: bool = False
 
 
 @dataclass
@@ -81,11 +103,14 @@ class SequenceResult:
         token_ids: sampled ids, stop token included when ``finish_reason == "stop"``.
         logprobs: one float per token, natural log, under the distribution it was drawn from.
         finish_reason: ``"stop"`` or ``"length"``.
+        top_logprobs: with ``sampling.top_logprobs`` N > 0, one :data:`TopLogprobs` of N
+            pairs per token (module docstring, "Alternatives"); else empty.
     """
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -97,7 +122,7 @@ class DecodeObserver(Protocol):
     """
 
     def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
-                  logprobs: Sequence[float]) -> None:
+                  logprobs: Sequence[float], top: Sequence[TopLogprobs] | None = None) -> None:
         """The tokens of one decode step, one per row still decoding.
 
         Args:
@@ -106,6 +131,9 @@ class DecodeObserver(Protocol):
             token_ids: the token drawn for each row, aligned with ``rows``.
             logprobs: each token's behaviour logprob (natural log, the value the row's
                 ``SequenceResult`` will hold), aligned with ``rows``.
+            top: each row's alternatives (empty for a row that asked none), aligned with
+                ``rows``; passed only when a row of the batch asked for them
+                (``sampling.top_logprobs``), so observers that never ask may omit it.
         """
 
     def interrupted(self) -> bool:
@@ -119,12 +147,16 @@ class DecodeInterrupted(Exception):
     Nothing of the batch is kept and nothing else changed (adapters, caches of other calls):
     resubmitting the same requests gives the tokens an uninterrupted call would have given.
 
-    Attributes:
-        steps: decode steps completed (tokens drawn per live row) before it stopped.
+    Args:
+        steps: decode steps completed (tokens drawn per live row) before it stopped (0 when
+            the backend does not see its steps, e.g. vLLM's).
+        how: how it stopped, added to the message (e.g. ``"its vLLM requests were
+            cancelled"``).
     """
 
-    def __init__(self, steps: int) -> None:
-        super().__init__(f"decoding interrupted after {steps} step(s)")
+    def __init__(self, steps: int, how: str = "") -> None:
+        super().__init__(f"decoding interrupted after {steps} step(s)"
+                         + (f": {how}" if how else ""))
         self.steps = steps
 
 
@@ -165,7 +197,13 @@ class Backend(abc.ABC):
             ``max_context`` is the context served (capped at a sliding window,
             :mod:`gridrl.engine.families`).
         tokenizer: a ``transformers`` tokenizer for the model directory.
-        eos_token_ids: ids that end a sequence besides per-request stop ids.
+        eos_token_ids: ids that end a sequence besides per-request stop ids
+            (:func:`gridrl.engine.tokens.eos_token_ids`: the one derivation every backend uses,
+            so their samples stop at the same tokens).
+
+    Capabilities, declared here with their defaults (a backend overrides what differs):
+    :attr:`interrupt_is_synchronous`, :attr:`temperature_range`, :attr:`vocab_size`,
+    :attr:`last_first_token_s`.
 
     Threading: the engine calls every method from its single scheduler thread, so no two calls
     overlap and an adapter is never swapped during a batch; a batch in progress is stopped
@@ -184,6 +222,31 @@ class Backend(abc.ABC):
     #: that aborts cancelled requests in its own time (vLLM) says False, and the rollout node
     #: then swaps adapters between batches instead of interrupting one.
     interrupt_is_synchronous: bool = True
+    #: Memory one token of one sequence's KV cache takes, bytes (every layer's keys and
+    #: values); 0 where the backend does not manage its own cache memory (vLLM) or cannot say.
+    kv_bytes_per_token: int = 0
+    #: Memory one decoding sequence takes besides its KV cache (logits and sampling buffers
+    #: over the vocabulary), bytes; 0: unknown.
+    sequence_bytes: int = 0
+    #: Temperatures a sampled request may ask for, ``(low, high)`` inclusive (0, greedy, is
+    #: always allowed). A backend fronting a server with its own bounds (vLLM: [0.01, 2])
+    #: narrows it; the node refuses requests outside it.
+    temperature_range: tuple[float, float] = (MIN_TEMPERATURE, math.inf)
+    #: Seconds from the start of the last :meth:`generate` to its first sampled token (the
+    #: prefill), or None when the backend does not measure it (the node then counts the
+    #: whole batch as time to first token).
+    last_first_token_s: float | None = None
+    _vocab_size: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model can sample: rows of its output layer, which may exceed the
+        tokenizer's vocabulary (padding rows); default ``identity.vocab_size``."""
+        return self._vocab_size if self._vocab_size is not None else self.identity.vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, value: int) -> None:
+        self._vocab_size = value
 
     @abc.abstractmethod
     def generate(self, batch: list[SequenceRequest], adapter: Any | None,
@@ -233,3 +296,18 @@ class Backend(abc.ABC):
         sampling transform as :meth:`generate` (module docstring, steps 1-3), one per token.
         Tokens outside the top-k/top-p support get ``-inf``. Used to check the logprob invariant.
         """
+
+    def score_top(self, prompt_ids: list[int], completion_ids: list[int],
+                  sampling: SamplingConfig, adapter: Any | None, top_n: int
+                  ) -> tuple[list[float], list[TopLogprobs]]:
+        """:meth:`score`, and at each completion position the ``top_n`` most likely tokens
+        under the same transform (module docstring, "Alternatives"). A prompt's own logprobs
+        (OpenAI's ``echo``) are ``score_top(prompt[:1], prompt[1:], greedy, ...)``: the
+        model's distribution before any transform, as vLLM's ``prompt_logprobs``.
+
+        Returns:
+            ``(logprobs, top)``: one float and one list of ``top_n`` pairs per completion token.
+        Raises:
+            NotImplementedError: the backend cannot (the default); ValueError as :meth:`score`.
+        """
+        raise NotImplementedError(f"the {self.name} backend does not score alternatives")

@@ -13,7 +13,7 @@ matters. Requests longer than the cap are refused (the node's INVALID_ARGUMENT o
 caller that needs more context than a window holds is refused when the backend is built.
 
 Which forward runs each family on the torch backend: the lean forward
-(:mod:`gridrl.engine.backends.torch_llama`) for ``llama``, ``mistral`` and ``qwen2``; every
+(:mod:`gridrl.engine.backends.torch.llama`) for ``llama``, ``mistral`` and ``qwen2``; every
 other family (``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``, ...) runs the model's own
 transformers forward with transformers' public cache (``DynamicCache``). The MLX backend runs
 whatever mlx-lm implements.

@@ -7,9 +7,10 @@ import them when called.
 """
 
 from gridrl.models.fingerprint import weights_fingerprint
+from gridrl.models.identity import ModelIdentity
+from gridrl.models.portable import make_config_portable, portable_config, portable_config_text
 from gridrl.models.resolve import (
     ALIASES,
-    ModelIdentity,
     ModelNameError,
     cache_root,
     check_model,
@@ -18,4 +19,5 @@ from gridrl.models.resolve import (
 )
 
 __all__ = ["ALIASES", "ModelIdentity", "ModelNameError", "cache_root", "check_model",
-           "model_identity", "resolve_model", "weights_fingerprint"]
+           "make_config_portable", "model_identity", "portable_config", "portable_config_text",
+           "resolve_model", "weights_fingerprint"]

@@ -9,12 +9,15 @@ from pathlib import Path
 
 
 def make_tiny_llama(out: Path, seed: int = 0, vocab_size: int = 512, hidden_size: int = 64,
-                    num_layers: int = 2, tokenizer_from: Path | None = None) -> Path:
+                    num_layers: int = 2, tokenizer_from: Path | None = None,
+                    rope_theta: float | None = None) -> Path:
     """Write a random llama (fp32, tied embeddings off) with a word-level tokenizer to ``out``.
 
     The tokenizer has a chat template and eos ``</s>`` so chat-formatted prompts work.
     With ``tokenizer_from``, that directory's tokenizer is copied instead and the vocabulary
-    size follows it. Returns ``out``.
+    size follows it. ``rope_theta``: the rope base (transformers' default 10000 when None),
+    written as transformers 5 writes it (under ``rope_parameters`` only); the weights do not
+    depend on it. Returns ``out``.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -36,6 +39,8 @@ def make_tiny_llama(out: Path, seed: int = 0, vocab_size: int = 512, hidden_size
         max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **({} if rope_theta is None else
+           {"rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}),
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger logits than the default init, so sampling is not uniform

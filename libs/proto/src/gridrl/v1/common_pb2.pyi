@@ -436,6 +436,8 @@ class NodeInfo(_message.Message):
     STORED_ADAPTERS_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_OVERHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Address other processes dial, host:port."""
     role: Global___NodeRole.ValueType
@@ -469,6 +471,18 @@ class NodeInfo(_message.Message):
     after its predecessor's. A relayed report (the master's copy of a heartbeat) with a
     smaller sequence than one already seen from the node itself is older. 0: not reported.
     """
+    kv_cache_tokens: _builtins.int
+    """KV-cache tokens the node holds at once, summed over the sequences it decodes together,
+    sized from the memory it may use (gridrl-rollout serve --kv-memory-mb). Each sequence of
+    a batch takes (the batch's longest prompt + its largest max_tokens +
+    sequence_overhead_tokens) of them. A request one of whose sequences alone does not fit is
+    refused with RESOURCE_EXHAUSTED naming the limit; a larger group is decoded a few
+    sequences at a time. 0: unknown or not limited (e.g. vLLM manages its own cache).
+    """
+    sequence_overhead_tokens: _builtins.int
+    """Working memory of one decoding sequence besides its keys and values (its logits and
+    sampling buffers over the vocabulary), counted in KV-cache tokens; see kv_cache_tokens.
+    """
     @_builtins.property
     def base_model(self) -> Global___BaseModel:
         """The base model."""
@@ -501,10 +515,12 @@ class NodeInfo(_message.Message):
         stored_adapters: _abc.Iterable[Global___AdapterRef] | None = ...,
         software_version: _builtins.str = ...,
         sequence: _builtins.int = ...,
+        kv_cache_tokens: _builtins.int = ...,
+        sequence_overhead_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "role", b"role", "sequence", b"sequence", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "kv_cache_tokens", b"kv_cache_tokens", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "role", b"role", "sequence", b"sequence", "sequence_overhead_tokens", b"sequence_overhead_tokens", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,6 +31,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    KEEP_CACHE_FIELD_NUMBER: _builtins.int
     prompt_text: _builtins.str
     """Prompt as text, tokenized by the node."""
     apply_chat_template: _builtins.bool
@@ -40,6 +41,14 @@ class GenerateRequest(_message.Message):
     system_prompt: _builtins.str
     """With prompt_text and apply_chat_template: a system message before the user message
     (e.g. a task's own, to reproduce its prompts); optional.
+    """
+    keep_cache: _builtins.bool
+    """Keep each sample's keys and values (the prompt and the sampled tokens) on the node for a
+    later request whose prompt continues it: the next turn of a multi-turn episode then
+    prefills only its new tokens. A hint: nodes without a prefix cache (MLX, vLLM, the torch
+    transformers forward, --prefix-cache-mb 0) ignore it, and samples are the same either way
+    up to float rounding. Kept entries are bounded by the node's --prefix-cache-mb, evicted
+    least recently used first, and never used under another adapter.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -58,10 +67,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         request_id: _builtins.str = ...,
         system_prompt: _builtins.str = ...,
+        keep_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "keep_cache", b"keep_cache", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,27 +25,29 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/trainer.proto\x12\tgridrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x03\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0breward_mean\x18\x03 \x01(\x01\x12\x12\n\nreward_std\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\neval_score\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x13\x65val_policy_version\x18\x07 \x01(\x04\x12\x13\n\x0bmismatch_kl\x18\x08 \x01(\x01\x12\x16\n\x0estaleness_mean\x18\t \x01(\x01\x12\x17\n\x0f\x64ropped_samples\x18\n \x01(\r\x12\x11\n\trollout_s\x18\x0b \x01(\x01\x12\x0f\n\x07train_s\x18\x0c \x01(\x01\x12\x0e\n\x06sync_s\x18\r \x01(\x01\x12\x14\n\x0cnodes_synced\x18\x0e \x01(\r\x12\x15\n\rnodes_skipped\x18\x0f \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x10 \x01(\x01\x12\x11\n\telapsed_s\x18\x11 \x01(\x01\x12(\n\x04time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\r\n\x0b_eval_score\"\x15\n\x13GetRunStatusRequest\"\xbb\x02\n\x14GetRunStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.gridrl.v1.RunState\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12*\n\x0blast_report\x18\x07 \x01(\x0b\x32\x15.gridrl.v1.StepReport\x12\x1a\n\rbaseline_eval\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08model_id\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12&\n\tnode_wait\x18\x0b \x01(\x0b\x32\x13.gridrl.v1.NodeWaitB\x10\n\x0e_baseline_eval\"A\n\x08NodeWait\x12\x13\n\x0bwaiting_for\x18\x01 \x01(\t\x12\x10\n\x08waited_s\x18\x02 \x01(\x01\x12\x0e\n\x06left_s\x18\x03 \x01(\x01\"*\n\x0fWatchRunRequest\x12\x17\n\x0finclude_history\x18\x01 \x01(\x08\"9\n\x10WatchRunResponse\x12%\n\x06report\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.StepReport*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_FINISHED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xa8\x01\n\x0eTrainerService\x12O\n\x0cGetRunStatus\x12\x1e.gridrl.v1.GetRunStatusRequest\x1a\x1f.gridrl.v1.GetRunStatusResponse\x12\x45\n\x08WatchRun\x12\x1a.gridrl.v1.WatchRunRequest\x1a\x1b.gridrl.v1.WatchRunResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/trainer.proto\x12\tgridrl.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd0\x03\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0breward_mean\x18\x03 \x01(\x01\x12\x12\n\nreward_std\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\neval_score\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x13\x65val_policy_version\x18\x07 \x01(\x04\x12\x13\n\x0bmismatch_kl\x18\x08 \x01(\x01\x12\x16\n\x0estaleness_mean\x18\t \x01(\x01\x12\x17\n\x0f\x64ropped_samples\x18\n \x01(\r\x12\x11\n\trollout_s\x18\x0b \x01(\x01\x12\x0f\n\x07train_s\x18\x0c \x01(\x01\x12\x0e\n\x06sync_s\x18\r \x01(\x01\x12\x14\n\x0cnodes_synced\x18\x0e \x01(\r\x12\x15\n\rnodes_skipped\x18\x0f \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x10 \x01(\x01\x12\x11\n\telapsed_s\x18\x11 \x01(\x01\x12(\n\x04time\x18\x12 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\neval_exact\x18\x13 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0b_eval_scoreB\r\n\x0b_eval_exact\"\x15\n\x13GetRunStatusRequest\"\xba\x03\n\x14GetRunStatusResponse\x12\x10\n\x08run_name\x18\x01 \x01(\t\x12\x0f\n\x07run_dir\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.gridrl.v1.RunState\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x05 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12*\n\x0blast_report\x18\x07 \x01(\x0b\x32\x15.gridrl.v1.StepReport\x12\x1a\n\rbaseline_eval\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x08model_id\x18\t \x01(\t\x12\r\n\x05\x65rror\x18\n \x01(\t\x12&\n\tnode_wait\x18\x0b \x01(\x0b\x32\x13.gridrl.v1.NodeWait\x12.\n\reval_progress\x18\x0c \x01(\x0b\x32\x17.gridrl.v1.EvalProgress\x12 \n\x13\x62\x61seline_eval_exact\x18\r \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x0b\x65val_scorer\x18\x0e \x01(\tB\x10\n\x0e_baseline_evalB\x16\n\x14_baseline_eval_exact\"t\n\x0c\x45valProgress\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\x12\x17\n\nexpected_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_expected_s\"A\n\x08NodeWait\x12\x13\n\x0bwaiting_for\x18\x01 \x01(\t\x12\x10\n\x08waited_s\x18\x02 \x01(\x01\x12\x0e\n\x06left_s\x18\x03 \x01(\x01\"*\n\x0fWatchRunRequest\x12\x17\n\x0finclude_history\x18\x01 \x01(\x08\"9\n\x10WatchRunResponse\x12%\n\x06report\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.StepReport*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_FINISHED\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x15\n\x11RUN_STATE_STOPPED\x10\x05\x32\xa8\x01\n\x0eTrainerService\x12O\n\x0cGetRunStatus\x12\x1e.gridrl.v1.GetRunStatusRequest\x1a\x1f.gridrl.v1.GetRunStatusResponse\x12\x45\n\x08WatchRun\x12\x1a.gridrl.v1.WatchRunRequest\x1a\x1b.gridrl.v1.WatchRunResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gridrl.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNSTATE']._serialized_start=1010
-  _globals['_RUNSTATE']._serialized_end=1163
+  _globals['_RUNSTATE']._serialized_start=1295
+  _globals['_RUNSTATE']._serialized_end=1448
   _globals['_STEPREPORT']._serialized_start=72
-  _globals['_STEPREPORT']._serialized_end=496
-  _globals['_GETRUNSTATUSREQUEST']._serialized_start=498
-  _globals['_GETRUNSTATUSREQUEST']._serialized_end=519
-  _globals['_GETRUNSTATUSRESPONSE']._serialized_start=522
-  _globals['_GETRUNSTATUSRESPONSE']._serialized_end=837
-  _globals['_NODEWAIT']._serialized_start=839
-  _globals['_NODEWAIT']._serialized_end=904
-  _globals['_WATCHRUNREQUEST']._serialized_start=906
-  _globals['_WATCHRUNREQUEST']._serialized_end=948
-  _globals['_WATCHRUNRESPONSE']._serialized_start=950
-  _globals['_WATCHRUNRESPONSE']._serialized_end=1007
-  _globals['_TRAINERSERVICE']._serialized_start=1166
-  _globals['_TRAINERSERVICE']._serialized_end=1334
+  _globals['_STEPREPORT']._serialized_end=536
+  _globals['_GETRUNSTATUSREQUEST']._serialized_start=538
+  _globals['_GETRUNSTATUSREQUEST']._serialized_end=559
+  _globals['_GETRUNSTATUSRESPONSE']._serialized_start=562
+  _globals['_GETRUNSTATUSRESPONSE']._serialized_end=1004
+  _globals['_EVALPROGRESS']._serialized_start=1006
+  _globals['_EVALPROGRESS']._serialized_end=1122
+  _globals['_NODEWAIT']._serialized_start=1124
+  _globals['_NODEWAIT']._serialized_end=1189
+  _globals['_WATCHRUNREQUEST']._serialized_start=1191
+  _globals['_WATCHRUNREQUEST']._serialized_end=1233
+  _globals['_WATCHRUNRESPONSE']._serialized_start=1235
+  _globals['_WATCHRUNRESPONSE']._serialized_end=1292
+  _globals['_TRAINERSERVICE']._serialized_start=1451
+  _globals['_TRAINERSERVICE']._serialized_end=1619
 # @@protoc_insertion_point(module_scope)

@@ -80,6 +80,7 @@ class StepReport(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     ELAPSED_S_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    EVAL_EXACT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Step number, from 1."""
     policy_version: _builtins.int
@@ -114,6 +115,10 @@ class StepReport(_message.Message):
     """Completion tokens sampled per second of rollout."""
     elapsed_s: _builtins.float
     """Seconds since training started (model loading excluded)."""
+    eval_exact: _builtins.float
+    """Fraction of the eval's completions with full marks (score >= 1: for reverse-words the
+    exact reversal), in [0, 1], when the step evaluated.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the step ended."""
@@ -139,13 +144,19 @@ class StepReport(_message.Message):
         tokens_per_s: _builtins.float = ...,
         elapsed_s: _builtins.float = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
+        eval_exact: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_score", b"_eval_score", "eval_score", b"eval_score", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_score", b"_eval_score", "eval_exact", b"eval_exact", "eval_score", b"eval_score", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_score", b"_eval_score", "dropped_samples", b"dropped_samples", "elapsed_s", b"elapsed_s", "eval_policy_version", b"eval_policy_version", "eval_score", b"eval_score", "loss", b"loss", "mismatch_kl", b"mismatch_kl", "nodes_skipped", b"nodes_skipped", "nodes_synced", b"nodes_synced", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "rollout_s", b"rollout_s", "staleness_mean", b"staleness_mean", "step", b"step", "sync_s", b"sync_s", "time", b"time", "tokens_per_s", b"tokens_per_s", "train_s", b"train_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_score", b"_eval_score", "dropped_samples", b"dropped_samples", "elapsed_s", b"elapsed_s", "eval_exact", b"eval_exact", "eval_policy_version", b"eval_policy_version", "eval_score", b"eval_score", "loss", b"loss", "mismatch_kl", b"mismatch_kl", "nodes_skipped", b"nodes_skipped", "nodes_synced", b"nodes_synced", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "rollout_s", b"rollout_s", "staleness_mean", b"staleness_mean", "step", b"step", "sync_s", b"sync_s", "time", b"time", "tokens_per_s", b"tokens_per_s", "train_s", b"train_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__eval_exact: _TypeAlias = _typing.Literal["eval_exact"]  # noqa: Y015
+    _WhichOneofArgType__eval_exact: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact"]  # noqa: Y015
     _WhichOneofReturnType__eval_score: _TypeAlias = _typing.Literal["eval_score"]  # noqa: Y015
     _WhichOneofArgType__eval_score: _TypeAlias = _typing.Literal["_eval_score", b"_eval_score"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_exact) -> _WhichOneofReturnType__eval_exact | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_score) -> _WhichOneofReturnType__eval_score | None: ...
 
 Global___StepReport: _TypeAlias = StepReport  # noqa: Y015
@@ -184,6 +195,9 @@ class GetRunStatusResponse(_message.Message):
     MODEL_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     NODE_WAIT_FIELD_NUMBER: _builtins.int
+    EVAL_PROGRESS_FIELD_NUMBER: _builtins.int
+    BASELINE_EVAL_EXACT_FIELD_NUMBER: _builtins.int
+    EVAL_SCORER_FIELD_NUMBER: _builtins.int
     run_name: _builtins.str
     """Run name."""
     run_dir: _builtins.str
@@ -202,6 +216,12 @@ class GetRunStatusResponse(_message.Message):
     """Base model id."""
     error: _builtins.str
     """Error message when state is FAILED; when STOPPED, where it stopped and how to resume."""
+    baseline_eval_exact: _builtins.float
+    """Fraction of the baseline eval's completions with full marks, when measured."""
+    eval_scorer: _builtins.str
+    """What scores the held-out eval, e.g. "reward upper (upper_reward.py)" or "reverse-words
+    word similarity"; at most 256 characters.
+    """
     @_builtins.property
     def last_report(self) -> Global___StepReport:
         """Report of the last finished step."""
@@ -209,6 +229,12 @@ class GetRunStatusResponse(_message.Message):
     @_builtins.property
     def node_wait(self) -> Global___NodeWait:
         """Set while the run waits for a rollout node (none in rotation); absent otherwise."""
+
+    @_builtins.property
+    def eval_progress(self) -> Global___EvalProgress:
+        """Set while a held-out eval runs (the baseline before step 1, or a step's); absent
+        otherwise.
+        """
 
     def __init__(
         self,
@@ -224,16 +250,64 @@ class GetRunStatusResponse(_message.Message):
         model_id: _builtins.str = ...,
         error: _builtins.str = ...,
         node_wait: Global___NodeWait | None = ...,
+        eval_progress: Global___EvalProgress | None = ...,
+        baseline_eval_exact: _builtins.float | None = ...,
+        eval_scorer: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "last_report", b"last_report", "node_wait", b"node_wait"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "_baseline_eval_exact", b"_baseline_eval_exact", "baseline_eval", b"baseline_eval", "baseline_eval_exact", b"baseline_eval_exact", "eval_progress", b"eval_progress", "last_report", b"last_report", "node_wait", b"node_wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "baseline_eval", b"baseline_eval", "error", b"error", "last_report", b"last_report", "model_id", b"model_id", "node_wait", b"node_wait", "policy_version", b"policy_version", "run_dir", b"run_dir", "run_name", b"run_name", "state", b"state", "step", b"step", "total_steps", b"total_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval", "_baseline_eval_exact", b"_baseline_eval_exact", "baseline_eval", b"baseline_eval", "baseline_eval_exact", b"baseline_eval_exact", "error", b"error", "eval_progress", b"eval_progress", "eval_scorer", b"eval_scorer", "last_report", b"last_report", "model_id", b"model_id", "node_wait", b"node_wait", "policy_version", b"policy_version", "run_dir", b"run_dir", "run_name", b"run_name", "state", b"state", "step", b"step", "total_steps", b"total_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__baseline_eval: _TypeAlias = _typing.Literal["baseline_eval"]  # noqa: Y015
     _WhichOneofArgType__baseline_eval: _TypeAlias = _typing.Literal["_baseline_eval", b"_baseline_eval"]  # noqa: Y015
+    _WhichOneofReturnType__baseline_eval_exact: _TypeAlias = _typing.Literal["baseline_eval_exact"]  # noqa: Y015
+    _WhichOneofArgType__baseline_eval_exact: _TypeAlias = _typing.Literal["_baseline_eval_exact", b"_baseline_eval_exact"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__baseline_eval) -> _WhichOneofReturnType__baseline_eval | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__baseline_eval_exact) -> _WhichOneofReturnType__baseline_eval_exact | None: ...
 
 Global___GetRunStatusResponse: _TypeAlias = GetRunStatusResponse  # noqa: Y015
+
+@_typing.final
+class EvalProgress(_message.Message):
+    """A held-out eval in progress."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    ELAPSED_S_FIELD_NUMBER: _builtins.int
+    EXPECTED_S_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    """Step it measures (0: the baseline, before step 1)."""
+    done: _builtins.int
+    """Prompts decoded so far."""
+    total: _builtins.int
+    """Prompts in the eval."""
+    elapsed_s: _builtins.float
+    """Seconds since the eval started."""
+    expected_s: _builtins.float
+    """Seconds the whole eval is expected to take, from its first batch; unset before that."""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        done: _builtins.int = ...,
+        total: _builtins.int = ...,
+        elapsed_s: _builtins.float = ...,
+        expected_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_s", b"_expected_s", "expected_s", b"expected_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_s", b"_expected_s", "done", b"done", "elapsed_s", b"elapsed_s", "expected_s", b"expected_s", "step", b"step", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expected_s: _TypeAlias = _typing.Literal["expected_s"]  # noqa: Y015
+    _WhichOneofArgType__expected_s: _TypeAlias = _typing.Literal["_expected_s", b"_expected_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_s) -> _WhichOneofReturnType__expected_s | None: ...
+
+Global___EvalProgress: _TypeAlias = EvalProgress  # noqa: Y015
 
 @_typing.final
 class NodeWait(_message.Message):

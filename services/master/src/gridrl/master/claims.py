@@ -2,7 +2,7 @@
 deregisters only the addresses it holds.
 
 Pure domain code (no gRPC): handlers pass the caller's credential
-(:func:`gridrl.common.auth.caller`) and a test of whether a credential id is still in force.
+(:func:`gridrl.common.security.access.caller`) and a test of whether a credential id is still in force.
 
 Rules:
 
@@ -30,11 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
-
 from gridrl.common.address import canonical_address
-from gridrl.common.auth import Credential
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import Kind, StatusError
+from gridrl.common.security.tokens import Credential
 from gridrl.master.registry import node_id_for
 
 log = logging.getLogger(__name__)
@@ -95,12 +93,12 @@ class Claims:
         """
         key = claim_key(address)
         if credential.address is not None and claim_key(credential.address) != key:
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+            raise StatusError(Kind.PERMISSION_DENIED,
                               f"node.address: credential {credential.id!r} may register only "
                               f"{credential.address}, not {address}")
         owner = self._reserved(key)
         if owner is not None and owner != credential.id:
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+            raise StatusError(Kind.PERMISSION_DENIED,
                               f"node.address: {address} is reserved for credential {owner!r} "
                               f"(minted for it); credential {credential.id!r} may not "
                               "register it")
@@ -109,7 +107,7 @@ class Claims:
             if claim is not None and claim.credential_id == credential.id:
                 return
             if claim is not None and self._active(claim.credential_id):
-                raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                raise StatusError(Kind.PERMISSION_DENIED,
                                   f"node.address: {address} is held by credential "
                                   f"{claim.credential_id!r}; credential {credential.id!r} may "
                                   "not register it")
@@ -136,7 +134,7 @@ class Claims:
         if claim is None or claim.credential_id == credential.id \
                 or not self._active(claim.credential_id):
             return
-        raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+        raise StatusError(Kind.PERMISSION_DENIED,
                           f"node_id: {node_id} ({claim.address}) is held by credential "
                           f"{claim.credential_id!r}; credential {credential.id!r} may not "
                           f"{action} it")

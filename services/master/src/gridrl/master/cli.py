@@ -16,6 +16,8 @@ import sys
 import click
 
 from gridrl.common.cli import (
+    address_option,
+    bad_parameter,
     client_security_options,
     env_option,
     exit_on_rpc_error,
@@ -25,7 +27,10 @@ from gridrl.common.cli import (
     setup_logging,
     write_ready_file,
 )
-from gridrl.common.security import Security
+from gridrl.common.errors import StatusError
+from gridrl.common.security.policy import Security
+from gridrl.common.settings import click_options, from_params
+from gridrl.master.config import ENV_PREFIX, DashboardSettings, Liveness
 from gridrl.master.store import default_store_path
 
 
@@ -38,31 +43,30 @@ def main() -> None:
 @server_options("master", listen="127.0.0.1:50050", metrics_port=9400)
 @env_option("--store", env="GRIDRL_MASTER_STORE", default=default_store_path(),
             help="sqlite file the registrations persist to ('' or ':memory:': none).")
-@env_option("--heartbeat-interval", env="GRIDRL_MASTER_HEARTBEAT_INTERVAL", default=5.0,
-            type=click.FloatRange(min=0, min_open=True),
-            help="Seconds between heartbeats the master asks nodes for.")
-@env_option("--unhealthy-after", env="GRIDRL_MASTER_UNHEALTHY_AFTER", default=15.0,
-            type=click.FloatRange(min=0, min_open=True),
-            help="Seconds without a heartbeat before a node is marked unhealthy.")
-@env_option("--expire-after", env="GRIDRL_MASTER_EXPIRE_AFTER", default=60.0,
-            type=click.FloatRange(min=0, min_open=True),
-            help="Seconds without a heartbeat before a node is removed.")
+@click_options(Liveness, ENV_PREFIX)
+@click_options(DashboardSettings, ENV_PREFIX)
 def serve(listen: str, metrics_port: int, security: Security, log_level: str,
-          ready_file: str | None, store: str, heartbeat_interval: float,
-          unhealthy_after: float, expire_after: float) -> None:
-    """Serve RegistryService until SIGTERM/SIGINT."""
-    if not heartbeat_interval < unhealthy_after < expire_after:
-        raise click.UsageError(
-            f"need --heartbeat-interval ({heartbeat_interval}) < --unhealthy-after "
-            f"({unhealthy_after}) < --expire-after ({expire_after})")
+          ready_file: str | None, store: str, **params: float) -> None:
+    """Serve RegistryService, RunReportService and the dashboard until SIGTERM/SIGINT."""
+    try:
+        liveness = from_params(Liveness, params)
+        dashboard_port = from_params(DashboardSettings, params).dashboard_port
+    except StatusError as e:
+        raise bad_parameter(e) from None
+    from gridrl.common.address import parse_listen, port_in_use
+
+    host = parse_listen(listen, "--listen")[0]
+    if port_in_use(host, dashboard_port):
+        raise click.BadParameter(f"port {dashboard_port} is already in use on {host}; give "
+                                 "another port (0: any free port, -1: no dashboard)",
+                                 param_hint="--dashboard-port")
     setup_logging(log_level)
-    from gridrl.common.errors import StatusError
     from gridrl.master.server import Master
 
     try:
         master = Master(listen, metrics_port=metrics_port, security=security,
-                        store_path=store, heartbeat_interval_s=heartbeat_interval,
-                        unhealthy_after_s=unhealthy_after, expire_after_s=expire_after)
+                        store_path=store, liveness=liveness,
+                        dashboard_port=dashboard_port)
     except StatusError as e:
         raise click.BadParameter(e.message, param_hint="--listen") from e
     except Exception as e:  # sqlite3.Error, OSError
@@ -72,12 +76,14 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
     except OSError as e:  # the port is taken (servers never share one)
         master.stop(grace_s=0)
         raise click.UsageError(str(e)) from None
-    write_ready_file(ready_file, master.address, master.port, master.metrics_port)
+    write_ready_file(ready_file, master.address, master.port, master.metrics_port,
+                     dashboard_port=master.dashboard_port,
+                     dashboard_url=master.dashboard.url if master.dashboard else None)
     master.wait()
 
 
 @main.command()
-@env_option("--master", "--address", "address", env="GRIDRL_MASTER_ADDRESS",
+@address_option("--master", "--address", "address", env="GRIDRL_MASTER_ADDRESS",
             default="127.0.0.1:50050",
             help="host:port of the master (--master, as the other services call it).")
 @client_security_options
@@ -99,7 +105,7 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
 def nodes(address: str, security: Security, as_json: bool, role: str | None,
           backend: str | None, model: str | None, status: str | None, timeout: float) -> None:
     """Print the registry: address, role, backend, model, adapter, status, last seen."""
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial
     from gridrl.master.display import nodes_json, nodes_table
     from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 

@@ -1,5 +1,5 @@
 """The master's Prometheus metrics (``gridrl_master_*``) on the default registry, served by the
-``/metrics`` endpoint of :mod:`gridrl.common.metrics` next to the shared RPC metrics.
+``/metrics`` endpoint of :mod:`gridrl.common.rpc.metrics` next to the shared RPC metrics.
 
 ``gridrl_master_nodes{role,backend,status}`` is computed at scrape time from the registries
 that are serving in this process (:func:`track`), with a series for every combination so that

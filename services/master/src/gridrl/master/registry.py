@@ -36,9 +36,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-
-from gridrl.common.errors import StatusError, not_found, resource_exhausted
+from gridrl.common.errors import Kind, StatusError, not_found, resource_exhausted
+from gridrl.master.config import Liveness
 from gridrl.v1 import common_pb2, registry_pb2
 
 log = logging.getLogger(__name__)
@@ -195,11 +194,8 @@ class Registry:
     """Thread-safe registry of nodes with liveness and an ordered event feed.
 
     Args:
-        heartbeat_interval_s: seconds between heartbeats the master asks nodes for (> 0).
-        unhealthy_after_s: seconds without a heartbeat before a node is UNHEALTHY
-            (> heartbeat_interval_s).
-        expire_after_s: seconds without a heartbeat before a node is removed
-            (> unhealthy_after_s).
+        liveness: the heartbeat interval the master asks for, and the silences after which a
+            node is UNHEALTHY, then removed (:class:`gridrl.master.config.Liveness`).
         store: where records are persisted; None keeps them in memory only. Registrations,
             removals and evented changes are written through; heartbeat-only updates
             (last_seen, load, queue depth) are batched by :meth:`flush` / :meth:`sweep`.
@@ -209,21 +205,19 @@ class Registry:
         max_pending_events: events a subscriber may lag behind before it is dropped.
 
     Raises:
-        ValueError: when the three durations are not increasing and positive.
+        StatusError: INVALID_ARGUMENT when the three durations are not increasing and
+            positive (:meth:`Liveness.validate`).
     """
 
-    def __init__(self, heartbeat_interval_s: float = 5.0, unhealthy_after_s: float = 15.0,
-                 expire_after_s: float = 60.0, store: RecordStore | None = None,
+    def __init__(self, liveness: Liveness = Liveness(), store: RecordStore | None = None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
                  max_watchers: int = 32, max_pending_events: int = 10_000) -> None:
-        if not 0 < heartbeat_interval_s < unhealthy_after_s < expire_after_s:
-            raise ValueError(
-                "need 0 < heartbeat interval < unhealthy-after < expire-after, got "
-                f"{heartbeat_interval_s}, {unhealthy_after_s}, {expire_after_s}")
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.unhealthy_after_s = unhealthy_after_s
-        self.expire_after_s = expire_after_s
+        liveness.validate()
+        self.liveness = liveness
+        self.heartbeat_interval_s = liveness.heartbeat_interval_s
+        self.unhealthy_after_s = liveness.unhealthy_after_s
+        self.expire_after_s = liveness.expire_after_s
         self._store = store
         self._clock = clock
         self._monotonic = monotonic
@@ -400,7 +394,7 @@ class Registry:
         sub = Subscription(node_filter, self._max_pending, self._unsubscribe)
         with self._lock:
             if self._closed:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, "master is shutting down")
+                raise StatusError(Kind.UNAVAILABLE, "master is shutting down")
             if len(self._subs) >= self._max_watchers:
                 raise resource_exhausted(f"too many watchers (at most {self._max_watchers})")
             for entry in sorted(self._entries.values(), key=lambda e: e.sequence):

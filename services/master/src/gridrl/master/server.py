@@ -14,14 +14,19 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from gridrl.common.auth import NODE, TRAINER, AuthorizedTokens, Credential, caller
-from gridrl.common.channel import SMALL_REQUEST_BYTES
-from gridrl.common.errors import StatusError
-from gridrl.common.security import Security
-from gridrl.common.server import GrpcServer
+from gridrl.common.errors import Kind, StatusError
+from gridrl.common.rpc.channel import SMALL_REQUEST_BYTES
+from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.security.access import caller
+from gridrl.common.security.policy import Security
+from gridrl.common.security.tokens import NODE, TRAINER, AuthorizedTokens, Credential
 from gridrl.master import metrics
 from gridrl.master.claims import Claims, claim_key
+from gridrl.master.config import Liveness
 from gridrl.master.registry import NodeFilter, Registry
+from gridrl.master.reports import SERVICE_NAME as REPORT_SERVICE_NAME
+from gridrl.master.reports import RunReportServicer
+from gridrl.master.runs import Runs
 from gridrl.master.store import NO_STORE, SqliteStore
 from gridrl.master.validate import (
     validate_filter,
@@ -29,7 +34,7 @@ from gridrl.master.validate import (
     validate_node_id,
     validate_register,
 )
-from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc, runs_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +178,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             address = None
         if credential.scope == TRAINER and (
                 address is None or self._claims.holder(address) != credential.id):
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+            raise StatusError(Kind.PERMISSION_DENIED,
                               f"node_id: credential {credential.id!r} (scope trainer) may "
                               f"{action} only the trainer entry it registered")
         if address is not None:
@@ -188,7 +193,7 @@ def _check_role(credential: Credential, role: int) -> None:
     if role not in ROLES_BY_SCOPE.get(credential.scope, ()):
         allowed = [metrics.enum_label(common_pb2.NodeRole, r)
                    for r in ROLES_BY_SCOPE.get(credential.scope, ())]
-        raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+        raise StatusError(Kind.PERMISSION_DENIED,
                           f"RegistryService/RegisterNode: credential {credential.id!r} has "
                           f"scope {credential.scope}; it may register "
                           f"{' or '.join(allowed) or 'no'} entries (node.role), not "
@@ -242,28 +247,30 @@ class Master:
     Args:
         listen: host:port to serve on (port 0: any free port; read ``.port`` after start).
         metrics_port: Prometheus port (0: any free port, negative: off).
-        security: TLS files and authorized tokens (:class:`gridrl.common.security.Security`;
+        security: TLS files and authorized tokens (:class:`gridrl.common.security.policy.Security`;
             None: plaintext, no credentials, loopback only). With credentials, node
             credentials hold the addresses they register (:mod:`gridrl.master.claims`).
         store_path: sqlite file for the records and claims; None, "" or ":memory:" for no
             persistence.
-        heartbeat_interval_s, unhealthy_after_s, expire_after_s: liveness, in seconds
-            (see :class:`Registry`).
+        liveness: heartbeat interval and the silences that make a node unhealthy, then
+            removed (:class:`gridrl.master.config.Liveness`).
         grace_s: seconds unary calls in flight get to finish on stop (watch streams end at once).
+        dashboard_port: the dashboard's HTTP port on the ``listen`` host
+            (:mod:`gridrl.master.dashboard`; 0: any free port, negative: off).
 
     Raises:
-        ValueError: for non-increasing durations. OSError / sqlite3.Error: unusable store path.
-        ExposedError, TlsError: see :class:`gridrl.common.server.GrpcServer`.
+        StatusError: INVALID_ARGUMENT for non-increasing durations. OSError / sqlite3.Error:
+            unusable store path.
+        ExposedError, TlsError: see :class:`gridrl.common.rpc.server.GrpcServer`.
     """
 
     def __init__(self, listen: str = "127.0.0.1:50050", metrics_port: int = -1,
                  security: Security | None = None, store_path: str | None = None,
-                 heartbeat_interval_s: float = 5.0, unhealthy_after_s: float = 15.0,
-                 expire_after_s: float = 60.0, grace_s: float = 5.0) -> None:
+                 liveness: Liveness = Liveness(), grace_s: float = 5.0,
+                 dashboard_port: int = -1) -> None:
         self.store = None if store_path in (None, *NO_STORE) else SqliteStore(store_path)
         try:
-            self.registry = Registry(heartbeat_interval_s, unhealthy_after_s, expire_after_s,
-                                     store=self.store, max_watchers=MAX_WATCHERS)
+            self.registry = Registry(liveness, store=self.store, max_watchers=MAX_WATCHERS)
             self.server = GrpcServer(listen, metrics_port=metrics_port, security=security,
                                      max_workers=MAX_WORKERS, grace_s=grace_s,
                                      max_receive_bytes=SMALL_REQUEST_BYTES)
@@ -276,10 +283,20 @@ class Master:
             raise
         self.server.add(registry_pb2_grpc.add_RegistryServiceServicer_to_server,
                         RegistryServicer(self.registry, self.claims), SERVICE_NAME)
+        self.runs = Runs(store=self.store)
+        self.server.add(runs_pb2_grpc.add_RunReportServiceServicer_to_server,
+                        RunReportServicer(self.runs), REPORT_SERVICE_NAME)
+        self.dashboard = None
+        if dashboard_port >= 0:
+            from gridrl.common.address import parse_listen
+            from gridrl.master.dashboard import Dashboard
+
+            self.dashboard = Dashboard(self.registry, self.runs, parse_listen(listen)[0],
+                                       dashboard_port, self.server.security)
+            self.server.on_stopping(self.dashboard.stop)
         self.server.on_stopping(self.registry.close_watchers)
         self.server.on_stop(self._shutdown)
-        self._sweeper = Sweeper(self.registry, max(0.02, min(heartbeat_interval_s,
-                                                             unhealthy_after_s / 4)))
+        self._sweeper = Sweeper(self.registry, liveness.sweep_every_s)
 
     @property
     def address(self) -> str:
@@ -294,9 +311,20 @@ class Master:
     def metrics_port(self) -> int:
         return self.server.metrics_port
 
+    @property
+    def dashboard_port(self) -> int:
+        """The dashboard's bound port (-1: off)."""
+        return self.dashboard.port if self.dashboard is not None else -1
+
     def start(self) -> Master:
         """Bind and serve, start the sweeper and the node-count metrics. Returns self."""
         self.server.start()
+        if self.dashboard is not None:
+            try:
+                self.dashboard.start()
+            except OSError:
+                self.stop(grace_s=0)
+                raise
         metrics.track(self.registry)
         self._sweeper.start()
         return self

@@ -1,5 +1,6 @@
-"""sqlite persistence of the registry: one row per node, the NodeRecord as protobuf bytes; and
-one row per address claim (which node credential holds it, :mod:`gridrl.master.claims`).
+"""sqlite persistence of the registry: one row per node, the NodeRecord as protobuf bytes; one
+row per address claim (which node credential holds it, :mod:`gridrl.master.claims`); and one
+row per training run the dashboard shows (:mod:`gridrl.master.runs`, bounded JSON).
 
 The store is a cache that lets a restarted master know its nodes at once; losing it costs at
 most one heartbeat interval (nodes get NOT_FOUND and register again). So a file that is not a
@@ -71,6 +72,10 @@ class SqliteStore:
                          "node_id TEXT PRIMARY KEY, record BLOB NOT NULL)")
             conn.execute("CREATE TABLE IF NOT EXISTS claims (node_id TEXT PRIMARY KEY, "
                          "address TEXT NOT NULL, credential_id TEXT NOT NULL)")
+            # the dashboard's runs (gridrl.master.runs), as JSON; a master without the
+            # dashboard ignores the table, so the schema version stays
+            conn.execute("CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, "
+                         "run TEXT NOT NULL)")
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError:
             conn.close()
@@ -120,6 +125,21 @@ class SqliteStore:
         with self._lock, self._conn:
             self._conn.execute("INSERT OR REPLACE INTO claims VALUES (?, ?, ?)",
                                (claim.node_id, claim.address, claim.credential_id))
+
+    def load_runs(self) -> list[str]:
+        """Every stored run (JSON text, :meth:`gridrl.master.runs.Run.to_json`)."""
+        with self._lock:
+            return [row[0] for row in self._conn.execute("SELECT run FROM runs").fetchall()]
+
+    def put_runs(self, runs: Iterable[tuple[str, str]]) -> None:
+        """Insert or replace runs, given as (run_id, JSON text), in one transaction."""
+        with self._lock, self._conn:
+            self._conn.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?)", list(runs))
+
+    def delete_runs(self, run_ids: Iterable[str]) -> None:
+        """Delete the stored runs ``run_ids`` (unknown ids are ignored)."""
+        with self._lock, self._conn:
+            self._conn.executemany("DELETE FROM runs WHERE run_id = ?", [(i,) for i in run_ids])
 
     def close(self) -> None:
         """Close the database. Idempotent."""

@@ -42,21 +42,20 @@ import grpc
 from gridrl.adapters import (
     AdapterError,
     AdapterManifest,
-    BaseModelInfo,
     build_manifest,
     check_fits,
     convert_files,
     detect_format,
     read_dir,
 )
-from gridrl.common.errors import StatusError, failed_precondition, invalid_argument
+from gridrl.common.errors import Kind, StatusError, failed_precondition, invalid_argument
 from gridrl.common.sequence import ReportSequence
-from gridrl.common.transport import format_name, manifest_to_dict, receive_push
+from gridrl.common.transport import receive_push
 from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
 from gridrl.rollout import metrics
 from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
-from gridrl.rollout.engine import BASE_MODEL, Engine, ServingAdapter
+from gridrl.rollout.scheduler import BASE_MODEL, Engine, ServingAdapter
 from gridrl.v1 import common_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -99,7 +98,7 @@ class ApplyDeadline:
             StatusError: DEADLINE_EXCEEDED past the deadline; CANCELLED when the caller left.
         """
         if not self.caller_active():
-            raise StatusError(grpc.StatusCode.CANCELLED,
+            raise StatusError(Kind.CANCELLED,
                               f"{what}: the caller cancelled before it was applied; nothing "
                               "changed")
         if self.at is not None and time.monotonic() >= self.at:
@@ -108,7 +107,7 @@ class ApplyDeadline:
     def expired(self, what: str) -> StatusError:
         """The DEADLINE_EXCEEDED error of ``what`` (counted in the metrics)."""
         metrics.PUSHES_EXPIRED.inc()
-        return StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+        return StatusError(Kind.DEADLINE_EXCEEDED,
                            f"{what}: could not be applied before the caller's deadline; "
                            "nothing changed and it will not be applied later")
 
@@ -149,14 +148,6 @@ class AdapterManager:
         self._keys = itertools.count(1)
         self._stored = self._listing()  # replaced under the lock, read without it
 
-    def base_model(self) -> dict[str, object]:
-        """The base model as the manifest's ``base_model`` dict."""
-        i = self.identity
-        return {"model_id": i.model_id, "architecture": i.architecture,
-                "hidden_size": i.hidden_size, "num_layers": i.num_layers,
-                "vocab_size": i.vocab_size,
-                "weights_fingerprint": getattr(i, "weights_fingerprint", "")}
-
     def stored_refs(self) -> list[common_pb2.AdapterRef]:
         """Every stored push as an AdapterRef, by name then version, as the store holds them
         once the pushes answered so far are written (a snapshot: never waits on a push)."""
@@ -183,9 +174,9 @@ class AdapterManager:
         Raises:
             StatusError: DEADLINE_EXCEEDED when it could not start in time (it never will).
         """
-        preempt = getattr(self.backend, "interrupt_is_synchronous", True)
         try:
-            return self.engine.call_between_batches(fn, timeout=deadline.left(), preempt=preempt)
+            return self.engine.call_between_batches(fn, timeout=deadline.left(),
+                                                    preempt=self.backend.interrupt_is_synchronous)
         except TimeoutError:
             raise deadline.expired(what) from None
 
@@ -224,13 +215,13 @@ class AdapterManager:
                 self._check_header(first.header.manifest)
             received = receive_push(_chain(first, stream), self.max_bytes)
         except grpc.RpcError as e:
-            raise StatusError(grpc.StatusCode.CANCELLED,
+            raise StatusError(Kind.CANCELLED,
                               "push stream ended by the client before it was complete; "
                               "nothing changed") from e
         metrics.PUSH_BYTES.inc(received.bytes_received)
-        manifest = received.manifest
-        name, version = manifest.name, int(manifest.version)
-        pushed_format = format_name(manifest.format)
+        manifest = AdapterManifest.from_proto(received.manifest)
+        name, version = manifest.name, manifest.version
+        pushed_format = manifest.format
         t = time.perf_counter()
         files = received.files
         try:
@@ -245,7 +236,7 @@ class AdapterManager:
         except AdapterError as e:
             raise invalid_argument("adapter", str(e)) from e
         try:  # ... a well-formed adapter for another model is a precondition failure
-            check_fits(described, self.base_model())
+            check_fits(described, self.identity)
         except AdapterError as e:
             raise failed_precondition(f"adapter: {e}") from e
         verify_s = received.verify_s + time.perf_counter() - t
@@ -261,7 +252,7 @@ class AdapterManager:
         convert_s = time.perf_counter() - t if converted else 0.0
         meta = {"name": name, "version": version, "format": self.backend.adapter_format,
                 "pushed_format": pushed_format, "converted": converted,
-                "manifest": manifest_to_dict(manifest)}
+                "manifest": manifest.to_dict()}
         applied = self._store_and_apply(files, meta, received.stage_only, deadline)
         total = time.perf_counter() - start
         for phase, seconds in (("receive", received.receive_s), ("verify", verify_s),
@@ -286,7 +277,7 @@ class AdapterManager:
             raise invalid_argument("header.manifest.name", f"{manifest.name!r} must not start "
                                                            "with '.'")
         try:
-            check_fits(AdapterManifest.from_dict(manifest_to_dict(manifest)), self.base_model())
+            check_fits(AdapterManifest.from_proto(manifest), self.identity)
         except AdapterError as e:
             raise failed_precondition(f"header.manifest.base_model: {e}") from e
 
@@ -301,7 +292,7 @@ class AdapterManager:
             if existing is not None:
                 if existing.file_digests != {f["path"]: f["sha256"]
                                              for f in meta["manifest"]["files"]}:
-                    raise StatusError(grpc.StatusCode.ALREADY_EXISTS,
+                    raise StatusError(Kind.ALREADY_EXISTS,
                                       f"header.manifest.version: {name} v{version} is already "
                                       "stored with different files; push a new version")
                 # The same push again (a retry): serve what is stored.
@@ -365,7 +356,7 @@ class AdapterManager:
         except AdapterLoadError as e:
             raise failed_precondition(f"adapter: {e}") from e
         except ConnectionError as e:  # the backend's server (vLLM) is unreachable
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"adapter: {e}") from e
+            raise StatusError(Kind.UNAVAILABLE, f"adapter: {e}") from e
 
     def _store(self, files: dict[str, bytes], meta: dict) -> None:
         """Write a push into the store (staging directory, then renamed) and prune old
@@ -408,7 +399,7 @@ class AdapterManager:
         except AdapterLoadError as e:
             raise failed_precondition(f"adapter: {e}") from e
         except ConnectionError as e:  # the backend's server (vLLM) is unreachable
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"adapter: {e}") from e
+            raise StatusError(Kind.UNAVAILABLE, f"adapter: {e}") from e
 
     def _swap(self, adapter: ServingAdapter) -> None:
         """On the scheduler thread: serve ``adapter``, free the previous one."""
@@ -476,8 +467,8 @@ class AdapterManager:
         recorded = stored.meta.get("manifest", {}).get("base_model")
         if isinstance(recorded, dict):  # what it was pushed for: refuse another checkpoint
             try:
-                check_fits(AdapterManifest(base_model=BaseModelInfo.from_any(recorded)),
-                           self.base_model())
+                check_fits(AdapterManifest(base_model=ModelIdentity.from_any(recorded)),
+                           self.identity)
             except AdapterError as e:
                 raise failed_precondition(f"adapter: {e}") from e
         try:
@@ -488,7 +479,7 @@ class AdapterManager:
             try:
                 files = convert_files(read_dir(directory), self.backend.adapter_format,
                                       num_layers=self.identity.num_layers)
-                check_fits(files, self.base_model())
+                check_fits(files, self.identity)
             except AdapterError as e:
                 raise failed_precondition(f"adapter: {e}") from e
             staged = directory = self.store.stage(files, stored.meta)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gridrl.models import cache_root
+from gridrl.rollout.config import default_name
 
 _PID_NAME = re.compile(r"^.+-pid(\d+)$")
 
@@ -31,11 +32,9 @@ def ephemeral_dir(listen: str, name: str | None, adapter_root: str | None) -> Pa
     """The directory a node removes when it stops: its default directory when it listens on
     port 0 without ``--name`` or ``--adapter-root`` (named after its pid, never reused);
     None otherwise (a named or fixed-port node keeps its adapters for its next start)."""
-    from gridrl.rollout.server import _default_name
-
     if name or adapter_root or listen.rpartition(":")[2] != "0":
         return None
-    return rollout_cache() / _default_name(listen)
+    return rollout_cache() / default_name(listen)
 
 
 @dataclass(frozen=True)

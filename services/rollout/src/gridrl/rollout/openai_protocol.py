@@ -1,5 +1,5 @@
 """The OpenAI-compatible API of a rollout node as plain data: request bodies -> a validated
-:class:`Prepared` request (the same :class:`~gridrl.rollout.engine.GenerateJob` a gRPC
+:class:`Prepared` request (the same :class:`~gridrl.rollout.scheduler.GenerateJob` a gRPC
 ``Generate`` gives), and the JSON of responses, stream chunks and errors. No HTTP here
 (:mod:`gridrl.rollout.openai_server` serves it).
 
@@ -17,35 +17,46 @@ Fields (as in OpenAI's and vLLM's ``/v1/completions`` and ``/v1/chat/completions
 * ``stop``: a string or up to :data:`MAX_STOP_STRINGS` strings (see
   :mod:`gridrl.rollout.openai_decode`); ``stop_token_ids`` (vLLM's extension): ids that end a
   sample like eos.
-* ``logprobs``: completions: an int, 0 only (the sampled token's logprob; top alternatives are
-  not computed); chat: a bool, with ``top_logprobs`` 0 or absent. The logprob is the behaviour
-  logprob of ``Generate``: under the distribution the token was drawn from (after temperature,
-  top-k and top-p; vLLM's ``processed_logprobs``).
+* ``logprobs``: completions: an int N in [0, :data:`MAX_TOP_LOGPROBS`]: each token's logprob
+  and, for N > 0, its ``top_logprobs`` (the N most likely tokens and the sampled one); chat: a
+  bool, with ``top_logprobs`` N in [0, 20]. The logprob is the behaviour logprob of
+  ``Generate``: under the distribution the token was drawn from (after temperature, top-k and
+  top-p; vLLM's ``processed_logprobs``), and so are the alternatives (-inf written -9999.0,
+  as vLLM does).
+* ``echo`` (completions): the prompt is returned before the completion, its tokens with their
+  logprobs when ``logprobs`` is set (the first ``null``; under the model's own distribution,
+  as vLLM's prompt logprobs: what lm-evaluation-harness's loglikelihood reads);
+  ``max_tokens`` 0 then scores the prompt only. Not with ``stream``.
 * ``return_tokens_as_token_ids`` (vLLM's extension): tokens in logprobs as ``"token_id:<id>"``.
+* ``return_token_ids`` (vLLM's extension): each choice carries ``token_ids`` (the sampled ids)
+  and, for completions, ``prompt_token_ids``; a chat response carries ``prompt_token_ids``
+  (a stream: in its first chunk). With the logprobs and ``policy_version`` (every response
+  and chunk: the adapter version that produced it, 0 for the base model) that is what an RL
+  orchestrator reads from vLLM.
 * ``stream``, ``stream_options.include_usage``.
 
 Limits are the node's (``--max-n``, ``--max-tokens``, the model's context), checked by the same
 :func:`~gridrl.rollout.validation.validate_generate` as ``Generate``. Errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``; ``param`` names the request field and the
 message starts with it. Unknown fields are ignored; known ones the node cannot honour
-(``echo``, ``best_of`` > n, penalties, ``logit_bias``, ``tools``, a JSON ``response_format``,
-several prompts) are 400 naming the field.
+(``best_of`` > n, penalties, ``logit_bias``, ``tools``, a JSON ``response_format``, several
+prompts) are 400 naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gridrl.common.errors import StatusError
-from gridrl.engine.contract import FinishReason
-from gridrl.rollout.engine import GenerateJob, ServingAdapter
+from gridrl.common.errors import Kind, StatusError
+from gridrl.engine.contract import MAX_TOP_LOGPROBS, FinishReason
+from gridrl.rollout.scheduler import GenerateJob, ServingAdapter
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2
@@ -57,15 +68,15 @@ _FIELDS = {"sampling.n": "n", "sampling.max_tokens": "max_tokens",
            "sampling.temperature": "temperature", "sampling.top_p": "top_p",
            "sampling.top_k": "top_k", "sampling.stop_token_ids": "stop_token_ids",
            "prompt_token_ids": "prompt", "prompt_text": "prompt"}
-# HTTP status, OpenAI error type and code of each gRPC status the engine raises
+# The one mapping of the domain error's kinds to HTTP: status, OpenAI error type and code
 _STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.CANCELLED: (499, "invalid_request_error", "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
+    Kind.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    Kind.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    Kind.PERMISSION_DENIED: (403, "permission_error", None),
+    Kind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    Kind.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Kind.CANCELLED: (499, "invalid_request_error", "cancelled"),
+    Kind.UNAVAILABLE: (503, "server_error", "unavailable"),
 }
 
 
@@ -93,16 +104,15 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_status(cls, error: StatusError) -> OpenAIError:
-        """The OpenAI error of a gRPC status (INVALID_ARGUMENT 400 naming the OpenAI field,
+        """The OpenAI error of a domain error (INVALID_ARGUMENT 400 naming the OpenAI field,
         RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, anything else 500)."""
-        status, kind, code = _STATUS.get(error.code, (500, "server_error", None))
+        status, kind, code = _STATUS.get(error.kind, (500, "server_error", None))
         message, param = error.message, None
-        if error.code == grpc.StatusCode.INVALID_ARGUMENT:
-            field, sep, problem = message.partition(": ")
-            base, _, index = field.partition("[")
-            if sep and base in _FIELDS:
+        if error.kind is Kind.INVALID_ARGUMENT and error.field:
+            base, _, index = error.field.partition("[")
+            if base in _FIELDS:
                 param = _FIELDS[base]
-                message = f"{param}{'[' + index if index else ''}: {problem}"
+                message = f"{param}{'[' + index if index else ''}: {error.problem}"
         return cls(status, message, param, kind, code)
 
 
@@ -137,6 +147,7 @@ class _SamplingFields(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_tokens_as_token_ids: bool | None = False
+    return_token_ids: bool | None = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -197,6 +208,10 @@ class Prepared:
         include_usage: a last stream chunk with the token counts.
         tokens_as_ids: name tokens ``"token_id:<id>"`` in logprobs (vLLM's
             ``return_tokens_as_token_ids``).
+        top_logprobs: alternatives per token (``job.sampling.top_logprobs``).
+        echo: return the prompt before the completion (its logprobs: ``job.prompt_logprobs``).
+        prompt_text: the prompt as the request gave it (echo), or None for token ids.
+        token_ids: return the sampled and prompt token ids (vLLM's ``return_token_ids``).
     """
 
     kind: Literal["completion", "chat"]
@@ -208,6 +223,10 @@ class Prepared:
     stream: bool
     include_usage: bool
     tokens_as_ids: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    prompt_text: str | None = None
+    token_ids: bool = False
 
 
 def parse_body(kind: Literal["completion", "chat"], body: Any
@@ -271,12 +290,14 @@ def prepare(request: CompletionRequest | ChatCompletionRequest, codec: TextCodec
     stop = _stop_strings(request.stop)
     prompt = _chat_prompt(request, codec) if chat else _completion_prompt(request, codec)
     n = 1 if request.n is None else _bounded("n", request.n, 1, _U32)
-    max_tokens = _bounded("max_tokens", _max_tokens(request, len(prompt), limits), 1, _U32)
+    echo = not chat and bool(request.echo)
+    max_tokens = _bounded("max_tokens", _max_tokens(request, len(prompt), limits),
+                          0 if echo else 1, _U32)
     stop_ids = [_bounded(f"stop_token_ids[{i}]", t, 0, _I32)
                 for i, t in enumerate(request.stop_token_ids or [])]
     top_k = 0 if request.top_k in (None, -1) else _bounded("top_k", request.top_k, -_I32, _I32)
     sampling = common_pb2.SamplingParams(
-        n=n, max_tokens=max_tokens, top_k=top_k, stop_token_ids=stop_ids,
+        n=n, max_tokens=max(max_tokens, 1), top_k=top_k, stop_token_ids=stop_ids,
         temperature=1.0 if request.temperature is None else request.temperature)
     if request.top_p is not None:
         sampling.top_p = request.top_p
@@ -289,11 +310,32 @@ def prepare(request: CompletionRequest | ChatCompletionRequest, codec: TextCodec
     except StatusError as e:
         raise OpenAIError.from_status(e) from e
     want_logprobs = bool(request.logprobs) or (not chat and request.logprobs == 0)
+    top = _top_logprobs(request)
+    job = dataclasses.replace(
+        job, sampling=dataclasses.replace(job.sampling, max_tokens=max_tokens, top_logprobs=top),
+        prompt_logprobs=top if echo and want_logprobs else None)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Prepared(kind="chat" if chat else "completion", model=request.model,
                     base_model=base_model, job=job, stop=stop, logprobs=want_logprobs,
                     stream=bool(request.stream), include_usage=include_usage,
-                    tokens_as_ids=bool(request.return_tokens_as_token_ids))
+                    tokens_as_ids=bool(request.return_tokens_as_token_ids), top_logprobs=top,
+                    echo=echo, prompt_text=_echo_text(request) if echo else None,
+                    token_ids=bool(request.return_token_ids))
+
+
+def _top_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int:
+    """Alternatives per token the request asks: completions' ``logprobs`` N, chat's
+    ``top_logprobs`` (checked by :func:`_refuse_unsupported`)."""
+    if isinstance(request, ChatCompletionRequest):
+        return request.top_logprobs or 0
+    return request.logprobs or 0
+
+
+def _echo_text(request: CompletionRequest) -> str | None:
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 _U32, _I32 = 1 << 32, 1 << 31
@@ -315,25 +357,30 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "only allowed with stream: true")
     if isinstance(request, CompletionRequest):
-        if request.logprobs is not None and request.logprobs != 0:
-            raise invalid("logprobs", "only 0 is supported: the node returns the sampled "
-                                      "token's logprob, not the top alternatives")
-        if request.echo:
-            raise invalid("echo", "not supported by this node (the prompt is not scored)")
+        _alternatives_bound("logprobs", request.logprobs)
+        if request.echo and request.stream:
+            raise invalid("echo", "not supported with stream: true on this node")
+        if not request.echo and request.max_tokens == 0:
+            raise invalid("max_tokens", "0 only with echo: true (the prompt scored, nothing "
+                                        "generated)")
         if request.suffix:
             raise invalid("suffix", "not supported by this node")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise invalid("best_of", "must equal n: the node returns every sample")
     else:
-        if request.top_logprobs:
-            raise invalid("top_logprobs", "only 0 is supported: the node returns the sampled "
-                                          "token's logprob, not the top alternatives")
+        _alternatives_bound("top_logprobs", request.top_logprobs)
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if request.tools:
             raise invalid("tools", "tool calls are not supported by this node")
         if request.response_format and request.response_format.get("type") != "text":
             raise invalid("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def _alternatives_bound(param: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(param, f"must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), "
+                             f"got {value}")
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -377,7 +424,7 @@ def _chat_prompt(request: ChatCompletionRequest, codec: TextCodec) -> list[int]:
     try:
         ids = codec.encode_chat(messages, "messages")
     except StatusError as e:
-        raise invalid("messages", e.message.removeprefix("messages: ")) from e
+        raise invalid("messages", e.problem) from e
     if not ids:
         raise invalid("messages", "the chat template renders them to no tokens")
     return ids
@@ -390,8 +437,8 @@ def _max_tokens(request: CompletionRequest | ChatCompletionRequest, prompt_token
         if value is not None and value != request.max_completion_tokens:
             raise invalid("max_completion_tokens", "differs from max_tokens; give one")
         value, param = request.max_completion_tokens, "max_completion_tokens"
-    if value is not None:
-        return _bounded(param, value, 1, _U32)
+    if value is not None:  # 0: a completion that echoes its prompt (checked before)
+        return _bounded(param, value, 0 if isinstance(request, CompletionRequest) else 1, _U32)
     if isinstance(request, CompletionRequest):
         return COMPLETIONS_DEFAULT_MAX_TOKENS
     room = min(limits.max_tokens, limits.max_context - prompt_tokens)
@@ -415,6 +462,12 @@ def fingerprint(adapter: ServingAdapter) -> str:
     return f"gridrl:{adapter.name or 'base'}:v{adapter.version}"
 
 
+#: How -inf (a token outside the kept support) is written, as vLLM writes it: JSON has no -inf.
+MASKED_LOGPROB = -9999.0
+#: Named alternatives of one token: (token as logprobs name it, logprob), most likely first.
+Named = list[tuple[str, float]]
+
+
 @dataclass
 class Choice:
     """One sample's contribution to a response or a chunk.
@@ -425,6 +478,7 @@ class Choice:
         token_ids / logprobs / text_offsets: its tokens (a chunk: the new ones).
         token_texts: each token as text (for logprobs).
         finish_reason: None until the sample ended.
+        top: each token's alternatives, named (with ``top_logprobs`` > 0; else empty).
     """
 
     index: int
@@ -434,68 +488,138 @@ class Choice:
     text_offsets: list[int]
     token_texts: list[str]
     finish_reason: FinishReason | None
+    top: list[Named] = dataclasses.field(default_factory=list)
 
 
-def _completion_logprobs(choice: Choice) -> dict[str, Any]:
-    return {"tokens": choice.token_texts, "token_logprobs": choice.logprobs,
-            "top_logprobs": None, "text_offset": choice.text_offsets}
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion returns before its own text (``echo``).
+
+    Attributes:
+        text: the prompt as given (token ids: decoded).
+        token_ids: its ids.
+        token_texts: each as logprobs name it.
+        logprobs: each token's logprob under the model (None for the first, which nothing
+            predicts); empty when logprobs were not asked.
+        top: each token's named alternatives (None for the first); empty when not asked.
+        text_offsets: where each token starts in ``text``.
+    """
+
+    text: str
+    token_ids: list[int]
+    token_texts: list[str]
+    logprobs: list[float | None]
+    top: list[Named | None]
+    text_offsets: list[int]
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None else max(value, MASKED_LOGPROB)
+
+
+def _top_entry(sampled: str, logprob: float, top: Named) -> dict[str, float]:
+    """OpenAI's and vLLM's ``top_logprobs`` entry of one token: the sampled token and its
+    alternatives, ``{token: logprob}``."""
+    return {sampled: _finite(logprob), **{t: _finite(v) for t, v in top}}  # type: ignore[dict-item]
+
+
+def _completion_logprobs(p: Prepared, choice: Choice, echo: Echo | None = None
+                         ) -> dict[str, Any]:
+    tops = ([_top_entry(t, lp, top) for t, lp, top in
+             zip(choice.token_texts, choice.logprobs, choice.top, strict=True)]
+            if p.top_logprobs else None)
+    out = {"tokens": choice.token_texts, "token_logprobs": [_finite(v) for v in choice.logprobs],
+           "top_logprobs": tops, "text_offset": choice.text_offsets}
+    if echo is None:
+        return out
+    echo_tops = [None if top is None else _top_entry(t, lp, top)  # type: ignore[arg-type]
+                 for t, lp, top in zip(echo.token_texts, echo.logprobs, echo.top, strict=True)]
+    return {"tokens": [*echo.token_texts, *out["tokens"]],
+            "token_logprobs": [*map(_finite, echo.logprobs), *out["token_logprobs"]],
+            "top_logprobs": [*echo_tops, *tops] if tops is not None else None,
+            "text_offset": [*echo.text_offsets,
+                            *(o + len(echo.text) for o in choice.text_offsets)]}
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any]:
-    return {"content": [{"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                         "top_logprobs": []}
-                        for text, logprob in zip(choice.token_texts, choice.logprobs,
-                                                 strict=True)],
+    tops = choice.top or [[] for _ in choice.token_ids]
+    return {"content": [{"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()),
+                         "top_logprobs": [{"token": t, "logprob": _finite(v),
+                                           "bytes": list(t.encode())} for t, v in top]}
+                        for text, logprob, top in zip(choice.token_texts, choice.logprobs, tops,
+                                                      strict=True)],
             "refusal": None}
 
 
+def _head(p: Prepared, response_id: str, created: int, adapter: ServingAdapter, model: str,
+          kind: str) -> dict[str, Any]:
+    """The fields every response and chunk starts with, ``policy_version`` included."""
+    return {"id": response_id, "object": kind, "created": created, "model": model,
+            "system_fingerprint": fingerprint(adapter), "policy_version": adapter.version}
+
+
 def response_body(p: Prepared, response_id: str, created: int, adapter: ServingAdapter,
-                  choices: list[Choice], prompt_tokens: int, model: str) -> dict[str, Any]:
+                  choices: list[Choice], prompt_tokens: int, model: str,
+                  echo: Echo | None = None) -> dict[str, Any]:
     """The JSON of a whole (non-streamed) completion or chat completion; ``model`` is the id
-    of the policy that answered."""
+    of the policy that answered; ``echo``: the prompt a completion returns first."""
+    prompt_ids = list(p.job.prompt_ids)
     if p.kind == "completion":
-        out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": _completion_logprobs(c) if p.logprobs else None}
+        out = [{"index": c.index, "text": (echo.text if echo else "") + c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": _completion_logprobs(p, c, echo) if p.logprobs else None,
+                **({"token_ids": c.token_ids, "prompt_token_ids": prompt_ids}
+                   if p.token_ids else {})}
                for c in choices]
     else:
         out = [{"index": c.index, "finish_reason": c.finish_reason,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c) if p.logprobs else None}
+                "logprobs": _chat_logprobs(c) if p.logprobs else None,
+                **({"token_ids": c.token_ids} if p.token_ids else {})}
                for c in choices]
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {"id": response_id,
-            "object": "text_completion" if p.kind == "completion" else "chat.completion",
-            "created": created, "model": model, "system_fingerprint": fingerprint(adapter),
+    body = {**_head(p, response_id, created, adapter, model,
+                    "text_completion" if p.kind == "completion" else "chat.completion"),
             "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+    if p.kind == "chat" and p.token_ids:
+        body["prompt_token_ids"] = prompt_ids
+    return body
 
 
 def chunk_body(p: Prepared, response_id: str, created: int, adapter: ServingAdapter,
                choice: Choice, model: str, first: bool = False) -> dict[str, Any]:
-    """One server-sent event of a stream: ``choice``'s new text and tokens (``first``: the chat
-    stream's first chunk of that choice, which carries ``role``)."""
+    """One server-sent event of a stream: ``choice``'s new text and tokens (``first``: the
+    stream's first chunk of that choice: a chat one carries ``role``, and with
+    ``return_token_ids`` it carries the prompt's ids)."""
+    ids = {"token_ids": choice.token_ids} if p.token_ids else {}
+    prompt_ids = list(p.job.prompt_ids) if p.token_ids and first else None
     if p.kind == "completion":
         item = {"index": choice.index, "text": choice.text,
                 "finish_reason": choice.finish_reason,
-                "logprobs": _completion_logprobs(choice) if p.logprobs else None}
+                "logprobs": _completion_logprobs(p, choice) if p.logprobs else None, **ids}
+        if prompt_ids is not None:
+            item["prompt_token_ids"] = prompt_ids
         kind = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if choice.text or first:
             delta["content"] = choice.text
         item = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason,
-                "logprobs": _chat_logprobs(choice) if p.logprobs and choice.token_ids else None}
+                "logprobs": _chat_logprobs(choice) if p.logprobs and choice.token_ids else None,
+                **ids}
         kind = "chat.completion.chunk"
-    return {"id": response_id, "object": kind, "created": created, "model": model,
-            "system_fingerprint": fingerprint(adapter), "choices": [item]}
+    body = {**_head(p, response_id, created, adapter, model, kind), "choices": [item]}
+    if p.kind == "chat" and prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return body
 
 
 def usage_chunk_body(p: Prepared, response_id: str, created: int, adapter: ServingAdapter,
                      prompt_tokens: int, completion_tokens: int, model: str) -> dict[str, Any]:
     """The last chunk of a stream asked with ``include_usage``: no choices, the counts."""
-    return {"id": response_id,
-            "object": "text_completion" if p.kind == "completion" else "chat.completion.chunk",
-            "created": created, "model": model, "system_fingerprint": fingerprint(adapter),
-            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    kind = "text_completion" if p.kind == "completion" else "chat.completion.chunk"
+    return {**_head(p, response_id, created, adapter, model, kind), "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -11,7 +11,7 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 
 Every request goes through the node's engine queue like a gRPC ``Generate``: the same bounds,
 the same batches (HTTP and gRPC requests decode together), RESOURCE_EXHAUSTED as HTTP 429. A
-stream is fed by the engine's decode hooks (:class:`gridrl.rollout.engine.TokenSink`): each
+stream is fed by the engine's decode hooks (:class:`gridrl.rollout.scheduler.TokenSink`): each
 server-sent event leaves as soon as its decode step is drawn, before the batch ends. An answer
 reports the adapter and policy version that produced it: ``system_fingerprint``
 ``gridrl:<adapter>:v<version>`` and the headers ``x-gridrl-policy-version`` and (when an
@@ -30,6 +30,7 @@ engine's scheduler thread hands tokens to that loop with ``call_soon_threadsafe`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import socket
@@ -40,16 +41,17 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
 
-import grpc
-
 from gridrl.common.address import join_address, parse_listen
-from gridrl.common.auth import AUTH_HEADER, AuthorizedTokens, Decision, authorize
-from gridrl.common.errors import StatusError
-from gridrl.common.security import Security, check_exposure
-from gridrl.rollout.engine import Engine, GenerateOutcome, ServingAdapter
+from gridrl.common.errors import Kind, StatusError
+from gridrl.common.security.access import Decision, authorize
+from gridrl.common.security.policy import Security, check_exposure
+from gridrl.common.security.tokens import AUTH_HEADER, AuthorizedTokens
+from gridrl.engine.contract import TopLogprobs
 from gridrl.rollout.openai_decode import SampleText
 from gridrl.rollout.openai_protocol import (
     Choice,
+    Echo,
+    Named,
     OpenAIError,
     Prepared,
     chunk_body,
@@ -61,6 +63,7 @@ from gridrl.rollout.openai_protocol import (
     response_body,
     usage_chunk_body,
 )
+from gridrl.rollout.scheduler import Engine, GenerateOutcome, ServingAdapter
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 
@@ -77,7 +80,7 @@ def check_caller(authorized: AuthorizedTokens | None, method: str, authorization
                  ) -> OpenAIError | None:
     """The one credential check of the HTTP endpoint: the ``Authorization`` header is decided
     exactly as the gRPC server decides a call to ``method`` carrying it as metadata
-    (:func:`gridrl.common.auth.authorize`: the same authorized tokens and scopes).
+    (:func:`gridrl.common.security.access.authorize`: the same authorized tokens and scopes).
 
     A credential bound to a client certificate (``cert=``) is refused here (401): this
     endpoint does not see the TLS client certificate, and accepting the token alone would undo
@@ -90,7 +93,7 @@ def check_caller(authorized: AuthorizedTokens | None, method: str, authorization
     metadata = [(AUTH_HEADER, authorization)] if authorization is not None else []
     decision = authorize(authorized, method, metadata)
     if decision.code is None and decision.credential and decision.credential.cert:
-        decision = Decision(grpc.StatusCode.UNAUTHENTICATED,
+        decision = Decision(Kind.UNAUTHENTICATED,
                             f"{method.removeprefix('/gridrl.v1.')}: credential "
                             f"{decision.credential.id!r} is bound to a client certificate, "
                             "which the HTTP endpoint does not check; use a credential minted "
@@ -101,7 +104,7 @@ def check_caller(authorized: AuthorizedTokens | None, method: str, authorization
 
 
 class _Run:
-    """One HTTP request in the engine: the :class:`~gridrl.rollout.engine.TokenSink` the
+    """One HTTP request in the engine: the :class:`~gridrl.rollout.scheduler.TokenSink` the
     scheduler thread feeds, and the asyncio side that turns its events into choices.
 
     The scheduler thread only posts events to the loop (``call_soon_threadsafe``) and reads
@@ -118,6 +121,7 @@ class _Run:
         job = prepared.job
         self.samples = [SampleText(codec, eos_ids, prepared.stop, job.sampling.stop_token_ids,
                                    job.sampling.max_tokens) for _ in range(job.n)]
+        self.top: list[list[Named]] = [[] for _ in range(job.n)]  # each sample's, named
         self.adapter: ServingAdapter | None = None
         self.future: Future | None = None
 
@@ -127,8 +131,9 @@ class _Run:
         self._post(("started", adapter))
 
     def on_tokens(self, samples: Sequence[int], token_ids: Sequence[int],
-                  logprobs: Sequence[float]) -> None:
-        self._post(("tokens", list(samples), list(token_ids), list(logprobs)))
+                  logprobs: Sequence[float], top: Sequence[TopLogprobs] | None = None) -> None:
+        self._post(("tokens", list(samples), list(token_ids), list(logprobs),
+                    list(top) if top is not None else None))
 
     def abandoned(self) -> bool:
         return self._abandoned
@@ -183,32 +188,63 @@ class _Run:
         while not self.finished:
             event = await self._events.get()
             if event[0] == "tokens":
-                _, samples, token_ids, logprobs = event
-                by_sample: dict[int, tuple[list[int], list[float]]] = {}
-                for i, token, logprob in zip(samples, token_ids, logprobs, strict=True):
-                    entry = by_sample.setdefault(i, ([], []))
+                _, samples, token_ids, logprobs, top = event
+                by_sample: dict[int, tuple[list[int], list[float], list[TopLogprobs]]] = {}
+                for j, (i, token, logprob) in enumerate(zip(samples, token_ids, logprobs,
+                                                            strict=True)):
+                    entry = by_sample.setdefault(i, ([], [], []))
                     entry[0].append(token)
                     entry[1].append(logprob)
+                    entry[2].append(top[j] if top is not None else [])
                 yield [self._choice(i, *entry) for i, entry in sorted(by_sample.items())]
             elif event[0] == "done":
                 self._raise_failure(event[1])
                 yield self._rest(event[1].result())
         self.abandon()  # every sample ended: the engine may stop decoding it
 
-    def _choice(self, i: int, token_ids: list[int], logprobs: list[float]) -> Choice:
+    def _choice(self, i: int, token_ids: list[int], logprobs: list[float],
+                top: list[TopLogprobs]) -> Choice:
         delta = self.samples[i].feed(token_ids, logprobs)
+        named = self.name_top(top[:len(delta.token_ids)])  # the tokens the sample accepted
+        self.top[i] += named
         return Choice(index=i, text=delta.text, token_ids=delta.token_ids,
                       logprobs=delta.logprobs, text_offsets=delta.text_offsets,
                       token_texts=self.token_texts(delta.token_ids),
-                      finish_reason=delta.finish_reason)
+                      finish_reason=delta.finish_reason, top=named)
 
-    def token_texts(self, token_ids: list[int]) -> list[str]:
+    def token_texts(self, token_ids: Sequence[int]) -> list[str]:
         """Each token as logprobs name it (nothing when logprobs were not asked for)."""
         if not self._prepared.logprobs:
             return []
         if self._prepared.tokens_as_ids:
             return [f"token_id:{t}" for t in token_ids]
         return self._codec.token_texts(token_ids)
+
+    def name_top(self, top: Sequence[TopLogprobs]) -> list[Named]:
+        """Alternatives with each token named as :meth:`token_texts` names it (nothing when
+        none were asked for)."""
+        if not (self._prepared.logprobs and self._prepared.top_logprobs):
+            return []
+        return [list(zip(self.token_texts([t for t, _ in pairs]), (v for _, v in pairs),
+                         strict=True)) for pairs in top]
+
+    def echo(self, outcome: GenerateOutcome) -> Echo:
+        """The prompt to return before the completion (``echo``), with its logprobs and
+        alternatives when logprobs were asked (the outcome's prompt scores)."""
+        p = self._prepared
+        ids = list(p.job.prompt_ids)
+        texts = self.token_texts(ids)
+        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0)) \
+            if texts else []
+        logprobs: list[float | None] = []
+        top: list[Named | None] = []
+        if p.logprobs and outcome.prompt_logprobs is not None:
+            logprobs = [None, *outcome.prompt_logprobs]
+            top = [None, *(self.name_top(outcome.prompt_top_logprobs or [])
+                           if p.top_logprobs else [[] for _ in ids[1:]])]
+        text = p.prompt_text if p.prompt_text is not None else self._codec.decode(ids)
+        return Echo(text=text, token_ids=ids, token_texts=texts, logprobs=logprobs, top=top,
+                    text_offsets=offsets)
 
     def _rest(self, outcome: GenerateOutcome) -> list[Choice]:
         """The tokens of the outcome the hooks did not deliver (none with the torch and MLX
@@ -218,7 +254,8 @@ class _Run:
             if sample.finished:
                 continue
             start = len(sample.token_ids)
-            out.append(self._choice(i, result.token_ids[start:], result.logprobs[start:]))
+            top = result.top_logprobs[start:] or [[] for _ in result.token_ids[start:]]
+            out.append(self._choice(i, result.token_ids[start:], result.logprobs[start:], top))
             if not sample.finished:  # tokens ran out: the engine's own finish reason
                 sample.finish_reason = result.finish_reason
                 out[-1].finish_reason = result.finish_reason
@@ -227,7 +264,7 @@ class _Run:
     @staticmethod
     def _raise_failure(future: Future) -> None:
         if future.cancelled():
-            raise OpenAIError.from_status(StatusError(grpc.StatusCode.CANCELLED,
+            raise OpenAIError.from_status(StatusError(Kind.CANCELLED,
                                                       "request cancelled"))
         error = future.exception()
         if error is None:
@@ -426,15 +463,16 @@ class OpenAIServer:
                                      headers={**headers, "cache-control": "no-cache",
                                               "x-accel-buffering": "no"})
         try:
-            await _unless_disconnected(request, _drain(run))
+            outcome = await _unless_disconnected(request, _drain(run, prepared.echo))
         finally:
             run.abandon()
         choices = [Choice(index=i, text=s.text, token_ids=s.token_ids, logprobs=s.logprobs,
                           text_offsets=s.text_offsets, token_texts=run.token_texts(s.token_ids),
-                          finish_reason=s.finish_reason)
+                          finish_reason=s.finish_reason, top=run.top[i])
                    for i, s in enumerate(run.samples)]
+        echo = run.echo(outcome) if outcome is not None else None
         return JSONResponse(response_body(prepared, response_id, created, adapter, choices,
-                                          prompt_tokens, model), headers=headers)
+                                          prompt_tokens, model, echo), headers=headers)
 
     async def _events(self, run: _Run, p: Prepared, response_id: str, created: int,
                       adapter: ServingAdapter, model: str) -> AsyncIterator[str]:
@@ -442,14 +480,20 @@ class OpenAIServer:
         tokens or a finish reason; the usage chunk if asked; ``[DONE]``. An error after the
         stream started is sent as an ``{"error": ...}`` event."""
         try:
+            opened: set[int] = set()  # choices whose first chunk went
             if p.kind == "chat":  # OpenAI opens each choice with the role
                 for i in range(p.job.n):
+                    opened.add(i)
                     yield _sse(chunk_body(p, response_id, created, adapter, _empty(i), model,
                                           first=True))
             async for choices in run.steps():
                 for c in choices:
-                    if c.text or c.finish_reason or (p.logprobs and c.token_ids):
-                        yield _sse(chunk_body(p, response_id, created, adapter, c, model))
+                    if c.text or c.finish_reason or ((p.logprobs or p.token_ids)
+                                                     and c.token_ids):
+                        first = c.index not in opened
+                        opened.add(c.index)
+                        yield _sse(chunk_body(p, response_id, created, adapter, c, model,
+                                              first=first))
             if p.include_usage:
                 completion = sum(len(s.token_ids) for s in run.samples)
                 yield _sse(usage_chunk_body(p, response_id, created, adapter,
@@ -461,9 +505,17 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-async def _drain(run: _Run) -> None:
+async def _drain(run: _Run, outcome: bool = False) -> GenerateOutcome | None:
+    """Feed every step to ``run``'s samples; with ``outcome``, then wait for the engine's
+    outcome (the end of the request's last batch: the prompt's scores come with it)."""
     async for _ in run.steps():
         pass
+    if outcome and run.future is not None:
+        try:
+            return await asyncio.wrap_future(run.future)
+        except StatusError as e:
+            raise OpenAIError.from_status(e) from e
+    return None
 
 
 async def _unless_disconnected(request: Any, work: Any) -> Any:

@@ -11,42 +11,35 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.metadata
 import logging
-import math
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from gridrl.common.channel import NODE_REQUEST_BYTES
-from gridrl.common.errors import StatusError
+from gridrl.adapters.wire import adapter_format_to_proto, base_model_to_proto, enum_value
+from gridrl.common.errors import Kind, StatusError
 from gridrl.common.faults import pause_in_stream, pause_point
-from gridrl.common.security import Security
+from gridrl.common.rpc.channel import NODE_REQUEST_BYTES
+from gridrl.common.rpc.server import GrpcServer
 from gridrl.common.sequence import ReportSequence
-from gridrl.common.server import GrpcServer
-from gridrl.common.transport import format_enum
 from gridrl.engine.contract import Backend
 from gridrl.engine.threads import release_thread_state
-from gridrl.models import cache_root
 from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
 from gridrl.rollout.adapter_store import AdapterStore
-from gridrl.rollout.engine import Engine, GenerateOutcome
+from gridrl.rollout.cache import ephemeral_dir
+from gridrl.rollout.config import NodeConfig, adapter_root, node_name
+from gridrl.rollout.kv_budget import KvBudget
+from gridrl.rollout.scheduler import Engine, GenerateOutcome
 from gridrl.rollout.text import TextCodec
-from gridrl.rollout.validation import MIN_TEMPERATURE, Limits, validate_generate
+from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
-             "vllm": common_pb2.BACKEND_VLLM}
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
 def software_version() -> str:
@@ -55,53 +48,6 @@ def software_version() -> str:
         return importlib.metadata.version("gridrl-rollout")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-@dataclass
-class NodeConfig:
-    """How a node serves (the ``gridrl-rollout serve`` flags).
-
-    Attributes:
-        listen: host:port to bind (port 0: any free port).
-        metrics_port: Prometheus port (0: any free port, negative: off).
-        security: TLS files, the credentials the node accepts, and the token it sends to the
-            master (:class:`gridrl.common.security.Security`; None: plaintext, no
-            credentials, loopback only).
-        capacity: most sequences per batch.
-        max_queue: most requests waiting; past it RESOURCE_EXHAUSTED.
-        max_n: largest ``sampling.n``.
-        max_tokens: largest ``sampling.max_tokens``.
-        max_adapter_bytes: largest adapter push, bytes.
-        keep_adapters: pushed versions kept on disk per adapter name (0: all).
-        keep_runs: adapter names kept on disk, by latest push (0: all); names other than the
-            one pushed keep only their newest version.
-        adapter_root: adapter directory (None: ``<gridrl cache>/rollout/<name>/adapters``).
-        advertise_address: address to register with the master (None: the bound address).
-        master: master host:port to register with (None: no registration).
-        name: node name, for logs and the default adapter root (None: ``<host>-<port>``).
-        batch_window_s: how long an idle scheduler waits for concurrent requests.
-        grace_s: seconds calls in flight get to finish on shutdown.
-        openai_listen: host:port of the OpenAI-compatible HTTP endpoint (None: off; see
-            :mod:`gridrl.rollout.openai_server`).
-    """
-
-    listen: str = "127.0.0.1:50051"
-    metrics_port: int = -1
-    security: Security | None = None
-    capacity: int = 64
-    max_queue: int = 128
-    max_n: int = 64
-    max_tokens: int = 2048
-    max_adapter_bytes: int = 512 << 20
-    keep_adapters: int = 8
-    keep_runs: int = 4
-    adapter_root: Path | str | None = None
-    advertise_address: str | None = None
-    master: str | None = None
-    name: str | None = None
-    batch_window_s: float = 0.005
-    grace_s: float = 10.0
-    openai_listen: str | None = None
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -133,12 +79,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         try:
             outcome: GenerateOutcome = future.result()
         except concurrent.futures.CancelledError as e:
-            raise StatusError(grpc.StatusCode.CANCELLED, "request cancelled before it "
+            raise StatusError(Kind.CANCELLED, "request cancelled before it "
                                                          "started") from e
         adapter = outcome.adapter
         samples = [common_pb2.Sample(
             token_ids=r.token_ids, logprobs=r.logprobs, text=node.codec.decode(r.token_ids),
-            finish_reason=_FINISH[r.finish_reason], adapter_version=adapter.version,
+            finish_reason=enum_value(common_pb2.FinishReason, r.finish_reason, "FINISH_REASON_"), adapter_version=adapter.version,
             adapter_name=adapter.name) for r in outcome.samples]
         return rollout_pb2.GenerateResponse(samples=samples, prompt_token_ids=job.prompt_ids,
                                             duration_s=outcome.duration_s)
@@ -169,25 +115,29 @@ class RolloutNode:
 
     Raises:
         OSError: the adapter root cannot be created.
-        ValueError: bad bounds (capacity, max_queue, max_n, max_tokens < 1).
+        StatusError: INVALID_ARGUMENT naming the setting's flag (:meth:`NodeConfig.validate`).
     """
 
     def __init__(self, backend: Backend, config: NodeConfig) -> None:
-        for field_name in ("capacity", "max_queue", "max_n", "max_tokens", "max_adapter_bytes"):
-            if getattr(config, field_name) < 1:
-                raise ValueError(f"{field_name} must be >= 1, got {getattr(config, field_name)}")
+        config.validate()
         self.config = config
         self.backend = backend
         self.started = time.monotonic()
         identity = backend.identity
-        low, high = getattr(backend, "temperature_range", (MIN_TEMPERATURE, math.inf))
+        low, high = backend.temperature_range
         self.limits = Limits(max_n=config.max_n, max_tokens=config.max_tokens,
-                             vocab_size=getattr(backend, "vocab_size", identity.vocab_size),
+                             vocab_size=backend.vocab_size,
                              max_context=identity.max_context, min_temperature=low,
                              max_temperature=high)
         self.codec = TextCodec(backend.tokenizer)
+        self.kv_budget = KvBudget.for_backend(backend.kv_bytes_per_token,
+                                              backend.sequence_bytes, config.kv_memory_mb)
+        if self.kv_budget.tokens:
+            log.info("KV cache: %d tokens (%s), %d more a sequence for sampling",
+                     self.kv_budget.tokens, self.kv_budget.limit,
+                     self.kv_budget.overhead_tokens)
         self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
-                             batch_window_s=config.batch_window_s)
+                             batch_window_s=config.batch_window_s, kv_budget=self.kv_budget)
         self.name = node_name(config)
         self.reports = ReportSequence()  # orders info, heartbeats and push answers
         self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
@@ -200,6 +150,7 @@ class RolloutNode:
         self.server.add(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
                         RolloutServicer(self), SERVICE_NAME)
         self.registrar = None
+        self.failure: str | None = None  # why the node stopped by itself (None: it did not)
         self.server.on_stopping(self._stop_registrar)
         self.openai = None
         if config.openai_listen:
@@ -211,8 +162,6 @@ class RolloutNode:
             self.server.on_stopping(self.openai.stop)
         self.server.on_stop(self._close_engine)
         self.server.on_stop(self._flush_adapters)
-        from gridrl.rollout.cache import ephemeral_dir
-
         self._ephemeral_dir = ephemeral_dir(config.listen, config.name, config.adapter_root)
         if self._ephemeral_dir is not None:  # a port-0 node's directory is never reused
             self.server.on_stop(self._remove_ephemeral_dir)
@@ -256,13 +205,32 @@ class RolloutNode:
 
             self.registrar = NodeRegistrar(self.config.master, info_fn=self.info,
                                            load_fn=self.engine.load,
-                                           security=self.config.security)
+                                           security=self.config.security,
+                                           on_refused=self._refused,
+                                           max_refusals=self.config.max_refusals,
+                                           on_give_up=self._give_up)
             self.registrar.start()
             self._watch_waits(self.registrar)
         log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
                  self.backend.name, self.backend.identity.model_id, self.backend.device,
                  self.backend.dtype, self.adapters.store.root)
         return self
+
+    def _refused(self, refusal: str | None) -> None:
+        """The master refuses this node's credential (NOT_SERVING: it samples for nobody's
+        run), or accepts it again (SERVING)."""
+        self.server.set_serving(refusal is None)
+        if refusal is not None:
+            log.error("master %s refuses this node: %s; health NOT_SERVING%s", self.config.master,
+                      refusal, f", exiting after {self.config.max_refusals} refusals in a row"
+                      if self.config.max_refusals else "")
+
+    def _give_up(self, refusal: str) -> None:
+        """After ``--max-refusals``: stop serving; :attr:`failure` says why (the command exits
+        non-zero with it)."""
+        self.failure = (f"the master at {self.config.master} refused this node's credential "
+                        f"{self.config.max_refusals} times in a row: {refusal}")
+        threading.Thread(target=self.stop, name="node-stop", daemon=True).start()
 
     def _close_engine(self) -> None:
         """On stop (every call has ended by then): stop the batch in progress, whose callers
@@ -326,43 +294,22 @@ class RolloutNode:
         serving = self.engine.serving
         return common_pb2.NodeInfo(
             address=self.advertise_address, role=common_pb2.NODE_ROLE_ROLLOUT,
-            backend=_BACKENDS.get(b.name, common_pb2.BACKEND_UNSPECIFIED),
-            adapter_format=format_enum(b.adapter_format),
-            base_model=common_pb2.BaseModel(model_id=i.model_id, architecture=i.architecture,
-                                            hidden_size=i.hidden_size, num_layers=i.num_layers,
-                                            vocab_size=i.vocab_size,
-                                            weights_fingerprint=i.weights_fingerprint),
+            backend=enum_value(common_pb2.Backend, b.name, "BACKEND_"),
+            adapter_format=adapter_format_to_proto(b.adapter_format),
+            base_model=base_model_to_proto(i),
             adapter=common_pb2.AdapterRef(name=serving.name, version=serving.version),
             capacity=self.config.capacity, queue_depth=self.engine.queue_depth,
             uptime_s=time.monotonic() - self.started, device=b.device, dtype=b.dtype,
             max_n=self.config.max_n, max_tokens=self.config.max_tokens,
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
-            software_version=software_version(), sequence=sequence)
-
-
-def node_name(config: NodeConfig) -> str:
-    """``config.name``, else ``<hostname>-<port>`` (``pid<pid>`` for port 0)."""
-    return config.name or _default_name(config.listen)
-
-
-def adapter_root(config: NodeConfig) -> Path:
-    """The node's adapter directory: ``config.adapter_root``, else
-    ``<gridrl cache>/rollout/<node name>/adapters`` (a vllm backend lands adapters under it
-    before the node starts)."""
-    if config.adapter_root:
-        return Path(config.adapter_root)
-    return cache_root() / "rollout" / node_name(config) / "adapters"
+            software_version=software_version(), sequence=sequence,
+            kv_cache_tokens=self.kv_budget.tokens,
+            sequence_overhead_tokens=self.kv_budget.overhead_tokens)
 
 
 def _loopback(address: str) -> bool:
     host = address.rpartition(":")[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def _default_name(listen: str) -> str:
-    port = listen.rpartition(":")[2]
-    suffix = port if port not in ("", "0") else f"pid{os.getpid()}"
-    return f"{socket.gethostname()}-{suffix}"
 
 
 def run_on_engine_thread(load: Callable[[], RolloutNode]) -> RolloutNode:

@@ -1,4 +1,4 @@
-"""Generate requests -> validated :class:`~gridrl.rollout.engine.GenerateJob`: every
+"""Generate requests -> validated :class:`~gridrl.rollout.scheduler.GenerateJob`: every
 INVALID_ARGUMENT a Generate call can get, each naming its field.
 
 Proto zero values are read as documented in ``common.proto``: ``n`` 0 is 1, unset ``top_p`` is
@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 from gridrl.common.errors import invalid_argument
 from gridrl.engine import rng
-from gridrl.engine.contract import SamplingConfig
-from gridrl.rollout.engine import GenerateJob
+from gridrl.engine.contract import MIN_TEMPERATURE, SamplingConfig
+from gridrl.rollout.scheduler import GenerateJob
 from gridrl.v1 import rollout_pb2
 
 # Smallest non-zero temperature: logits / T must stay far from float32 overflow.
-MIN_TEMPERATURE = 1e-4
 # (text, apply_chat_template[, system_prompt]) -> token ids; raises StatusError for text it
 # cannot encode. The system prompt is passed only when the request sets one.
 Tokenize = Callable[..., list[int]]
@@ -97,7 +96,7 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
                               stop_token_ids=tuple(dict.fromkeys(s.stop_token_ids)))
     seed = s.seed if s.HasField("seed") else rng.random_seed()
     return GenerateJob(prompt_ids=prompt, sampling=sampling, n=n, seed=seed,
-                       request_id=request.request_id)
+                       request_id=request.request_id, keep_cache=request.keep_cache)
 
 
 def _prompt(request: rollout_pb2.GenerateRequest, limits: Limits,

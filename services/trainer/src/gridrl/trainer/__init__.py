@@ -1,18 +1,26 @@
 """gridrl trainer: GRPO on a LoRA adapter with rollouts from a pool of nodes.
 
-Read top-down: ``cli.py`` (flags, generated from ``config.py``) -> ``loop.py`` (the run:
-rollouts -> admission, rewards, advantages (``batch.py``, ``grpo.py``) -> update -> sync ->
-eval -> checkpoint -> record (``records.py``)). The model side is a ``TrainerBackend``
-(``backend.py``); ``--backend torch`` is ``torch_backend.py`` over ``policy.py`` (model +
-LoRA), ``update.py`` (one optimizer step over a padded batch, per-token maths in
-``grpo_torch.py``) and ``distributed.py``. Around them: ``tasks.py``, ``rewards.py``,
-``local.py``, ``evaluation.py``, ``checkpoint.py``, ``rundir.py``, ``plot.py``. Rollouts from
-remote nodes come through ``pool.py`` (the RPC layer over the pure ``membership.py``
-and ``scheduling.py``) and adapters go out through ``sync.py``; ``admission.py`` decides
-which samples enter the update, ``monitor.py`` flags nodes and ``probation.py`` brings
-flagged nodes back.
+Read top-down:
 
-Importing this package imports neither torch nor transformers.
+- ``cli.py`` (flags, generated from ``config.py``; ``preflight.py`` checks the inputs before
+  the model loads) -> ``run/`` (``driver.train``: :func:`~gridrl.trainer.run.build.build_run`
+  wires a typed ``Run``, ``run/loop.py`` steps it: rollouts -> batch -> update -> sync ->
+  eval -> one ``StepRecord`` -> checkpoint; the run directory and checkpoints);
+- what a step's data goes through: ``rollouts.py`` (what a rollout is: ``RolloutSample``,
+  ``Group``, ``StepRollouts``, the ``RolloutSource`` protocol, ``group_seed``) from
+  ``fleet/`` (the rollout nodes: pool, membership, scheduling, adapter sync, monitor,
+  probation, the wire) or ``local.py`` (``--rollout local``); ``tasks.py`` and ``rewards.py``
+  (prompts and scores); ``grpo/`` (admission, advantages, the step's batch); ``backends/``
+  (the model side: ``TrainerBackend``, torch and MLX); ``evaluation.py`` (held-out eval);
+- what a run tells: ``report/`` (typed records and events, one subscriber list: log.jsonl,
+  trackers, ``RunStatus``, Prometheus, the console, the summary and the plot) and
+  ``server.py`` (TrainerService over ``RunStatus``); ``demo.py`` is ``make demo``.
+
+Layers, no cycles (``make lint``: import-linter's acyclic contract): ``cli`` -> ``run`` ->
+``report`` -> ``fleet``, ``config`` -> ``backends`` -> ``grpo`` -> ``rollouts``, with
+``tasks``, ``rewards``, ``evaluation`` and ``local`` beside them; each imports only what is to
+its right. Importing this package imports neither torch nor transformers; only
+``backends/torch`` and ``backends/mlx`` do.
 """
 
 __version__ = "0.1.0"

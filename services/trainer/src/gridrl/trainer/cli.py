@@ -1,5 +1,9 @@
 """``gridrl-trainer``: ``run`` (GRPO training with TrainerService) and ``status`` (a client).
 
+Each command imports its own machinery inside it (``run``: the input checks, the run, the
+server; ``status``: its client and table), so ``--help`` and one command do not load the
+other's.
+
 The flags of ``run`` are generated from the settings declared in ``config.py``
 (:func:`gridrl.trainer.config.click_options`; each with its ``GRIDRL_TRAINER_<FLAG>``
 environment variable); the server flags come from ``gridrl.common.cli.server_options``. torch is
@@ -16,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from gridrl.common.cli import (
+    address_option,
     client_security_options,
     env_option,
     exit_on_rpc_error,
@@ -26,7 +32,9 @@ from gridrl.common.cli import (
     setup_logging,
     write_ready_file,
 )
-from gridrl.trainer.config import click_options, default_of
+from gridrl.common.errors import StatusError, invalid_argument
+from gridrl.trainer.config import RESUME_OVERRIDABLE, TrainConfig, click_options, default_of
+from gridrl.trainer.run.control import StopControl
 
 log = logging.getLogger("gridrl.trainer")
 
@@ -39,10 +47,6 @@ def main() -> None:
 def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]:
     """The run's :class:`TrainConfig` from the flags; with ``--resume`` the saved config, with
     the explicitly given operational flags (``RESUME_OVERRIDABLE``) applied over it."""
-    from click.core import ParameterSource
-
-    from gridrl.trainer.config import RESUME_OVERRIDABLE, TrainConfig
-
     values = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()
               if k in TrainConfig.__dataclass_fields__}
     resume = params.get("resume")
@@ -50,8 +54,6 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
         return TrainConfig(**values).finalize(), False
     saved = Path(resume) / "config.json"
     if not saved.is_file():
-        from gridrl.common.errors import invalid_argument
-
         raise invalid_argument("--resume", f"{resume} has no config.json")
     cfg = TrainConfig.load(saved)
     ignored = []
@@ -85,8 +87,6 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
     Prometheus metrics while it runs. Ctrl-C / SIGTERM: finish the step, checkpoint it, exit
     130 / 143 (continue with --resume); a second one aborts at once, losing the steps since
     the last checkpoint. A run that fails checkpoints the steps it finished, then exits 1."""
-    from gridrl.common.errors import StatusError
-
     setup_logging(log_level)
     params.update(listen=listen, metrics_port=metrics_port, log_level=log_level)
     try:
@@ -95,7 +95,7 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
         raise click.UsageError(e.message) from None
     cfg.security = security  # from this start's flags; never saved with the run
     if not resume and cfg.run_dir:
-        from gridrl.trainer.rundir import earlier_run
+        from gridrl.trainer.run.rundir import earlier_run
 
         held = earlier_run(cfg.run_dir)
         if held:  # a second run there would mix its log, checkpoints and versions with it
@@ -103,20 +103,22 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
                 f"--run-dir: {cfg.run_dir} already holds a run ({held}); continue it with "
                 f"--resume {cfg.run_dir}, or start a new one with another --run-name or "
                 "--run-dir")
-    from gridrl.trainer.preflight import check_inputs
+    from gridrl.trainer.preflight import check_inputs  # the model names, reflection probes
 
     try:  # a typo costs a line, not a model load (before the server binds, too)
         check_inputs(cfg)
     except StatusError as e:
         raise click.UsageError(e.message) from None
 
-    from gridrl.trainer.loop import Trainer
+    # the run's machinery (node pool, reporter, gRPC server: grpc, numpy, prometheus): imported
+    # by `run` only, so --help and `status` stay quick
+    from gridrl.trainer.run.driver import train
 
     rank = int(os.environ.get("RANK", "0"))
     status = server = None
     if rank == 0:
+        from gridrl.trainer.report.status import RunStatus
         from gridrl.trainer.server import serve_trainer
-        from gridrl.trainer.status import RunStatus
 
         status = RunStatus()
         try:
@@ -130,17 +132,18 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
                    f"run directory {cfg.run_dir}")
     listing = None
     if server is not None and cfg.master:  # gridrl-master nodes --role trainer lists it
-        from gridrl.trainer.listing import register_trainer
+        from gridrl.trainer.fleet.listing import register_trainer
 
         listing = register_trainer(cfg.master, server.address, status, cfg.model, security)
+    control = StopControl()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: _on_stop_signal(control, cfg.run_dir, signum))
     try:
-        trainer = Trainer(cfg, resume=resume, status=status, freeze_gc=True)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: _on_stop_signal(trainer, signum))
-        trainer.run()
-        if trainer.stopped_at is not None:
+        result = train(cfg, resume=resume, status=status, control=control, freeze_gc=True,
+                       address=server.address if server is not None else "")
+        if result.stopped_at is not None:
             _discard_unstarted_run_dir(cfg.run_dir, resume)  # stopped before recording any
-            sys.exit(exit_code(trainer.stop_signal))
+            sys.exit(exit_code(control.reason))
     except StatusError as e:
         click.echo(f"error: {e.message}", err=True)
         _discard_unstarted_run_dir(cfg.run_dir, resume)
@@ -156,6 +159,75 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
             server.stop(grace_s=1.0)
 
 
+@main.command("serve-api")
+@env_option("--model", env="GRIDRL_TRAINER_MODEL", default=default_of("model"),
+            help="Base model the rollout nodes serve (alias, directory or hub id); training "
+                 "models may use others, sampled on the trainer.")
+@env_option("--rollout", env="GRIDRL_TRAINER_ROLLOUT", multiple=True, default=(),
+            help="Rollout node host:port (repeatable); none and no --master: the trainer "
+                 "samples.")
+@env_option("--master", env="GRIDRL_TRAINER_MASTER", default=None, show_default=False,
+            help="Master host:port to find rollout nodes.")
+@env_option("--http-listen", env="GRIDRL_TRAINER_HTTP_LISTEN", default="127.0.0.1:8100",
+            help="host:port of the Tinker-compatible REST API (TINKER_BASE_URL); port 0: any.")
+@env_option("--api-dir", env="GRIDRL_TRAINER_API_DIR", default="runs/api",
+            type=click.Path(file_okay=False),
+            help="Where saved states and sampler weights go (peft and mlx-lm directories).")
+@env_option("--lora-alpha", env="GRIDRL_TRAINER_LORA_ALPHA", type=float, default=32.0,
+            help="LoRA alpha of every training model (the update is scaled by alpha / rank).")
+@env_option("--seed", env="GRIDRL_TRAINER_SEED", type=int, default=0,
+            help="Seed of adapters created without one.")
+@env_option("--max-models", env="GRIDRL_TRAINER_MAX_MODELS", type=int, default=4,
+            help="Training models open at once (each holds a copy of its base model).")
+@env_option("--device", env="GRIDRL_TRAINER_DEVICE", default="auto",
+            help="auto, cpu, cuda, cuda:1, mps.")
+@env_option("--dtype", env="GRIDRL_TRAINER_DTYPE", default="auto",
+            type=click.Choice(["auto", "float32", "bfloat16"]),
+            help="Base weights' dtype (auto: float32 on CPU, bfloat16 on CUDA).")
+@env_option("--threads", env="GRIDRL_TRAINER_THREADS", type=int, default=0,
+            help="CPU threads of torch (0: torch's default).")
+@env_option("--session-timeout-s", env="GRIDRL_TRAINER_SESSION_TIMEOUT_S", type=float,
+            default=600.0, help="Close a Tinker session (and free its models) after this long "
+                                "without a heartbeat.")
+@env_option("--sync-deadline-s", env="GRIDRL_TRAINER_SYNC_DEADLINE_S", type=float,
+            default=30.0, help="Seconds one node's adapter push may take.")
+@env_option("--wait-for-nodes-s", env="GRIDRL_TRAINER_WAIT_FOR_NODES_S", type=float,
+            default=30.0, help="Seconds a sample waits for a node in rotation before the "
+                               "trainer samples it itself.")
+@server_options("trainer", listen=default_of("listen"), metrics_port=-1, client=True)
+def serve_api(listen: str, metrics_port: int, security: Any, log_level: str,
+              ready_file: str | None, **params: Any) -> None:
+    """Serve training primitives for a loop you write: gRPC TrainingService on --listen and
+    a Tinker-compatible REST API on --http-listen (the official `tinker` SDK runs against
+    it), on this machine's torch trainer, sampling on the rollout nodes. Ctrl-C / SIGTERM
+    stops it (saved states and sampler weights stay in --api-dir)."""
+    from gridrl.common.address import parse_listen
+    from gridrl.common.errors import StatusError
+    from gridrl.common.security.policy import ExposedError, check_exposure
+    from gridrl.trainer.primitives.serve import ApiSettings, serve
+
+    setup_logging(log_level)
+    try:
+        host, _ = parse_listen(params["http_listen"], "--http-listen")
+        check_exposure(host, security, "--http-listen")
+    except StatusError as e:
+        raise click.BadParameter(e.message.removeprefix("--http-listen: "),
+                                 param_hint="--http-listen") from None
+    except ExposedError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        import tinker  # noqa: F401
+    except ImportError:
+        raise click.UsageError("serve-api needs the Tinker SDK's wire definitions: pip install "
+                               "'gridrl-trainer[tinker]'") from None
+    settings = ApiSettings(**{**params, "rollout": list(params["rollout"])})
+    try:
+        serve(settings, listen=listen, metrics_port=metrics_port, security=security,
+              ready_file=ready_file)
+    except OSError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def exit_code(signal_name: str | None) -> int:
     """The exit status of a run ended by a signal, by the shell's convention (128 + the
     signal's number): 130 for SIGINT (Ctrl-C), 143 for SIGTERM (systemd's stop; the unit
@@ -163,16 +235,16 @@ def exit_code(signal_name: str | None) -> int:
     return 130 if signal_name == "SIGINT" else 143
 
 
-def _on_stop_signal(trainer: Any, signum: int) -> None:
+def _on_stop_signal(control: StopControl, run_dir: str | None, signum: int) -> None:
     """SIGINT / SIGTERM: the first asks the run to finish its step and checkpoint it, saying so
     at once; a second aborts at once (exit 130 / 143), saying which steps are lost."""
     name = signal.Signals(signum).name
     again = "Ctrl-C" if signum == signal.SIGINT else name
-    if not trainer.stop_requested:
-        trainer.request_stop(name)
-        click.echo(f"{name}: {trainer.stop_notice()}; {again} again aborts", err=True)
+    if not control.stop_requested:
+        control.request(name)
+        click.echo(f"{name}: {control.notice()}; {again} again aborts", err=True)
         return
-    click.echo(f"{name} again: aborting; {trainer.unsaved_steps()}", err=True)
+    click.echo(f"{name} again: aborting; {control.unsaved_steps(run_dir)}", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # no interpreter cleanup: the step in progress is inside torch on this or another thread
@@ -191,7 +263,7 @@ def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
 
 
 @main.command()
-@env_option("--address", env="GRIDRL_TRAINER_ADDRESS", default="127.0.0.1:50052",
+@address_option("--address", env="GRIDRL_TRAINER_ADDRESS", default="127.0.0.1:50052",
             help="TrainerService host:port.")
 @env_option("--json", "as_json", env="GRIDRL_TRAINER_JSON", is_flag=True, default=False,
             help="Print the GetRunStatus response as JSON.")
@@ -201,7 +273,7 @@ def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
 @exit_on_rpc_error
 def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None:
     """Show a running trainer's state and its last step report."""
-    from gridrl.common.channel import dial
+    from gridrl.common.rpc.channel import dial  # this command's own client
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
     with dial(address, security) as channel:

@@ -25,9 +25,9 @@ Defaults are settings that learn: ``gridrl-trainer run`` with no hyper-parameter
 bundled SmolLM2-135M's held-out reverse-words eval from ~0.06 to 0.6-0.9 in 60 steps (2 prompts
 per step, groups of 8, temperature 1, LoRA r16/alpha 32 on all linear layers, AdamW lr 3e-4,
 clip 0.2, 3-4 word phrases, a greedy eval every 10 steps; docs/benchmarks.md, section
-3). ``--max-tokens`` defaults to the task's own (:func:`gridrl.trainer.tasks.default_max_tokens`:
+3). ``--max-tokens`` defaults to the task's own (:func:`gridrl.trainer.envs.loading.default_max_tokens`:
 24 for reverse-words, whose answers are a few words; 40 for a JSONL task), and so does
-``--eval-tasks`` (:func:`gridrl.trainer.tasks.default_eval_tasks`: 128 generated phrases for
+``--eval-tasks`` (:func:`gridrl.trainer.envs.loading.default_eval_tasks`: 128 generated phrases for
 reverse-words, 16 rows held out of a JSONL task). The older reference
 setting (1 prompt per step, lr 1e-4, 40 new tokens; ``bench/learning.py``) barely learns in 30
 steps.
@@ -38,83 +38,56 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import typing
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gridrl.common import settings
+from gridrl.common.address import parse_address
 from gridrl.common.errors import invalid_argument
-from gridrl.trainer.backend import BACKENDS
+from gridrl.common.settings import NON_NEGATIVE, POSITIVE, above, at_least, setting, within
+from gridrl.common.transport import ADAPTER_NAME, ADAPTER_NAME_RULE
+from gridrl.trainer.backends.base import BACKENDS
+from gridrl.trainer.envs.episode import EpisodeLimits
+from gridrl.trainer.envs.loading import default_eval_tasks, default_max_tokens, make_environment
+
+if TYPE_CHECKING:
+    from gridrl.trainer.envs.base import Environment
 
 ENV_PREFIX = "GRIDRL_TRAINER_"
-_SETTING = "gridrl.setting"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """How one :class:`TrainConfig` field is exposed and checked (see the module docstring).
-
-    Attributes:
-        help: the flag's help text.
-        flag: the flag's declaration when it is not ``--<field-name>`` (e.g. ``--reward-file``
-            for ``reward_files``; ``--x/--no-x`` for a boolean).
-        choices: the allowed values (a click choice, checked by ``validate``).
-        check: ``check(value) -> problem or None``, for values that are not None.
-        cli: False when a shared decorator declares the flag.
-        on_resume: a resumed run takes this setting from the new command line.
-    """
-
-    help: str
-    flag: str | None = None
-    choices: tuple[str, ...] | None = None
-    check: Callable[[Any], str | None] | None = None
-    cli: bool = True
-    on_resume: bool = False
-
-
-def setting(default: Any, help: str, **how: Any) -> Any:
-    """A :class:`TrainConfig` field with its :class:`Setting` (keyword arguments ``how``)."""
-    meta = {_SETTING: Setting(help=help, **how)}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def at_least(low: float, why: str = "") -> Callable[[Any], str | None]:
-    """``value >= low``; ``why`` is added to the message in parentheses."""
-    note = f" ({why})" if why else ""
-    return lambda v: None if v >= low else f"must be >= {low}{note}, got {v}"
-
-
-def above(low: float, why: str = "") -> Callable[[Any], str | None]:
-    """``value > low``."""
-    note = f" ({why})" if why else ""
-    return lambda v: None if v > low else f"must be > {low}{note}, got {v}"
-
-
-def within(low: float, high: float, *, low_open: bool = False,
-           high_open: bool = False) -> Callable[[Any], str | None]:
-    """``low <= value <= high`` (either end open when asked)."""
-    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-
-    def check(v: Any) -> str | None:
-        ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-        return None if ok else f"must be in {interval}, got {v}"
-
-    return check
+# --report-to name -> the module it imports; each is also the name of a gridrl-trainer extra,
+# whose version range services/trainer/pyproject.toml declares.
+TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
 def _run_name(v: str) -> str | None:
-    from gridrl.common.transport import ADAPTER_NAME, ADAPTER_NAME_RULE
-
     if ADAPTER_NAME.fullmatch(v):
         return None
     return f"{v!r} must be {ADAPTER_NAME_RULE} (it names the adapter on the nodes)"
 
 
-POSITIVE = at_least(1)
-NON_NEGATIVE = at_least(0)
+def parse_report_to(value: str | Iterable[str] | None) -> list[str]:
+    """``"tensorboard,wandb"`` (or a list of such strings) -> ``["tensorboard", "wandb"]``;
+    ``None``, ``""`` and ``"none"`` -> ``[]``. Order kept, duplicates dropped.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--report-to`` naming an unknown tracker.
+    """
+    if value is None:
+        return []
+    parts = [value] if isinstance(value, str) else list(value)
+    names: list[str] = []
+    for part in parts:
+        for name in (p.strip().lower() for p in part.split(",")):
+            if name in ("", "none"):
+                continue
+            if name not in TRACKERS:
+                raise invalid_argument("--report-to", f"unknown tracker {name!r}; expected a "
+                                       f"comma-separated subset of {', '.join(TRACKERS)}")
+            if name not in names:
+                names.append(name)
+    return names
 
 
 @dataclass
@@ -124,8 +97,20 @@ class TrainConfig:
     # model and task
     model: str = setting("smollm2-135m-instruct", "Base model: alias, local Hugging Face "
                          "directory or hub id (needs a chat template).")
-    task: str = setting("reverse-words",
-                        "'reverse-words' or a JSONL file with prompt/answer columns.")
+    task: str = setting("reverse-words", (
+        "'reverse-words', 'reverse-words-retry' (two attempts with feedback), 'tool-arithmetic' "
+        "(add/multiply tools), 'reasoning-gym:<dataset>', 'verifiers:<taskset>', a Python file "
+        "defining an Environment, or a JSONL file with prompt (or chat messages) and answer "
+        "columns."))
+    task_params: str = setting("", "reasoning-gym: the dataset's parameters, "
+                               "'key=value,...' (e.g. min_word_len=3,max_word_len=5).")
+    max_turns: int | None = setting(
+        None, "Model turns per episode at most. Default: the task's own (1 for single-turn "
+        "tasks; reverse-words-retry: 2; tool-arithmetic: 4).", check=POSITIVE)
+    max_episode_tokens: int = setting(
+        0, "Tokens after the prompt per episode at most, model and environment turns together "
+        "(0: no limit beyond --max-turns x --max-tokens and what the environment appends); a "
+        "cut episode is trained on as it is and counted as truncated.", check=NON_NEGATIVE)
     min_words: int = setting(3, "reverse-words: fewest words per phrase.")
     max_words: int = setting(4, "reverse-words: most words per phrase.")
     system_prompt: str | None = setting(None, "System message (default: the task's own; "
@@ -145,8 +130,9 @@ class TrainConfig:
     group_size: int = setting(8, "G: completions per prompt.", check=at_least(
         2, "GRPO compares samples within a group"))
     max_tokens: int | None = setting(
-        None, "New tokens per completion (and eval). Default: the task's own (reverse-words: 24; "
-        "a JSONL task: 40).", check=POSITIVE)
+        None, "New tokens per model turn (and eval). Default: the task's own (reverse-words: "
+        "24; a JSONL task: 40; reverse-words-retry: 24; tool-arithmetic: 48; reasoning-gym: "
+        "32).", check=POSITIVE)
     temperature: float = setting(
         1.0, "Sampling temperature; the trainer's logprobs use logits / temperature too.",
         check=above(0, "GRPO needs sampled, not greedy, rollouts"))
@@ -266,7 +252,7 @@ class TrainConfig:
         "none", "Experiment trackers for the per-step metrics, comma-separated: tensorboard, "
         "wandb, trackio (optional extras: pip install 'gridrl-trainer[wandb]'...), or none. "
         "TRL's metric names (train/reward, eval/reward...).", on_resume=True)
-    # TLS files, accepted credentials and token (gridrl.common.security.Security): given by
+    # TLS files, accepted credentials and token (gridrl.common.security.policy.Security): given by
     # every start's flags, never saved in config.json.
     security: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -290,6 +276,28 @@ class TrainConfig:
         """Staleness the sync cadence and prefetching produce on healthy nodes."""
         return (0 if self.local else self.sync_every - 1) + self.async_steps
 
+    def environment(self) -> Environment:
+        """The environment ``--task`` names, built with the task flags
+        (:func:`gridrl.trainer.envs.loading.make_environment`; needs no model).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT on ``--task`` (unknown name, a missing extra naming
+                what to install, an unknown dataset, a broken file) or ``--task-params``.
+        """
+        return make_environment(self.task, seed=self.seed, eval_size=int(self.eval_tasks or 1),
+                                min_words=self.min_words, max_words=self.max_words,
+                                prompt_column=self.prompt_column,
+                                answer_column=self.answer_column,
+                                system_prompt=self.system_prompt, eval_file=self.eval_file,
+                                task_params=self.task_params)
+
+    def episode_limits(self, env: Environment) -> EpisodeLimits:
+        """Turns and tokens of ``env``'s episodes: ``--max-turns`` (default the
+        environment's own), ``--max-tokens`` per model turn, ``--max-episode-tokens``."""
+        return EpisodeLimits(max_turns=self.max_turns or env.max_turns,
+                             max_tokens=int(self.max_tokens or env.max_tokens),
+                             max_episode_tokens=self.max_episode_tokens)
+
     # ------------------------------------------------------------------ checks and I/O
 
     def finalize(self) -> TrainConfig:
@@ -307,15 +315,9 @@ class TrainConfig:
         if self.run_dir is None:
             self.run_dir = str(Path("runs") / self.run_name)
         if self.max_tokens is None:
-            from gridrl.trainer.tasks import default_max_tokens
-
             self.max_tokens = default_max_tokens(self.task)
         if self.eval_tasks is None:
-            from gridrl.trainer.tasks import default_eval_tasks
-
             self.eval_tasks = default_eval_tasks(self.task)
-        from gridrl.trainer.trackers import parse_report_to
-
         self.report_to = parse_report_to(self.report_to)
         self.validate()
         return self
@@ -323,18 +325,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise INVALID_ARGUMENT (``StatusError``) naming the first bad flag: each setting's
         own ``choices`` and ``check`` in declaration order, then the rules between settings."""
-        for f, s in _settings():
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            if s.choices is not None and value not in s.choices:
-                allowed = " or ".join(filter(None, (", ".join(s.choices[:-1]), s.choices[-1])))
-                raise invalid_argument(flag_of(f.name), f"must be {allowed}, got {value!r}")
-            problem = s.check(value) if s.check is not None else None
-            if problem:
-                raise invalid_argument(flag_of(f.name), problem)
-        from gridrl.common.address import parse_address
-
+        settings.validate(self)
         for flag, address in [("--master", self.master),
                               *(("--rollout", a) for a in self.rollout if a != "local")]:
             if address is not None:
@@ -374,53 +365,22 @@ class TrainConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
-def _settings() -> list[tuple[dataclasses.Field, Setting]]:
-    """Every declared field of :class:`TrainConfig` with its :class:`Setting`, in order."""
-    return [(f, f.metadata[_SETTING]) for f in dataclasses.fields(TrainConfig)
-            if _SETTING in f.metadata]
-
-
 def flag_of(name: str) -> str:
     """The flag of setting ``name`` as error messages name it (``--group-size``)."""
-    s = TrainConfig.__dataclass_fields__[name].metadata[_SETTING]
-    return (s.flag or "--" + name.replace("_", "-")).split("/")[0]
+    return settings.flag_of(TrainConfig, name)
 
 
 def default_of(name: str) -> Any:
     """The declared default of setting ``name``."""
-    f = TrainConfig.__dataclass_fields__[name]
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return settings.default_of(TrainConfig, name)
 
 
 # Settings a resumed run may take from the new command line.
-RESUME_OVERRIDABLE = frozenset(f.name for f, s in _settings() if s.on_resume)
+RESUME_OVERRIDABLE = frozenset(f.name for f, s in settings.settings_of(TrainConfig)
+                               if s.on_resume)
 
 
 def click_options(f: Any) -> Any:
     """Decorate a click command with one option per setting declared with ``cli=True``, in
-    declaration order (see the module docstring)."""
-    import click
-
-    from gridrl.common.cli import env_option
-
-    hints = typing.get_type_hints(TrainConfig)
-    for field, s in reversed(_settings()):
-        if not s.cli:
-            continue
-        flag = s.flag or "--" + field.name.replace("_", "-")
-        env = ENV_PREFIX + flag.split("/")[0].removeprefix("--").replace("-", "_").upper()
-        kind = hints[field.name]
-        kw: dict[str, Any] = {"help": s.help}
-        if typing.get_origin(kind) is list:
-            kw["multiple"] = True
-        else:
-            default = default_of(field.name)
-            kw["default"] = default
-            kw["show_default"] = default is not None
-            base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
-            if s.choices is not None:
-                kw["type"] = click.Choice(list(s.choices))
-            elif base is not bool:
-                kw["type"] = base
-        f = env_option(flag, field.name, env=env, **kw)(f)
-    return f
+    declaration order (:func:`gridrl.common.settings.click_options`)."""
+    return settings.click_options(TrainConfig, ENV_PREFIX)(f)

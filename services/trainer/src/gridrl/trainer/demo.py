@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,11 +43,16 @@ from pathlib import Path
 
 import click
 
+from gridrl.common.cli import progress_bars_off_terminal
+from gridrl.common.security.certs import local_identities
+from gridrl.models import resolve_model
+
 BIN = Path(sys.executable).parent
 
 # What the demo adds to gridrl-trainer run's defaults (README, "Set-up on a fresh machine"): an
 # eval every 5 steps instead of 10, for a finer curve.
 DEMO_FLAGS: list[str] = ["--eval-every", "5"]
+DASHBOARD_PORT = 8321  # gridrl-master serve's default --dashboard-port
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -72,7 +78,7 @@ class Service:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s")
             time.sleep(0.2)
-        info = json.loads(ready.read_text())
+        self.info = info = json.loads(ready.read_text())
         self.address: str = info["address"]
         self.metrics_port: int = info["metrics_port"]
 
@@ -106,9 +112,6 @@ class Service:
 def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node_threads: int,
          secure: bool, trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
-    from gridrl.common.cli import progress_bars_off_terminal
-    from gridrl.models import resolve_model
-
     progress_bars_off_terminal()  # the model conversion's bars, when the output is a file
 
     # Ctrl-C and SIGTERM (kill, a supervisor) both clean up: the children run in their own
@@ -135,9 +138,13 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
     try:
         master = Service("master", ["gridrl-master", "serve", "--listen", "127.0.0.1:0",
                                     "--metrics-port", "0", "--store", ":memory:",
+                                    "--dashboard-port", str(_dashboard_port()),
                                     *(flags["master"] if flags else [])], work)
         services.append(master)
         click.echo(f"master        {master.address}  (metrics :{master.metrics_port})")
+        click.echo(f"dashboard     {master.info['dashboard_url']}  (open it in a browser"
+                   + ("; mutual TLS: it needs the operator's client certificate and its read "
+                      "token, see below" if flags else "") + ")")
         for i, backend in enumerate(backends):
             argv = ["gridrl-rollout", "serve", "--backend", backend, "--model", model,
                     "--listen", "127.0.0.1:0", "--metrics-port", "0", "--master", master.address,
@@ -199,10 +206,18 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
     sys.exit(code)
 
 
+def _dashboard_port() -> int:
+    """The master's own default (8321) when it is free, else any free port (another master
+    may hold it); ``GRIDRL_MASTER_DASHBOARD_PORT`` wins."""
+    from gridrl.common.address import port_in_use
+
+    if os.environ.get("GRIDRL_MASTER_DASHBOARD_PORT"):
+        return int(os.environ["GRIDRL_MASTER_DASHBOARD_PORT"])
+    return 0 if port_in_use("127.0.0.1", DASHBOARD_PORT) else DASHBOARD_PORT
+
+
 def _run_name(run: Path) -> str:
     """The run directory's name as a run name (``[A-Za-z0-9._-]+``, other characters -> -)."""
-    import re
-
     return re.sub(r"[^A-Za-z0-9._-]", "-", run.name).strip(".") or "demo"
 
 
@@ -210,8 +225,6 @@ def _secure_flags(work: Path, nodes: int) -> dict[str, list[str]]:
     """Certificates and credentials for ``--secure``, made in ``work``: the flags of the
     master, of each node (``node-<i>``), of the trainer, and of an ``operator`` client with
     the read scope."""
-    from gridrl.common.certs import local_identities
-
     scopes: dict[str, str | None] = {"master": None, "trainer": "trainer", "operator": "read"}
     scopes.update({f"node-{i}": "node" for i in range(nodes)})
     ids = local_identities(work / "credentials", scopes)

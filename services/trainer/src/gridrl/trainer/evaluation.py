@@ -1,5 +1,6 @@
-"""Held-out eval on the trainer's own weights: greedy decoding of the task's eval set, scored
-by the task (or by the run's rewards when the task has no score of its own).
+"""Held-out eval on the trainer's own weights: greedy episodes of the environment's held-out
+items (one greedy completion each for a single-turn task), scored by the environment (or by
+the run's rewards when a JSONL task has no answer column).
 
 The eval never asks a rollout node: a node may hold stale weights, and an eval of those would
 report the wrong policy. Every result carries the policy version it measured.
@@ -13,7 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gridrl.trainer.tasks import Task, TaskItem, encode_chat
+from gridrl.trainer.envs.base import Environment, SingleTurnEnv
+from gridrl.trainer.envs.chat import ChatDelta, prompt_ids
+from gridrl.trainer.envs.episode import EpisodeLimits, reward_columns, run_episodes
+from gridrl.trainer.rollouts import EpisodeStats
+from gridrl.trainer.tasks import Task, TaskItem
 
 
 @dataclass
@@ -31,6 +36,10 @@ class EvalResult:
             ``s / sqrt(n)`` with ``s`` the sample (Bessel-corrected) std of the per-prompt
             scores (0 when ``n < 2``). Two evals of one set differ by more than noise when
             they are ~2 * sqrt(2) stderr apart.
+        metrics: the environment's own figures of the eval
+            (:meth:`~gridrl.trainer.envs.base.Environment.eval_metrics`, e.g. first- and
+            second-attempt success), and for episodes of more than one turn ``turns_mean`` and
+            ``truncated`` (the fraction cut by a limit).
     """
 
     score: float
@@ -40,16 +49,18 @@ class EvalResult:
     seconds: float
     examples: list[dict[str, Any]] = field(default_factory=list)
     stderr: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Evaluator:
-    """Greedy eval of a task's held-out items on the trainer's own weights.
+    """Greedy eval of an environment's held-out items on the trainer's own weights.
 
     Args:
-        backend: the :class:`gridrl.trainer.backend.TrainerBackend` being trained (its
+        backend: the :class:`gridrl.trainer.backends.base.TrainerBackend` being trained (its
             ``generate`` decodes with the current weights; its tokenizer encodes and decodes).
-        task: the task (its ``eval_items`` and ``score``).
-        max_tokens: new tokens per eval completion.
+        task: the :class:`~gridrl.trainer.envs.base.Environment` (a
+            :class:`~gridrl.trainer.tasks.Task` is taken as its one-turn environment).
+        max_tokens: new tokens per model turn.
         rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`, used when the task
             cannot score (a JSONL task without an answer column).
         shared_prefix: let the backend prefill the eval prompts' common prefix (the task's
@@ -59,58 +70,71 @@ class Evaluator:
             time it has taken, on a status line (a log line off a terminal,
             :class:`gridrl.common.progress.StatusLine`): a slow backend (MLX's CPU build, a
             large model) is not silence. Evals faster than that show nothing.
+        limits: turns and episode tokens (None: the environment's ``max_turns``, no episode
+            token limit).
     """
 
-    def __init__(self, backend: Any, task: Task, *, max_tokens: int,
+    def __init__(self, backend: Any, task: Task | Environment, *, max_tokens: int,
                  rewards: Any | None = None, shared_prefix: bool = True,
-                 status_delay_s: float = 30.0) -> None:
+                 status_delay_s: float = 30.0, limits: EpisodeLimits | None = None) -> None:
         self.backend = backend
         self.shared_prefix = shared_prefix
         self.status_delay_s = status_delay_s
-        self.task = task
+        self.env = task if isinstance(task, Environment) else SingleTurnEnv(task)
+        self.task = self.env
         self.max_tokens = max_tokens
+        self.limits = limits or EpisodeLimits(max_turns=self.env.max_turns,
+                                              max_tokens=max_tokens)
         self.rewards = rewards
         self.tokenizer = backend.tokenizer
-        self.items: list[TaskItem] = task.eval_items()
-        self.prompt_ids = [encode_chat(self.tokenizer, item.messages) for item in self.items]
+        self.items: list[TaskItem] = self.env.eval_items()
+        tools = self.env.template_tools()
+        self.delta = ChatDelta(self.tokenizer, tools)
+        self.prompt_ids = [prompt_ids(self.tokenizer, item.messages, tools)
+                           for item in self.items]
 
     def run(self, policy_version: int) -> EvalResult:
-        """Decode every eval prompt greedily (temperature 0) with the backend and score it.
-        ``policy_version`` is the trainer's version, recorded with the result."""
+        """Run one greedy episode (temperature 0) of every held-out item with the backend and
+        score it. ``policy_version`` is the trainer's version, recorded with the result."""
         from gridrl.common.progress import StatusLine
-        from gridrl.engine.contract import SamplingConfig
+        from gridrl.trainer.local import LocalRollout
 
         start = time.perf_counter()
-        config = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
+        local = LocalRollout(self.backend, version=lambda: policy_version)
+
+        def sample(requests: list[Any]) -> list[Any]:
+            return local.sample_turns(requests, temperature=0.0,
+                                      shared_prefix=self.shared_prefix)
+
         with StatusLine(f"held-out eval of policy version {policy_version}: "
                         f"{len(self.prompt_ids)} prompts, greedy, on the trainer's weights",
                         delay_s=self.status_delay_s):
-            results = self.backend.generate(self.prompt_ids, config,
-                                            [0] * len(self.prompt_ids),
-                                            shared_prefix=self.shared_prefix)
-        completions = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-                       for r in results]
+            groups = run_episodes(self.env, self.items, self.prompt_ids, sample, self.delta,
+                                  self.limits, group_size=1, seed=0,
+                                  decode=lambda ids: self.tokenizer.decode(
+                                      ids, skip_special_tokens=True))
+        episodes = [g[0] for g in groups]
+        completions = [ep.last_reply for ep in episodes]
         prompts = [item.prompt for item in self.items]
-        columns: dict[str, list[Any]] = {}
-        for item in self.items:
-            for key in item.columns:
-                columns.setdefault(key, [])
-        for key in columns:
-            columns[key] = [item.columns.get(key) for item in self.items]
-        if getattr(self.task, "has_answer", True):
-            scores = [float(s) for s in self.task.score(prompts, completions, **columns)]
+        columns = reward_columns(episodes)
+        if getattr(self.env, "has_answer", True):
+            scores = [float(s) for s in self.env.score(prompts, completions, **columns)]
         elif self.rewards is not None:
-            columns["completion_ids"] = [list(r.token_ids) for r in results]
             scores, _ = self.rewards(prompts, completions, columns)
         else:
-            raise ValueError(f"task {self.task.name} cannot score its eval set")
+            raise ValueError(f"task {self.env.name} cannot score its eval set")
+        scores = [0.0 if ep.dropped else s for ep, s in zip(episodes, scores, strict=True)]
         n = len(scores)
+        metrics = dict(self.env.eval_metrics(columns, scores))
+        if self.limits.max_turns > 1:
+            stats = EpisodeStats.of(episodes)
+            metrics.update(turns_mean=stats.turns_mean, truncated=stats.truncated / max(n, 1))
         examples = [{"prompt": p, "completion": c, "score": s}
                     for p, c, s in list(zip(prompts, completions, scores, strict=True))[:3]]
         return EvalResult(score=sum(scores) / n, exact=sum(s >= 1.0 for s in scores) / n,
                           policy_version=policy_version, n=n,
                           seconds=time.perf_counter() - start, examples=examples,
-                          stderr=standard_error(scores))
+                          stderr=standard_error(scores), metrics=metrics)
 
 
 def standard_error(scores: Sequence[float]) -> float:

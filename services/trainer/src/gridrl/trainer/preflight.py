@@ -7,9 +7,13 @@ What is checked (each message names the flag and what to do):
 
 - ``--model``: an alias, an existing directory or an ``org/name`` hub id
   (:func:`gridrl.models.check_model`, which suggests the closest alias);
-- ``--task``, ``--eval-file``, ``--reward-file``: the files exist;
+- ``--task``: it names an environment that can be made (:meth:`TrainConfig.environment`: a
+  built-in, ``reasoning-gym:<dataset>`` or ``verifiers:<environment>`` with its extra
+  installed and the dataset known, a Python file defining an environment, a readable JSONL
+  file), or the one line says what to install or fix;
+- ``--eval-file``, ``--reward-file``: the files exist;
 - ``--master`` and ``--rollout``: where something answers, it is the service the flag names
-  (reflection, :mod:`gridrl.common.probe`): a master for ``--master``, a rollout node for
+  (reflection, :mod:`gridrl.common.rpc.probe`): a master for ``--master``, a rollout node for
   ``--rollout``. Where nothing answers yet the run starts and waits for it, saying so
   (``--node-wait-s``).
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gridrl.common.errors import invalid_argument
+from gridrl.common.rpc.probe import REGISTRY, ROLLOUT, check_service
+from gridrl.models import ModelNameError, check_model
 from gridrl.trainer.config import TrainConfig
 
 
@@ -31,29 +37,16 @@ def check_inputs(cfg: TrainConfig, probe_timeout_s: float = 3.0) -> None:
         StatusError: INVALID_ARGUMENT (a name or a file) or FAILED_PRECONDITION (another
             service at an address), its message starting with the flag.
     """
-    from gridrl.models import ModelNameError, check_model
-
     try:
         check_model(cfg.model)
     except ModelNameError as e:
         flag, _, problem = str(e).partition(": ")
         raise invalid_argument(flag, problem) from None
-    if cfg.task == "reverse-words":
-        from gridrl.trainer.tasks import check_word_range
-
-        check_word_range(cfg.min_words, cfg.max_words)
-    elif not Path(cfg.task).is_file():
-        what = "no such file" if cfg.task.endswith(".jsonl") or "/" in cfg.task else (
-            "not a task name or a file")
-        raise invalid_argument("--task", f"{cfg.task!r}: {what} (give 'reverse-words' or "
-                                         f"a JSONL file with {cfg.prompt_column}/"
-                                         f"{cfg.answer_column} columns)")
     for flag, path in [("--eval-file", cfg.eval_file),
                        *(("--reward-file", p) for p in cfg.reward_files)]:
         if path is not None and not Path(path).is_file():
             raise invalid_argument(flag, f"{path!r}: no such file")
-    from gridrl.common.probe import REGISTRY, ROLLOUT, check_service
-
+    cfg.environment()
     targets = ([("--master", cfg.master, REGISTRY)] if cfg.master else []) + [
         ("--rollout", a, ROLLOUT) for a in cfg.rollout if a != "local"]
     for flag, address, service in targets:

@@ -35,18 +35,8 @@ def load_reward_file(path: str | Path) -> list[tuple[str, RewardFunc]]:
             import, defines no function, or a function cannot take ``(prompts, completions)``.
     """
     p = Path(path)
-    if not p.is_file():
-        raise invalid_argument("--reward-file", f"{p}: no such file")
-    mod_name = f"gridrl_reward_file_{abs(hash(str(p.resolve())))}"
-    spec = importlib.util.spec_from_file_location(mod_name, p)
-    if spec is None or spec.loader is None:
-        raise invalid_argument("--reward-file", f"{p}: cannot be imported as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise invalid_argument("--reward-file", f"{p}: import failed: {e!r}") from e
+    module = import_file(p, "--reward-file")
+    mod_name = module.__name__
     listed = getattr(module, "REWARD_FUNCS", None)
     if listed is not None:
         funcs = [getattr(module, f) if isinstance(f, str) else f for f in listed]
@@ -63,6 +53,41 @@ def load_reward_file(path: str | Path) -> list[tuple[str, RewardFunc]]:
         _check_signature(f, p)
         out.append((getattr(f, "__name__", repr(f)), f))
     return out
+
+
+def import_file(path: Path, flag: str) -> Any:
+    """Import the Python file ``path`` as a module of its own (a user's reward or environment
+    file).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``flag`` when the file is missing or fails to import.
+    """
+    if not path.is_file():
+        raise invalid_argument(flag, f"{path}: no such file")
+    name = f"gridrl_user_file_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise invalid_argument(flag, f"{path}: cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise invalid_argument(flag, f"{path}: import failed: {e!r}") from e
+    return module
+
+
+def optional_module(name: str, flag: str, what: str, hint: str) -> Any:
+    """Import ``name``, an optional extra's module.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``flag`` saying ``what`` is not installed and ``hint``
+            (the command that installs it) when the import fails.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise invalid_argument(flag, f"{what} is not installed: {hint}") from e
 
 
 def _check_signature(f: RewardFunc, path: Path) -> None:
@@ -164,10 +189,19 @@ def _accepted_keywords(f: RewardFunc) -> set[str] | None:
 
 def build_reward_set(task: Any, reward_files: Sequence[str], weights: str | None) -> RewardSet:
     """The run's rewards: the functions of every ``--reward-file`` (in order), or, with none,
-    the task's own score. ``weights`` is ``--reward-weights``."""
+    the environment's own (``task.reward_funcs()``: ``(name, function, weight)`` each, e.g.
+    reverse-words-retry's attempt reward or a verifiers rubric) or, for a plain task, its
+    score. ``weights`` is ``--reward-weights`` (it replaces the environment's weights)."""
     funcs: list[tuple[str, RewardFunc]] = []
     for path in reward_files:
         funcs.extend(load_reward_file(path))
-    if not funcs:
+    if funcs:
+        return RewardSet(funcs, parse_weights(weights, len(funcs)))
+    own = getattr(task, "reward_funcs", None)
+    if own is None:
         funcs = [(f"{task.name}:score", task.score)]
-    return RewardSet(funcs, parse_weights(weights, len(funcs)))
+        return RewardSet(funcs, parse_weights(weights, 1))
+    listed = own()
+    env_weights = [float(w) for _, _, w in listed]
+    return RewardSet([(n, f) for n, f, _ in listed],
+                     parse_weights(weights, len(listed)) if weights else env_weights)

@@ -1,7 +1,7 @@
 """What a rollout is: the sampled groups a GRPO step trains on, and where they come from.
 
 A :class:`RolloutSource` turns prompts into :class:`Group` s of ``group_size`` samples each:
-:class:`gridrl.trainer.pool.NodePool` over rollout nodes, or the in-process ``LocalRollout``.
+:class:`gridrl.trainer.fleet.pool.NodePool` over rollout nodes, or the in-process ``LocalRollout``.
 Every sample carries the policy version (adapter version) of the weights that produced it, so
 the loop can measure staleness (trainer version - sample version) and drop what is too old.
 """
@@ -9,13 +9,10 @@ the loop can measure staleness (trainer version - sample version) and drop what 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from gridrl.engine import rng
-from gridrl.v1 import common_pb2
-
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass
@@ -30,6 +27,12 @@ class RolloutSample:
         finish_reason: ``"stop"`` or ``"length"``.
         policy_version: adapter version of the weights that produced every token (0 = base).
         node: address of the node that sampled it, or ``"local"``.
+        loss_mask: for a multi-turn episode, one entry per id of ``token_ids``: 1 on the
+            model's tokens, 0 on the environment's (their ``logprobs`` are 0); None: every
+            token is the model's (a single-turn sample).
+        episode: the :class:`gridrl.trainer.envs.episode.Episode` it came from, or None.
+        seconds: wall-clock seconds of the request that sampled it (a node's ``Generate``,
+            or the local sampler's call); for an episode, of its turns' requests together.
     """
 
     token_ids: list[int]
@@ -38,6 +41,9 @@ class RolloutSample:
     finish_reason: str
     policy_version: int
     node: str
+    loss_mask: list[int] | None = None
+    episode: Any = None
+    seconds: float = 0.0
 
 
 @dataclass
@@ -57,6 +63,76 @@ class Group:
     samples: list[RolloutSample]
     node: str
     seconds: float
+
+
+@dataclass
+class EpisodeStats:
+    """A step's episodes in figures (console, ``log.jsonl``, trackers, Prometheus).
+
+    Attributes:
+        episodes: episodes run; ``turns``: model turns over all of them.
+        model_tokens, env_tokens: tokens sampled by the model / appended by the environment.
+        truncated: episodes cut by a limit; ``dropped``: reason -> episodes not trained on.
+        counts: the environments' counters summed (``tool_calls``, ``tool_errors``...).
+    """
+
+    episodes: int = 0
+    turns: int = 0
+    model_tokens: int = 0
+    env_tokens: int = 0
+    truncated: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, episodes: Sequence[Any]) -> EpisodeStats:
+        """The figures of ``episodes`` (:class:`gridrl.trainer.envs.episode.Episode` s,
+        dropped ones included)."""
+        out = cls()
+        for ep in episodes:
+            out.episodes += 1
+            out.turns += ep.turns
+            out.model_tokens += ep.model_tokens
+            out.env_tokens += ep.env_tokens
+            out.truncated += ep.truncated is not None
+            if ep.dropped:
+                out.dropped[ep.dropped] = out.dropped.get(ep.dropped, 0) + 1
+            for k, v in ep.counts.items():
+                out.counts[k] = out.counts.get(k, 0) + v
+        return out
+
+    @property
+    def turns_mean(self) -> float:
+        """Model turns per episode."""
+        return self.turns / self.episodes if self.episodes else 0.0
+
+    def record(self) -> dict[str, Any]:
+        """Flat JSON fields (``log.jsonl`` names)."""
+        return {"episodes": self.episodes, "turns_mean": self.turns_mean,
+                "model_tokens": self.model_tokens, "env_tokens": self.env_tokens,
+                "truncated_episodes": self.truncated,
+                "dropped_episodes": sum(self.dropped.values()),
+                **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},
+                **dict(sorted(self.counts.items()))}
+
+
+@dataclass
+class StepRollouts:
+    """The rollouts of one step.
+
+    Attributes:
+        step: the step they are for.
+        groups: one :class:`Group` per prompt, in prompt order.
+        generate_s: wall-clock seconds the source took to produce them.
+        wait_s: seconds the training loop waited for them (0 when prefetched in time).
+        episodes: the figures of the episodes behind the groups (dropped ones included).
+    """
+
+    step: int
+    groups: list[Group]
+    generate_s: float
+    wait_s: float = 0.0
+    episodes: EpisodeStats = field(default_factory=EpisodeStats)
 
 
 class RolloutSource(Protocol):
@@ -86,21 +162,3 @@ def group_seed(seed: int, prompt_index: int) -> int:
     neighbouring steps get unrelated streams, and a group retried on another node asks for the
     same samples. Returns an int in [0, 2**63)."""
     return rng.sequence_seed(seed, prompt_index) >> 1
-
-
-def sample_from_proto(sample: common_pb2.Sample, node: str) -> RolloutSample:
-    """Convert a wire ``Sample`` sampled by ``node``.
-
-    Raises:
-        ValueError: naming the field, when ``logprobs`` and ``token_ids`` differ in length or
-            ``finish_reason`` is unspecified.
-    """
-    if len(sample.logprobs) != len(sample.token_ids):
-        raise ValueError(f"samples[].logprobs: {len(sample.logprobs)} logprobs for "
-                         f"{len(sample.token_ids)} tokens")
-    finish = _FINISH.get(sample.finish_reason)
-    if finish is None:
-        raise ValueError(f"samples[].finish_reason: {sample.finish_reason} is not STOP or LENGTH")
-    return RolloutSample(token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
-                         text=sample.text, finish_reason=finish,
-                         policy_version=int(sample.adapter_version), node=node)

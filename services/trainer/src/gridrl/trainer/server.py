@@ -7,7 +7,8 @@
 ``GetRunStatus`` answers the run's state and last report. ``WatchRun`` streams step reports as
 they finish (the history first when asked) and ends when the run finishes or fails, when the
 client goes away, or when the server stops. The Prometheus endpoint (``gridrl_trainer_*`` from
-:mod:`gridrl.trainer.metrics`, ``gridrl_rpc_*``) is served on ``metrics_port``.
+:mod:`gridrl.trainer.report.metrics` and :mod:`gridrl.trainer.fleet.metrics`,
+``gridrl_rpc_*``) is served on ``metrics_port``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from collections.abc import Iterator
 
 import grpc
 
-from gridrl.common.channel import SMALL_REQUEST_BYTES
-from gridrl.common.security import Security
-from gridrl.common.server import GrpcServer
-from gridrl.trainer import metrics
-from gridrl.trainer.status import RunStatus
+from gridrl.common.rpc.channel import SMALL_REQUEST_BYTES
+from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.security.policy import Security
+from gridrl.trainer.report import metrics
+from gridrl.trainer.report.status import RunStatus
 from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -70,14 +71,14 @@ def serve_trainer(status: RunStatus, listen: str, metrics_port: int,
                   security: Security | None = None) -> GrpcServer:
     """Start TrainerService on ``listen`` (host:port, port 0: any free port) with Prometheus
     ``/metrics`` on ``metrics_port`` (0: any free port, negative: off), with ``security``'s TLS
-    files and authorized tokens (see :class:`gridrl.common.server.GrpcServer`).
+    files and authorized tokens (see :class:`gridrl.common.rpc.server.GrpcServer`).
 
     Returns:
         the started server; ``.address`` / ``.port`` / ``.metrics_port`` are bound.
     Raises:
         StatusError: INVALID_ARGUMENT ``listen: ...`` for a malformed address.
         OSError: when the port cannot be bound.
-        ExposedError, TlsError: see :class:`gridrl.common.server.GrpcServer`.
+        ExposedError, TlsError: see :class:`gridrl.common.rpc.server.GrpcServer`.
     """
     metrics.mark_started()  # the trainer's gauges exist (step 0) from the first scrape
     servicer = TrainerServicer(status)

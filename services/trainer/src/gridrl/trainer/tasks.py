@@ -94,12 +94,6 @@ def similarity_reward(prompts: Sequence[str], completions: Sequence[str], answer
     return [word_similarity(c, a) for c, a in zip(completions, answer, strict=True)]
 
 
-def exact_match_reward(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str],
-                       **_: Any) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's words equal the answer's, else 0.0."""
-    return [float(words_of(c) == words_of(a)) for c, a in zip(completions, answer, strict=True)]
-
-
 # --------------------------------------------------------------------------- reverse-words
 
 _WORDS = """
@@ -205,6 +199,10 @@ class ReverseWords:
 class JsonlTask:
     """Prompts and answers from a JSONL file, one JSON object per line.
 
+    A row holds its prompt as text in ``prompt_column``, or as chat messages in a ``messages``
+    column (``[{"role": "system"|"user"|"assistant", "content": ...}, ...]``, rendered as they
+    are; the reward functions' prompt is the last user message's content).
+
     The first ``eval_size`` rows of a seeded shuffle are held out for eval (or every row of
     ``eval_path`` when given); training walks the remaining rows in a fresh seeded permutation
     each epoch. Every column of a row is passed to reward functions by name.
@@ -248,21 +246,35 @@ class JsonlTask:
             random.Random(f"jsonl-eval:{EVAL_SEED}").shuffle(order)
             self._eval_rows = [rows[i] for i in order[:self.eval_size]]
             self._train_rows = [rows[i] for i in order[self.eval_size:]]
-        held_out = {r[self.prompt_column] for r in self._eval_rows}
-        self._train_rows = [r for r in self._train_rows if r[self.prompt_column] not in held_out]
+        held_out = {self._key(r) for r in self._eval_rows}
+        self._train_rows = [r for r in self._train_rows if self._key(r) not in held_out]
         if not self._train_rows:
             raise invalid_argument("--task", f"{self.path}: no training rows left after the eval "
                                              "split")
         self.has_answer = all(self.answer_column in r for r in self._train_rows + self._eval_rows)
         self._perm_cache: dict[int, list[int]] = {}
 
+    def _key(self, row: dict[str, Any]) -> str:
+        """What makes two rows the same prompt (for the eval split)."""
+        if self.prompt_column in row:
+            return str(row[self.prompt_column])
+        return json.dumps(row["messages"], sort_keys=True)
+
     def _row_item(self, row: dict[str, Any]) -> TaskItem:
-        prompt = str(row[self.prompt_column])
         messages: list[dict[str, str]] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
-        messages.append({"role": "user", "content": prompt})
-        columns = {k: v for k, v in row.items() if k != self.prompt_column}
+        if self.prompt_column in row:
+            prompt = str(row[self.prompt_column])
+            messages.append({"role": "user", "content": prompt})
+        else:
+            chat = [{"role": str(m["role"]), "content": str(m["content"])}
+                    for m in row["messages"]]
+            if messages and chat[0]["role"] == "system":
+                messages = []
+            messages += chat
+            prompt = next((m["content"] for m in reversed(chat) if m["role"] == "user"), "")
+        columns = {k: v for k, v in row.items() if k not in (self.prompt_column, "messages")}
         if self.answer_column in columns and self.answer_column != "answer":
             columns.setdefault("answer", columns[self.answer_column])
         return TaskItem(prompt=prompt, messages=tuple(messages), columns=columns)
@@ -298,22 +310,20 @@ def _read_jsonl(path: Path, prompt_column: str) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise invalid_argument("--task", f"{path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(row, dict) or prompt_column not in row:
-            raise invalid_argument("--task", f"{path}:{n}: no {prompt_column!r} column")
+        if not isinstance(row, dict) or (prompt_column not in row and "messages" not in row):
+            raise invalid_argument("--task", f"{path}:{n}: no {prompt_column!r} or 'messages' "
+                                             "column")
+        if prompt_column not in row and not _chat_messages(row["messages"]):
+            raise invalid_argument("--task", f"{path}:{n}: 'messages' must be a non-empty list "
+                                             "of {\"role\", \"content\"} objects")
         rows.append(row)
     return rows
 
 
-def default_max_tokens(spec: str) -> int:
-    """``--max-tokens``' default for the task named by ``--task`` (``spec``): new tokens per
-    completion that its answers need (``reverse-words``: 24; a JSONL file: 40)."""
-    return ReverseWords.max_tokens if spec == "reverse-words" else JsonlTask.max_tokens
-
-
-def default_eval_tasks(spec: str) -> int:
-    """``--eval-tasks``' default for the task named by ``--task`` (``spec``): held-out eval
-    prompts (``reverse-words``: 128 generated phrases; a JSONL file: 16 of its rows)."""
-    return ReverseWords.eval_tasks if spec == "reverse-words" else JsonlTask.eval_tasks
+def _chat_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+        for m in value)
 
 
 def check_word_range(min_words: int, max_words: int) -> None:
@@ -350,25 +360,44 @@ def make_task(spec: str, *, seed: int, eval_size: int, min_words: int = 3, max_w
 
 # --------------------------------------------------------------------------- chat rendering
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Render ``messages`` with the tokenizer's chat template plus the generation prompt and
-    return the prompt token ids (the template's own special tokens are kept, none added).
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], *, generation_prompt: bool,
+                tools: Sequence[Any] | None = None) -> str:
+    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
 
     A template that rejects the system role gets the system text prepended to the first user
     message instead.
 
+    Args:
+        generation_prompt: end with the assistant turn's opening (``add_generation_prompt``).
+        tools: functions or JSON schemas passed as ``tools=`` (templates that ignore them
+            render as without).
     Raises:
         StatusError: INVALID_ARGUMENT on ``--model`` when the tokenizer has no chat template.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise invalid_argument("--model", "the tokenizer has no chat template")
     msgs = [dict(m) for m in messages]
+    kw: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
+    if tools:
+        kw["tools"] = list(tools)
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, **kw)
     except Exception:  # jinja raise_exception, e.g. "System role not supported"
-        if not msgs or msgs[0]["role"] != "system":
+        if not msgs or msgs[0]["role"] != "system" or len(msgs) < 2:
             raise
         system = msgs.pop(0)["content"]
         msgs[0] = {**msgs[0], "content": f"{system}\n\n{msgs[0]['content']}"}
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, **kw)
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
+                tools: Sequence[Any] | None = None) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template plus the generation prompt and
+    return the prompt token ids (the template's own special tokens are kept, none added;
+    :func:`render_chat`).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--model`` when the tokenizer has no chat template.
+    """
+    text = render_chat(tokenizer, messages, generation_prompt=True, tools=tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,674 @@
+"""The torch backend: transformers + peft on CPU (fp32), CUDA (bf16) or MPS.
+
+Decoding (``generate``), a lean loop over the model's forward (no ``model.generate``):
+
+1. Every distinct prompt is prefilled alone (batch 1, last-position logits only), so a
+   prompt's cache and first-token logits never depend on the rest of the batch; the ``n``
+   samples of a GRPO group share one prefill. (With ``share_prefix``, for many prompts that
+   begin alike such as an eval set under one system prompt, their common token prefix is
+   prefilled once and the prompts' remaining tokens attend to it, many prompts a forward:
+   ``LeanSteps.prefill_batch``.)
+2. The prefills are assembled into one left-padded, preallocated KV cache
+   (:class:`~gridrl.engine.backends.torch.cache.SlabCache`) with per-row positions and an
+   additive padding mask.
+3. One forward per step for all live rows; each step applies
+   :func:`~gridrl.engine.backends.torch.sampling.transform_logits` to float32 logits and draws
+   with each row's counter-based uniform (:mod:`gridrl.engine.rng`). Finished rows are
+   dropped from the cache once enough of them have finished.
+
+``score`` runs one teacher-forced forward through the same transform, so the behaviour logprobs
+of ``generate`` equal ``score`` up to float rounding of the logits.
+
+The forward of a model the backend owns (a node) is, for llama-family architectures,
+:class:`~gridrl.engine.backends.torch.llama.LeanLlama`: fused projections, run in float32 on
+CPU by our own fused kernels (3-3.5x faster than the transformers forward at batch 8 on a
+2-core CPU), else with weights prepacked for oneDNN (~2.5x). Other architectures run the
+transformers forward. How adapters are held -- lean LoRA factors, merged weights, live peft
+factors or peft adapters -- is one strategy chosen at construction
+(:mod:`~gridrl.engine.backends.torch.adapters`); the backend's start-up log line names the
+forward, the strategy and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gridrl.engine import rng
+from gridrl.engine.backends.torch import cpu_kernels
+from gridrl.engine.backends.torch.adapters import (
+    LoraSource,
+    check_fits,
+    choose_strategy,
+)
+from gridrl.engine.backends.torch.cores import ThreadGovernor
+from gridrl.engine.backends.torch.llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch.memory import trim_heap
+from gridrl.engine.backends.torch.prefix_cache import PrefixCache
+from gridrl.engine.backends.torch.sampling import RowSampling, draw_tokens, transform_logits
+from gridrl.engine.backends.torch.steps import LeanSteps, ModelSteps
+from gridrl.engine.contract import (
+    AdapterLoadError,
+    Backend,
+    DecodeInterrupted,
+    DecodeObserver,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+    TopLogprobs,
+    check_batch,
+)
+from gridrl.engine.families import context_limit, unsupported_layers
+from gridrl.engine.tokens import eos_token_ids
+from gridrl.models import ModelIdentity, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+#: shortest shared prefix (tokens) that :attr:`TorchBackend.share_prefix` prefills once
+MIN_SHARED_PREFIX = 8
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TorchAdapter:
+    """Handle of a peft adapter loaded into the backend's model.
+
+    Attributes:
+        key: the peft adapter name it is loaded under.
+        directory: where it was loaded from ("" for files loaded from memory).
+        rank: LoRA rank r of its config.
+        modules: number of adapted modules.
+    """
+
+    key: str
+    directory: str
+    rank: int
+    modules: int
+
+
+class DeviceError(ValueError):
+    """A ``--device`` this torch build cannot use: ``device`` (the value given) and
+    ``problem`` (why), apart; the message is ``"--device <device>: <problem>"``."""
+
+    def __init__(self, device: str, problem: str) -> None:
+        super().__init__(f"--device {device}: {problem}")
+        self.device = device
+        self.problem = problem
+
+
+def pick_device(device: str = "auto", *, mps: bool = True) -> torch.device:
+    """The torch device of ``--device`` (the node's and the trainer's).
+
+    ``"auto"``: ``cuda:$LOCAL_RANK`` if CUDA is available (each ``torchrun`` process on its own
+    GPU; ``cuda:0`` alone), else MPS if available and ``mps`` (the trainer passes False: its
+    torch update runs on CUDA or the CPU, an Apple GPU trains with ``--backend mlx``), else CPU.
+    Otherwise the named device, which must exist in this build.
+
+    Raises:
+        DeviceError: a name torch does not know, or a device this torch build cannot use.
+    """
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if mps and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise DeviceError(device, str(e)) from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(device, "CUDA is not available in this torch build")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(device, "MPS is not available")
+    return dev
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"``: bfloat16 on CUDA, float32 elsewhere; otherwise the named dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _identity_of(model: Any, model_id: str) -> ModelIdentity:
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return ModelIdentity(
+        model_id=model_id, architecture=str(getattr(cfg, "model_type", "")),
+        hidden_size=int(text.hidden_size), num_layers=int(text.num_hidden_layers),
+        vocab_size=int(text.vocab_size),
+        max_context=int(getattr(text, "max_position_embeddings", 2048) or 2048))
+
+
+class TorchBackend(Backend):
+    """A transformers causal LM that decodes batches with exact behaviour logprobs and holds
+    peft LoRA adapters.
+
+    Build it with :meth:`from_pretrained` (a node: it owns the model; ``adapter=None`` means
+    the base model) or :meth:`from_model` (in-process, e.g. the trainer's peft model;
+    ``adapter=None`` means the model exactly as it is, active adapter included). All calls must
+    come from one thread at a time.
+
+    Attributes:
+        forward_kind: ``"lean"`` (:class:`LeanLlama`) or ``"transformers"``.
+        forward_reason: why that forward runs.
+        adapters: how adapters are held (:mod:`~gridrl.engine.backends.torch.adapters`).
+        share_prefix: on the lean forward, :meth:`generate` prefills the token prefix that
+            all the batch's distinct prompts share (a task's system prompt) once, and the
+            prompts' remaining tokens, batched, attend to it, instead of every prompt alone: results
+            equal a plain prefill's up to float rounding, but a prompt's prefill then depends
+            on the rest of the batch (off by default; the trainer's held-out eval sets it).
+        prefix_cache: on the lean forward, the keys/values kept for continuations
+            (:mod:`~gridrl.engine.backends.torch.prefix_cache`): a request with
+            ``keep_cache`` leaves its samples' there, and a prompt that continues one prefills
+            only its new tokens; None: off. The model's own forward neither keeps nor reuses.
+    """
+
+    name = "torch"
+    adapter_format = "peft"
+
+    def __init__(self, model: Any, tokenizer: Any, identity: ModelIdentity, *,
+                 owns_model: bool, lean: bool | None = None,
+                 load_model: Callable[[], Any] | None = None,
+                 max_context: int | None = None, share_prefix: bool = False,
+                 prefix_cache_bytes: int = 0) -> None:
+        """Use :meth:`from_pretrained` or :meth:`from_model`.
+
+        Args:
+            load_model: for an owned model, loads another copy of it: then the lean forward
+                takes the model's weights (one copy in memory, :class:`LeanLlama`'s
+                ``take_weights``) and peft adapters get a copy of their own when one comes.
+            max_context: a context (prompt + completion tokens) the caller needs, checked
+                against the model's limit (:func:`gridrl.engine.families.context_limit`).
+            share_prefix: initial :attr:`share_prefix`.
+            prefix_cache_bytes: the :attr:`prefix_cache` budget (0: no prefix cache).
+        Raises:
+            ValueError: layers other than attention, or ``max_context`` beyond the limit.
+        """
+        from peft import PeftModel
+
+        self._wrapper = model  # what the caller gave: its train/eval mode is kept
+        peft = model if isinstance(model, PeftModel) else None
+        self._hf = model.get_base_model() if peft is not None else model
+        config = self._hf.config.to_dict()
+        refused = unsupported_layers(config)
+        if refused is not None:
+            raise ValueError(f"torch backend: {type(self._hf).__name__}: {refused}")
+        limit, context_note = context_limit(config, max_context)
+        self._owns = owns_model
+        self.tokenizer = tokenizer
+        self.identity = dataclasses.replace(identity, max_context=limit)
+        self.eos_token_ids = eos_token_ids(tokenizer, self._hf.config,
+                                           getattr(self._hf, "generation_config", None))
+        param = next(self._hf.parameters())
+        self._device = param.device
+        self._dtype = param.dtype
+        self.device = str(self._device) if self._device.type != "cuda" else f"cuda:{self._device.index or 0}"
+        self.dtype = str(self._dtype).removeprefix("torch.")
+        self.vocab_size = int(self._hf.get_output_embeddings().weight.shape[0])
+        self._loaded: dict[str, TorchAdapter] = {}
+        # A llama-family model runs the lean forward, adapters as LoRA factors: an owned model
+        # (a node), or a peft model wrapped in-process whose base weights are frozen (the
+        # trainer's eval and local rollouts; on CPU by default, as the lean forward keeps
+        # fused copies of the base weights).
+        lean_forward: LeanLlama | None = None
+        if lean is None:
+            lean = owns_model or self._device.type == "cpu"
+        refusal = self._lean_refusal(owns_model, peft) if lean else "disabled (--forward " \
+            "transformers)" if owns_model else "disabled"
+        take = owns_model and peft is None and load_model is not None
+        if refusal is None:
+            lean_forward = LeanLlama(self._hf, take_weights=take)
+            if take:
+                trim_heap()  # the packing's temporaries
+            self.forward_reason = (f"{identity.architecture or 'llama-family'} model, "
+                                   f"{lean_forward.products} products")
+        else:
+            self.forward_reason = f"lean forward: {refusal}"
+        self.forward_kind = "lean" if lean_forward is not None else "transformers"
+        self._lean = lean_forward
+        self.kv_bytes_per_token, self.sequence_bytes = _decode_memory(
+            self._hf.config, lean_forward.compute_dtype if lean_forward else self._dtype)
+        self.adapters = choose_strategy(
+            self._hf, peft, lean_forward, owns=owns_model,
+            load_model=load_model if take and lean_forward is not None else None)
+        # Time from the start of the last generate() to its first sampled tokens.
+        self.last_first_token_s: float | None = None
+        # Decoding threads that follow the load other processes put on the cores (share_cores).
+        self.threads: ThreadGovernor | None = None
+        self.share_prefix = share_prefix
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes)
+                             if prefix_cache_bytes > 0 and lean_forward is not None else None)
+        log.info("torch backend: %s on %s (%s), %d layers; forward: %s (%s); adapters: %s; %s",
+                 identity.model_id or type(self._hf).__name__, self.device, self.dtype,
+                 identity.num_layers, self.forward_kind, self.forward_reason,
+                 self.adapters.describe(), context_note or f"context {limit} tokens")
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path | str, device: str = "auto", dtype: str = "auto",
+                        model_id: str | None = None, lean: bool = True,
+                        max_context: int | None = None,
+                        prefix_cache_bytes: int = 0) -> TorchBackend:
+        """Load a local Hugging Face directory with transformers.
+
+        Args:
+            model_dir: a resolved model directory (``gridrl.models.resolve_model``).
+            device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``.
+            dtype: ``"auto"`` (float32 on CPU/MPS, bfloat16 on CUDA), ``"float32"``,
+                ``"bfloat16"`` or ``"float16"``.
+            model_id: what to report as the model id (default: ``model_dir``).
+            lean: run llama-family models through :class:`LeanLlama` (False: always the
+                transformers forward, adapters merged).
+            max_context: a context the caller needs (None: the model's, capped at a sliding
+                window; :mod:`gridrl.engine.families`).
+            prefix_cache_bytes: keys/values kept for continuations (:attr:`prefix_cache`; 0:
+                none).
+        Raises:
+            ValueError: unknown device or dtype, an unsupported architecture, or
+                ``max_context`` beyond the model's limit.
+            OSError: the directory has no loadable model.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dev = pick_device(device)
+        torch_dtype = pick_dtype(dtype, dev)
+
+        def load_model() -> Any:
+            # transformers maps safetensors files: weights stay file-backed until read
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype)
+            model.to(dev).eval()
+            model.requires_grad_(False)
+            return model
+
+        model = load_model()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        identity = dataclasses.replace(_identity_of(model, model_id or str(model_dir)),
+                                       weights_fingerprint=weights_fingerprint(model_dir))
+        return cls(model, tokenizer, identity, owns_model=True, lean=lean, load_model=load_model,
+                   max_context=max_context, prefix_cache_bytes=prefix_cache_bytes)
+
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any, model_id: str = "",
+                   lean: bool | None = None, max_context: int | None = None) -> TorchBackend:
+        """Wrap a model already in memory (a transformers causal LM or a peft ``PeftModel``).
+
+        ``generate(batch, None)`` then decodes with the model as it is (its active adapter
+        included), in eval mode for the call; the caller's train/eval mode is restored after.
+
+        Args:
+            lean: run a peft LoRA model with frozen base weights through :class:`LeanLlama`,
+                its current LoRA weights read at every call (None: on CPU only; the lean
+                forward keeps fused copies of the base weights).
+            max_context: as for :meth:`from_pretrained`.
+        """
+        identity = _identity_of(model.get_base_model() if hasattr(model, "get_base_model")
+                                else model, model_id or str(getattr(model.config, "_name_or_path", "")))
+        return cls(model, tokenizer, identity, owns_model=False, lean=lean,
+                   max_context=max_context)
+
+    def share_cores(self, limit: int = 0) -> ThreadGovernor:
+        """From now on decode with as many threads as other processes leave cores free,
+        re-decided every half second of decoding (:mod:`~gridrl.engine.backends.torch.cores`);
+        when the count changes, the kernel race runs again at the new count and its outcome is
+        logged, and while other processes take cores the fused kernels hand their column
+        blocks out dynamically (a thread that shares its core then does less; same results).
+        Call on the thread that decodes (OpenMP's team size is per thread).
+
+        Args:
+            limit: most threads (0: one per allowed core).
+        """
+        lean = self._lean
+
+        def adapt(old: int, new: int) -> None:
+            if lean is None or self._device.type != "cpu":
+                return
+            if lean.kernels is not None:
+                lean.kernels.set_dynamic_blocks(new < governor.cores)
+            outcome = cpu_kernels.race_again(lean.dtype, lean.kernels is not None)
+            if outcome is not None:
+                log.info("kernel race at %d threads (was %d): %s", new, old, outcome)
+
+        governor = self.threads = ThreadGovernor(limit, on_change=adapt)
+        return governor
+
+    def _lean_refusal(self, owns_model: bool, peft: Any | None) -> str | None:
+        """Why the lean forward cannot stand in for this model (None: it can)."""
+        reason = unsupported_reason(self._hf)
+        if reason is not None:
+            return reason
+        if owns_model:
+            return None if peft is None else "a peft model"
+        if peft is None:
+            return "a model owned by the caller without peft (its weights may change)"
+        if any(p.requires_grad for n, p in self._hf.named_parameters() if "lora_" not in n):
+            return "base weights are trainable"
+        return None
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def load_adapter(self, directory: Path, key: str) -> TorchAdapter:
+        """Load the peft LoRA adapter in ``directory`` next to the serving weights under
+        ``key``; the serving adapter and the active selection are untouched.
+
+        Returns:
+            a :class:`TorchAdapter` handle for :meth:`generate` / :meth:`score`.
+        Raises:
+            AdapterLoadError: not a peft adapter, a key already loaded, or tensors that do not
+                fit the base model (the message names the tensor, module or shape); nothing is
+                changed then.
+        """
+        if key in self._loaded:
+            raise AdapterLoadError(f"adapter key {key!r} is already loaded")
+        return self._load(key, LoraSource.from_directory(Path(directory)))
+
+    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> TorchAdapter:
+        """:meth:`load_adapter` from a push's files in memory: tensors are read in place from
+        the bytes (viewed, not copied, when the buffer is writable, as a push's is; no disk)
+        unless the adapter goes through peft, which reads a temporary directory.
+
+        Raises:
+            AdapterLoadError: as :meth:`load_adapter`; nothing is changed then.
+        """
+        if key in self._loaded:
+            raise AdapterLoadError(f"adapter key {key!r} is already loaded")
+        return self._load(key, LoraSource.from_files(files))
+
+    def _load(self, key: str, source: LoraSource) -> TorchAdapter:
+        rank, modules = check_fits(self._hf, source)
+        start = time.perf_counter()
+        nbytes = self.adapters.load(key, source)
+        handle = TorchAdapter(key=key, directory=str(source.directory or ""), rank=rank,
+                              modules=modules)
+        self._loaded[key] = handle
+        log.info("LoRA adapter %r loaded from %s as %s: rank %d, %d modules, %.1f MB, %.3fs",
+                 key, source.where, self.adapters.strategy_of(key), rank, modules, nbytes / 1e6,
+                 time.perf_counter() - start)
+        return handle
+
+    def unload_adapter(self, adapter: Any) -> None:
+        """Delete ``adapter``'s weights from the model; the handle cannot be used afterwards.
+
+        Raises:
+            ValueError: ``adapter`` is not a handle of this backend.
+        """
+        if not isinstance(adapter, TorchAdapter) or self._loaded.get(adapter.key) is not adapter:
+            raise ValueError(f"not a loaded torch adapter handle: {adapter!r}")
+        del self._loaded[adapter.key]
+        self.adapters.unload(adapter.key)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(adapter.key)
+
+    @contextlib.contextmanager
+    def _using(self, adapter: TorchAdapter | None) -> Iterator[Any]:
+        """Run with ``adapter`` (None: base model for an owned model, the model as it is
+        otherwise), in eval mode and inference mode; yields the forward that serves the call
+        (a :class:`LeanLlama` or a transformers model)."""
+        if adapter is not None and self._loaded.get(adapter.key) is not adapter:
+            raise ValueError(f"adapter {getattr(adapter, 'key', adapter)!r} is not loaded")
+        model = self._wrapper
+        was_training = model.training
+        if was_training:
+            model.eval()
+        try:
+            with torch.inference_mode(), self.adapters.active(
+                    None if adapter is None else adapter.key) as forward:
+                yield forward
+        finally:
+            if was_training:
+                model.train()
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` together (see the module docstring), following the contract's
+        semantics (:mod:`gridrl.engine.contract`).
+
+        Args:
+            batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
+            adapter: a :class:`TorchAdapter` from :meth:`load_adapter`, or None.
+            observer: told each step's tokens and asked between steps whether to stop.
+        Returns:
+            one :class:`SequenceResult` per request, in order: token ids (stop token included
+            when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
+        Raises:
+            ValueError: an empty prompt, ``max_tokens < 1``, or an unloaded adapter handle.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
+        """
+        if not batch:
+            return []
+        check_batch(batch, self.identity.max_context)
+        with self._using(adapter) as forward:
+            return self._generate(batch, forward, observer,
+                                  "" if adapter is None else adapter.key)
+
+    def _steps(self, forward: Any) -> LeanSteps | ModelSteps:
+        if isinstance(forward, LeanLlama):
+            return LeanSteps(forward, self._device, forward.compute_dtype)
+        return ModelSteps(forward, self._device)
+
+    def _generate(self, batch: list[SequenceRequest], forward: Any,
+                  observer: DecodeObserver | None, adapter_key: str = "") -> list[SequenceResult]:
+        steps = self._steps(forward)
+        cache = self.prefix_cache if isinstance(steps, LeanSteps) else None
+        kept: list[tuple[list[int], Any]] = []  # stored once the call returns (never when
+        # it is interrupted: an interrupted call keeps nothing)
+        start = time.perf_counter()
+        governor = self.threads
+        if governor is not None:
+            governor.begin()
+        dev = self._device
+        n = len(batch)
+        # 1. prefill each distinct prompt alone (after a shared prefix: batched).
+        prompt_index: dict[tuple[int, ...], int] = {}
+        row_prefill = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
+                       for r in batch]
+        prefills, first_logits = [], []
+        prefix = self._shared_prefix(steps, list(prompt_index))
+        if prefix is not None:  # the prompts' rest after the prefix, many rows a forward
+            assert isinstance(steps, LeanSteps)
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(0)
+            prefills, first_logits = steps.prefill_batch([list(p) for p in prompt_index],
+                                                         prefix)
+        else:
+            for prompt in prompt_index:
+                if observer is not None and observer.interrupted():
+                    raise DecodeInterrupted(0)
+                hit = cache.lookup(adapter_key, prompt) if cache is not None else None
+                if hit is not None:
+                    assert isinstance(steps, LeanSteps)
+                    kv, logits = steps.prefill(list(prompt), hit[1])
+                else:
+                    kv, logits = steps.prefill(list(prompt))
+                prefills.append(kv)
+                first_logits.append(logits)
+        logits = torch.stack(first_logits).index_select(
+            0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
+        max_tokens = [r.sampling.max_tokens for r in batch]
+        steps.start(prefills, [len(p) for p in prompt_index], row_prefill, max(max_tokens))
+        del prefills, first_logits
+
+        # 2. per-row state; `active` maps cache rows to batch indices.
+        sampling = RowSampling.from_configs([r.sampling for r in batch], logits.shape[-1], dev)
+        seeds = rng.seeds_array([r.seed for r in batch])
+        stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
+        stop_table = _stop_table(stops, dev)
+        limit = torch.tensor(max_tokens, dtype=torch.int64, device=dev)
+        out_tokens = torch.zeros((n, max(max_tokens)), dtype=torch.int64, device=dev)
+        out_logprobs = torch.zeros((n, max(max_tokens)), dtype=torch.float32, device=dev)
+        top_n = [r.sampling.top_logprobs for r in batch]
+        out_top: list[list[TopLogprobs]] = [[] for _ in range(n)]
+        length = [0] * n
+        reason: list[str] = ["length"] * n
+        active = torch.arange(n, device=dev)
+        active_list = list(range(n))
+        rows = sampling
+        step = 0
+        self.last_first_token_s = None
+        while True:
+            logprobs = transform_logits(logits, rows)
+            u = torch.from_numpy(rng.step_uniforms(seeds[active_list], step)) \
+                if not rows.all_greedy else None
+            tokens, token_logprobs = draw_tokens(logits, logprobs, rows, u)
+            out_tokens[active, step] = tokens
+            out_logprobs[active, step] = token_logprobs
+            top = _alternatives(logprobs, [top_n[i] for i in active_list])
+            if top is not None:
+                for i, pairs in zip(active_list, top, strict=True):
+                    out_top[i].append(pairs)
+            if observer is not None:
+                observer.on_tokens(list(active_list), tokens.tolist(), token_logprobs.tolist(),
+                                   **({} if top is None else {"top": top}))
+            if self.last_first_token_s is None:
+                self.last_first_token_s = time.perf_counter() - start
+            hit_stop = (stop_table.index_select(0, active) == tokens[:, None]).any(dim=-1)
+            hit_len = limit.index_select(0, active) <= step + 1
+            done = hit_stop | hit_len
+            done_list = done.tolist()
+            if any(done_list):
+                stop_list = hit_stop.tolist()
+                for row, i in enumerate(active_list):
+                    if done_list[row]:
+                        length[i] = step + 1
+                        reason[i] = "stop" if stop_list[row] else "length"
+                        if cache is not None and batch[i].keep_cache:
+                            assert isinstance(steps, LeanSteps)
+                            fed = out_tokens[i, :step].tolist()
+                            kept.append((list(batch[i].prompt_ids) + fed,
+                                         steps.row_prefill(row)))
+                if all(done_list):
+                    break
+                keep = [row for row, d in enumerate(done_list) if not d]
+                keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
+                steps.keep(keep_t)
+                active = active.index_select(0, keep_t)
+                active_list = [active_list[row] for row in keep]
+                tokens = tokens.index_select(0, keep_t)
+                rows = rows.select(keep_t)
+            step += 1
+            if observer is not None and observer.interrupted():
+                raise DecodeInterrupted(step)
+            logits = steps.step(tokens)
+            if governor is not None:
+                governor.step()
+        for ids, kv in kept:
+            assert cache is not None
+            cache.store(adapter_key, ids, kv)
+        tokens_cpu = out_tokens.cpu()
+        logprobs_cpu = out_logprobs.cpu()
+        return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
+                               logprobs=logprobs_cpu[i, :length[i]].tolist(),
+                               finish_reason=reason[i],  # type: ignore[arg-type]
+                               top_logprobs=out_top[i][:length[i]] if top_n[i] else [])
+                for i in range(n)]
+
+    def _shared_prefix(self, steps: LeanSteps | ModelSteps, prompts: list[tuple[int, ...]]
+                       ) -> Any | None:
+        """With :attr:`share_prefix` on the lean forward: the prefill of the longest token
+        prefix that every distinct prompt of the batch starts with (each keeps at least its
+        last token), when it is at least :data:`MIN_SHARED_PREFIX` tokens; else None."""
+        if not self.share_prefix or len(prompts) < 2 or not isinstance(steps, LeanSteps):
+            return None
+        length = min(len(p) for p in prompts) - 1
+        first = prompts[0]
+        for p in prompts[1:]:
+            length = next((j for j in range(length) if p[j] != first[j]), length)
+        if length < MIN_SHARED_PREFIX:
+            return None
+        return steps.shared_prefix(list(first[:length]))
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
+              adapter: Any | None) -> list[float]:
+        """Teacher-forced logprobs of ``completion_ids`` after ``prompt_ids``: one forward over
+        both (no cache), float32 logits at the positions that predict each completion token,
+        then the same transform as :meth:`generate` (contract.py steps 1-3).
+
+        Returns:
+            one float per completion token (natural log), ``-inf`` for tokens outside the
+            top-k / top-p support; ``[]`` for an empty completion.
+        Raises:
+            ValueError: empty ``prompt_ids``, or an unloaded adapter handle.
+        """
+        return self.score_top(prompt_ids, completion_ids, sampling, adapter, 0)[0]
+
+    def score_top(self, prompt_ids: list[int], completion_ids: list[int],
+                  sampling: SamplingConfig, adapter: Any | None, top_n: int
+                  ) -> tuple[list[float], list[TopLogprobs]]:
+        """:meth:`score` and each position's ``top_n`` most likely tokens under the same
+        transform (``contract.Backend.score_top``); ``top_n`` 0: empty lists."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if not completion_ids:
+            return [], []
+        with self._using(adapter) as forward:
+            ids = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.int64,
+                               device=self._device)
+            if isinstance(forward, LeanLlama):
+                positions = torch.arange(ids.shape[1], device=self._device)[None]
+                logits = forward.forward(ids, positions)
+            else:
+                logits = forward(input_ids=ids, use_cache=False).logits
+            logits = logits[0, len(prompt_ids) - 1:-1].float()
+            rows = RowSampling.from_configs([sampling] * len(completion_ids), logits.shape[-1],
+                                            self._device)
+            logprobs = transform_logits(logits, rows)
+            target = torch.tensor(completion_ids, dtype=torch.int64, device=self._device)
+            scores = logprobs.gather(-1, target[:, None]).squeeze(-1).cpu().tolist()
+            top = _alternatives(logprobs, [top_n] * len(completion_ids))
+            return scores, top if top is not None else [[] for _ in completion_ids]
+
+
+def _alternatives(logprobs: torch.Tensor, top_n: list[int]) -> list[TopLogprobs] | None:
+    """Each row's ``top_n[row]`` most likely ``(token id, logprob)`` of ``logprobs`` (N, V),
+    most likely first; None when no row asks any (nothing computed)."""
+    k = max(top_n, default=0)
+    if k == 0:
+        return None
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    values, ids = values.cpu().tolist(), ids.cpu().tolist()
+    return [list(zip(ids[r][:n], values[r][:n], strict=True)) for r, n in enumerate(top_n)]
+
+
+def _decode_memory(config: Any, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV-cache bytes a token, working bytes a sequence) of decoding ``config``'s model with a
+    cache of ``dtype``: keys and values of every layer (``2 L H_kv D`` elements a token);
+    a sequence's float32 logits, its transformed logprobs, and the float64 cumulative sum the
+    sampler draws from, with room for the temporaries between them (24 bytes a vocabulary
+    entry), the peak of one decode step."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * int(text.num_hidden_layers) * kv_heads * head_dim * itemsize
+    return kv, 24 * int(text.vocab_size)
+
+
+def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
+    """(N, S) int64 table of each row's stop ids, padded with -1 (never a token id)."""
+    width = max(1, max(len(s) for s in stops))
+    table = torch.full((len(stops), width), -1, dtype=torch.int64)
+    for i, s in enumerate(stops):
+        if s:
+            table[i, :len(s)] = torch.tensor(sorted(s), dtype=torch.int64)
+    return table.to(device)

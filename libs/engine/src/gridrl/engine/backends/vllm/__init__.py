@@ -1,0 +1,1 @@
+"""The vLLM backend: an HTTP client of a local vLLM server."""

@@ -1,0 +1,884 @@
+"""The vLLM backend: a rollout node that fronts a vLLM OpenAI-compatible server on its machine.
+
+vLLM does the decoding (its own continuous batching, on its own GPU); this backend maps the
+sampling contract of :mod:`gridrl.engine.contract` onto vLLM's HTTP API, checks at start that
+the server honours it, and refuses, naming the vLLM flag to add, when it does not.
+
+The HTTP contract followed is vLLM 0.33.0's (:data:`VLLM_CONTRACT_VERSION`), read from its wheel
+(``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl``; paths below are inside ``vllm/``):
+
+- ``POST /v1/completions`` (``entrypoints/openai/completion/api_router.py`` 37-77): the request
+  is ``CompletionRequest`` (``entrypoints/openai/completion/protocol.py`` 49-297): ``prompt``
+  may be a list of token ids (53-59, no tokenization then), ``logprobs`` (63), ``seed`` in
+  [-2**63, 2**63) (67), ``top_k`` (78, 0 disables), ``stop_token_ids`` (83),
+  ``return_tokens_as_token_ids`` (164-171: tokens come back as ``"token_id:N"``),
+  ``return_token_ids`` (172-181: the choice also carries ``token_ids`` and
+  ``prompt_token_ids``). Sampling fields left out take the server's defaults, which come from
+  the model's ``generation_config.json`` (``to_sampling_params`` 359-436, defaults 313-321), so
+  every one is sent explicitly.
+- The response (``protocol.py`` 668-702; built in ``completion/serving.py`` 560-712): one
+  choice per sequence with ``finish_reason``, ``token_ids``, ``prompt_token_ids`` and
+  ``logprobs = {tokens, token_logprobs, top_logprobs, text_offset}``, one entry per token
+  (``_create_completion_logprobs`` 714-804); values below -9999 (``-inf``: a token the sampler
+  masked) are written as -9999.0 (765, 783). ``top_logprobs`` holds the sampled token then the
+  top ``logprobs`` tokens (``generate/base/serving.py`` 368-379). Finish reasons are ``stop``
+  (eos or a stop token id, the token included: ``v1/core/sched/utils.py`` 98-119),
+  ``length``, and ``abort`` / ``error`` / ``repetition`` (``v1/request.py`` 404-412), which
+  this backend refuses.
+- Logprobs: the default ``--logprobs-mode`` is ``raw_logprobs`` (``config/model.py`` 291-299),
+  the log-softmax of the logits *before* temperature and top-k/top-p (``v1/sample/sampler.py``
+  129-170). Only ``processed_logprobs`` returns the log-softmax of what the token was drawn from
+  (``v1/sample/ops/topk_topp_sampler.py`` 292-313): temperature, then top-k (tokens below the
+  k-th value masked, ties kept) then top-p over what is left (``apply_top_k_top_p_pytorch``
+  524-565), i.e. gridrl's sampling transform. Greedy requests (temperature < 1e-5) get the
+  log-softmax of the raw logits (``sampler.py`` 320-335), as gridrl's greedy does.
+- Sampling bounds: temperature in [0, 2] (``sampling_params.py`` 656-679), and a positive
+  temperature below 0.01 is silently raised to 0.01 (560-568); greedy requests must have
+  ``n == 1`` (769-773); with ``n > 1`` choice ``i`` samples with ``seed + i``
+  (``v1/engine/parallel_sampling.py`` 81). Each sequence here is its own request (``n = 1``)
+  with its own seed, so the ``n`` samples of a group run concurrently and vLLM shares their
+  prompt through its prefix cache.
+- Runtime LoRA (``entrypoints/serve/lora/api_router.py`` 23-99; bodies in
+  ``serve/lora/protocol.py`` 7-16): ``POST /v1/load_lora_adapter {lora_name, lora_path,
+  load_inplace}`` and ``POST /v1/unload_lora_adapter {lora_name}`` exist only when vLLM's
+  environment has ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (else FastAPI answers 404 ``{"detail":
+  "Not Found"}``); they answer 200 with a plain-text body. Loading reads ``lora_path`` from
+  vLLM's own disk; a name already loaded is refused (400) unless ``load_inplace``, and
+  reloading a name keeps prefix-cache blocks computed with its old weights
+  (``entrypoints/openai/models/serving.py`` 167-301, warning at 215-224): this backend never
+  reuses a name. Without ``--enable-lora`` a load answers 500 "LoRA is not enabled"
+  (``v1/worker/lora_model_runner_mixin.py`` 89-91); a rank above ``--max-lora-rank`` 500
+  (``lora/peft_helper.py`` 194-197); a path it cannot read 404 "No adapter found for ..."
+  (``exceptions.py`` 71-95). Unloading an unknown name answers 404.
+- Errors are ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the HTTP status
+  (``entrypoints/serve/exception_handling/error_response.py`` 14-105,
+  ``serve/engine/protocol.py`` 79-87). ``--api-key`` guards only paths under ``/v1``, ``/v2``,
+  ``/inference`` and ``/cohere`` and answers 401 ``{"error": "Unauthorized"}``
+  (``serve/middleware/authenticate.py`` 11, 47-62): run vLLM on loopback.
+- A client that disconnects cancels its request (``serve/utils/api_utils.py`` 68-110,
+  ``with_cancellation``), which is how an interrupted batch stops vLLM's work.
+
+Start-up probe (:meth:`VllmBackend.probe`, refused with :class:`VllmRefused`): the API key is
+accepted; vLLM's tokenizer encodes like ``--model``'s; a prompt sent as token ids comes back
+unchanged in ``prompt_token_ids``; a sampled request at temperature 0.7 with top-k 4 returns
+logprobs that are processed (the top 4 renormalise to 1, the next are masked at -9999), not raw;
+a zero LoRA adapter landed under the node's adapter root loads, samples and unloads. The probe
+runs again after vLLM was unreachable, before the next batch.
+
+Threading: every method is called from the node engine's scheduler thread (the contract), so an
+adapter load never overlaps a batch on this node (vLLM issue 13698: loading while requests
+generate has crashed servers). HTTP runs on a private asyncio loop thread (httpx).
+Per-token callbacks of a decode observer are not delivered (requests are not streamed); its
+``interrupted()`` is polled and cancels the batch's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Awaitable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gridrl.adapters import AdapterError, read_dir, write_dir
+from gridrl.adapters import tensors as st
+from gridrl.engine.contract import (
+    AdapterLoadError,
+    Backend,
+    DecodeInterrupted,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+    TopLogprobs,
+    check_batch,
+)
+from gridrl.engine.tokens import eos_token_ids, model_dir_configs
+from gridrl.models import ModelIdentity, model_identity
+
+log = logging.getLogger(__name__)
+if logging.getLogger("httpx").level == logging.NOTSET:  # not a line per request at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+T = TypeVar("T")
+
+VLLM_CONTRACT_VERSION = "0.33.0"
+MASKED = -9999.0  # how vLLM writes the logprob of a masked (-inf) token
+MIN_TEMPERATURE = 0.01  # vLLM raises positive temperatures below this to it
+MAX_TEMPERATURE = 2.0  # vLLM refuses temperatures above this
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: most logprobs a request may ask for
+PROBE_TOP_K = 4
+PROBE_TEMPERATURE = 0.7
+_TOKEN = re.compile(r"token_id:(\d+)")
+_SEED_MOD = 1 << 63  # vLLM seeds are int64 and -1 means "none": send seed mod 2**63
+_POLL_S = 0.02  # how often a running batch checks its observer
+
+
+class VllmError(RuntimeError):
+    """vLLM answered something that breaks the sampling contract, or an error; the message
+    says which request and what. Nothing of the batch is returned."""
+
+
+class VllmUnavailable(VllmError, ConnectionError):
+    """vLLM could not be reached (refused, reset, timed out)."""
+
+
+class VllmRefused(VllmError):
+    """The server does not honour the contract; the message names the vLLM flag to add."""
+
+
+@dataclasses.dataclass
+class VllmAdapter:
+    """Handle of an adapter loaded into vLLM.
+
+    Attributes:
+        key: the engine's key for it.
+        served_name: the LoRA name vLLM serves it under (``model`` of the completions);
+            never reused; replaced when vLLM lost it (restarted) and it was loaded again.
+        path: where its peft files are landed, under the node's adapter root (vLLM reads
+            them from there, also later when its LoRA cache reloads an evicted adapter).
+    """
+
+    key: str
+    served_name: str
+    path: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpAnswer:
+    """One HTTP response: ``status``, parsed JSON ``body`` (None when not JSON), raw ``text``."""
+
+    status: int
+    body: Any
+    text: str
+
+    @property
+    def message(self) -> str:
+        """vLLM's error message (``error.message``, or the whole body)."""
+        if isinstance(self.body, dict):
+            err = self.body.get("error")
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            if isinstance(err, str):
+                return err
+            if "detail" in self.body:
+                return str(self.body["detail"])
+        return self.text[:500]
+
+    @property
+    def route_missing(self) -> bool:
+        """FastAPI's 404 for a path no route serves (not a vLLM error object)."""
+        return self.status == 404 and isinstance(self.body, dict) and "error" not in self.body
+
+
+class _ModelMissing(VllmError):
+    """vLLM does not know the LoRA name a request asked for (404 on ``model``)."""
+
+
+def completion_request(req: SequenceRequest, model: str, stop_ids: frozenset[int],
+                       vocab_size: int, logprobs: int = 0) -> dict[str, Any]:
+    """The ``/v1/completions`` body that samples ``req`` under gridrl's contract.
+
+    Every sampling field is explicit (the server's generation-config defaults never apply):
+    ``top_k`` 0 when disabled or ``>= vocab_size``; ``min_p`` 0 and no penalties; the stop set
+    is ``stop_ids`` (eos ids and the request's stop ids); ``seed`` is the sequence seed mod
+    2**63; ``n`` 1; no streaming.
+    """
+    s = req.sampling
+    return {
+        "model": model, "prompt": list(req.prompt_ids), "max_tokens": s.max_tokens, "n": 1,
+        "temperature": s.temperature, "top_p": s.top_p,
+        "top_k": s.top_k if 0 < s.top_k < vocab_size else 0, "min_p": 0.0,
+        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "seed": req.seed % _SEED_MOD, "stop_token_ids": sorted(stop_ids), "ignore_eos": False,
+        "min_tokens": 0, "logprobs": logprobs, "return_tokens_as_token_ids": True,
+        "return_token_ids": True, "add_special_tokens": False, "echo": False, "stream": False,
+    }
+
+
+def parse_completion(body: Any, req: SequenceRequest, stop_ids: frozenset[int]
+                     ) -> SequenceResult:
+    """Read one sequence from a ``/v1/completions`` response, failing closed.
+
+    Returns:
+        the token ids (from ``"token_id:N"`` strings, equal to ``token_ids``), one float
+        logprob each, the finish reason, and with ``req.sampling.top_logprobs`` N > 0 each
+        position's N most likely tokens (from ``top_logprobs``, which also holds the sampled
+        token; -9999 read back as ``-inf``).
+    Raises:
+        VllmError: not exactly one choice; a prompt that is not the ids sent; a token that is
+            not ``"token_id:N"`` (plain text is never re-tokenized here); ``tokens``,
+            ``token_logprobs`` and ``token_ids`` of different lengths or ids; missing,
+            non-finite, positive or masked (-9999) logprobs; a finish reason other than
+            ``stop``/``length``; ``length`` before ``max_tokens``; ``stop`` on a token outside
+            ``stop_ids``, or a stop id before the end.
+    """
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise VllmError(f"expected one choice, got {_short(choices)}")
+    choice = choices[0]
+    prompt = choice.get("prompt_token_ids")
+    if prompt != list(req.prompt_ids):
+        raise VllmError("prompt_token_ids differ from the prompt sent as token ids "
+                        f"({_short(prompt)} != {_short(req.prompt_ids)}): the server does not "
+                        "take token-id prompts as they are")
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        raise VllmError("the choice has no logprobs (requested with logprobs=0)")
+    tokens, values, ids = lp.get("tokens"), lp.get("token_logprobs"), choice.get("token_ids")
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(ids, list)):
+        raise VllmError("logprobs.tokens, logprobs.token_logprobs and token_ids must be lists")
+    if not len(tokens) == len(values) == len(ids):
+        raise VllmError(f"misaligned lists: {len(tokens)} tokens, {len(values)} "
+                        f"token_logprobs, {len(ids)} token_ids")
+    parsed = []
+    for i, (tok, tid) in enumerate(zip(tokens, ids, strict=True)):
+        m = _TOKEN.fullmatch(tok) if isinstance(tok, str) else None
+        if m is None:
+            raise VllmError(f"token {i} is {tok!r}, not 'token_id:N': the server ignored "
+                            "return_tokens_as_token_ids (text is never re-tokenized here)")
+        if int(m.group(1)) != tid:
+            raise VllmError(f"token {i}: {tok!r} but token_ids[{i}] = {tid}")
+        parsed.append(tid)
+    logprobs = []
+    for i, v in enumerate(values):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise VllmError(f"token_logprobs[{i}] is {v!r}, not a finite number")
+        if v <= MASKED or v > 1e-4:
+            raise VllmError(f"token_logprobs[{i}] = {v}: a sampled token cannot have "
+                            "probability 0 or above 1")
+        logprobs.append(float(v))
+    reason = choice.get("finish_reason")
+    n, limit = len(parsed), req.sampling.max_tokens
+    stops_inside = [t for t in parsed[:-1] if t in stop_ids]
+    if stops_inside:
+        raise VllmError(f"stop token {stops_inside[0]} inside the completion")
+    if reason == "length":
+        if n != limit:
+            raise VllmError(f"finish_reason 'length' after {n} of max_tokens {limit} tokens "
+                            "(vLLM capped max_tokens: --max-model-len, or --generation-config "
+                            "with max_new_tokens; start it with --generation-config vllm)")
+        if parsed[-1] in stop_ids:
+            reason = "stop"  # the contract: a stop token ends with "stop"
+    elif reason == "stop":
+        if not parsed or parsed[-1] not in stop_ids:
+            raise VllmError(f"finish_reason 'stop' on token {parsed[-1] if parsed else None}, "
+                            "which is no eos or stop id of this model (another eos in vLLM's "
+                            "generation config, or a stop string)")
+    else:
+        raise VllmError(f"unknown finish_reason {reason!r} (only 'stop' and 'length' are "
+                        "behaviour samples)")
+    if n < 1 or n > limit:
+        raise VllmError(f"{n} tokens for max_tokens {limit}")
+    top = _top_logprobs(lp.get("top_logprobs"), n, req.sampling.top_logprobs)
+    return SequenceResult(token_ids=parsed, logprobs=logprobs, finish_reason=reason,
+                          top_logprobs=top)
+
+
+def _top_logprobs(entries: Any, positions: int, top_n: int) -> list[TopLogprobs]:
+    """The ``top_n`` most likely ``(id, logprob)`` of each position from vLLM's
+    ``top_logprobs`` (``{"token_id:N": logprob}`` per position); [] when ``top_n`` is 0.
+
+    Raises:
+        VllmError: not one entry per position, a key not ``"token_id:N"``, fewer than
+            ``top_n`` tokens at a position.
+    """
+    if not top_n:
+        return []
+    if not isinstance(entries, list) or len(entries) != positions:
+        raise VllmError(f"top_logprobs: expected {positions} positions, got {_short(entries)}")
+    out = []
+    for pos, entry in enumerate(entries):
+        pairs = []
+        for key, value in (entry or {}).items():
+            m = _TOKEN.fullmatch(key) if isinstance(key, str) else None
+            if m is None or not isinstance(value, (int, float)):
+                raise VllmError(f"top_logprobs[{pos}]: {key!r}: {value!r} is not "
+                                "'token_id:N': logprob")
+            pairs.append((int(m.group(1)), -math.inf if value <= MASKED else float(value)))
+        if len(pairs) < top_n:
+            raise VllmError(f"top_logprobs[{pos}]: {len(pairs)} tokens, asked for {top_n}")
+        out.append(sorted(pairs, key=lambda p: -p[1])[:top_n])
+    return out
+
+
+def processed_logprobs_problem(choice: Mapping[str, Any], top_k: int) -> str | None:
+    """What the logprobs of a sampled choice (requested with ``top_k``, temperature != 1 and
+    ``logprobs >= top_k + 2``) show that processed logprobs cannot: None when they are
+    processed. At every position at least ``top_k`` tokens (more only on ties at the k-th
+    value) must be > -9999 and renormalise to 1 (``|logsumexp| < 1e-3``), the tokens after them
+    must be masked (-9999; raw logprobs mask nothing), and the sampled token must be kept."""
+    top = (choice.get("logprobs") or {}).get("top_logprobs")
+    ids = choice.get("token_ids") or []
+    if not isinstance(top, list) or not top or len(top) != len(ids):
+        return "no top_logprobs came back"
+    for pos, entries in enumerate(top):
+        if not isinstance(entries, dict) or len(entries) < top_k + 2:
+            return f"position {pos}: {len(entries or {})} top logprobs, asked for {top_k + 2}"
+        values = sorted((float(v) for v in entries.values()), reverse=True)
+        kept = [v for v in values if v > MASKED]
+        if len(kept) < top_k or len(kept) == len(values):
+            return (f"position {pos}: {len(kept)} of the {len(values)} top tokens have a "
+                    f"logprob above {MASKED} under top_k {top_k} (nothing masked)")
+        mass = math.log(sum(math.exp(v) for v in kept))
+        if abs(mass) > 1e-3:
+            return (f"position {pos}: the {top_k} kept tokens have total probability "
+                    f"{math.exp(mass):.4f}, not 1 (logprobs before temperature/top-k)")
+        sampled = entries.get(f"token_id:{ids[pos]}")
+        if sampled is None or float(sampled) <= MASKED:
+            return f"position {pos}: the sampled token is not among the kept ones"
+    return None
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, running this backend's HTTP coroutines."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-http",
+                                       daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[T], observer: Any = None) -> T:
+        """Run ``coro`` on the loop and return its result; with an ``observer`` whose
+        ``interrupted()`` turns true, cancel it (closing its connections, which makes vLLM
+        abort the requests), wait until it has unwound and raise :class:`DecodeInterrupted`."""
+        finished = threading.Event()
+
+        async def start() -> asyncio.Task:
+            task = asyncio.ensure_future(coro)
+            task.add_done_callback(lambda _: finished.set())  # also when cancelled unstarted
+            return task
+
+        task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
+        interrupted = observer.interrupted if observer is not None else None
+        while not finished.wait(None if interrupted is None else _POLL_S):
+            if interrupted is not None and interrupted():
+                self.loop.call_soon_threadsafe(task.cancel)
+                finished.wait(30)
+                raise DecodeInterrupted(0, "its vLLM requests were cancelled")
+        return task.result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class VllmBackend(Backend):
+    """A vLLM server on this machine, seen through its OpenAI-compatible HTTP API.
+
+    Build it with :meth:`connect` (which probes the server). ``--model`` must be the model
+    vLLM serves: its tokenizer (text prompts, sample text), config (identity, adapter checks)
+    and eos ids come from that directory; the probe checks that the tokenizers agree.
+
+    Args:
+        url: vLLM's base URL, e.g. ``http://127.0.0.1:8000``.
+        model_dir: the resolved model directory vLLM serves.
+        landing_dir: where adapters are written for vLLM to read (``<adapter root>/.vllm``);
+            everything in it is this backend's and is cleared at :meth:`connect`.
+        api_key: one of vLLM's ``--api-key`` values (None: none sent).
+        model_id: the id reported to the master (default: ``model_dir``).
+        max_concurrency: most HTTP requests in flight (the node's batch capacity).
+        request_timeout_s: seconds one completion may take.
+    """
+
+    name = "vllm"
+    adapter_format = "peft"
+    interrupt_is_synchronous = False  # vLLM aborts cancelled completions in its own time
+
+    def __init__(self, url: str, model_dir: Path | str, landing_dir: Path | str, *,
+                 api_key: str | None = None, model_id: str | None = None,
+                 max_concurrency: int = 256, request_timeout_s: float = 600.0) -> None:
+        import httpx
+        from transformers import AutoTokenizer
+
+        self.url = url.rstrip("/")
+        self.model_dir = Path(model_dir)
+        self.landing_dir = Path(landing_dir).expanduser().resolve()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.identity: ModelIdentity = model_identity(model_dir, model_id)
+        self.vocab_size = self.identity.vocab_size
+        self.eos_token_ids = eos_token_ids(self.tokenizer, *model_dir_configs(self.model_dir))
+        self.device = "vllm"
+        self.dtype = "auto"
+        self.temperature_range = (MIN_TEMPERATURE, MAX_TEMPERATURE)
+        self.served_model = ""  # vLLM's name for the base model (from /v1/models)
+        self.server_version = ""
+        self._session = secrets.token_hex(4)  # names loaded by this process end with it
+        self._loads = 0
+        self._needs_probe = True
+        self._loop = _LoopThread()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_concurrency,
+                              max_keepalive_connections=max_concurrency)
+        timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+
+        async def make() -> httpx.AsyncClient:
+            return httpx.AsyncClient(base_url=self.url, headers=headers, limits=limits,
+                                     timeout=timeout)
+
+        self._client = self._loop.run(make())
+
+    @classmethod
+    def connect(cls, url: str, model_dir: Path | str, landing_dir: Path | str,
+                **kwargs: Any) -> VllmBackend:
+        """Build the backend, clear its landing directory (and unload from vLLM the adapters
+        an earlier node process left there), and run :meth:`probe`.
+
+        Raises:
+            VllmRefused: the server does not honour the contract (the message says which vLLM
+                flag or environment variable to add); VllmUnavailable: it cannot be reached.
+        """
+        backend = cls(url, model_dir, landing_dir, **kwargs)
+        try:
+            backend.probe()
+            backend._clear_landing()
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    def close(self) -> None:
+        """Close the HTTP client and its loop."""
+        try:
+            self._loop.run(self._client.aclose())
+        finally:
+            self._loop.close()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, body: Any = None) -> HttpAnswer:
+        import httpx
+
+        try:
+            r = await self._client.request(method, path, json=body)
+        except httpx.TransportError as e:
+            self._needs_probe = True
+            raise VllmUnavailable(f"vLLM at {self.url} unreachable ({method} {path}): "
+                                  f"{type(e).__name__}: {e}") from e
+        try:
+            parsed = r.json()
+        except ValueError:
+            parsed = None
+        return HttpAnswer(r.status_code, parsed, r.text)
+
+    def _call(self, method: str, path: str, body: Any = None) -> HttpAnswer:
+        return self._loop.run(self._request(method, path, body))
+
+    def _unauthorized(self, answer: HttpAnswer) -> VllmRefused:
+        return VllmRefused(f"vLLM at {self.url} refused the API key (401 {answer.message}): "
+                           "give one of its --api-key values with --vllm-api-key-file")
+
+    # -- probe -----------------------------------------------------------------------------
+
+    def probe(self) -> None:
+        """Check that the server honours the sampling contract (module docstring); sets
+        :attr:`served_model`, :attr:`server_version` and the context length.
+
+        Raises:
+            VllmRefused: naming the flag to add; VllmUnavailable: unreachable.
+        """
+        models = self._call("GET", "/v1/models")
+        if models.status == 401:
+            raise self._unauthorized(models)
+        data = models.body.get("data") if isinstance(models.body, dict) else None
+        if models.status != 200 or not data:
+            raise VllmRefused(f"GET {self.url}/v1/models answered {models.status}: "
+                              f"{models.message}; is this a vLLM OpenAI server?")
+        base = next((m for m in data if not m.get("parent")), data[0])
+        self.served_model = str(base["id"])
+        if base.get("max_model_len"):
+            context = min(self.identity.max_context, int(base["max_model_len"]))
+            self.identity = dataclasses.replace(self.identity, max_context=context)
+        version = self._call("GET", "/version")
+        if version.status == 200 and isinstance(version.body, dict):
+            self.server_version = str(version.body.get("version", ""))
+            self.device = f"vllm-{self.server_version}"
+            if self.server_version.split(".")[:2] != VLLM_CONTRACT_VERSION.split(".")[:2]:
+                log.warning("vLLM %s: this backend follows vLLM %s's HTTP contract; the probe "
+                            "checks what it relies on", self.server_version,
+                            VLLM_CONTRACT_VERSION)
+        self._probe_tokenizer()
+        self._probe_sampling()
+        self._probe_lora()
+        self._needs_probe = False
+        log.info("vLLM %s at %s serves %s (context %d): token-id prompts, processed logprobs "
+                 "and runtime LoRA checked", self.server_version or "?", self.url,
+                 self.served_model, self.identity.max_context)
+
+    def _probe_tokenizer(self) -> None:
+        text = "Reverse the words: the cat sat on the mat."
+        mine = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        answer = self._call("POST", "/tokenize", {"model": self.served_model, "prompt": text,
+                                                  "add_special_tokens": False})
+        if answer.status != 200 or not isinstance(answer.body, dict):
+            log.warning("vLLM's /tokenize answered %d: tokenizer agreement not checked",
+                        answer.status)
+            return
+        if answer.body.get("tokens") != mine:
+            raise VllmRefused(f"vLLM serves {self.served_model!r} with another tokenizer than "
+                              f"--model {self.model_dir}: {answer.body.get('tokens')} != "
+                              f"{mine}; give the node the model vLLM serves")
+
+    def probe_prompt(self) -> list[int]:
+        """A prompt that a text round trip would change (it holds special tokens)."""
+        eos = min(self.eos_token_ids) if self.eos_token_ids else 0
+        words = list(self.tokenizer("the cat sat", add_special_tokens=False)["input_ids"])
+        return [*words, eos, *words]
+
+    def _probe_sampling(self) -> None:
+        prompt = self.probe_prompt()
+        sampling = SamplingConfig(max_tokens=3, temperature=PROBE_TEMPERATURE,
+                                  top_k=PROBE_TOP_K)
+        req = SequenceRequest(prompt_ids=prompt, sampling=sampling, seed=12345)
+        body = completion_request(req, self.served_model, self._stops(sampling),
+                                  self.vocab_size, logprobs=PROBE_TOP_K + 2)
+        answer = self._call("POST", "/v1/completions", body)
+        if answer.status == 401:
+            raise self._unauthorized(answer)
+        if answer.status != 200:
+            raise VllmRefused(f"the probe completion answered {answer.status}: "
+                              f"{answer.message}")
+        try:
+            parse_completion(answer.body, req, self._stops(sampling))
+        except VllmError as e:
+            if "prompt_token_ids" in str(e):
+                raise VllmRefused(f"vLLM at {self.url} did not sample the prompt given as "
+                                  f"token ids: {e}") from e
+            raise VllmRefused(f"the probe completion breaks the contract: {e}") from e
+        problem = processed_logprobs_problem(answer.body["choices"][0], PROBE_TOP_K)
+        if problem is not None:
+            raise VllmRefused(f"vLLM at {self.url} returns logprobs that are not those of the "
+                              f"distribution sampled from ({problem}): restart it with "
+                              "--logprobs-mode processed_logprobs")
+
+    def _probe_lora(self) -> None:
+        name = f"gridrl-probe-{self._session}-{self._loads}"
+        path = self.landing_dir / name
+        write_dir(zero_adapter(self.model_dir), path)
+        try:
+            try:
+                self._load_lora(name, path)
+            except AdapterLoadError as e:
+                raise VllmRefused(f"the probe's zero LoRA does not load: {e}") from e
+            req = SequenceRequest(prompt_ids=self.probe_prompt(),
+                                  sampling=SamplingConfig(max_tokens=1, temperature=0.0),
+                                  seed=0)
+            answer = self._call("POST", "/v1/completions",
+                                completion_request(req, name, self.eos_token_ids,
+                                                   self.vocab_size))
+            if answer.status != 200:
+                raise VllmRefused(f"a completion with the probe LoRA {name!r} answered "
+                                  f"{answer.status}: {answer.message}")
+            try:
+                self._unload_lora(name)
+            except VllmRefused:
+                raise
+            except VllmError as e:
+                raise VllmRefused(f"the probe's zero LoRA does not unload: {e}") from e
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _clear_landing(self) -> None:
+        """Unload LoRAs vLLM still serves from the landing directory (left by an earlier node
+        process: their names are never asked for again) and delete the directory's contents."""
+        models = self._call("GET", "/v1/models")
+        for card in (models.body or {}).get("data", []) if models.status == 200 else []:
+            root = str(card.get("root") or "")
+            if card.get("parent") and Path(root).parent == self.landing_dir:
+                self._unload_lora(str(card["id"]))
+        if self.landing_dir.is_dir():
+            for child in self.landing_dir.iterdir():
+                shutil.rmtree(child, ignore_errors=True)
+        self.landing_dir.mkdir(parents=True, exist_ok=True)
+
+    def _ensure_probed(self) -> None:
+        if self._needs_probe:
+            try:
+                self.probe()
+            except VllmRefused as e:
+                raise VllmError(f"vLLM came back but is refused: {e}") from e
+
+    # -- generate --------------------------------------------------------------------------
+
+    def _stops(self, sampling: SamplingConfig) -> frozenset[int]:
+        return self.eos_token_ids | frozenset(sampling.stop_token_ids)
+
+    def generate(self, batch: list[SequenceRequest], adapter: Any | None,
+                 observer: Any = None) -> list[SequenceResult]:
+        """Sample every sequence of ``batch`` as its own concurrent ``/v1/completions`` request
+        (vLLM batches them), with ``adapter``'s LoRA name or the base model.
+
+        Args:
+            batch: sequences; each is sent with its own seed (mod 2**63). The same seed gives
+                the same sample on the same server (vLLM's sampler, not gridrl's rng: a vllm
+                node's samples differ from a torch node's for the same seed).
+            adapter: a :class:`VllmAdapter` from :meth:`load_adapter_files`, or None.
+            observer: optional; its ``interrupted()`` is polled every 20 ms and cancels the
+                batch (per-token callbacks are not delivered by this backend).
+        Returns:
+            one result per request, in order; logprobs are vLLM's processed logprobs (checked
+            by the probe) as float.
+        Raises:
+            ValueError: an empty prompt, ``max_tokens < 1``, a temperature outside
+                {0} | [0.01, 2].
+            VllmError: a response that breaks the contract (:func:`parse_completion`) or an
+                error answer; VllmUnavailable: vLLM unreachable (probed again before the next
+                batch); DecodeInterrupted: the observer interrupted the batch.
+        """
+        if not batch:
+            return []
+        check_batch(batch)
+        for i, req in enumerate(batch):
+            t = req.sampling.temperature
+            if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+                raise ValueError(f"batch[{i}].sampling.temperature {t}: vLLM samples at 0 or "
+                                 f"in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+        self._ensure_probed()
+        try:
+            return self._loop.run(self._complete_all(batch, adapter), observer)
+        except _ModelMissing as e:  # vLLM restarted: probe it again, load the adapter again
+            log.warning("%s; probing vLLM again%s", e,
+                        "" if adapter is None else " and loading the adapter again")
+            self._needs_probe = True
+            self._ensure_probed()
+            if adapter is not None:
+                self._reload(adapter)
+            return self._loop.run(self._complete_all(batch, adapter), observer)
+
+    async def _complete_all(self, batch: list[SequenceRequest], adapter: VllmAdapter | None
+                            ) -> list[SequenceResult]:
+        model = adapter.served_name if adapter is not None else self.served_model
+        tasks = [asyncio.ensure_future(self._complete(i, req, model))
+                 for i, req in enumerate(batch)]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if pending:  # one failed: the batch fails, its other requests are cancelled
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+
+    async def _complete(self, index: int, req: SequenceRequest, model: str) -> SequenceResult:
+        stops = self._stops(req.sampling)
+        answer = await self._request("POST", "/v1/completions",
+                                     completion_request(req, model, stops, self.vocab_size,
+                                                        req.sampling.top_logprobs))
+        if answer.status == 404 and isinstance(answer.body, dict) and \
+                (answer.body.get("error") or {}).get("param") == "model":
+            raise _ModelMissing(f"vLLM does not serve {model!r}: {answer.message}")
+        if answer.status != 200:
+            raise VllmError(f"batch[{index}]: vLLM answered {answer.status}: {answer.message}")
+        try:
+            return parse_completion(answer.body, req, stops)
+        except VllmError as e:
+            raise VllmError(f"batch[{index}] ({model}): {e}") from e
+
+    # -- adapters --------------------------------------------------------------------------
+
+    def load_adapter_files(self, files: Mapping[str, bytes], key: str) -> VllmAdapter:
+        """Land a peft adapter (relative path -> bytes) under the landing directory and load it
+        into vLLM under a new name (``<key>-<session>-<n>``, never reused).
+
+        Raises:
+            AdapterLoadError: unsafe file paths, or vLLM refused the load (the message has
+                vLLM's and the flag to add when known); nothing is left loaded or on disk.
+            VllmUnavailable: vLLM unreachable.
+        """
+        self._loads += 1
+        name = f"{_safe(key)}-{self._session}-{self._loads}"
+        path = self.landing_dir / name
+        try:
+            write_dir(files, path)
+        except AdapterError as e:
+            raise AdapterLoadError(str(e)) from e
+        try:
+            self._load_lora(name, path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        log.info("vLLM loaded %s from %s", name, path)
+        return VllmAdapter(key=key, served_name=name, path=path)
+
+    def load_adapter(self, directory: Path, key: str) -> VllmAdapter:
+        """:meth:`load_adapter_files` of the files of ``directory`` (copied into the landing
+        directory, which this backend alone owns)."""
+        try:
+            files = read_dir(directory)
+        except AdapterError as e:
+            raise AdapterLoadError(str(e)) from e
+        return self.load_adapter_files(files, key)
+
+    def unload_adapter(self, adapter: Any) -> None:
+        """Unload ``adapter``'s name from vLLM and delete its landed files. Whatever vLLM
+        answers (a name it already forgot, 404; or no answer) is logged, not raised: the name
+        is never asked for again.
+
+        Raises:
+            ValueError: ``adapter`` is not a :class:`VllmAdapter`.
+        """
+        if not isinstance(adapter, VllmAdapter):
+            raise ValueError(f"not a vLLM adapter handle: {adapter!r}")
+        try:
+            self._unload_lora(adapter.served_name)
+        except VllmError as e:
+            log.warning("unloading %s: %s", adapter.served_name, e)
+        shutil.rmtree(adapter.path, ignore_errors=True)
+
+    def _reload(self, adapter: VllmAdapter) -> None:
+        """Load ``adapter``'s landed files again under a new name (vLLM lost the old one)."""
+        self._loads += 1
+        name = f"{_safe(adapter.key)}-{self._session}-{self._loads}"
+        try:
+            self._load_lora(name, adapter.path)
+        except AdapterLoadError as e:
+            raise VllmError(f"vLLM lost {adapter.served_name} and refused it again: {e}") from e
+        log.info("vLLM serves %s again as %s", adapter.served_name, name)
+        adapter.served_name = name
+
+    def _load_lora(self, name: str, path: Path) -> None:
+        """POST load_lora_adapter. Raises AdapterLoadError (with the flag to add when the
+        answer says which), VllmRefused on 401, VllmUnavailable."""
+        answer = self._call("POST", "/v1/load_lora_adapter",
+                            {"lora_name": name, "lora_path": str(path), "load_inplace": False})
+        if answer.status == 200:
+            return
+        if answer.status == 401:
+            raise self._unauthorized(answer)
+        raise AdapterLoadError(f"vLLM refused to load {name} ({answer.status}: "
+                               f"{answer.message}){self._lora_hint(answer, path)}")
+
+    @staticmethod
+    def _lora_hint(answer: HttpAnswer, path: Path) -> str:
+        msg = answer.message
+        if answer.route_missing:
+            return ("; vLLM has no runtime LoRA routes: start it with "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment")
+        if "LoRA is not enabled" in msg:
+            return "; start vLLM with --enable-lora"
+        if "max_lora_rank" in msg:
+            return "; start vLLM with a larger --max-lora-rank"
+        if "No adapter found" in msg:
+            return (f"; vLLM cannot read {path}: it must run on this machine and see the "
+                    "node's --adapter-root")
+        return ""
+
+    def _unload_lora(self, name: str) -> None:
+        answer = self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        if answer.status == 401:
+            raise self._unauthorized(answer)
+        if answer.status != 200:
+            raise VllmError(f"unload of {name} answered {answer.status}: {answer.message}")
+
+    # -- score -----------------------------------------------------------------------------
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], sampling: SamplingConfig,
+              adapter: Any | None) -> list[float]:
+        """:meth:`score_top` without alternatives."""
+        return self.score_top(prompt_ids, completion_ids, sampling, adapter, 0)[0]
+
+    def score_top(self, prompt_ids: list[int], completion_ids: list[int],
+                  sampling: SamplingConfig, adapter: Any | None, top_n: int
+                  ) -> tuple[list[float], list[TopLogprobs]]:
+        """Teacher-forced logprobs of ``completion_ids`` under the sampling transform, from
+        vLLM's ``prompt_logprobs`` of ``prompt + completion`` (one request, one token
+        generated and discarded); with ``top_n``, each position's ``top_n`` most likely
+        tokens (greedy, or temperature 1 without truncation, only: the raw distribution).
+
+        ``prompt_logprobs`` are raw (the log-softmax of the logits, in every logprobs mode:
+        ``config/model.py`` 296-298), so the transform is applied here, which is exact when the
+        kept set is visible: greedy or (temperature 1, no top-k, no top-p): the raw value; top-k
+        ``k`` (up to vLLM's default ``--max-logprobs`` 20), top-p 1: with ``z = raw / T``,
+        ``z[token] - logsumexp(z[top k])`` for a token in the top k (ties at the k-th value
+        included), ``-inf`` otherwise.
+
+        Raises:
+            NotImplementedError: temperature != 1 without top-k, or top-p < 1 (the whole
+                distribution would be needed), or alternatives of a transformed
+                distribution; ValueError: empty prompt; VllmError.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if not completion_ids:
+            return [], []
+        t, k = sampling.temperature, sampling.top_k if 0 < sampling.top_k < self.vocab_size \
+            else 0
+        exact_raw = t == 0 or (t == 1 and k == 0 and sampling.top_p >= 1)
+        if not exact_raw and (k == 0 or k > MAX_LOGPROBS or sampling.top_p < 1 or top_n):
+            raise NotImplementedError("vllm backend: score needs temperature 0, or temperature "
+                                      f"1 without truncation, or top-k <= {MAX_LOGPROBS} without "
+                                      "top-p and without alternatives")
+        self._ensure_probed()
+        model = adapter.served_name if isinstance(adapter, VllmAdapter) else self.served_model
+        body = {"model": model, "prompt": [*prompt_ids, *completion_ids], "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": top_n if exact_raw else min(k + 1, MAX_LOGPROBS),
+                "return_token_ids": True}
+        answer = self._call("POST", "/v1/completions", body)
+        if answer.status != 200:
+            raise VllmError(f"score: vLLM answered {answer.status}: {answer.message}")
+        rows = answer.body["choices"][0].get("prompt_logprobs")
+        if not isinstance(rows, list) or len(rows) != len(prompt_ids) + len(completion_ids):
+            raise VllmError("score: prompt_logprobs missing or of the wrong length")
+        out, top = [], []
+        for pos, token in enumerate(completion_ids, start=len(prompt_ids)):
+            row = {int(tid): float(v["logprob"]) for tid, v in rows[pos].items()}
+            if token not in row:
+                raise VllmError(f"score: prompt_logprobs[{pos}] lacks token {token}")
+            if exact_raw:
+                out.append(row[token])
+                ranked = sorted(row.items(), key=lambda p: -p[1])[:top_n]
+                top.append([(i, -math.inf if v <= MASKED else v) for i, v in ranked])
+                continue
+            ranked = sorted(row.values(), reverse=True)
+            kth = ranked[k - 1]
+            kept = [v / t for v in row.values() if v >= kth]
+            norm = max(kept) + math.log(sum(math.exp(z - max(kept)) for z in kept))
+            out.append(row[token] / t - norm if row[token] >= kth else -math.inf)
+            top.append([])
+        return out, top
+
+
+def zero_adapter(model_dir: Path) -> dict[str, bytes]:
+    """A peft LoRA (rank 1, ``q_proj`` of every block, B = 0: the base model's outputs) for
+    the llama-family model in ``model_dir``, as files: what the probe loads into vLLM."""
+    from gridrl.adapters.peft_format import PREFIX, encode_config
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    q_out = heads * int(text.get("head_dim") or hidden // heads)
+    tensors = {}
+    for layer in range(int(text["num_hidden_layers"])):
+        path = f"{PREFIX}model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{path}.lora_A.weight"] = st.Tensor("F32", (1, hidden), bytes(4 * hidden))
+        tensors[f"{path}.lora_B.weight"] = st.Tensor("F32", (q_out, 1), bytes(4 * q_out))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1,
+              "target_modules": ["q_proj"], "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": None, "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "inference_mode": True}
+    return {"adapter_config.json": encode_config(config),
+            "adapter_model.safetensors": st.dump(tensors)}
+
+
+def _safe(key: str) -> str:
+    """``key`` with characters other than letters, digits, '-' and '_' replaced by '_'."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", key) or "adapter"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,7 @@
+"""The trainer's model side.
+
+``base.py``: the ``TrainerBackend`` interface (load, sample, score, update, adapter and
+checkpoint files, data parallelism), the types it trades (``TrainSequence``, ``UpdateConfig``,
+``UpdateStats``, ``LoraSettings``) and the ``BACKENDS`` registry. One sub-package per tensor
+framework (``torch/``, ``mlx/``), imported only when ``--backend`` chooses it.
+"""

@@ -1,0 +1,564 @@
+"""``--backend mlx``: the :class:`~gridrl.trainer.backends.base.TrainerBackend` on MLX (Apple
+Silicon; Linux CPU through ``mlx[cpu]``), for a shop of Macs.
+
+The model is loaded by the inference engine's MLX backend
+(:meth:`gridrl.engine.backends.mlx.backend.MlxBackend.from_pretrained`: mlx-lm's loader with the
+config fixes transformers 5 needs) and trained with mlx-lm's own LoRA layers:
+``mlx_lm.tuner.utils.linear_to_lora_layers`` wraps the target linears of every block in
+``mlx_lm.tuner.lora.LoRALinear`` (``y = linear(x) + scale * ((dropout(x) @ lora_a) @
+lora_b)``, ``lora_a`` (in, r) uniform in ``+-1/sqrt(in)`` as peft's kaiming-uniform A,
+``lora_b`` (r, out) zero), after ``model.freeze()``, so the LoRA arrays are the only trainable
+parameters. ``scale`` is ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA). The same engine
+object samples from the live weights for ``--rollout local`` and the eval.
+
+One GRPO step (:meth:`MlxTrainerBackend.update`): per micro-batch, the completion logits from
+the shared-prefix forward (each group's prompt once, its KV cache repeated for the group's
+completions: :meth:`MlxTrainerBackend._shared_prefix_hidden`) or, for architectures whose head
+is not plain, from prompt + completion in one right-padded row per sequence (positions from 0
+in every row, so neither RoPE nor the causal mask sees the padding), then the per-token loss of
+:mod:`gridrl.trainer.backends.mlx.losses` weighted by :func:`gridrl.trainer.grpo.advantages.sequence_weights`;
+gradients by ``nn.value_and_grad`` summed over micro-batches, clipped with
+``mlx.optimizers.clip_grad_norm``, and ``mlx.optimizers.AdamW`` with bias correction (torch's
+AdamW) on the schedule :func:`gridrl.trainer.grpo.advantages.lr_factor`. The reference policy (``beta >
+0``) is the same model with every LoRA ``scale`` set to 0 (``y + 0 * z == y`` exactly).
+
+Adapters leave as peft files (the :class:`TrainerBackend` contract: ``lora_A = lora_a.T``,
+``lora_B = lora_b.T``, bit for bit); :meth:`MlxTrainerBackend.mlx_adapter_files` gives the
+mlx-lm layout as it is trained, which is what mlx rollout nodes are sent.
+
+Checkpoint files: the peft adapter files, ``optimizer.safetensors`` (the AdamW state: step,
+learning rate, ``m`` and ``v`` of every LoRA array) and ``rng.json`` (python and numpy RNG
+states). MLX's global key (LoRA dropout) is re-seeded from ``(seed, optimizer step)`` at every
+update, so it needs no saving to resume exactly.
+
+Data parallelism is not implemented: ``--backend mlx`` trains in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from safetensors import numpy as safetensors_numpy
+
+from gridrl.adapters import convert_files
+from gridrl.adapters.tensors import Tensor, cast, dump, load, to_float64
+from gridrl.common.errors import invalid_argument
+from gridrl.engine.contract import SamplingConfig, SequenceRequest
+from gridrl.models import model_identity, resolve_model
+from gridrl.trainer.backends.base import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraSettings,
+    TrainerBackend,
+    TrainSequence,
+    UpdateConfig,
+    UpdateStats,
+)
+from gridrl.trainer.backends.mlx import losses as grpo_mlx
+from gridrl.trainer.grpo import advantages as grpo
+
+OPTIMIZER = "optimizer.safetensors"
+RNG = "rng.json"
+PEFT_PREFIX = "base_model.model."
+MLX_ADAPTER_CONFIG = "adapter_config.json"
+MLX_ADAPTER_WEIGHTS = "adapters.safetensors"
+# mlx-lm model types whose __call__ is ``head(self.model(inputs))`` with the head
+# ``lm_head`` or the tied ``model.embed_tokens.as_linear``: the head can be applied to the
+# completion positions only.
+_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def _lora_modules(model: nn.Module) -> dict[str, Any]:
+    """Full module path -> every mlx-lm ``LoRALinear`` of ``model``, sorted by path."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    return dict(sorted((p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)))
+
+
+def _lora_keys(model: nn.Module, target_modules: str) -> list[str]:
+    """mlx-lm ``keys`` (module paths inside a block) of ``--lora-target-modules``.
+
+    ``"all-linear"``: every Linear of the blocks (peft's ``all-linear`` takes every linear but
+    the output head, which lives outside the blocks). A list: the block linears whose last name
+    is one of its entries (peft's suffix match).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT ``--lora-target-modules`` when nothing matches.
+    """
+    linears = sorted({p for layer in model.layers for p, m in layer.named_modules()
+                      if p and isinstance(m, (nn.Linear, nn.QuantizedLinear))})
+    if target_modules == "all-linear":
+        keys = linears
+    else:
+        names = {t.strip() for t in target_modules.split(",") if t.strip()}
+        keys = [p for p in linears if p.rsplit(".", 1)[-1] in names]
+    if not keys:
+        raise invalid_argument("--lora-target-modules",
+                               f"{target_modules!r} matches no linear layer of the model's "
+                               f"blocks (they have {', '.join(linears) or 'none'})")
+    return keys
+
+
+def _check_single_process() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise invalid_argument("--backend", "mlx trains in one process; data parallelism "
+                                            "(torchrun) needs --backend torch")
+
+
+class MlxTrainerBackend(TrainerBackend):
+    """The MLX implementation (see the module docstring).
+
+    Args:
+        engine: the :class:`gridrl.engine.backends.mlx.backend.MlxBackend` whose model carries the LoRA
+            layers (it samples ``--rollout local`` and the eval).
+        lora: the LoRA settings the layers were made with.
+        optimizer: ``mlx.optimizers.AdamW`` over the LoRA arrays, its learning rate scheduled.
+        update_cfg: the loss settings.
+        model_id: the ``--model`` string (``base_model_name_or_path`` of the adapter).
+        identity: the base model's identity.
+        lr, schedule, warmup_steps, total_steps: the learning-rate schedule
+            (:func:`gridrl.trainer.grpo.advantages.lr_factor`).
+        seed: the run's seed (dropout keys are drawn from ``(seed, step)``).
+        max_batch: sequences :meth:`generate` decodes together.
+    """
+
+    name = "mlx"
+
+    def __init__(self, engine: Any, lora: LoraSettings, optimizer: optim.Optimizer,
+                 update_cfg: UpdateConfig, model_id: str, identity: Any, *, lr: float,
+                 schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
+                 seed: int = 0, max_batch: int = 64) -> None:
+        self.engine = engine
+        self.model: nn.Module = engine.model
+        self.lora = lora
+        self.optimizer = optimizer
+        self.update_cfg = update_cfg
+        self.model_id = model_id
+        self.identity = identity
+        self.tokenizer = engine.tokenizer
+        self.low_precision = engine.dtype in ("bfloat16", "float16")
+        self.lr, self.schedule = lr, schedule
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.seed = seed
+        self.max_batch = max_batch
+        self.modules = _lora_modules(self.model)
+        model_type = getattr(getattr(self.model, "args", None), "model_type", "")
+        self._plain_head = model_type in _PLAIN_HEAD_TYPES and hasattr(self.model, "model")
+        self.model.eval()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MlxTrainerBackend:
+        """See :meth:`TrainerBackend.from_config`. ``--device``: ``auto`` (MLX's default
+        device: the GPU on Apple Silicon), ``cpu``/``mlx-cpu``, ``gpu``/``mlx-gpu``.
+        ``--dtype``: ``auto`` keeps the stored dtype; ``float32``, ``bfloat16``, ``float16``
+        cast the base weights (LoRA arrays stay float32). ``--threads`` is not used (MLX sizes
+        its own CPU pool).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT on ``--device``, ``--dtype``,
+                ``--lora-target-modules``, or ``--backend`` under torchrun.
+        """
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        from gridrl.engine.backends.mlx.backend import MlxBackend
+        _check_single_process()
+        dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+        if cfg.dtype != "auto" and cfg.dtype not in dtypes:
+            raise invalid_argument("--dtype", f"{cfg.dtype!r} is not one of auto, "
+                                              f"{', '.join(dtypes)} for --backend mlx")
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed % (2 ** 32))
+        mx.random.seed(cfg.seed % (2 ** 32))
+        path = resolve_model(cfg.model)
+        try:
+            engine = MlxBackend.from_pretrained(path, device=cfg.device)
+        except ValueError as e:
+            if "--device" in str(e):
+                raise invalid_argument("--device", str(e).removeprefix("--device: ")) from e
+            raise
+        model = engine.model
+        if cfg.dtype != "auto":
+            model.set_dtype(dtypes[cfg.dtype])
+            engine.dtype = cfg.dtype
+        lora = LoraSettings.from_config(cfg)
+        keys = _lora_keys(model, lora.target_modules)
+        scale = lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
+        model.freeze()
+        with mx.stream(engine._device):
+            linear_to_lora_layers(model, len(model.layers), {
+                "rank": lora.rank, "scale": scale, "dropout": lora.dropout, "keys": keys})
+        mx.eval(model.parameters())
+        identity = model_identity(path, model_id=cfg.model)
+        update_cfg = UpdateConfig.from_config(cfg)
+        settings = dict(lr=cfg.lr, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                        total_steps=cfg.steps)
+        grpo.lr_factor(0, cfg.lr_schedule, cfg.warmup_steps, cfg.steps)  # validates the name
+
+        def learning_rate(step: mx.array) -> mx.array:
+            return mx.array(cfg.lr * grpo.lr_factor(int(step.item()), cfg.lr_schedule,
+                                                    cfg.warmup_steps, cfg.steps), mx.float32)
+
+        optimizer = optim.AdamW(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8,
+                                weight_decay=cfg.weight_decay, bias_correction=True)
+        return cls(engine, lora, optimizer, update_cfg, cfg.model, identity, seed=cfg.seed,
+                   **settings)
+
+    # ---------------------------------------------------------------- forward passes
+
+    def _collate(self, seqs: Sequence[TrainSequence], *, behaviour: bool = True
+                 ) -> dict[str, mx.array]:
+        """Right-padded rows ``prompt + completion`` and the completion columns.
+
+        Returns:
+            ``input_ids`` (n, L) int32 (L = the longest prompt + completion, padding 0),
+            ``positions`` (n, C) int32: the row position whose output predicts completion token
+            ``t`` (``len(prompt) - 1 + t``; clamped on padding), ``completion_ids`` (n, C)
+            int32, ``mask`` (n, C) float32 (1 on the tokens that carry a loss: 0 on padding and
+            on a multi-turn episode's environment tokens, :attr:`TrainSequence.loss_mask`),
+            ``behaviour`` (n, C) float32 (0 where the mask is) and ``advantages`` (n,) float32.
+        """
+        n = len(seqs)
+        width = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+        c_width = max(max(len(s.completion_ids) for s in seqs), 1)
+        ids = np.zeros((n, width), np.int32)
+        positions = np.zeros((n, c_width), np.int32)
+        comp = np.zeros((n, c_width), np.int32)
+        mask = np.zeros((n, c_width), np.float32)
+        beh = np.zeros((n, c_width), np.float32)
+        for i, s in enumerate(seqs):
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            ids[i, :p] = s.prompt_ids
+            ids[i, p:p + c] = s.completion_ids
+            positions[i] = np.minimum(np.arange(p - 1, p - 1 + c_width), width - 1)
+            comp[i, :c] = s.completion_ids
+            mask[i, :c] = s.mask_row()
+            if behaviour and c:
+                beh[i, :c] = np.asarray(s.behaviour_logprobs, np.float32) * mask[i, :c]
+        return {"input_ids": mx.array(ids), "positions": mx.array(positions),
+                "completion_ids": mx.array(comp), "mask": mx.array(mask),
+                "behaviour": mx.array(beh),
+                "advantages": mx.array(np.array([s.advantage for s in seqs], np.float32))}
+
+    def _head(self, hidden: mx.array) -> mx.array:
+        """The output head of a plain-head architecture on hidden states (..., D)."""
+        if getattr(self.model.args, "tie_word_embeddings", False):
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    def _completion_logits(self, seqs: Sequence[TrainSequence],
+                           batch: dict[str, mx.array]) -> mx.array:
+        """(n, C, V) logits predicting each completion token of ``seqs`` (collated as
+        ``batch``): the shared-prefix forward (:meth:`_shared_prefix_hidden`) when
+        ``shared_prefix`` is set and the architecture has a plain head, else the padded rows,
+        the head applied at the completion positions only where the architecture allows it."""
+        positions = batch["positions"]
+        if self._plain_head and self.update_cfg.shared_prefix:
+            return self._head(self._shared_prefix_hidden(seqs, batch["completion_ids"]))
+        if self._plain_head:
+            hidden = self.model.model(batch["input_ids"])
+            return self._head(mx.take_along_axis(hidden, positions[..., None], axis=1))
+        logits = self.model(batch["input_ids"])
+        return mx.take_along_axis(logits, positions[..., None], axis=1)
+
+    def _shared_prefix_hidden(self, seqs: Sequence[TrainSequence],
+                              completion_ids: mx.array) -> mx.array:
+        """Hidden states (n, C, D) predicting each completion token, each distinct prompt run
+        once: the prompt's forward (batch 1) fills an mlx-lm ``ConcatenateKVCache`` per layer
+        whose keys and values are repeated for the group's completions, which then run on it
+        (positions continue from the prompt's length; the causal mask is offset by it). The
+        gradient reaches the prompt's activations through the cache (concatenation and repeat
+        are differentiable). Same values as the padded rows up to float rounding, for
+        ``P + G * C`` tokens of compute instead of ``G * (P + C)`` (as the torch backend's
+        ``Policy.shared_prefix_logits``)."""
+        from mlx_lm.models.cache import ConcatenateKVCache
+
+        width = completion_ids.shape[1]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(tuple(s.prompt_ids), []).append(i)
+        parts: list[mx.array] = []
+        order: list[int] = []
+        for prompt, rows in groups.items():
+            cache = [ConcatenateKVCache() for _ in self.model.layers]
+            hidden = self.model.model(mx.array([list(prompt)], mx.int32), cache=cache)
+            first = mx.repeat(hidden[:, -1:, :], len(rows), axis=0)
+            if width > 1:
+                for c in cache:
+                    c.state = (mx.repeat(c.keys, len(rows), axis=0),
+                               mx.repeat(c.values, len(rows), axis=0))
+                rest = self.model.model(completion_ids[mx.array(rows), :width - 1], cache=cache)
+                parts.append(mx.concatenate([first, rest], axis=1))
+            else:
+                parts.append(first)
+            order.extend(rows)
+        inverse = np.empty(len(order), np.int32)
+        inverse[np.array(order)] = np.arange(len(order))
+        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
+
+    def _sampler_logprobs(self, logits: mx.array, tokens: mx.array) -> mx.array:
+        """Logprobs of ``tokens`` under the rollout sampler's transform (temperature, top-k,
+        top-p, renormalised: :func:`gridrl.engine.backends.mlx.sampling.transform_logits`);
+        tokens outside the kept support get -100 (as the torch backend)."""
+
+        from gridrl.engine.backends.mlx.sampling import transform_logits
+        n, c, v = logits.shape
+        cfg = self.update_cfg
+        config = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                top_p=cfg.top_p, top_k=cfg.top_k)
+        lp = transform_logits(logits.reshape(n * c, v).astype(mx.float32), [config] * (n * c))
+        picked = mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1).reshape(n, c)
+        return mx.maximum(picked, -100.0)
+
+    @contextmanager
+    def _adapter_disabled(self):
+        """The base model: every LoRA ``scale`` 0 for the duration."""
+        scales = {p: m.scale for p, m in self.modules.items()}
+        for m in self.modules.values():
+            m.scale = 0.0
+        try:
+            yield
+        finally:
+            for p, m in self.modules.items():
+                m.scale = scales[p]
+
+    # ---------------------------------------------------------------- sampling and scoring
+
+    def generate(self, prompts: Sequence[Sequence[int]], config: Any,
+                 seeds: Sequence[int], *, shared_prefix: bool = False) -> list[Any]:
+        """See :meth:`TrainerBackend.generate`: the engine's MLX backend over the live model
+        (eval mode: no dropout), ``max_batch`` sequences at a time (``shared_prefix`` is not
+        used: every prompt is prefilled whole)."""
+        requests = [SequenceRequest(prompt_ids=list(p), sampling=config, seed=s)
+                    for p, s in zip(prompts, seeds, strict=True)]
+        self.model.eval()
+        results: list[Any] = []
+        for i in range(0, len(requests), self.max_batch):
+            results.extend(self.engine.generate(requests[i:i + self.max_batch], None))
+        return results
+
+    def logprobs(self, seqs: Sequence[TrainSequence]) -> list[list[float]]:
+        """See :meth:`TrainerBackend.logprobs`: eval mode, in micro-batches of
+        ``micro_batch_size``."""
+        if not seqs:
+            return []
+        self.model.eval()
+        cfg = self.update_cfg
+        mb = cfg.micro_batch_size or len(seqs)
+        out: list[list[float]] = []
+        with mx.stream(self.engine._device):
+            for start in range(0, len(seqs), mb):
+                chunk = list(seqs[start:start + mb])
+                batch = self._collate(chunk, behaviour=False)
+                logits = self._completion_logits(chunk, batch)
+                if cfg.truncated:
+                    lp = self._sampler_logprobs(logits, batch["completion_ids"])
+                else:
+                    lp = grpo_mlx.completion_logprobs(logits, batch["completion_ids"],
+                                                      cfg.temperature)
+                rows = np.array(lp.astype(mx.float32)) * np.array(batch["mask"])
+                out.extend(rows[i, :len(s.completion_ids)].tolist()
+                           for i, s in enumerate(chunk))
+        return out
+
+    # ---------------------------------------------------------------- training
+
+    def _chunk_loss(self, seqs: Sequence[TrainSequence], batch: dict[str, mx.array],
+                    coef: mx.array, ref_logp: mx.array | None) -> tuple[mx.array, ...]:
+        """The weighted loss of one micro-batch (differentiated) and, as auxiliary outputs,
+        its trainer logprobs, clipped mask and reference KL (zeros when beta == 0)."""
+        cfg = self.update_cfg
+        logits = self._completion_logits(seqs, batch)
+        logp = grpo_mlx.completion_logprobs(logits, batch["completion_ids"], cfg.temperature)
+        out = grpo_mlx.grpo_token_loss(logp, batch["behaviour"], batch["advantages"],
+                                       eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                       beta=cfg.beta, ref_logp=ref_logp)
+        valid = batch["mask"] > 0
+        token_loss = mx.where(valid, out.loss, mx.zeros_like(out.loss))
+        part = (token_loss * coef[:, None]).sum()
+        ref_kl = out.ref_kl if out.ref_kl is not None else mx.zeros_like(logp)
+        return part, logp, out.clipped, ref_kl
+
+    def update(self, seqs: Sequence[TrainSequence]) -> UpdateStats:
+        """See :meth:`TrainerBackend.update` (module docstring for the MLX specifics).
+
+        Raises:
+            ValueError: ``seqs`` is empty.
+        """
+        if not seqs:
+            raise ValueError("no sequences to train on")
+        cfg = self.update_cfg
+        n = len(seqs)
+        coef_all = grpo.sequence_weights([s.trained_tokens for s in seqs],
+                                         cfg.aggregation, cfg.max_tokens)  # type: ignore[arg-type]
+        mb = cfg.micro_batch_size or n
+        chunks = [list(range(i, min(i + mb, n))) for i in range(0, n, mb)]
+        step = int(self.optimizer.step.item())
+        mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
+        loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
+        per_seq_kl = np.zeros(n, np.float64)
+        ntok = np.array([s.trained_tokens for s in seqs], np.float64)
+        grads: Any = None
+        with mx.stream(self.engine._device):
+            for idx in chunks:
+                chunk = [seqs[i] for i in idx]
+                batch = self._collate(chunk)
+                ref_logp = None
+                if cfg.beta:
+                    self.model.eval()
+                    with self._adapter_disabled():
+                        ref_logits = self._completion_logits(chunk, batch)
+                        ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
+                            ref_logits, batch["completion_ids"], cfg.temperature))
+                        mx.eval(ref_logp)
+                self.model.train()
+                loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+                (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
+                                                              ref_logp)
+                seen = (self._sampler_logprobs(mx.stop_gradient(
+                    self._completion_logits(chunk, batch)),
+                    batch["completion_ids"]) if cfg.truncated else logp)
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+                mx.eval(part, seen, took, ref_kl, grads)
+                mask = np.array(batch["mask"])
+                kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
+                                                   mask)
+                per_seq_kl[idx] = kl
+                loss_sum += float(part.item())
+                clipped += float((np.array(took) & (mask > 0)).sum())
+                ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
+            self.model.eval()
+            lr = float(self.lr * grpo.lr_factor(step, self.schedule, self.warmup_steps,
+                                                self.total_steps))
+            if cfg.max_grad_norm > 0:
+                grads, norm = optim.clip_grad_norm(grads, cfg.max_grad_norm)
+            else:
+                norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum()
+                                   for _, g in tree_flatten(grads)))
+            self.optimizer.update(self.model, grads)
+            mx.eval(self.model.parameters(), self.optimizer.state, norm)
+        tokens = max(float(ntok.sum()), 1.0)
+        return UpdateStats(
+            loss=loss_sum, mismatch_kl=float((per_seq_kl * ntok).sum()) / tokens,
+            per_sequence_mismatch_kl=[float(v) for v in per_seq_kl],
+            clip_fraction=clipped / tokens,
+            ref_kl=ref_kl_sum / tokens if cfg.beta else None,
+            grad_norm=float(norm.item()), lr=lr, tokens=int(ntok.sum()))
+
+    # ---------------------------------------------------------------- files
+
+    def lora_arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Module path -> (``lora_a`` (in, r), ``lora_b`` (r, out)) as float32 numpy copies."""
+        mx.eval([(m.lora_a, m.lora_b) for m in self.modules.values()])
+        return {p: (np.array(m.lora_a.astype(mx.float32)), np.array(m.lora_b.astype(mx.float32)))
+                for p, m in self.modules.items()}
+
+    def _target_modules(self) -> list[str]:
+        """peft's ``target_modules`` as ``get_peft_model`` records it: ``all-linear`` resolved
+        to the adapted modules' full paths, a list kept as the set of its names."""
+        if self.lora.target_modules == "all-linear":
+            return sorted(self.modules)
+        return sorted({t.strip() for t in self.lora.target_modules.split(",") if t.strip()})
+
+    def adapter_config_json(self) -> bytes:
+        """peft's ``adapter_config.json`` of this adapter: the fields ``LoraConfig`` writes
+        for a causal-LM LoRA (``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``,
+        ``target_modules``, ``base_model_name_or_path`` the
+        ``--model`` string...), serialized as peft does (indent 2, keys sorted)."""
+        lora = self.lora
+        cfg = {
+            "alpha_pattern": {}, "base_model_name_or_path": self.model_id, "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "layers_pattern": None, "layers_to_transform": None, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "modules_to_save": None, "peft_type": "LORA",
+            "r": lora.rank, "rank_pattern": {}, "target_modules": self._target_modules(),
+            "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": lora.rslora,
+        }
+        return json.dumps(cfg, indent=2, sort_keys=True).encode()
+
+    def adapter_files(self) -> dict[str, bytes]:
+        """See :meth:`TrainerBackend.adapter_files`: ``lora_A = lora_a.T``,
+        ``lora_B = lora_b.T`` in float32 under peft's key names."""
+        if sys.byteorder != "little":
+            raise ValueError("safetensors data is little-endian; this host is big-endian")
+        state = {}
+        for path, (a, b) in self.lora_arrays().items():
+            for name, arr in ((f"{PEFT_PREFIX}{path}.lora_A.weight", a.T),
+                              (f"{PEFT_PREFIX}{path}.lora_B.weight", b.T)):
+                arr = np.ascontiguousarray(arr, dtype="<f4")
+                state[name] = Tensor("F32", tuple(arr.shape), arr.tobytes())
+        return {ADAPTER_CONFIG: self.adapter_config_json(),
+                ADAPTER_WEIGHTS: dump(state, {"format": "pt"})}
+
+    def mlx_adapter_files(self) -> dict[str, bytes]:
+        """The adapter in mlx-lm's layout as it is trained (``adapter_config.json`` with
+        ``num_layers``, ``lora_parameters`` {rank, scale, dropout, keys}; ``adapters.safetensors``
+        with ``<path>.lora_a`` / ``.lora_b``): what ``gridrl.adapters.convert_files(
+        adapter_files(), "mlx", num_layers)`` gives, tensor for tensor."""
+        return convert_files(self.adapter_files(), "mlx", self.identity.num_layers)
+
+    def load_adapter_files(self, files: Mapping[str, bytes]) -> None:
+        """See :meth:`TrainerBackend.load_adapter_files` (peft files, float tensors cast to
+        float32).
+
+        Raises:
+            ValueError: missing, unexpected or misshapen tensors.
+        """
+        parsed = load(bytes(files[ADAPTER_WEIGHTS]), ADAPTER_WEIGHTS)
+        want = {f"{PEFT_PREFIX}{p}.lora_{x}.weight" for p in self.modules for x in "AB"}
+        got = set(parsed.tensors)
+        if got != want:
+            raise ValueError(f"adapter does not fit the policy: unexpected "
+                             f"{sorted(got - want)[:3]}, missing {sorted(want - got)[:3]}")
+        updates = []
+        for path, m in self.modules.items():
+            for leaf, current in (("A", m.lora_a), ("B", m.lora_b)):
+                t = cast(parsed.tensors[f"{PEFT_PREFIX}{path}.lora_{leaf}.weight"], "F32")
+                value = to_float64(t).astype(np.float32).T
+                if value.shape != tuple(current.shape):
+                    raise ValueError(f"adapter does not fit the policy: {path}.lora_{leaf} "
+                                     f"has shape {value.T.shape}, expected "
+                                     f"{tuple(current.shape)[::-1]}")
+                updates.append((f"{path}.lora_{leaf.lower()}", mx.array(value)))
+        self.model.update(tree_unflatten(updates))
+        mx.eval(self.model.parameters())
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """See :meth:`TrainerBackend.checkpoint_files` (module docstring)."""
+        files = self.adapter_files()
+        state = {k: np.array(v) for k, v in tree_flatten(self.optimizer.state)}
+        files[OPTIMIZER] = safetensors_numpy.save(state)
+        np_state = np.random.get_state()
+        rng = {"python": [random.getstate()[0], list(random.getstate()[1]),
+                          random.getstate()[2]],
+               "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                         float(np_state[4])]}
+        files[RNG] = json.dumps(rng).encode()
+        return files
+
+    def restore_checkpoint(self, files: Mapping[str, bytes]) -> None:
+        """See :meth:`TrainerBackend.restore_checkpoint`."""
+        self.load_adapter_files({k: v for k, v in files.items() if k.startswith("adapter_")})
+        state = safetensors_numpy.load(bytes(files[OPTIMIZER]))
+        self.optimizer.state = tree_unflatten([(k, mx.array(v)) for k, v in state.items()])
+        rng = json.loads(files[RNG])
+        version, internal, gauss = rng["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.array(keys, np.uint32), pos, has_gauss, cached))
+
+    def close(self, wait: bool = True) -> None:
+        """Nothing to leave (one process); frees MLX's buffer cache."""
+        mx.clear_cache()

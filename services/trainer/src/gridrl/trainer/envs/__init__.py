@@ -1,0 +1,1 @@
+"""Environments: what an episode is (model turns alternating with environment turns until the environment says done), the token-exact episode (chat-template deltas, loss mask), the built-in environments (single-turn tasks, reverse-words with a second attempt, a tool-calling environment), the optional task libraries (reasoning-gym, verifiers) and a user's own environment file."""

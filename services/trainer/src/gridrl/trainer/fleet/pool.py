@@ -1,0 +1,689 @@
+"""The pool of rollout nodes over gRPC: channels, Generate calls, probes, the master's watch.
+
+    pool = NodePool(master="master:50050", addresses=[], model_identity=identity)
+    pool.start()                       # follows WatchNodes; probes static addresses
+    pool.wait_for_nodes(1, timeout_s=60)
+    groups = pool.generate_groups(prompts, group_size=8, max_tokens=128, temperature=1.0)
+
+This module is the thin RPC layer over two pure pieces:
+
+- :mod:`gridrl.trainer.fleet.membership` decides who is a member and who is in rotation (healthy,
+  usable, not benched, flagged or syncing) from the events this layer feeds it: the master's
+  ``WatchNodes`` messages (:mod:`gridrl.trainer.fleet.watch`), ``GetNodeInfo`` probes, the outcome of
+  every ``Generate``, adapter pushes (from :mod:`gridrl.trainer.fleet.sync`) and the trainer's flags;
+- :mod:`gridrl.trainer.fleet.scheduling` decides which node in rotation samples which group.
+
+Threads and what they own:
+
+- the caller of :meth:`NodePool.generate_groups` (the loop or its prefetch thread) runs the
+  batch: it asks the scheduler, starts calls on the ``rollout`` executor and collects them;
+- ``rollout-*`` executor threads make one Generate call each (no pool state touched);
+- the ``node-prober`` thread probes unreachable / benched nodes (on ``node-probe-*`` threads,
+  each on a fresh channel) and expires orphans;
+- the ``master-watch`` thread follows WatchNodes.
+
+Locks: ``NodePool._lock`` guards the :class:`~gridrl.trainer.fleet.membership.Membership` (its
+``_changed`` condition wakes batches and waiters); it is held only while an event is applied
+or the scheduler runs over the in-memory table, never during an RPC, a listener call, a
+channel close or a metrics export. ``Channels._lock`` (:mod:`~gridrl.trainer.fleet.channels`) guards the channels. Readers
+(:meth:`NodePool.nodes`) therefore never wait behind a call.
+
+When no node is in rotation (every node dead, restarting, benched or waiting for the current
+adapter), a batch waits for one up to ``wait_for_nodes_s`` seconds, telling ``on_wait`` (the
+trainer's console and ``GetRunStatus``) and the ``gridrl_trainer_node_wait_*`` metrics what it
+waits for and how long is left; a node that comes back gets the current adapter before any
+group (membership's *syncing*), then the batch goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gridrl.common.rpc.channel import dial
+from gridrl.common.security.policy import Security
+from gridrl.models import ModelIdentity
+from gridrl.trainer.envs.episode import TurnRequest
+from gridrl.trainer.fleet import metrics, scheduling
+from gridrl.trainer.fleet.channels import Channels
+from gridrl.trainer.fleet.membership import MAX_PROBE_BACKOFF_S, ORPHAN_GRACE_S, Membership
+from gridrl.trainer.fleet.nodes import NodeState
+from gridrl.trainer.fleet.outcomes import FailureKind, GenerateFailure
+from gridrl.trainer.fleet.watch import MasterWatch
+from gridrl.trainer.fleet.wire import samples_of
+from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
+from gridrl.v1 import common_pb2, registry_pb2, rollout_pb2, rollout_pb2_grpc
+
+__all__ = ["MAX_PROBE_BACKOFF_S", "ORPHAN_GRACE_S", "NodePool", "NodeState",
+           "NodeWait"]
+
+log = logging.getLogger(__name__)
+
+# Seconds the batch loop sleeps between looks at the pool while groups are in flight.
+_POLL_S = 0.1
+# Seconds between on_wait reports while a batch waits for a node.
+_WAIT_REPORT_S = 0.5
+
+
+@dataclass(frozen=True)
+class NodeWait:
+    """The run waits for rollout nodes: a batch for one in rotation (none is), or the start
+    for ``--min-nodes`` of them.
+
+    Attributes:
+        waited_s: seconds waited so far.
+        left_s: seconds left before the wait fails (``wait_for_nodes_s`` or ``node_wait_s``
+            minus waited).
+        waiting_for: every known node and why it is out of rotation (and the master's
+            connection), e.g. ``"127.0.0.1:5001 (benched: 3 consecutive Generate failures,
+            last UNAVAILABLE: ...)"``.
+        starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
+        in_rotation: nodes in rotation now (the start's wait).
+        needed: nodes the start waits for (``--min-nodes``).
+    """
+
+    waited_s: float
+    left_s: float
+    waiting_for: str
+    starting: bool = False
+    in_rotation: int = 0
+    needed: int = 1
+
+
+@dataclass
+class _Batch:
+    """The bookkeeping of one ``generate_groups`` / ``sample_turns`` call (owned by its
+    calling thread): one Generate per request, ``results[i]`` its samples or, for a pinned
+    request that cannot be served, the exception that failed it."""
+
+    requests: list[TurnRequest]
+    sampling: common_pb2.SamplingParams  # n, max_tokens and seed set per request
+    results: list[list[RolloutSample] | BaseException | None] = field(default_factory=list)
+    tried: list[list[str]] = field(default_factory=list)  # nodes each request failed on
+    rejected: list[dict[str, str]] = field(default_factory=list)  # INVALID_ARGUMENT per node
+    pending: deque[int] = field(default_factory=deque)
+    in_flight: dict[futures.Future, tuple[int, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.requests)
+        self.tried = [[] for _ in self.requests]
+        self.rejected = [{} for _ in self.requests]
+        self.pending = deque(range(len(self.requests)))
+
+    def group(self, i: int) -> scheduling.PendingGroup:
+        r = self.requests[i]
+        return scheduling.PendingGroup(i, len(r.prompt_ids), tuple(self.tried[i]),
+                                       self.rejected[i], n=r.n, max_tokens=r.max_tokens,
+                                       pinned=r.node)
+
+    def fail(self, i: int, problem: str) -> None:
+        """A pinned request that can never be served: its result is the error."""
+        self.results[i] = RuntimeError(problem)
+        self.pending.remove(i)
+
+
+class NodePool:
+    """Rollout nodes from the master and/or static addresses; implements ``RolloutSource``.
+
+    Args:
+        master: host:port of the master to follow, or None.
+        addresses: static rollout node addresses (host:port).
+        model_identity: the trainer's base model (nodes of another are excluded).
+        security: TLS files and token for the nodes and the master
+            (:class:`gridrl.common.security.policy.Security`), if any.
+        request_timeout_s: deadline of one Generate call, seconds.
+        max_consecutive_failures: failed Generate calls in a row that bench a node.
+        probe_interval_s: seconds between GetNodeInfo probes of unreachable or benched nodes.
+        max_workers: threads issuing Generate calls (bounds groups in flight over all nodes).
+        wait_for_nodes_s: seconds a batch waits when no node is in rotation before it fails
+            (0: it fails at once).
+        on_wait: called with a :class:`NodeWait` about every half second while a batch waits
+            for a node, and with None when the wait ends (a node is back, or the batch
+            fails); from the batch's thread, so it must return quickly.
+        clock: monotonic seconds of the events the pool feeds its membership and scheduler
+            (when a call started, a push answered, a probe was sent; tests advance a fake
+            one); waits and latencies are measured in real time.
+
+    Raises:
+        ValueError: naming the argument, when neither a master nor addresses are given, a
+            model_identity key is missing, or a number is out of range.
+    """
+
+    def __init__(self, *, master: str | None, addresses: Sequence[str],
+                 model_identity: ModelIdentity, security: Security | None = None,
+                 request_timeout_s: float = 120.0, max_consecutive_failures: int = 3,
+                 probe_interval_s: float = 5.0, max_workers: int = 64,
+                 wait_for_nodes_s: float = 0.0,
+                 on_wait: Callable[[NodeWait | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not master and not addresses:
+            raise ValueError("master / addresses: give a master or at least one rollout address")
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s: must be > 0, got {request_timeout_s}")
+        if wait_for_nodes_s < 0:
+            raise ValueError(f"wait_for_nodes_s: must be >= 0, got {wait_for_nodes_s}")
+        self._members = Membership(model_identity,
+                                   max_consecutive_failures=max_consecutive_failures,
+                                   probe_interval_s=probe_interval_s)
+        self.identity = self._members.identity
+        self.master = master
+        self.security = security
+        self.request_timeout_s = request_timeout_s
+        self.max_consecutive_failures = max_consecutive_failures
+        self.probe_interval_s = probe_interval_s
+        self.wait_for_nodes_s = wait_for_nodes_s
+        self._on_wait = on_wait
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._channels = Channels(security)
+        self._listeners: list[Callable[[NodeState], None]] = []
+        self._tick = 0
+        self._closed = threading.Event()
+        self._executor = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="rollout")
+        self._prober = futures.ThreadPoolExecutor(8, thread_name_prefix="node-probe")
+        self._probe_thread = threading.Thread(target=self._probe_loop, name="node-prober",
+                                              daemon=True)
+        self._watch = (MasterWatch(master, on_event=self._on_master_event,
+                                   on_connect=self._on_master_connect, security=security)
+                       if master else None)
+        for address in dict.fromkeys(addresses):
+            self._members.add_static(address)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Follow the master's WatchNodes (when a master is set) and probe the static addresses
+        with GetNodeInfo; returns at once (see :meth:`wait_for_nodes`)."""
+        if self._watch is not None:
+            self._watch.start()
+        self._probe_thread.start()
+
+    def close(self) -> None:
+        """Stop discovery and probing, cancel calls in flight, close channels. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._watch is not None:
+            self._watch.stop()
+        if self._probe_thread.is_alive():
+            self._probe_thread.join()
+        with self._lock:
+            self._changed.notify_all()
+        self._channels.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._prober.shutdown(wait=True, cancel_futures=True)
+
+    # -------------------------------------------------------------------- queries
+
+    def nodes(self) -> list[NodeState]:
+        """Copies of every known node's state, ordered by address."""
+        with self._lock:
+            return self._members.states()
+
+    def node(self, address: str) -> NodeState | None:
+        """A copy of one node's state, or None when unknown."""
+        with self._lock:
+            return self._members.state(address)
+
+    def add_listener(self, fn: Callable[[NodeState], None]) -> None:
+        """Call ``fn(state)`` whenever a node joins or comes back into rotation, or waits for
+        the current adapter before it may (it joined or restarted after a push). Called from
+        the pool's threads (master watch, prober, batches, pushes): ``fn`` must return
+        quickly."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def wait_for_nodes(self, min_nodes: int = 1, timeout_s: float = 60.0,
+                       stop: Callable[[], bool] | None = None) -> list[NodeState]:
+        """Block until at least ``min_nodes`` nodes are in rotation, or ``stop()`` is true
+        (looked at every half second: the run was asked to stop); returns :meth:`nodes`.
+        Reports the wait to ``on_wait`` (:class:`NodeWait` with ``starting``) while it lasts.
+
+        Raises:
+            TimeoutError: after ``timeout_s`` seconds, naming every known node and its state
+                (and the master's connection state).
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        reported = False
+        try:
+            with self._lock:
+                while len(self._members.in_rotation()) < min_nodes:
+                    if stop is not None and stop():
+                        break
+                    now = time.monotonic()
+                    left = deadline - now
+                    if left <= 0 or self._closed.is_set():
+                        raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
+                                           f"rollout node(s) in rotation after "
+                                           f"{timeout_s:.1f}s (--node-wait-s): "
+                                           f"{self._describe()}")
+                    self._report_wait(NodeWait(now - started, left, self._describe(),
+                                               starting=True, needed=min_nodes,
+                                               in_rotation=len(self._members.in_rotation())))
+                    reported = True
+                    self._changed.wait(min(left, _WAIT_REPORT_S))
+                return self._members.states()
+        finally:
+            if reported:
+                self._report_wait(None)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
+                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
+        """Sample one group of ``group_size`` completions per prompt over the nodes in rotation.
+
+        Group ``i`` is one ``Generate(prompt_token_ids=prompts[i], sampling.n=group_size,
+        sampling.seed=group_seed(seed, i))`` on one node (:meth:`sample_turns` with one
+        unpinned request per prompt); see :meth:`sample_turns` for placement, retries and the
+        wait for nodes.
+
+        Returns:
+            one :class:`Group` per prompt, in the order of ``prompts``.
+        Raises:
+            ValueError, RuntimeError: as :meth:`sample_turns`.
+        """
+        requests = [TurnRequest(tuple(p), group_seed(seed, i), group_size, max_tokens, group=i)
+                    for i, p in enumerate(prompts)]
+        results = self.sample_turns(requests, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    stop_token_ids=stop_token_ids)
+        groups = []
+        for i, (p, samples) in enumerate(zip(prompts, results, strict=True)):
+            assert isinstance(samples, list)  # unpinned requests never fail alone
+            groups.append(Group(prompt_index=i, prompt_ids=list(p), samples=samples,
+                                node=samples[0].node if samples else "",
+                                seconds=samples[0].seconds if samples else 0.0))
+        return groups
+
+    def sample_turns(self, requests: Sequence[TurnRequest], *, temperature: float,
+                     top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = ()
+                     ) -> list[list[RolloutSample] | BaseException]:
+        """Sample every request over the nodes in rotation (an episode runner's
+        :data:`~gridrl.trainer.envs.episode.Sampler`).
+
+        Request ``i`` is one ``Generate(prompt_token_ids, sampling.n=n,
+        sampling.max_tokens=max_tokens, sampling.seed=seed, keep_cache)`` on one node; the
+        requests run concurrently, placed by :func:`gridrl.trainer.fleet.scheduling.schedule`
+        (earliest expected finish). A request that names its episode's ``node`` (a later turn)
+        goes to that node only: it holds the episode's keys and values (``keep_cache``) and
+        its policy version. If that node is out of rotation (dead, benched, restarted and
+        syncing), rejects the request or fails it, the request's result is the exception (its
+        episode is dropped and counted; it is never continued on another node). Any other
+        request that fails is retried on a node it has not failed on if one is in rotation,
+        on the same node only when no other is; one whose samples show its node lost the
+        adapter it was pushed (it restarted) is sampled again after the node is caught up.
+        When no node is in rotation the batch waits up to ``wait_for_nodes_s`` for one (see
+        the module docstring).
+
+        Returns:
+            per request, its ``n`` samples (each with the request's seconds), or for a pinned
+            request the exception that failed it.
+        Raises:
+            ValueError: naming the argument when a request's n / max_tokens < 1, or when every
+                node in rotation rejected an unpinned prompt as INVALID_ARGUMENT (message from
+                the node) or the prompt exceeds every node's bounds.
+            RuntimeError: when no node came into rotation within ``wait_for_nodes_s``
+                (every node dead, benched, unhealthy or excluded), naming each node and why;
+                or when an unpinned request failed ``max_consecutive_failures`` times per
+                usable node while nodes remained in rotation.
+        """
+        for r in requests:
+            if r.n < 1:
+                raise ValueError(f"group_size: must be >= 1, got {r.n}")
+            if r.max_tokens < 1:
+                raise ValueError(f"max_tokens: must be >= 1, got {r.max_tokens}")
+        if self._closed.is_set():
+            raise RuntimeError("the node pool is closed")
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                             stop_token_ids=list(stop_token_ids))
+        batch = _Batch(list(requests), sampling)
+        try:
+            self._run_batch(batch)
+        finally:  # on an error, requests not started yet are dropped; running ones drain
+            for future in batch.in_flight:
+                future.cancel()
+        return [r for r in batch.results if r is not None]
+
+    def check_group(self, address: str, prompt: Sequence[int], *, group_size: int,
+                    max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                    seed: int = 0) -> Group:
+        """Sample one group on ``address`` whatever its rotation (a flagged node's fresh
+        check); nothing is recorded about the node.
+
+        Raises:
+            KeyError: ``address`` is not a known node.
+            grpc.RpcError: the call failed.
+            ValueError: the answer is malformed (wrong number of samples...).
+        """
+        request = rollout_pb2.GenerateRequest(
+            prompt_token_ids=list(prompt), request_id="check",
+            sampling=common_pb2.SamplingParams(n=group_size, max_tokens=max_tokens,
+                                               temperature=temperature, top_p=top_p,
+                                               top_k=top_k, seed=group_seed(seed, 0)))
+        response, _, seconds = self._call_generate(address, request)
+        samples = samples_of(response, list(prompt), group_size, address, seconds)
+        return Group(prompt_index=0, prompt_ids=list(prompt), samples=samples, node=address,
+                     seconds=seconds)
+
+    def _run_batch(self, batch: _Batch) -> None:
+        """The loop of :meth:`sample_turns` (fills ``batch.results``)."""
+        pending, in_flight = batch.pending, batch.in_flight
+        while pending or in_flight:
+            self._start_groups(batch)
+            if pending and not in_flight:
+                self._wait_for_a_node(batch)
+                continue
+            done, _ = futures.wait(in_flight, timeout=_POLL_S,
+                                   return_when=futures.FIRST_COMPLETED)
+            for future in done:
+                i, address = in_flight.pop(future)
+                request = batch.requests[i]
+                outcome = self._finish(future, address, i, list(request.prompt_ids), request.n)
+                if isinstance(outcome, list):
+                    batch.results[i] = outcome
+                    continue
+                if request.node:  # the episode's node failed it: the episode ends here
+                    batch.results[i] = RuntimeError(
+                        f"request {i} on its episode's node {address}: {outcome.label}: "
+                        f"{outcome.detail}")
+                    continue
+                if outcome.kind is FailureKind.REJECTED:
+                    batch.rejected[i][address] = outcome.detail
+                elif outcome.nodes_fault:  # the node's fault, not the prompt's
+                    batch.tried[i].append(address)
+                    with self._lock:
+                        limit = self.max_consecutive_failures * max(1, self._members.usable())
+                        live = len(self._members.in_rotation())
+                    if len(batch.tried[i]) >= limit and live:
+                        raise RuntimeError(
+                            f"prompt {i}: Generate failed {len(batch.tried[i])} times on "
+                            f"{', '.join(sorted(set(batch.tried[i])))}; last ({address}): "
+                            f"{outcome.label}: {outcome.detail}")
+                pending.appendleft(i)
+
+    def _start_groups(self, batch: _Batch) -> None:
+        """Fail the pinned requests whose node can no longer serve them, ask the scheduler
+        for this round's assignments and start their calls."""
+        if not batch.pending:
+            return
+        groups = [batch.group(i) for i in batch.pending]
+        with self._lock:
+            now = self._clock()
+            live = self._members.candidates()
+            stranded = {g.index: problem for g in groups if (problem := scheduling.stranded(
+                live, g, group_size=g.n, max_tokens=g.max_tokens))}
+            plan = scheduling.schedule(live, [g for g in groups if g.index not in stranded],
+                                       group_size=1, max_tokens=1, now=now, tick=self._tick)
+            self._tick += len(plan)
+            for a in plan:
+                self._members.assign(a.address, now)
+        for i, problem in stranded.items():
+            log.warning("episode request dropped: %s", problem)
+            batch.fail(i, problem)
+        for a in plan:
+            batch.pending.remove(a.index)
+            r = batch.requests[a.index]
+            request = rollout_pb2.GenerateRequest(
+                prompt_token_ids=list(r.prompt_ids),
+                request_id=f"group-{r.group}-request-{a.index}-try-{len(batch.tried[a.index])}",
+                sampling=batch.sampling, keep_cache=r.keep_cache)
+            request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
+            request.sampling.seed = r.seed
+            future = self._executor.submit(self._call_generate, a.address, request)
+            future.add_done_callback(functools.partial(self._call_done, a.address))
+            batch.in_flight[future] = (a.index, a.address)
+
+    def _wait_for_a_node(self, batch: _Batch) -> None:
+        """Nothing of the batch could start and none of it is in flight: wait for a node
+        busy with another batch's calls, raise when the first pending group can never be
+        served by the nodes in rotation, or wait up to ``wait_for_nodes_s`` for a node to
+        come into rotation (reporting to ``on_wait``)."""
+        first = batch.group(batch.pending[0])
+        with self._lock:
+            if self._members.busy() or first.pinned:  # busy with calls of another batch, or
+                # the pinned request's node changed since this round was planned (the next
+                # round starts it or fails it)
+                self._changed.wait(_POLL_S)
+                return
+            live = self._members.candidates()
+            problem = scheduling.unservable(live, first, group_size=first.n,
+                                            max_tokens=first.max_tokens)
+            if problem:
+                raise ValueError(problem)
+            if live:  # a node came back since this round was planned
+                return
+        self._wait_for_rotation(first.index)
+
+    def _wait_for_rotation(self, index: int) -> None:
+        """Wait up to ``wait_for_nodes_s`` for a node in rotation (group ``index`` waits).
+
+        Raises:
+            RuntimeError: none came, naming every node and why it is out.
+        """
+        started = time.monotonic()
+        deadline = started + self.wait_for_nodes_s
+        reported = False
+        try:
+            while True:
+                with self._lock:
+                    if self._members.in_rotation() or self._closed.is_set():
+                        break
+                    now = time.monotonic()
+                    left = deadline - now
+                    describe = self._describe()
+                    if left <= 0:
+                        waited = (f" after waiting {now - started:.1f}s (--wait-for-nodes-s)"
+                                  if self.wait_for_nodes_s else "")
+                        raise RuntimeError(f"no rollout node can serve prompt {index} "
+                                           f"(0 in rotation){waited}: {describe}")
+                    if not reported:
+                        log.warning("no rollout node in rotation; waiting up to %.0fs for one: "
+                                    "%s", self.wait_for_nodes_s, describe)
+                    self._report_wait(NodeWait(now - started, left, describe))
+                    reported = True
+                    self._changed.wait(min(left, _WAIT_REPORT_S))
+            if reported:
+                log.info("a rollout node is in rotation again after %.1fs",
+                         time.monotonic() - started)
+        finally:
+            if reported:
+                self._report_wait(None)
+
+    def _report_wait(self, wait: NodeWait | None) -> None:
+        metrics.record_node_wait(wait.waited_s if wait else 0.0, wait.left_s if wait else 0.0)
+        if self._on_wait is not None:
+            try:
+                self._on_wait(wait)
+            except Exception:
+                log.exception("on_wait failed")
+
+    def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest):
+        channel = self.channel(address, lease=True)
+        try:
+            started, t0 = self._clock(), time.monotonic()
+            response = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+                request, timeout=self.request_timeout_s)
+            return response, started, time.monotonic() - t0
+        finally:
+            self._channels.release(channel)
+
+    def _call_done(self, address: str, _future: futures.Future) -> None:
+        """A Generate call ended (answered, failed or cancelled before it started): free its
+        slot on the node."""
+        self._apply(lambda: self._members.call_done(address))
+
+    def _finish(self, future: futures.Future, address: str, index: int, prompt: list[int],
+                group_size: int) -> list[RolloutSample] | GenerateFailure:
+        """Turn a finished Generate into its samples, or record the node's failure."""
+        try:
+            response, started, seconds = future.result()
+            samples = samples_of(response, prompt, group_size, address, seconds)
+        except grpc.RpcError as e:
+            failure = GenerateFailure.of_rpc(e.code(), e.details() or "")
+        except ValueError as e:
+            failure = GenerateFailure(FailureKind.MALFORMED_RESPONSE, str(e))
+        except KeyError:
+            failure = GenerateFailure(FailureKind.NODE_LEFT,
+                                      "the node left the pool before the call")
+        else:
+            served = max(s.policy_version for s in samples)
+            name = response.samples[0].adapter_name if response.samples else ""
+            usable = self._apply(lambda: self._members.generate_succeeded(
+                address, name, served, started, seconds))
+            if usable:
+                return samples
+            log.warning("node %s sampled prompt %d with policy version %d, older than it was "
+                        "pushed: group discarded, sampled again", address, index, served)
+            return GenerateFailure(FailureKind.LOST_ADAPTER,
+                                   f"sampled with policy version {served}")
+        metrics.GENERATE_FAILURES.labels(address, failure.label).inc()
+        if failure.kind is FailureKind.REJECTED:
+            log.warning("node %s rejected prompt %d: %s", address, index, failure.detail)
+        self._apply(lambda: self._members.generate_failed(address, failure, self._clock()))
+        return failure
+
+    # ------------------------------------------------------- sync bookkeeping (AdapterSync)
+
+    def channel(self, address: str, *, lease: bool = False) -> grpc.Channel:
+        """The pool's channel to ``address`` (dialled on first use, shared by every caller);
+        with ``lease``, counted busy until released (internal: Generate calls).
+
+        Raises:
+            KeyError: ``address`` is not a known node.
+        """
+        with self._lock:
+            if address not in self._members:
+                raise KeyError(address)
+        return self._channels.lease(address) if lease else self._channels.get(address)
+
+    def set_target(self, name: str, version: int) -> None:
+        """The adapter being pushed (``name`` v``version``): a node entering rotation from now
+        on must serve it first (it is synced, then let in)."""
+        with self._lock:
+            self._members.set_target(name, version)
+
+    def note_synced(self, address: str, version: int, serving: common_pb2.AdapterRef,
+                    sequence: int = 0) -> None:
+        """Record a successful push of ``version``; ``serving`` is what the node answered,
+        ``sequence`` the answer's report number (``PushAdapterResponse.sequence``)."""
+        self._apply(lambda: self._members.push_succeeded(address, version, serving,
+                                                         self._clock(), sequence))
+
+    def note_sync_failed(self, address: str, version: int, reason: str) -> None:
+        """Bench a node a push of ``version`` failed on: it would sample a stale policy. It
+        comes back (and gets the newest adapter) like any benched node."""
+        self._apply(lambda: self._members.push_failed(address, version, reason,
+                                                      self._clock()))
+
+    # ------------------------------------------------------------- the trainer's flags
+
+    def flag(self, address: str, reason: str) -> None:
+        """Bench a node whose samples the trainer found stale or mismatched (the node
+        monitor's verdict): no new groups until :meth:`unflag`."""
+        self._apply(lambda: self._members.flag(address, reason))
+
+    def unflag(self, address: str) -> None:
+        """A flagged node passed a fresh check: back in rotation (when otherwise eligible)."""
+        self._apply(lambda: self._members.unflag(address))
+
+    def flags(self) -> dict[str, str]:
+        """Every flagged node -> why (:meth:`Membership.flags`)."""
+        with self._lock:
+            return self._members.flags()
+
+    def benched_flags(self) -> dict[str, str]:
+        """The flagged nodes of the pool -> why (:meth:`Membership.benched_flags`)."""
+        with self._lock:
+            return self._members.benched_flags()
+
+    def flagged_ever(self) -> dict[str, str]:
+        """Every node flagged during the run -> why (:meth:`Membership.flagged_ever`)."""
+        with self._lock:
+            return self._members.flagged_ever()
+
+    # ------------------------------------------------------------------ membership feed
+
+    def _apply(self, event: Callable[[], Any]) -> Any:
+        """Apply a membership event under the lock, then (outside it) do its effects:
+        export the touched nodes' metrics, replace or close channels, tell listeners.
+        ``event`` returns :class:`Effects` or ``(value, Effects)``; returns the value."""
+        with self._lock:
+            out = event()
+            value, effects = out if isinstance(out, tuple) else (None, out)
+            states = [s for a in effects.touched if (s := self._members.state(a)) is not None]
+            listeners = list(self._listeners) if effects.notify else []
+            self._changed.notify_all()
+        for s in states:
+            metrics.record_node(s.address, in_rotation=s.in_rotation,
+                                adapter_version=s.adapter_version,
+                                synced_version=s.synced_version, group_s=s.group_s,
+                                flagged=bool(s.flagged))
+        for address in effects.redial:
+            self._channels.retire(address)
+        for address in effects.forgotten:
+            self._channels.close(address)
+            metrics.forget_node(address)
+        for state in effects.notify:
+            for fn in listeners:
+                try:
+                    fn(state)
+                except Exception:
+                    log.exception("node listener failed for %s", state.address)
+        return value
+
+    def _on_master_connect(self) -> None:
+        with self._lock:
+            self._members.master_connected()
+
+    def _on_master_event(self, event: registry_pb2.WatchNodesResponse) -> None:
+        self._apply(lambda: self._members.master_event(event, self._clock()))
+
+    def _probe_loop(self) -> None:
+        while not self._closed.is_set():
+            now = self._clock()
+            self._apply(functools.partial(self._members.expire_orphans, now))
+            with self._lock:
+                due = self._members.probes_due(now)
+            try:
+                probes = [self._prober.submit(self._probe, a) for a in due]
+            except RuntimeError:  # shut down meanwhile
+                return
+            futures.wait(probes)
+            self._closed.wait(self.probe_interval_s)
+
+    def _probe(self, address: str) -> None:
+        """GetNodeInfo on a fresh channel (no reconnect backoff); feed the answer."""
+        started = self._clock()
+        channel = dial(address, self.security)
+        try:
+            info = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
+                rollout_pb2.GetNodeInfoRequest(), timeout=min(5.0, self.request_timeout_s)).info
+        except grpc.RpcError as e:
+            code, detail = e.code().name, e.details()
+            self._apply(lambda: self._members.probe_failed(address, code, detail))
+            return
+        finally:
+            channel.close()
+        self._apply(lambda: self._members.probe_answered(address, info, started))
+
+    def _describe(self) -> str:
+        """Every node and why it is (out of) rotation, and the master's connection. Lock
+        held."""
+        parts = [self._members.describe()] if self._members.states() else []
+        if self._watch is not None:
+            watch = self._watch
+            state = "connected" if watch.connected else watch.last_error or "connecting"
+            parts.append(f"master {self.master} ({state})")
+        return "; ".join(parts) or "no nodes known"

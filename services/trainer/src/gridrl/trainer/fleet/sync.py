@@ -1,0 +1,348 @@
+"""Weight sync: stream the trainer's LoRA adapter to every rollout node with ``PushAdapter``.
+
+    sync = AdapterSync(pool, name="run-1", base_model=identity, deadline_s=30)
+    report = sync.push(version, files)               # every --sync-every steps
+    report.synced, report.skipped                    # addresses; address -> reason
+    sync.lagging_nodes(version)                      # nodes still behind: warn loudly
+
+Each node gets the adapter in the format it declared: peft files as they are (torch, vLLM),
+converted once per version with ``gridrl.adapters.convert_files(..., "mlx")`` for MLX nodes,
+each with its manifest (:class:`gridrl.adapters.AdapterManifest`, built here from the files,
+the run name, the version and the base model; converted to the wire's message only by the
+push stream, ``gridrl.common.transport.push_requests``).
+Pushes go to all nodes concurrently, each with its own deadline, so a push takes about the
+slowest node's time, never the sum. A node that fails or misses the deadline is reported in
+``skipped`` and benched by the pool (it would sample a stale policy); nodes out of rotation are
+skipped without a call. The newest (version, files) is remembered and made the pool's target
+(:meth:`NodePool.set_target`): a node that joins or comes back, or reports serving an older
+version than it was pushed (restarted), waits out of rotation (*syncing*) and gets it in the
+background first thing; once it serves it, the pool lets it in. :meth:`AdapterSync.repush`
+pushes it again to one node on demand (a flagged node's way back, ``probation.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Container, Mapping
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from gridrl.adapters import AdapterManifest, build_manifest, convert_files
+from gridrl.common.faults import pause_in_stream
+from gridrl.common.transport import push_requests
+from gridrl.models import ModelIdentity
+from gridrl.trainer.fleet import metrics
+from gridrl.trainer.fleet.outcomes import SYNCED, PushResult, PushStatus
+from gridrl.trainer.fleet.pool import NodePool, NodeState
+from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Nodes pushed to at the same time; beyond this, pushes queue (and their deadline starts late).
+MAX_CONCURRENT_PUSHES = 256
+
+
+@dataclass
+class SyncReport:
+    """Outcome of one push.
+
+    Attributes:
+        seconds: wall-clock seconds of the whole push (conversion included).
+        synced: addresses that now serve the pushed version, sorted.
+        skipped: address -> why it did not take the adapter (failed call, deadline, out of
+            rotation, conversion unavailable).
+    """
+
+    seconds: float
+    synced: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Adapter:
+    """One version of the adapter, with its files in each format converted so far."""
+
+    version: int
+    payloads: dict[str, tuple[AdapterManifest, Mapping[str, bytes]]]  # format -> its push
+
+
+class AdapterSync:
+    """Pushes adapters to the nodes of a :class:`NodePool` and keeps late nodes caught up.
+
+    Args:
+        pool: the node pool (its nodes, channels and bookkeeping).
+        name: adapter name (the run name); [A-Za-z0-9._-]+.
+        base_model: the trainer's base model (the manifests' ``base_model``; its
+            ``num_layers`` drives the MLX conversion).
+        deadline_s: seconds one node's push may take (per node; nodes run concurrently).
+        known_versions: returns the versions of this run's weights (its lineage; version 0 is
+            the base model). Before the first push, a node serving ``name`` at a version
+            outside them (an earlier run under the same name) is reset like another run's
+            adapter. Default: only version 0.
+    """
+
+    def __init__(self, pool: NodePool, *, name: str, base_model: ModelIdentity,
+                 deadline_s: float = 30.0,
+                 known_versions: Callable[[], Container[int]] | None = None) -> None:
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
+        self.pool = pool
+        self.name = name
+        self.base_model = base_model
+        self.deadline_s = deadline_s
+        self._known_versions = known_versions or (lambda: (0,))
+        self._lock = threading.Lock()
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._newest: _Adapter | None = None
+        self._convert_lock = threading.Lock()
+        # One thread per node pushed to at once (threads are started lazily, as needed).
+        self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
+                                                    thread_name_prefix="adapter-sync")
+        self._closed = False
+        pool.add_listener(self._on_node)
+
+    def push(self, version: int, files: Mapping[str, bytes]) -> SyncReport:
+        """Push policy ``version`` to every node concurrently, each within ``deadline_s``.
+
+        Args:
+            version: the policy version (>= 1, not older than the last push).
+            files: the peft adapter files in memory, path -> bytes. Their manifest names
+                this sync's adapter and ``version`` and gives no digests: each push hashes the
+                bytes as they stream and sends the digests last.
+        Returns:
+            who took it and who was skipped, and why.
+        Raises:
+            ValueError: naming the field, when ``files`` are not a peft adapter or ``version``
+                is older than the last push.
+        """
+        start = time.perf_counter()
+        adapter = _Adapter(version, {"peft": (self._manifest(files, version), dict(files))})
+        if adapter.payloads["peft"][0].format != "peft":
+            raise ValueError(f"files: a {adapter.payloads['peft'][0].format} adapter; pushes "
+                             "start from peft files")
+        with self._lock:
+            if self._newest is not None and version < self._newest.version:
+                raise ValueError(f"version: {version} is older than the last push "
+                                 f"({self._newest.version})")
+            self._newest = adapter
+        self.pool.set_target(self.name, version)
+        report = SyncReport(seconds=0.0)
+        targets = []
+        for node in self.pool.nodes():
+            if node.excluded:
+                continue
+            if node.in_rotation or node.syncing:
+                targets.append(node)
+            else:
+                report.skipped[node.address] = node.why_out()
+        unconvertible = {}
+        for fmt in sorted({n.adapter_format for n in targets}):  # outside the per-node deadlines
+            try:
+                self._payload(adapter, fmt)
+            except Exception as e:
+                log.exception("could not convert policy version %d to %s", version, fmt)
+                unconvertible[fmt] = f"conversion to {fmt} failed: {e!r}"
+        jobs: dict[futures.Future, str] = {}
+        for node in targets:
+            if node.adapter_format in unconvertible:
+                report.skipped[node.address] = self._failed(
+                    node.address, version, unconvertible[node.adapter_format]).reason
+            else:
+                jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
+        waves = -(-len(jobs) // MAX_CONCURRENT_PUSHES) if jobs else 1
+        done, late = futures.wait(jobs, timeout=waves * self.deadline_s + 5.0)
+        for future in done:
+            result = future.result()
+            if result.synced:
+                report.synced.append(jobs[future])
+            else:
+                report.skipped[jobs[future]] = result.reason
+        for future in late:  # a call outliving its own deadline: should not happen
+            report.skipped[jobs[future]] = f"no answer within {self.deadline_s:.1f}s"
+            self.pool.note_sync_failed(jobs[future], version, report.skipped[jobs[future]])
+        report.synced.sort()
+        report.seconds = time.perf_counter() - start
+        for address, why in sorted(report.skipped.items()):
+            log.warning("sync of policy version %d: SKIPPED node %s: %s", version, address, why)
+        log.debug("synced policy version %d to %d node(s) in %.2fs (%d skipped)", version,
+                 len(report.synced), report.seconds, len(report.skipped))
+        return report
+
+    def lagging_nodes(self, current_version: int) -> list[str]:
+        """Addresses of usable nodes (base model matching) whose served or last-synced policy
+        version is below ``current_version`` (the version last pushed), sorted. Includes nodes
+        out of rotation: they hold stale weights too."""
+        return sorted(n.address for n in self.pool.nodes() if not n.excluded
+                      and min(n.adapter_version, n.synced_version) < current_version)
+
+    @property
+    def newest_version(self) -> int:
+        """The policy version of the newest push (0 before the first)."""
+        with self._lock:
+            return self._newest.version if self._newest is not None else 0
+
+    def repush(self, address: str) -> PushResult:
+        """Push the newest adapter to one node now, whatever it reports serving (a flagged
+        node: its weights are suspect). A failed push benches the node; NOT_PUSHED before
+        the first push or when the node is not in the pool."""
+        with self._lock:
+            adapter = self._newest
+        if adapter is None:
+            return PushResult(PushStatus.NOT_PUSHED, "no adapter pushed yet")
+        node = self.pool.node(address)
+        if node is None:
+            return PushResult(PushStatus.NOT_PUSHED, "not in the pool")
+        return self._push_node(node, adapter)
+
+    def close(self) -> None:
+        """Wait for background catch-up pushes and stop the worker threads. Idempotent."""
+        self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -------------------------------------------------------------------- per node
+
+    def _push_node(self, node: NodeState, adapter: _Adapter) -> PushResult:
+        """Push ``adapter`` to one node (a failure benches it)."""
+        deadline = time.monotonic() + self.deadline_s
+        lock = self._node_lock(node.address)
+        if not lock.acquire(timeout=self.deadline_s):
+            return self._failed(node.address, adapter.version,
+                                f"an earlier push was still running after {self.deadline_s:.1f}s")
+        try:
+            # A catch-up that waited for this node's lock behind a newer push must not roll the
+            # node back to the older version (it would sample a stale policy in rotation).
+            if (newest := self.newest_version) > adapter.version:
+                return PushResult(PushStatus.SUPERSEDED,
+                                  f"superseded by policy version {newest}")
+            fmt = node.adapter_format
+            try:
+                manifest, files = self._payload(adapter, fmt)
+            except Exception as e:
+                return self._failed(node.address, adapter.version,
+                                    f"conversion to {fmt} failed: {e}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._failed(node.address, adapter.version,
+                                    f"deadline of {self.deadline_s:.1f}s spent converting")
+            stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
+            try:  # the manifest becomes the wire's message in the stream's header
+                requests = pause_in_stream(push_requests(manifest, files), "trainer.push")
+                response = stub.PushAdapter(requests, timeout=left)
+            except grpc.RpcError as e:
+                return self._failed(node.address, adapter.version,
+                                    f"PushAdapter {e.code().name}: {e.details()}")
+            except KeyError as e:  # the node left the pool meanwhile
+                return PushResult(PushStatus.NOT_PUSHED, f"left the pool: {e}")
+            serving = response.serving
+            if serving.name != self.name or serving.version != adapter.version:
+                return self._failed(node.address, adapter.version,
+                                    f"node serves {serving.name!r} v{serving.version} after the "
+                                    f"push of v{adapter.version}")
+            self.pool.note_synced(node.address, adapter.version, serving, response.sequence)
+            log.debug("pushed policy version %d (%s) to %s", adapter.version, fmt, node.address)
+            return SYNCED
+        finally:
+            lock.release()
+
+    def _failed(self, address: str, version: int, reason: str) -> PushResult:
+        metrics.SYNC_FAILURES.labels(address).inc()
+        self.pool.note_sync_failed(address, version, reason)
+        return PushResult(PushStatus.FAILED, reason)
+
+    def _manifest(self, files: Mapping[str, bytes], version: int) -> AdapterManifest:
+        """The manifest of this sync's adapter ``files`` at ``version`` (no digests)."""
+        return build_manifest(files, name=self.name, version=version,
+                              base_model=self.base_model, hash_files=False)
+
+    def _payload(self, adapter: _Adapter, fmt: str) -> tuple[AdapterManifest, Mapping[str, bytes]]:
+        """The (manifest, files) of ``adapter`` in ``fmt``, converting once per version."""
+        with self._convert_lock:
+            if fmt not in adapter.payloads:
+                if fmt != "mlx":
+                    raise ValueError(f"adapter_format {fmt!r} is not peft or mlx")
+                _, peft_files = adapter.payloads["peft"]
+                mlx_files = convert_files(peft_files, "mlx", self.base_model.num_layers)
+                adapter.payloads["mlx"] = (self._manifest(mlx_files, adapter.version), mlx_files)
+            return adapter.payloads[fmt]
+
+    def _node_lock(self, address: str) -> threading.Lock:
+        with self._lock:
+            return self._node_locks.setdefault(address, threading.Lock())
+
+    # ------------------------------------------------------------------- catch-up
+
+    def _on_node(self, node: NodeState) -> None:
+        """Pool listener: a node joined, came back, or lost its adapter; catch it up. Before
+        the first push, a node serving another run's adapter is reset to the base model."""
+        with self._lock:
+            adapter = self._newest
+        if self._closed or node.excluded:
+            return
+        if adapter is None:
+            if node.adapter_name not in ("", self.name):
+                self._submit(self._reset_to_base, node.address,
+                             f"another run's adapter {node.adapter_name!r}")
+            elif (node.adapter_name == self.name
+                  and node.adapter_version not in self._known_versions()):
+                self._submit(self._reset_to_base, node.address,
+                             f"{node.adapter_name!r} v{node.adapter_version}, a version this "
+                             "run's checkpoint does not hold (steps after it, or an earlier "
+                             "run of the same name)")
+            return
+        if node.synced_version >= adapter.version and node.adapter_version >= adapter.version:
+            return
+        self._submit(self._catch_up, node.address, adapter)
+
+    def _submit(self, fn, *args) -> None:
+        try:
+            self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down meanwhile
+            pass
+
+    def _reset_to_base(self, address: str, serving: str) -> None:
+        """Make a node that serves weights other than this run's (``serving``, in words)
+        serve the base model (version 0)."""
+        log.warning("node %s serves %s, not this run's weights; switching it to the base "
+                    "model until the first sync", address, serving)
+        try:
+            response = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).ReloadAdapter(
+                rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=self.deadline_s)
+        except (grpc.RpcError, KeyError) as e:
+            reason = (f"ReloadAdapter {e.code().name}: {e.details()}"
+                      if isinstance(e, grpc.RpcError) else "left the pool")
+            log.warning("node %s: could not switch to the base model: %s", address, reason)
+            self.pool.note_sync_failed(address, 0, f"serves {serving} "
+                                                   f"and {reason}")
+            return
+        self.pool.note_synced(address, 0, response.serving)
+
+    def _catch_up(self, address: str, adapter: _Adapter) -> None:
+        """Give a late node the newest adapter, unless it already serves it."""
+        with self._lock:
+            if self._newest is not adapter:  # a newer push reaches it (or skips it) anyway
+                return
+        node = self.pool.node(address)
+        if node is None or not (node.in_rotation or node.syncing):
+            return
+        try:
+            info = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).GetNodeInfo(
+                rollout_pb2.GetNodeInfoRequest(), timeout=self.deadline_s).info
+            if info.adapter.name == self.name and info.adapter.version == adapter.version:
+                self.pool.note_synced(address, adapter.version, info.adapter)
+                return
+        except (grpc.RpcError, KeyError):
+            pass  # the push below reports the problem
+        result = self._push_node(node, adapter)
+        if result.synced:
+            log.info("caught up node %s to policy version %d", address, adapter.version)
+        elif result.status is PushStatus.FAILED:
+            log.warning("catch-up of node %s to policy version %d failed: %s", address,
+                        adapter.version, result.reason)
+        else:
+            log.debug("catch-up of node %s to policy version %d: %s", address, adapter.version,
+                      result.reason)
+

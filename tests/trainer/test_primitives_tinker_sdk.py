@@ -1,0 +1,200 @@
+"""The official Tinker SDK (``tinker``, installed by the ``tinker`` extra of gridrl-trainer)
+against ``gridrl-trainer serve-api`` on the tiny llama, over TLS with a ``trainer``-scoped
+gridrl token as ``TINKER_API_KEY``: the SDK's documented supervised loop (loss goes down; the
+saved weights load in peft and mlx-lm and compute what the server samples with), the RL loop
+of ``examples/tinker_rl_reverse_words.py`` for two steps, and clear errors for what gridrl
+does not serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker", reason="the Tinker SDK (gridrl-trainer[tinker])")
+httpx = pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The documented supervised example (tinker-cookbook docs/training-sampling.mdx): pig latin.
+EXAMPLES = [
+    {"input": "banana split", "output": "anana-bay plit-say"},
+    {"input": "quantum physics", "output": "uantum-qay ysics-phay"},
+    {"input": "donut shop", "output": "onut-day op-shay"},
+    {"input": "pickle jar", "output": "ickle-pay ar-jay"},
+    {"input": "space exploration", "output": "ace-spay exploration-way"},
+    {"input": "rubber duck", "output": "ubber-ray uck-day"},
+    {"input": "coding wizard", "output": "oding-cay izard-way"},
+]
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, tiny_llama_dir: Path, pki, creds) -> Iterator[dict]:
+    """serve-api over TLS with the session's credentials; the SDK trusts the test CA
+    (SSL_CERT_FILE) and sends the trainer token as its API key."""
+    from conftest import start_service
+
+    tmp = tmp_path_factory.mktemp("serve-api")
+    server = start_service(
+        ["gridrl-trainer", "serve-api", "--model", str(tiny_llama_dir), "--listen", "127.0.0.1:0",
+         "--http-listen", "127.0.0.1:0", "--api-dir", str(tmp / "api"), "--threads", "1",
+         "--lora-alpha", "8", "--authorized-tokens", str(creds.authorized),
+         "--tls-cert", pki.crt("server"), "--tls-key", pki.key("server")], tmp, "serve-api")
+    env = {"SSL_CERT_FILE": pki.ca, "TINKER_BASE_URL": server.info["tinker_base_url"],
+           "TINKER_API_KEY": "tml-" + creds.tokens["trainer"], "TINKER_TELEMETRY": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield {"url": server.info["tinker_base_url"], "dir": tmp / "api", "server": server,
+               "model": str(tiny_llama_dir)}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def process_example(example: dict, tokenizer) -> tinker.types.Datum:
+    """As the SDK's documentation writes it."""
+    types = tinker.types
+    prompt = f"English: {example['input']}\nPig Latin:"
+    prompt_tokens = tokenizer.encode(prompt, add_special_tokens=True)
+    completion_tokens = tokenizer.encode(f" {example['output']}\n\n", add_special_tokens=False)
+    tokens = prompt_tokens + completion_tokens
+    weights = ([0] * len(prompt_tokens) + [1] * len(completion_tokens))[1:]
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens=tokens[:-1]),
+                       loss_fn_inputs=dict(weights=weights, target_tokens=tokens[1:]))
+
+
+@pytest.mark.mlx
+@pytest.mark.slow
+def test_the_documented_supervised_loop_learns_and_its_weights_load_in_peft_and_mlx(
+        api: dict) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    names = [m.model_name for m in tinker.RestClient().get_server_capabilities().result()
+             .supported_models]
+    assert api["model"] in names
+    training_client = service_client.create_lora_training_client(base_model=api["model"],
+                                                                 rank=8).result()
+    tokenizer = training_client.get_tokenizer()
+    processed = [process_example(ex, tokenizer) for ex in EXAMPLES]
+    losses = []
+    for _ in range(6):
+        fwdbwd_future = training_client.forward_backward(processed, "cross_entropy")
+        optim_future = training_client.optim_step(types.AdamParams(learning_rate=5e-3))
+        fwdbwd_result = fwdbwd_future.result()
+        optim_future.result()
+        logprobs = np.concatenate([o["logprobs"].tolist() for o in fwdbwd_result.loss_fn_outputs])
+        weights = np.concatenate([e.loss_fn_inputs["weights"].tolist() for e in processed])
+        losses.append(-np.dot(logprobs, weights) / weights.sum())
+        assert fwdbwd_result.metrics["loss:sum"] == pytest.approx(-np.dot(logprobs, weights),
+                                                                  rel=1e-4)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+    sampling_client = training_client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))
+    params = types.SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"])
+    result = sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=8).result()
+    assert len(result.sequences) == 8
+    assert len({tuple(s.tokens) for s in result.sequences}) == 1  # greedy
+    assert all(len(s.logprobs) == len(s.tokens) for s in result.sequences)
+
+    saved = training_client.save_weights_for_sampler("pig-latin").result()
+    model_id, kind, name = saved.path.removeprefix("tinker://").split("/")
+    assert (model_id, kind, name) == (training_client.model_id, "sampler_weights", "pig-latin")
+    folder = api["dir"] / model_id.replace(":", "-") / "sampler_weights" / "pig-latin"
+    # the saved weights compute, in peft, what the server scores with them
+    named = service_client.create_sampling_client(model_path=saved.path).result()
+    ids = tokenizer.encode("English: donut shop\nPig Latin: onut-day op-shay")
+    served = named.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    base = AutoModelForCausalLM.from_pretrained(api["model"], dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(folder / "peft")).eval()
+    with torch.no_grad():
+        logits = peft(torch.tensor([ids])).logits[0]
+    local = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert served[0] is None
+    np.testing.assert_allclose(served[1:], local.numpy(), rtol=0, atol=1e-4)
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(api["model"], dtype=torch.float32)(
+            torch.tensor([ids])).logits[0]
+    assert float((plain - logits).abs().max()) > 1e-3  # the adapter is not the base model
+    # and in mlx-lm, its mlx-lm copy
+    import mlx.core as mx
+    from mlx_lm import load
+
+    mlx_model, _ = load(api["model"], adapter_path=str(folder / "mlx"))
+    got = np.array(mlx_model(mx.array([ids]))[0])
+    assert np.abs(got - logits.numpy()).max() <= 1e-4 * float(logits.abs().max())
+    service_client.close("success").result()
+
+
+def test_the_rl_example_runs_through_the_sdk(api: dict, tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import tinker_rl_reverse_words as example
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "record.json"
+    record = example.main(["--model", api["model"], "--steps", "2", "--eval-every", "1",
+                           "--eval-tasks", "4", "--max-tokens", "6", "--group-size", "4",
+                           "--rank", "4", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert [e[0] for e in record["evals"]] == [0, 1, 2]
+    assert all(0 <= e[1] <= 1 for e in record["evals"])
+    assert [s["step"] for s in record["steps"]] == [1, 2]
+
+
+def test_credentials_are_checked_as_on_every_gridrl_server(api: dict, pki, creds) -> None:
+    def post(key: str | None) -> httpx.Response:
+        headers = {"X-API-Key": key} if key else {}
+        return httpx.post(f"{api['url']}/api/v1/client/config", json={"sdk_version": "0.38.0"},
+                          headers=headers, verify=pki.ca, timeout=30)
+
+    assert post("tml-" + creds.tokens["trainer"]).status_code == 200
+    assert post(creds.tokens["trainer"]).status_code == 200  # the tml- prefix is optional
+    no_key, wrong, reader = post(None), post("tml-" + creds.tokens["wrong"]), post(
+        "tml-" + creds.tokens["read"])
+    assert (no_key.status_code, wrong.status_code, reader.status_code) == (401, 401, 403)
+    assert "TINKER_API_KEY=tml-" in no_key.json()["error"]
+    assert "scope read" in reader.json()["error"]
+    assert httpx.get(f"{api['url']}/api/v1/healthz", verify=pki.ca).json() == {"status": "ok"}
+    with pytest.raises(tinker.AuthenticationError):  # the SDK says so at once
+        tinker.ServiceClient(api_key="tml-" + creds.tokens["wrong"]).create_lora_training_client(
+            base_model=api["model"], rank=4).result(timeout=60)
+
+
+def test_what_gridrl_does_not_serve_is_refused_by_name_never_a_hang(api: dict, pki,
+                                                                    creds) -> None:
+    headers = {"X-API-Key": "tml-" + creds.tokens["trainer"]}
+
+    def call(method: str, path: str) -> httpx.Response:
+        return httpx.request(method, f"{api['url']}/api/v1/{path}", json={}, headers=headers,
+                             verify=pki.ca, timeout=30)
+
+    external = call("POST", "save_weights_external")
+    assert external.status_code == 400 and "exporting merged weights" in external.json()["error"]
+    listing = call("GET", "training_runs")
+    assert listing.status_code == 400 and "--api-dir" in listing.json()["error"]
+    assert call("POST", "no_such_endpoint").status_code == 404
+
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    training_client = service_client.create_lora_training_client(base_model=api["model"],
+                                                                 rank=4).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 2]})
+    with pytest.raises(tinker.BadRequestError, match="'dro' is not supported by gridrl"):
+        training_client.forward_backward([datum], "dro").result(timeout=60)
+    service_client.close("success").result()
