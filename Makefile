@@ -1,7 +1,8 @@
 # gridrl: two entry points for a fresh machine.
 #   make demo   - the main job end to end on the embedded default (SmolLM2-135M, reverse-words)
 #   make test   - every check: buf format/lint/breaking, generated-code freshness, ruff, the
-#                 import-linter layer contracts, pytest
+#                 import-linter layer contracts, the packages' declared dependencies (deptry),
+#                 pytest
 # Both create .venv when missing and install everything into it with pip.
 #
 # A machine that runs one service gets only that service and what it needs (no test tools):
@@ -117,10 +118,12 @@ check-protos: $(STAMP) $(BUF)
 
 # ruff, then the layers (pyproject.toml [tool.importlinter]: libraries never import services,
 # services never each other, the engine and adapters no grpc, models nothing of gridrl, no
-# cycles between a package's sub-packages).
+# cycles between a package's sub-packages), then each package's declarations (deptry: every
+# package declares exactly what it imports).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_dependencies.py
 
 # pytest workers: 2 halves the check on CI's 2 cores (most tests are one process waiting on
 # another's start-up); each test's servers run one intra-op thread. TEST_WORKERS=0 runs serially.
