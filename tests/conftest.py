@@ -3,18 +3,15 @@ certificates and credentials (``pki``, ``creds``)."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from service_procs import Service, start_service
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -118,50 +115,6 @@ def smollm2_backend(smollm2_dir: Path):
     torch.set_num_threads(1)
     yield TorchBackend.from_pretrained(smollm2_dir)
     torch.set_num_threads(before)
-
-
-class Service:
-    """A gridrl service started as a subprocess; ``address`` comes from its --ready-file."""
-
-    def __init__(self, proc: subprocess.Popen, info: dict, log_path: Path) -> None:
-        self.proc = proc
-        self.info = info
-        self.address: str = info["address"]
-        self.metrics_port: int = info["metrics_port"]
-        self.log_path = log_path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_service(argv: list[str], tmp_path: Path, name: str, timeout: float = 120,
-                  env: dict[str, str] | None = None) -> Service:
-    """Run ``argv + ['--ready-file', F]`` and wait until F appears (the server is bound)."""
-    ready = tmp_path / f"{name}.ready.json"
-    ready.unlink(missing_ok=True)
-    log_path = tmp_path / f"{name}.log"
-    cmd = [str(BIN / argv[0]), *argv[1:], "--ready-file", str(ready)]
-    proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited {proc.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{name} not ready in {timeout}s:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    return Service(proc, json.loads(ready.read_text()), log_path)
 
 
 @pytest.fixture

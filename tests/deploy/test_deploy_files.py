@@ -25,13 +25,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import click
 import pytest
 import yaml
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -545,11 +545,12 @@ def _start_unit(unit: Path, tmp_path: Path, env_file: dict[str, str], name: str,
                             env={**base, **env, **env_file,
                                  f"GRIDRL_{service}_READY_FILE": str(ready)},
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
+
+    def is_ready() -> bool:
         assert proc.poll() is None, f"{unit.name} exited {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"{unit.name} not ready:\n{log.read_text()}"
-        time.sleep(0.1)
+        return ready.exists()
+
+    wait_for(is_ready, timeout_s=120, what=f"{unit.name} to be ready", every_s=0.1)
     return proc, json.loads(ready.read_text()), log
 
 
@@ -586,17 +587,16 @@ def test_master_and_rollout_units_serve_with_their_environment(tmp_path: Path,
              "GRIDRL_ROLLOUT_THREADS": "1", "GRIDRL_ROLLOUT_LISTEN": "127.0.0.1:0",
              "GRIDRL_ROLLOUT_METRICS_PORT": "0",
              "GRIDRL_ROLLOUT_MASTER": master_info["address"]}, "rollout", pki, creds)
-        deadline = time.monotonic() + 30
-        while True:
+
+        def listed() -> list:
             out = subprocess.run([str(BIN / "gridrl-master"), "nodes", "--address",
                                   master_info["address"], "--json", *pki.flags("client"),
                                   "--auth-token-file", str(creds.files["read"])],
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
-            nodes = json.loads(out.stdout)["nodes"]
-            if nodes or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+            return json.loads(out.stdout)["nodes"]
+
+        nodes = wait_for(listed, timeout_s=30, what="the master to list the node", every_s=0.2)
         assert [n["info"]["address"] for n in nodes] == [node_info["address"]], nodes
         assert (tmp_path / "rollout" / "state" / "adapters").is_dir(), node_log.read_text()
         assert "credential 'node-1' holds" in master_log.read_text()

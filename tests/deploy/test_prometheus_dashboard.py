@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -95,22 +96,20 @@ class Prometheus:
             ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.tmp / 'data'}",
              "--web.listen-address=127.0.0.1:0", "--log.level=info"],
             stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not (bound := _LISTENING.search(self.log())):
-            assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
-            assert time.monotonic() < deadline, f"prometheus did not bind:\n{self.log()}"
-            time.sleep(0.1)
+        start = time.monotonic()
+        bound = wait_for(lambda: _LISTENING.search(self.log()), timeout_s=60,
+                         what="prometheus to bind", alive=self, every_s=0.1)
         self.url = f"http://127.0.0.1:{bound.group(1)}"
-        while True:
-            assert self.proc.poll() is None, f"prometheus exited:\n{self.log()}"
+
+        def ready() -> bool:
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready:\n{self.log()}"
-            time.sleep(0.2)
+                return False
+
+        wait_for(ready, timeout_s=max(0.0, 60 - (time.monotonic() - start)),
+                 what="prometheus to be ready", alive=self, every_s=0.2)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -131,28 +130,36 @@ class Prometheus:
 
     def wait_for(self, expr: str, what: str, timeout: float, services: list) -> None:
         """Until the instant query ``expr`` returns a series."""
-        deadline = time.monotonic() + timeout
-        while not self.query(expr):
+
+        def answered() -> bool:
+            if self.query(expr):
+                return True
             for svc in services:
                 assert svc.proc.poll() is None, f"{svc.log_path.name} exited:\n{svc.log()}"
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"--- {s.log_path.name}\n{s.log()[-3000:]}" for s in services)
-                raise AssertionError(f"{what}: {expr!r} still empty after {timeout} s\n{logs}")
-            time.sleep(0.5)
+            return False
+
+        try:
+            wait_for(answered, timeout_s=timeout, what=f"{what}: {expr!r}", every_s=0.5)
+        except AssertionError as e:
+            if not str(e).startswith("timed out"):
+                raise  # a service exited: the message has its log
+            logs = "\n".join(f"--- {s.log_path.name}\n{s.log()[-3000:]}" for s in services)
+            raise AssertionError(f"{what}: {expr!r} still empty after {timeout} s\n{logs}") \
+                from None
 
     def wait_for_rule_evaluation(self, timeout: float = 30) -> None:
         """Until every rule group has been evaluated after this call: rules run on their own
         1 s clock, so alerts read right after a scrape may still describe older samples."""
         since = time.time()
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def evaluated() -> bool:
             groups = self.api("rules")["groups"]
             stamps = [datetime.fromisoformat(g["lastEvaluation"][:26].rstrip("Z") + "+00:00")
                       .timestamp() for g in groups]
-            if groups and min(stamps) > since:
-                return
-            assert time.monotonic() < deadline, f"no rule evaluation in {timeout} s: {groups}"
-            time.sleep(0.2)
+            return bool(groups) and min(stamps) > since
+
+        wait_for(evaluated, timeout_s=timeout, what="every rule group's next evaluation",
+                 every_s=0.2)
 
     def stop(self) -> int:
         if self.proc is None:

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,9 +52,12 @@ def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_pat
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)})
     children: set[int] = set()
-    while proc.poll() is None:
+
+    def exited() -> bool:
         children.update(_children_of(proc.pid))
-        time.sleep(0.5)
+        return proc.poll() is not None
+
+    wait_for(exited, timeout_s=900, what="the demo to finish", every_s=0.5)
     out = proc.stdout.read()
     assert proc.returncode in (0, 1), out  # 1: the tiny model's eval did not climb in 3 steps
     assert "master " in out and "rollout node " in out and "step    3/3" in out
@@ -96,10 +98,12 @@ def test_demo_interrupted_stops_every_process(tiny_llama_dir: Path, tmp_path: Pa
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "TMPDIR": str(scratch)})
     children: set[int] = set()
-    deadline = time.monotonic() + 180
-    while len(children) < 3 and time.monotonic() < deadline:
+
+    def started() -> bool:
         children.update(_children_of(proc.pid))
-        time.sleep(0.2)
+        return len(children) >= 3
+
+    wait_for(started, timeout_s=180, what="the demo to start its services", every_s=0.2)
     assert len(children) >= 3, "demo did not start its services"
     # the trainer has started its run (its run directory holds its settings), so the Ctrl-C
     # lands on a running cluster, not on one still starting
@@ -108,9 +112,9 @@ def test_demo_interrupted_stops_every_process(tiny_llama_dir: Path, tmp_path: Pa
     proc.send_signal(signal.SIGINT)
     proc.wait(120)
     assert proc.returncode == 130, proc.stdout.read()
-    deadline = time.monotonic() + 10  # the init process reaps services the demo did not
-    while [c for c in children if _alive(c)] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # the init process reaps services the demo did not
+    wait_for(lambda: not [c for c in children if _alive(c)], timeout_s=10,
+             what="every service to end after Ctrl-C", every_s=0.1)
     assert not [c for c in children if _alive(c)], "Ctrl-C left processes running"
     assert list(scratch.iterdir()) == []  # nothing left in its scratch directory
 

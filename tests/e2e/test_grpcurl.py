@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from waiting import wait_for
 
 BIN = Path(sys.executable).parent
 GRPCURL = BIN / "grpcurl"
@@ -195,13 +196,13 @@ def test_trainer_through_grpcurl(service_factory, tiny_llama_dir: Path, tmp_path
     address = trainer.address
     check_reflection_and_health(address, "gridrl.v1.TrainerService", {"GetRunStatus", "WatchRun"})
     # Until the model is loaded the status is empty; then the run fills it in.
-    deadline = time.monotonic() + 180
-    status = call(address, "gridrl.v1.TrainerService/GetRunStatus")
-    while int(status.get("step", 0)) < 1:
-        assert trainer.proc.poll() is None, trainer.log()
-        assert time.monotonic() < deadline, f"no step in 180 s: {status}\n{trainer.log()}"
-        time.sleep(0.5)
+
+    def stepped() -> dict | None:
         status = call(address, "gridrl.v1.TrainerService/GetRunStatus")
+        return status if int(status.get("step", 0)) >= 1 else None
+
+    status = wait_for(stepped, timeout_s=180, what="the run's first step", alive=trainer,
+                      every_s=0.5)
     assert status["run_name"] == "grpcurl-e2e"
     assert status["run_dir"] == str(run_dir)
     assert status["state"] == "RUN_STATE_RUNNING", status

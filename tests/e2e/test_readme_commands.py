@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
@@ -163,13 +164,21 @@ def wait_for_log(shell: Shell, name: str, line: str, alive: list[subprocess.Pope
                  timeout: float = 180) -> None:
     """Wait until ``name``'s log has ``line`` (cheap: no process started while the services,
     slow to import on a loaded machine, come up); fail at once if a server died."""
-    deadline = time.monotonic() + timeout
-    while line not in shell.log(name):
+
+    def logged() -> bool:
+        if line in shell.log(name):
+            return True
         for proc in alive:
             assert proc.poll() is None, f"exited {proc.returncode} before {line!r}:\n" + \
                 shell.log(name)
-        assert time.monotonic() < deadline, f"no {line!r} in {timeout} s:\n" + shell.log(name)
-        time.sleep(0.3)
+        return False
+
+    try:
+        wait_for(logged, timeout_s=timeout, what=f"{line!r} in {name}'s log", every_s=0.3)
+    except AssertionError as e:
+        if not str(e).startswith("timed out"):
+            raise  # a server exited: the message has its log
+        raise AssertionError(f"no {line!r} in {timeout} s:\n" + shell.log(name)) from None
 
 
 def answers(shell: Shell, line: str, ok: Callable[[str], bool], what: str,

@@ -11,11 +11,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from waiting import wait_for
 
 from gridrl.common.rpc.channel import dial
 from gridrl.common.security.policy import Security
@@ -64,14 +64,14 @@ def test_master_node_and_trainer_train_over_mutual_tls_with_scoped_credentials(
                             "--adapter-root", str(tmp_path / "adapters"), *tls("node"),
                             "--authorized-tokens", authorized,
                             "--auth-token-file", str(keys / "node-a.token")], "node")
-    deadline = time.monotonic() + 60
-    while True:
+
+    def listed() -> list:
         out = _run("gridrl-master", "nodes", "--master", master.address, "--json", *ops)
         assert out.returncode == 0, out.stderr
-        nodes = json.loads(out.stdout)["nodes"]
-        if nodes or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+        return json.loads(out.stdout)["nodes"]
+
+    nodes = wait_for(listed, timeout_s=60, what="the master to list the node", alive=node,
+                     every_s=0.3)
     assert [n["info"]["address"] for n in nodes] == [node.address], (nodes, node.log())
     assert "credential 'node-a' holds" in master.log()
 
@@ -169,11 +169,10 @@ def test_servers_refuse_to_listen_beyond_loopback_unprotected(tmp_path: Path, pk
                                  "--metrics-port", "-1", "--listen", "0.0.0.0:0", *extra,
                                  "--ready-file", str(ready)], stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                assert proc.poll() is None, proc.stderr.read()
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_for(lambda ready=ready, proc=proc: ready.exists() or proc.poll() is not None,
+                     timeout_s=60,
+                     what="the master to be ready", every_s=0.1)
+            assert proc.poll() is None, proc.stderr.read()
         finally:
             proc.terminate()
             assert proc.wait(30) == 0

@@ -27,7 +27,6 @@ import hashlib
 import ipaddress
 import re
 import threading
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 from hypothesis import strategies as st
+from waiting import wait_for
 
 from gridrl.master.config import Liveness
 from gridrl.v1 import (
@@ -779,10 +779,8 @@ def push_case(cluster: Cluster, case: PushCase) -> Answer:
 
 def wait_idle(cluster: Cluster, timeout: float = DEADLINE_S) -> None:
     """Wait until the node has no request queued (cases leave none behind)."""
-    deadline = time.monotonic() + timeout
-    while cluster.node.engine.queue_depth:
-        assert time.monotonic() < deadline, "requests stayed queued"
-        time.sleep(0.01)
+    wait_for(lambda: not cluster.node.engine.queue_depth, timeout_s=timeout,
+             what="the queued requests to finish (cases leave none behind)", every_s=0.01)
 
 
 # -- credentials -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 import grpc
 from click.testing import CliRunner
 from master_helpers import node_info
+from waiting import wait_for
 
 from gridrl.common.rpc.channel import dial
 from gridrl.master.cli import main
@@ -250,15 +251,12 @@ def test_nodes_json_is_live_and_lists_the_trainer(tmp_path) -> None:
 
     try:
         node.start()
-        deadline = time.monotonic() + 30
-        while len(listing()) < 2:
-            assert time.monotonic() < deadline, listing()
-            time.sleep(0.1)
+        wait_for(lambda: len(listing()) >= 2, timeout_s=30, what="both registrants listed",
+                 every_s=0.1)
         state.update(uptime=61.5, sequence=200,
                      stored=[common_pb2.AdapterRef(name="run", version=v) for v in (1, 2)])
-        while listing("--role", "rollout")[0]["info"].get("uptime_s") != 61.5:
-            assert time.monotonic() < deadline, listing()
-            time.sleep(0.1)
+        wait_for(lambda: listing("--role", "rollout")[0]["info"].get("uptime_s") == 61.5,
+                 timeout_s=30, what="the node's updated info listed", every_s=0.1)
         (rollout,) = listing("--role", "rollout")
         assert rollout["info"]["stored_adapters"] == [{"name": "run", "version": "1"},
                                                       {"name": "run", "version": "2"}]
@@ -268,9 +266,8 @@ def test_nodes_json_is_live_and_lists_the_trainer(tmp_path) -> None:
         assert listed["info"]["adapter"]["name"] == "my-run"
         assert listed["info"]["base_model"]["model_id"] == "tiny"
         first = listed["info"]["uptime_s"]
-        while listing("--role", "trainer")[0]["info"]["uptime_s"] == first:  # heartbeats
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: listing("--role", "trainer")[0]["info"]["uptime_s"] != first,
+                 timeout_s=30, what="the trainer's next heartbeat", every_s=0.1)  # heartbeats
     finally:
         trainer.stop(deregister=True)
         node.stop(deregister=True)

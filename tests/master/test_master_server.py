@@ -13,6 +13,7 @@ import grpc
 import pytest
 from master_helpers import EXPIRE_S, HEARTBEAT_S, UNHEALTHY_S, node_info
 from prometheus_client import REGISTRY
+from waiting import wait_for
 
 from gridrl.master.config import Liveness
 from gridrl.master.registry import node_id_for
@@ -408,9 +409,8 @@ def test_watch_cancel_and_server_stop(make_master, stub_for) -> None:
     assert master.registry.watcher_count == 3
     for w in watchers[:2]:
         w.cancel()
-    deadline = time.monotonic() + 5
-    while master.registry.watcher_count > 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: master.registry.watcher_count <= 1, timeout_s=5,
+             what="the cancelled streams to unsubscribe")
     assert master.registry.watcher_count == 1  # cancelled streams left no subscriber behind
     t0 = time.monotonic()
     master.stop()  # 10 s grace, but the open stream ends at once

@@ -37,7 +37,7 @@ EXAMPLES = [
 def api(tmp_path_factory, tiny_llama_dir: Path, pki, creds) -> Iterator[dict]:
     """serve-api over TLS with the session's credentials; the SDK trusts the test CA
     (SSL_CERT_FILE) and sends the trainer token as its API key."""
-    from conftest import start_service
+    from service_procs import start_service
 
     tmp = tmp_path_factory.mktemp("serve-api")
     server = start_service(
