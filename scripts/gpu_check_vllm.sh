@@ -61,7 +61,8 @@ start_vllm vllm-raw
 "$GRIDRL_PY" - "$PORT" "$MODEL" "$WORK" <<'EOF'
 import sys
 from pathlib import Path
-from gridrl.engine.backends.vllm.backend import VllmBackend, VllmRefused
+from gridrl.engine.backends.vllm.backend import VllmBackend
+from gridrl.engine.backends.vllm.wire import VllmRefused
 port, model, work = sys.argv[1:]
 key = (Path(work) / "vllm.key").read_text().strip()
 try:

@@ -23,11 +23,9 @@ from gridrl.engine.backends.vllm.backend import (
     PROBE_TOP_K,
     DecodeInterrupted,
     VllmBackend,
-    VllmError,
-    VllmRefused,
-    VllmUnavailable,
     zero_adapter,
 )
+from gridrl.engine.backends.vllm.wire import VllmError, VllmRefused, VllmUnavailable
 from gridrl.engine.contract import AdapterLoadError, SamplingConfig, SequenceRequest
 
 TOL = 1e-4  # float32 logprobs of the same weights through two forwards

@@ -79,7 +79,7 @@ def serve(security: Security, log_level: str, ready_file: str | None, **params) 
         raise click.BadParameter(str(e), param_hint="--device/--dtype/--model") from e
     except RuntimeError as e:
         if config.backend == "vllm":
-            from gridrl.engine.backends.vllm.backend import VllmError
+            from gridrl.engine.backends.vllm.wire import VllmError
 
             if isinstance(e, VllmError):  # unreachable or refused, naming the flag to add
                 raise click.ClickException(str(e)) from e
