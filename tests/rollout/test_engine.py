@@ -14,7 +14,8 @@ from waiting import wait_for
 
 from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import SamplingConfig
-from gridrl.rollout.scheduler import Engine, GenerateJob, ServingAdapter
+from gridrl.rollout.jobs import GenerateJob, ServingAdapter
+from gridrl.rollout.scheduler import Engine
 
 T1 = SamplingConfig(max_tokens=6, temperature=1.0)
 

@@ -14,8 +14,9 @@ from engine_helpers import PROMPT
 from gridrl.common.errors import Kind, StatusError
 from gridrl.common.rpc.channel import dial
 from gridrl.engine.contract import SamplingConfig
+from gridrl.rollout.jobs import GenerateJob
 from gridrl.rollout.kv_budget import KvBudget, available_memory_bytes
-from gridrl.rollout.scheduler import Engine, GenerateJob
+from gridrl.rollout.scheduler import Engine
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 

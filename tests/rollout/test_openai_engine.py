@@ -17,7 +17,8 @@ from waiting import wait_for
 
 from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import SamplingConfig
-from gridrl.rollout.scheduler import BASE_MODEL, Engine, GenerateJob, ServingAdapter
+from gridrl.rollout.jobs import BASE_MODEL, GenerateJob, ServingAdapter
+from gridrl.rollout.scheduler import Engine
 
 
 class Sink:

@@ -10,6 +10,7 @@ import pytest
 
 from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.engine import rng
+from gridrl.rollout.jobs import BASE_MODEL, ServingAdapter
 from gridrl.rollout.openai_decode import SampleText
 from gridrl.rollout.openai_protocol import (
     OpenAIError,
@@ -17,7 +18,6 @@ from gridrl.rollout.openai_protocol import (
     parse_body,
     prepare,
 )
-from gridrl.rollout.scheduler import BASE_MODEL, ServingAdapter
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 

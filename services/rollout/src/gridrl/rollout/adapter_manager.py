@@ -55,7 +55,8 @@ from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
 from gridrl.rollout import metrics
 from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
-from gridrl.rollout.scheduler import BASE_MODEL, Engine, ServingAdapter
+from gridrl.rollout.jobs import BASE_MODEL, ServingAdapter
+from gridrl.rollout.scheduler import Engine
 from gridrl.v1 import common_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import MAX_TOP_LOGPROBS, FinishReason
-from gridrl.rollout.scheduler import GenerateJob, ServingAdapter
+from gridrl.rollout.jobs import GenerateJob, ServingAdapter
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2

@@ -47,6 +47,7 @@ from gridrl.common.security.access import Decision, authorize
 from gridrl.common.security.policy import Security, check_exposure
 from gridrl.common.security.tokens import AUTH_HEADER, AuthorizedTokens
 from gridrl.engine.contract import TopLogprobs
+from gridrl.rollout.jobs import GenerateOutcome, ServingAdapter
 from gridrl.rollout.openai_decode import SampleText
 from gridrl.rollout.openai_protocol import (
     Choice,
@@ -63,7 +64,7 @@ from gridrl.rollout.openai_protocol import (
     response_body,
     usage_chunk_body,
 )
-from gridrl.rollout.scheduler import Engine, GenerateOutcome, ServingAdapter
+from gridrl.rollout.scheduler import Engine
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 

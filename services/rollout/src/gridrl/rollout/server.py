@@ -31,8 +31,9 @@ from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
 from gridrl.rollout.adapter_store import AdapterStore
 from gridrl.rollout.cache import ephemeral_dir
 from gridrl.rollout.config import NodeConfig, adapter_root, node_name
+from gridrl.rollout.jobs import GenerateOutcome
 from gridrl.rollout.kv_budget import KvBudget
-from gridrl.rollout.scheduler import Engine, GenerateOutcome
+from gridrl.rollout.scheduler import Engine
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc

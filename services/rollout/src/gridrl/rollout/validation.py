@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gridrl.common.errors import invalid_argument
 from gridrl.engine import rng
 from gridrl.engine.contract import MIN_TEMPERATURE, SamplingConfig
-from gridrl.rollout.scheduler import GenerateJob
+from gridrl.rollout.jobs import GenerateJob
 from gridrl.v1 import rollout_pb2
 
 # Smallest non-zero temperature: logits / T must stay far from float32 overflow.

@@ -38,20 +38,7 @@ from typing import Any, TypeVar
 
 from gridrl.adapters import AdapterError, read_dir, write_dir
 from gridrl.adapters import tensors as st
-from gridrl.engine.contract import (
-    AdapterLoadError,
-    Backend,
-    DecodeInterrupted,
-    SamplingConfig,
-    SequenceRequest,
-    SequenceResult,
-    TopLogprobs,
-    check_batch,
-)
-from gridrl.engine.tokens import eos_token_ids, model_dir_configs
-from gridrl.models import ModelIdentity, model_identity
-
-from .wire import (
+from gridrl.engine.backends.vllm.wire import (
     MASKED,
     MAX_LOGPROBS,
     MAX_TEMPERATURE,
@@ -66,6 +53,18 @@ from .wire import (
     parse_completion,
     processed_logprobs_problem,
 )
+from gridrl.engine.contract import (
+    AdapterLoadError,
+    Backend,
+    DecodeInterrupted,
+    SamplingConfig,
+    SequenceRequest,
+    SequenceResult,
+    TopLogprobs,
+    check_batch,
+)
+from gridrl.engine.tokens import eos_token_ids, model_dir_configs
+from gridrl.models import ModelIdentity, model_identity
 
 log = logging.getLogger(__name__)
 if logging.getLogger("httpx").level == logging.NOTSET:  # not a line per request at INFO
