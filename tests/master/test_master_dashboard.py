@@ -18,7 +18,7 @@ from gridrl.common.rpc.channel import dial
 from gridrl.common.security.minting import revoke
 from gridrl.common.security.policy import ExposedError, Security
 from gridrl.common.security.tokens import AuthorizedTokens
-from gridrl.master.dashboard import fleet_rows
+from gridrl.master.fleet_view import fleet_rows
 from gridrl.master.server import Master
 from gridrl.v1 import registry_pb2, registry_pb2_grpc, runs_pb2, runs_pb2_grpc, trainer_pb2
 

@@ -12,12 +12,8 @@ from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.engine import rng
 from gridrl.rollout.jobs import BASE_MODEL, ServingAdapter
 from gridrl.rollout.openai_decode import SampleText
-from gridrl.rollout.openai_protocol import (
-    OpenAIError,
-    models_body,
-    parse_body,
-    prepare,
-)
+from gridrl.rollout.openai_protocol import OpenAIError, parse_body, prepare
+from gridrl.rollout.openai_responses import models_body
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 

@@ -14,7 +14,8 @@ pytest.importorskip("tinker", reason="the Tinker SDK's wire definitions (gridrl-
 from starlette.testclient import TestClient
 
 from gridrl.common.errors import invalid_argument
-from gridrl.trainer.primitives.tinker_http import TinkerFacade, app
+from gridrl.trainer.primitives.tinker_facade import TinkerFacade
+from gridrl.trainer.primitives.tinker_http import app
 from gridrl.trainer.primitives.types import ModelInfo, OptimResult
 
 ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,

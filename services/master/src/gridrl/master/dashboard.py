@@ -22,6 +22,10 @@ no data. Sign-in and sign-out refuse a cross-site ``Origin``. The page never ins
 it received as HTML (``textContent`` only) and is served with a Content-Security-Policy that
 allows only its own script.
 
+Who may see what (the credentials, the sign-in sessions) is :mod:`gridrl.master.sessions`; the
+fleet's rows and the ``dashboard-fleet`` thread are :mod:`gridrl.master.fleet_view`; this module
+serves them over HTTP.
+
 Threads: one ``dashboard-http`` thread accepts, one thread per connection serves it (the
 handshake included), and ``dashboard-fleet`` turns the registry's changes into event lines.
 They read the registry and the runs through their thread-safe methods only.
@@ -29,43 +33,29 @@ They read the registry and the runs through their thread-safe methods only.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import math
-import secrets
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from gridrl.common.security.access import GRANTS, Decision, check_bound_certificate
 from gridrl.common.security.policy import Security
-from gridrl.common.security.tokens import READ, AuthorizedTokens, Credential
+from gridrl.master.fleet_view import FleetWatch, fleet_rows
 from gridrl.master.registry import (
-    CHANGED,
-    JOINED,
-    REMOVED,
-    UNHEALTHY,
-    NodeFilter,
     Registry,
 )
-from gridrl.master.runs import Runs, enum_name
-from gridrl.v1 import common_pb2, runs_pb2
+from gridrl.master.runs import Runs
+from gridrl.master.sessions import SESSION_TTL_S, Sessions, decide
 
 log = logging.getLogger(__name__)
 
 SESSION_COOKIE = "gridrl_session"
-SESSION_TTL_S = 12 * 3600.0
-MAX_SESSIONS = 1000
-GONE_KEPT_S = 600.0  # how long a node that left or expired stays on the page
 FLUSH_EVERY_S = 5.0  # runs written to the store at most this often
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
@@ -76,210 +66,6 @@ _STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript;
 
 def _asset(name: str) -> bytes:
     return resources.files("gridrl.master").joinpath("static", name).read_bytes()
-
-
-# ---------------------------------------------------------------------------- credentials
-
-
-@dataclass
-class _Session:
-    credential_id: str
-    digest: str  # the credential's token digest: a new token under the same id ends it
-    expires: float
-
-
-class Sessions:
-    """Signed-in browsers: sha256 of each session cookie -> the credential it stands for.
-    At most :data:`MAX_SESSIONS` (the oldest goes first), each for :data:`SESSION_TTL_S`."""
-
-    def __init__(self, clock=time.monotonic) -> None:
-        self._lock = threading.Lock()
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._clock = clock
-
-    @staticmethod
-    def _key(cookie: str) -> str:
-        return hashlib.sha256(cookie.encode()).hexdigest()
-
-    def open(self, credential: Credential) -> str:
-        """A new session cookie value for ``credential``."""
-        cookie = secrets.token_urlsafe(32)
-        with self._lock:
-            self._sessions[self._key(cookie)] = _Session(credential.id, credential.digest,
-                                                         self._clock() + SESSION_TTL_S)
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-        return cookie
-
-    def close(self, cookie: str) -> None:
-        with self._lock:
-            self._sessions.pop(self._key(cookie), None)
-
-    def credential(self, cookie: str, tokens: AuthorizedTokens) -> Credential | None:
-        """The credential of a live session, if it is still in force with the same token."""
-        with self._lock:
-            session = self._sessions.get(self._key(cookie))
-            if session is not None and session.expires < self._clock():
-                del self._sessions[self._key(cookie)]
-                session = None
-        if session is None:
-            return None
-        return next((c for c in tokens.credentials if c.id == session.credential_id
-                     and hmac.compare_digest(c.digest, session.digest)), None)
-
-
-def decide(tokens: AuthorizedTokens | None, credential: Credential | None, presented: bool,
-           peer_pem: bytes | None) -> tuple[int, str, Credential | None]:
-    """HTTP status of a request to a protected path: 200 with the credential, 401 without a
-    (known) one, 403 for a scope that does not grant ``read``. ``presented``: the request
-    carried a token or cookie at all (for the message); ``peer_pem``: the client certificate
-    of the connection (a credential bound to one needs it)."""
-    if tokens is None:
-        return 200, "", None
-    if credential is None:
-        return 401, ("credential not recognised (revoked, mistyped, expired session, or minted "
-                     "for another cluster)" if presented else
-                     "sign in with a read credential (or send 'Authorization: Bearer <token>')"), None
-    checked = check_bound_certificate(Decision(credential=credential), "dashboard", peer_pem)
-    if checked.code is not None:
-        return 401, checked.message, None
-    if READ not in GRANTS[credential.scope]:
-        return 403, (f"credential {credential.id!r} has scope {credential.scope}; the dashboard "
-                     "needs scope read (or trainer)"), None
-    return 200, "", credential
-
-
-# ---------------------------------------------------------------------------------- fleet
-
-
-def _kl_level(view: dict[str, Any]) -> str:
-    """``flagged``, ``over`` (above the bound), ``near`` (above half of it), ``ok`` or ``-``."""
-    if view.get("flagged"):
-        return "flagged"
-    kl, bound = view.get("mismatch_kl"), view.get("mismatch_kl_bound") or 0.0
-    if kl is None or bound <= 0:
-        return "-"
-    return "over" if kl > bound else "near" if kl > bound / 2 else "ok"
-
-
-def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, dict[str, Any]],
-               now: float) -> list[dict[str, Any]]:
-    """One row per node and trainer: the registry's record (``records``, NodeRecords) joined
-    with the trainers' views of it (``runs``: :meth:`Runs.summaries`, newest first: the first
-    run that knows a node gives its trainer-side columns), plus nodes that left or expired
-    lately (``gone``: address -> their last row) and nodes only a trainer knows (--rollout)."""
-    rows: dict[str, dict[str, Any]] = {}
-    for record in records:
-        info = record.info
-        seen = record.last_seen.ToNanoseconds() / 1e9
-        healthy = record.status != UNHEALTHY
-        rows[info.address] = {
-            "node_id": record.node_id, "address": info.address,
-            "role": enum_name(common_pb2.NodeRole, info.role),
-            "backend": enum_name(common_pb2.Backend, info.backend) if info.backend else "",
-            "adapter_format": (enum_name(common_pb2.AdapterFormat, info.adapter_format)
-                               if info.adapter_format else ""),
-            "health": enum_name(common_pb2.NodeStatus, record.status),
-            "last_seen_s": max(0.0, now - seen),
-            "policy_version": info.adapter.version, "adapter": info.adapter.name,
-            "queue": info.queue_depth, "load": record.load, "capacity": info.capacity,
-            "uptime_s": info.uptime_s + (max(0.0, now - seen) if healthy else 0.0),
-            "device": info.device, "dtype": info.dtype, "model": info.base_model.model_id,
-        }
-    for address, row in gone.items():
-        rows.setdefault(address, dict(row))
-    for run in reversed(runs):  # the newest run's view wins
-        for view in run.get("nodes", ()):
-            row = rows.setdefault(view["address"], {
-                "node_id": "", "address": view["address"], "role": "rollout",
-                "health": "unregistered", "policy_version": view["policy_version"]})
-            row["trainer_view"] = {**view, "run_name": run.get("run_name", ""),
-                                   "run_id": run.get("run_id", ""),
-                                   "kl_level": _kl_level(view)}
-        address = run.get("trainer_address")
-        if address and address in rows and rows[address].get("role") == "trainer":
-            rows[address]["run"] = {"run_id": run["run_id"], "run_name": run["run_name"],
-                                    "state": run["state"], "last_step": run["last_step"],
-                                    "total_steps": run["total_steps"]}
-    return sorted(rows.values(), key=lambda r: (r.get("role") != "trainer", r["address"]))
-
-
-class FleetWatch:
-    """The ``dashboard-fleet`` thread: registry changes -> fleet event lines in ``runs``, and
-    the nodes that left or expired lately (:meth:`gone`)."""
-
-    def __init__(self, registry: Registry, runs: Runs) -> None:
-        self._registry = registry
-        self._runs = runs
-        self._lock = threading.Lock()
-        self._status: dict[str, int] = {}
-        self._gone: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._sub = registry.subscribe(NodeFilter())
-        self._thread = threading.Thread(target=self._run, name="dashboard-fleet", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._sub.close()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def gone(self) -> dict[str, dict[str, Any]]:
-        """address -> its last row, for nodes that left or expired in the last 10 minutes."""
-        now = time.monotonic()
-        with self._lock:
-            for address in [a for a, (t, _) in self._gone.items() if now - t > GONE_KEPT_S]:
-                del self._gone[address]
-            return {a: row for a, (_, row) in self._gone.items()}
-
-    def _run(self) -> None:
-        while True:
-            try:
-                event = self._sub.get()
-            except Exception:  # fell behind: watch again
-                log.warning("dashboard: registry watch fell behind; watching again")
-                self._sub = self._registry.subscribe(NodeFilter())
-                continue
-            if event is None:
-                return
-            if event.node is not None:
-                self._apply(event.type, event.node)
-
-    def _apply(self, kind: int, record: Any) -> None:
-        address, role = record.info.address, enum_name(common_pb2.NodeRole, record.info.role)
-        before = self._status.get(record.node_id)
-        what = f"{role} {address}"
-        if kind == JOINED:
-            backend = (f" ({enum_name(common_pb2.Backend, record.info.backend)})"
-                       if record.info.backend else "")
-            self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
-                                   f"{what} joined{backend}")
-        elif kind == CHANGED and before is not None and before != record.status:
-            if record.status == UNHEALTHY:
-                self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_UNHEALTHY, address,
-                                       f"{what} unhealthy: no heartbeat")
-            elif before == UNHEALTHY:
-                self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
-                                       f"{what} back: heartbeating again")
-        elif kind == CHANGED and before is None:  # re-registered after a restart
-            self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
-                                   f"{what} registered again")
-        elif kind == REMOVED:
-            expired = record.status == UNHEALTHY
-            self._runs.fleet_event(
-                runs_pb2.RUN_EVENT_KIND_NODE_EXPIRED if expired else
-                runs_pb2.RUN_EVENT_KIND_NODE_LEFT, address,
-                f"{what} {'expired: silent past --expire-after' if expired else 'left'}")
-            row = fleet_rows([record], [], {}, time.time())[0]
-            row["health"] = "expired" if expired else "left"
-            with self._lock:
-                self._gone[address] = (time.monotonic(), row)
-            self._status.pop(record.node_id, None)
-            return
-        self._status[record.node_id] = record.status
-        with self._lock:
-            self._gone.pop(address, None)
 
 
 # ---------------------------------------------------------------------------------- HTTP

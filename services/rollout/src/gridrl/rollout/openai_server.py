@@ -49,18 +49,15 @@ from gridrl.common.security.tokens import AUTH_HEADER, AuthorizedTokens
 from gridrl.engine.contract import TopLogprobs
 from gridrl.rollout.jobs import GenerateOutcome, ServingAdapter
 from gridrl.rollout.openai_decode import SampleText
-from gridrl.rollout.openai_protocol import (
+from gridrl.rollout.openai_protocol import OpenAIError, Prepared, parse_body, prepare
+from gridrl.rollout.openai_responses import (
     Choice,
     Echo,
     Named,
-    OpenAIError,
-    Prepared,
     chunk_body,
     models_body,
     new_id,
     now,
-    parse_body,
-    prepare,
     response_body,
     usage_chunk_body,
 )

@@ -4,8 +4,8 @@ saved states and snapshots for sampling, and samples routed to the rollout nodes
 
 Read top-down: ``serve.py`` (the command: one gRPC server, one HTTP server) ->
 ``grpc_servicer.py`` (``TrainingService``, protos/gridrl/v1/primitives.proto) and
-``tinker_http.py`` (the Tinker-compatible REST facade, its wire format in ``tinker_wire.py``)
--> ``service.py`` (:class:`~gridrl.trainer.primitives.service.PrimitivesService`: sessions,
+``tinker_http.py`` (the Tinker-compatible REST endpoints; what they mean in
+``tinker_facade.py``, their wire format in ``tinker_wire.py``) -> ``service.py`` (:class:`~gridrl.trainer.primitives.service.PrimitivesService`: sessions,
 the model thread, sampling routes) -> ``model.py`` (the framework seam; torch:
 ``torch_model.py``). Pure pieces, tested without RPC or threads:
 ``types.py`` (datums, losses, Adam and sampling settings, their checks), ``ordering.py`` (a

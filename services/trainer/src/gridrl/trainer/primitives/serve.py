@@ -91,7 +91,7 @@ def serve(settings: ApiSettings, *, listen: str, metrics_port: int, security: An
     from gridrl.common.address import parse_listen
     from gridrl.common.cli import write_ready_file
     from gridrl.common.rpc.server import GrpcServer
-    from gridrl.trainer.primitives import grpc_servicer, tinker_http
+    from gridrl.trainer.primitives import grpc_servicer, tinker_facade, tinker_http
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -102,9 +102,9 @@ def serve(settings: ApiSettings, *, listen: str, metrics_port: int, security: An
         server = GrpcServer(listen, metrics_port=metrics_port, security=security, grace_s=2.0)
         grpc_servicer.add_to(server, service)
         server.start()
-        facade = tinker_http.TinkerFacade(service, base_model=settings.model,
-                                          authorized=security.authorized,
-                                          session_timeout_s=settings.session_timeout_s)
+        facade = tinker_facade.TinkerFacade(service, base_model=settings.model,
+                                            authorized=security.authorized,
+                                            session_timeout_s=settings.session_timeout_s)
         tls = security.tls
         http = tinker_http.HttpServer(facade, host, port, tls=(tls.cert, tls.key)
                                       if tls.serves_tls else None).start()

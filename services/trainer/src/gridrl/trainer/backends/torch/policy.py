@@ -22,7 +22,7 @@ import torch
 
 from gridrl.adapters.tensors import FLOAT_CODES, Tensor, dump
 from gridrl.common.errors import invalid_argument
-from gridrl.engine.backends.torch.backend import DeviceError, pick_device
+from gridrl.engine.backends.torch.device import DeviceError, pick_device
 from gridrl.models import ModelIdentity, model_identity, resolve_model
 from gridrl.trainer.backends.base import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSettings
 
@@ -41,7 +41,7 @@ def peft_lora_config(lora: LoraSettings) -> Any:
 
 def torch_device(device: str = "auto") -> torch.device:
     """The trainer's torch device of ``--device``: the engine's
-    (:func:`gridrl.engine.backends.torch.backend.pick_device`; ``"auto"``: ``cuda:$LOCAL_RANK``
+    (:func:`gridrl.engine.backends.torch.device.pick_device`; ``"auto"``: ``cuda:$LOCAL_RANK``
     when CUDA is available, else the CPU).
 
     Raises:

@@ -1,0 +1,155 @@
+"""The fleet as the dashboard shows it: one row per node and trainer (fleet_rows: the registry's
+records joined with the trainers' views of them, nodes that left lately included) and the
+dashboard-fleet thread (FleetWatch) that turns the registry's changes into fleet event lines and
+remembers the nodes that left or expired."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from gridrl.master.registry import (
+    CHANGED,
+    JOINED,
+    REMOVED,
+    UNHEALTHY,
+    NodeFilter,
+    Registry,
+)
+from gridrl.master.runs import Runs, enum_name
+from gridrl.v1 import common_pb2, runs_pb2
+
+log = logging.getLogger(__name__)
+GONE_KEPT_S = 600.0  # how long a node that left or expired stays on the page
+
+
+def _kl_level(view: dict[str, Any]) -> str:
+    """``flagged``, ``over`` (above the bound), ``near`` (above half of it), ``ok`` or ``-``."""
+    if view.get("flagged"):
+        return "flagged"
+    kl, bound = view.get("mismatch_kl"), view.get("mismatch_kl_bound") or 0.0
+    if kl is None or bound <= 0:
+        return "-"
+    return "over" if kl > bound else "near" if kl > bound / 2 else "ok"
+
+
+def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, dict[str, Any]],
+               now: float) -> list[dict[str, Any]]:
+    """One row per node and trainer: the registry's record (``records``, NodeRecords) joined
+    with the trainers' views of it (``runs``: :meth:`Runs.summaries`, newest first: the first
+    run that knows a node gives its trainer-side columns), plus nodes that left or expired
+    lately (``gone``: address -> their last row) and nodes only a trainer knows (--rollout)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for record in records:
+        info = record.info
+        seen = record.last_seen.ToNanoseconds() / 1e9
+        healthy = record.status != UNHEALTHY
+        rows[info.address] = {
+            "node_id": record.node_id, "address": info.address,
+            "role": enum_name(common_pb2.NodeRole, info.role),
+            "backend": enum_name(common_pb2.Backend, info.backend) if info.backend else "",
+            "adapter_format": (enum_name(common_pb2.AdapterFormat, info.adapter_format)
+                               if info.adapter_format else ""),
+            "health": enum_name(common_pb2.NodeStatus, record.status),
+            "last_seen_s": max(0.0, now - seen),
+            "policy_version": info.adapter.version, "adapter": info.adapter.name,
+            "queue": info.queue_depth, "load": record.load, "capacity": info.capacity,
+            "uptime_s": info.uptime_s + (max(0.0, now - seen) if healthy else 0.0),
+            "device": info.device, "dtype": info.dtype, "model": info.base_model.model_id,
+        }
+    for address, row in gone.items():
+        rows.setdefault(address, dict(row))
+    for run in reversed(runs):  # the newest run's view wins
+        for view in run.get("nodes", ()):
+            row = rows.setdefault(view["address"], {
+                "node_id": "", "address": view["address"], "role": "rollout",
+                "health": "unregistered", "policy_version": view["policy_version"]})
+            row["trainer_view"] = {**view, "run_name": run.get("run_name", ""),
+                                   "run_id": run.get("run_id", ""),
+                                   "kl_level": _kl_level(view)}
+        address = run.get("trainer_address")
+        if address and address in rows and rows[address].get("role") == "trainer":
+            rows[address]["run"] = {"run_id": run["run_id"], "run_name": run["run_name"],
+                                    "state": run["state"], "last_step": run["last_step"],
+                                    "total_steps": run["total_steps"]}
+    return sorted(rows.values(), key=lambda r: (r.get("role") != "trainer", r["address"]))
+
+
+class FleetWatch:
+    """The ``dashboard-fleet`` thread: registry changes -> fleet event lines in ``runs``, and
+    the nodes that left or expired lately (:meth:`gone`)."""
+
+    def __init__(self, registry: Registry, runs: Runs) -> None:
+        self._registry = registry
+        self._runs = runs
+        self._lock = threading.Lock()
+        self._status: dict[str, int] = {}
+        self._gone: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._sub = registry.subscribe(NodeFilter())
+        self._thread = threading.Thread(target=self._run, name="dashboard-fleet", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._sub.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def gone(self) -> dict[str, dict[str, Any]]:
+        """address -> its last row, for nodes that left or expired in the last 10 minutes."""
+        now = time.monotonic()
+        with self._lock:
+            for address in [a for a, (t, _) in self._gone.items() if now - t > GONE_KEPT_S]:
+                del self._gone[address]
+            return {a: row for a, (_, row) in self._gone.items()}
+
+    def _run(self) -> None:
+        while True:
+            try:
+                event = self._sub.get()
+            except Exception:  # fell behind: watch again
+                log.warning("dashboard: registry watch fell behind; watching again")
+                self._sub = self._registry.subscribe(NodeFilter())
+                continue
+            if event is None:
+                return
+            if event.node is not None:
+                self._apply(event.type, event.node)
+
+    def _apply(self, kind: int, record: Any) -> None:
+        address, role = record.info.address, enum_name(common_pb2.NodeRole, record.info.role)
+        before = self._status.get(record.node_id)
+        what = f"{role} {address}"
+        if kind == JOINED:
+            backend = (f" ({enum_name(common_pb2.Backend, record.info.backend)})"
+                       if record.info.backend else "")
+            self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
+                                   f"{what} joined{backend}")
+        elif kind == CHANGED and before is not None and before != record.status:
+            if record.status == UNHEALTHY:
+                self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_UNHEALTHY, address,
+                                       f"{what} unhealthy: no heartbeat")
+            elif before == UNHEALTHY:
+                self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
+                                       f"{what} back: heartbeating again")
+        elif kind == CHANGED and before is None:  # re-registered after a restart
+            self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
+                                   f"{what} registered again")
+        elif kind == REMOVED:
+            expired = record.status == UNHEALTHY
+            self._runs.fleet_event(
+                runs_pb2.RUN_EVENT_KIND_NODE_EXPIRED if expired else
+                runs_pb2.RUN_EVENT_KIND_NODE_LEFT, address,
+                f"{what} {'expired: silent past --expire-after' if expired else 'left'}")
+            row = fleet_rows([record], [], {}, time.time())[0]
+            row["health"] = "expired" if expired else "left"
+            with self._lock:
+                self._gone[address] = (time.monotonic(), row)
+            self._status.pop(record.node_id, None)
+            return
+        self._status[record.node_id] = record.status
+        with self._lock:
+            self._gone.pop(address, None)
