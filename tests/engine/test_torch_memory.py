@@ -108,6 +108,7 @@ def test_packing_a_mapped_weight_hands_its_pages_back_chunk_by_chunk(
     values, and every source row's pages handed back, in more than one chunk (the source
     and the packed copy are never both resident in full)."""
     from gridrl.engine.backends.torch import cpu_kernels
+    from gridrl.engine.backends.torch.cpu_kernels import kernels
 
     rows, cols = 2 * 8200, 576  # ~38 MB: several 8 MB chunks, a width not a multiple of 16
     data = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
@@ -123,7 +124,7 @@ def test_packing_a_mapped_weight_hands_its_pages_back_chunk_by_chunk(
         chunks.extend(((t.data_ptr() - base) // (4 * cols), t.shape[0]) for t in tensors)
         return drop_mapped_pages(tensors)
 
-    monkeypatch.setattr(cpu_kernels, "drop_mapped_pages", record)
+    monkeypatch.setattr(kernels, "drop_mapped_pages", record)  # what pack_weight calls
     packed = cpu_kernels.pack_weight(mapped, swiglu=swiglu, in_scale=scale, drop_source=True)
     want = cpu_kernels.pack_weight(torch.from_numpy(data), swiglu=swiglu, in_scale=scale)
     assert torch.equal(packed, want)

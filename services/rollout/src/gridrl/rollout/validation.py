@@ -1,4 +1,4 @@
-"""Generate requests -> validated :class:`~gridrl.rollout.scheduler.GenerateJob`: every
+"""Generate requests -> validated :class:`~gridrl.rollout.jobs.GenerateJob`: every
 INVALID_ARGUMENT a Generate call can get, each naming its field.
 
 Proto zero values are read as documented in ``common.proto``: ``n`` 0 is 1, unset ``top_p`` is

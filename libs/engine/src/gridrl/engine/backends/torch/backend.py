@@ -44,14 +44,11 @@ import torch
 
 from gridrl.engine import rng
 from gridrl.engine.backends.torch import cpu_kernels
-from gridrl.engine.backends.torch.adapters import (
-    LoraSource,
-    check_fits,
-    choose_strategy,
-)
+from gridrl.engine.backends.torch.adapters import choose_strategy
 from gridrl.engine.backends.torch.cores import ThreadGovernor
 from gridrl.engine.backends.torch.device import pick_device, pick_dtype
 from gridrl.engine.backends.torch.llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch.lora_source import LoraSource, check_fits
 from gridrl.engine.backends.torch.memory import trim_heap
 from gridrl.engine.backends.torch.prefix_cache import PrefixCache
 from gridrl.engine.backends.torch.sampling import RowSampling, draw_tokens, transform_logits
