@@ -14,10 +14,10 @@ from gridrl.master.registry import (
     REMOVED,
     SNAPSHOT,
     SNAPSHOT_END,
-    NodeFilter,
     Registry,
     node_id_for,
 )
+from gridrl.master.subscriptions import NodeFilter
 from gridrl.v1 import common_pb2, registry_pb2
 
 ROLLOUT, TRAINER = common_pb2.NODE_ROLE_ROLLOUT, common_pb2.NODE_ROLE_TRAINER

@@ -10,15 +10,9 @@ import threading
 import time
 from typing import Any
 
-from gridrl.master.registry import (
-    CHANGED,
-    JOINED,
-    REMOVED,
-    UNHEALTHY,
-    NodeFilter,
-    Registry,
-)
+from gridrl.master.registry import CHANGED, JOINED, REMOVED, UNHEALTHY, Registry
 from gridrl.master.runs import Runs, enum_name
+from gridrl.master.subscriptions import NodeFilter
 from gridrl.v1 import common_pb2, runs_pb2
 
 log = logging.getLogger(__name__)

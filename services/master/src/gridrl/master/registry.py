@@ -31,13 +31,13 @@ import hashlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gridrl.common.errors import Kind, StatusError, not_found, resource_exhausted
 from gridrl.master.config import Liveness
+from gridrl.master.subscriptions import NodeEvent, NodeFilter, Subscription
 from gridrl.v1 import common_pb2, registry_pb2
 
 log = logging.getLogger(__name__)
@@ -60,33 +60,6 @@ def node_id_for(address: str) -> str:
     return "n-" + hashlib.sha256(address.encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class NodeFilter:
-    """Fields a record must match; 0 / "" match everything."""
-
-    role: int = 0
-    backend: int = 0
-    model_id: str = ""
-    status: int = 0
-
-    def matches(self, record: NodeRecord) -> bool:
-        info = record.info
-        return ((not self.role or info.role == self.role)
-                and (not self.backend or info.backend == self.backend)
-                and (not self.model_id or info.base_model.model_id == self.model_id)
-                and (not self.status or record.status == self.status))
-
-
-@dataclass(frozen=True)
-class NodeEvent:
-    """One registry change as a watcher sees it. ``node`` is a private copy (None for
-    SNAPSHOT_END); never mutate it, it is shared by every subscriber."""
-
-    type: int
-    sequence: int
-    node: NodeRecord | None
-
-
 @dataclass
 class SweepResult:
     """Records :meth:`Registry.sweep` marked UNHEALTHY and records it removed."""
@@ -103,84 +76,6 @@ class RecordStore(Protocol):
     def put(self, records: Iterable[NodeRecord]) -> None: ...
 
     def delete(self, node_ids: Iterable[str]) -> None: ...
-
-
-class Subscription:
-    """A watcher's queue of :class:`NodeEvent`, fed by the registry in sequence order.
-
-    Read with :meth:`get`; :meth:`close` (idempotent, any thread) wakes a blocked reader, drops
-    what is queued and detaches the queue from the registry; :meth:`end` (the master stopping)
-    takes no new event but lets the reader drain what is queued first. A reader more than
-    ``max_pending`` events behind is dropped: its next :meth:`get` raises RESOURCE_EXHAUSTED.
-    """
-
-    def __init__(self, node_filter: NodeFilter, max_pending: int,
-                 on_close: Callable[[Subscription], None]) -> None:
-        self.filter = node_filter
-        self._max_pending = max_pending
-        self._on_close = on_close
-        self._cond = threading.Condition()
-        self._events: deque[NodeEvent] = deque()
-        self._closed = False
-        self._ended = False  # no new events; get() drains the queue, then returns None
-        self._overflowed = False
-
-    @property
-    def closed(self) -> bool:
-        """True once closed by the reader or an overflow, or ended by the registry (its queued
-        events may still be read)."""
-        return self._closed or self._ended
-
-    def get(self, timeout: float | None = None) -> NodeEvent | None:
-        """The next event, blocking up to ``timeout`` seconds (None: until one comes).
-
-        Returns None when the subscription is closed (check :attr:`closed`), when it was
-        ended and its queue is drained, or on timeout.
-
-        Raises:
-            StatusError: RESOURCE_EXHAUSTED when the reader fell ``max_pending`` events behind.
-        """
-        with self._cond:
-            if not self._events and not self._closed and not self._ended:
-                self._cond.wait_for(lambda: self._events or self._closed or self._ended, timeout)
-            if self._overflowed:
-                raise resource_exhausted(
-                    f"watch fell more than {self._max_pending} events behind; watch again")
-            if self._closed or not self._events:
-                return None
-            return self._events.popleft()
-
-    def end(self) -> None:
-        """Take no new event and wake a blocked :meth:`get`; events already queued are still
-        returned, then None (a clean end of the stream). Idempotent, thread-safe."""
-        with self._cond:
-            self._ended = True
-            self._cond.notify_all()
-        self._on_close(self)
-
-    def close(self) -> None:
-        """Stop the subscription and wake a blocked :meth:`get`. Idempotent, thread-safe."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._events.clear()
-            self._cond.notify_all()
-        self._on_close(self)
-
-    def _push(self, event: NodeEvent, bounded: bool = True) -> bool:
-        """Queue ``event`` (registry lock held). False when closed or just overflowed."""
-        with self._cond:
-            if self._closed or self._ended:
-                return False
-            if bounded and len(self._events) >= self._max_pending:
-                self._overflowed = self._closed = True
-                self._events.clear()
-                self._cond.notify_all()
-                return False
-            self._events.append(event)
-            self._cond.notify()
-            return True
 
 
 @dataclass
@@ -399,10 +294,10 @@ class Registry:
                 raise resource_exhausted(f"too many watchers (at most {self._max_watchers})")
             for entry in sorted(self._entries.values(), key=lambda e: e.sequence):
                 if node_filter.matches(entry.record):
-                    sub._push(NodeEvent(SNAPSHOT, entry.sequence, _copy(entry.record)),
+                    sub.push(NodeEvent(SNAPSHOT, entry.sequence, _copy(entry.record)),
                               bounded=False)
             self._sequence += 1
-            sub._push(NodeEvent(SNAPSHOT_END, self._sequence, None), bounded=False)
+            sub.push(NodeEvent(SNAPSHOT_END, self._sequence, None), bounded=False)
             self._subs.add(sub)
         return sub
 
@@ -456,7 +351,7 @@ class Registry:
                 kind_for_sub = kind
             else:
                 continue
-            if not sub._push(NodeEvent(kind_for_sub, self._sequence, node)):
+            if not sub.push(NodeEvent(kind_for_sub, self._sequence, node)):
                 dropped.append(sub)
         for sub in dropped:
             self._subs.discard(sub)

@@ -23,11 +23,12 @@ from gridrl.common.security.tokens import NODE, TRAINER, AuthorizedTokens, Crede
 from gridrl.master import metrics
 from gridrl.master.claims import Claims, claim_key
 from gridrl.master.config import Liveness
-from gridrl.master.registry import NodeFilter, Registry
+from gridrl.master.registry import Registry
 from gridrl.master.reports import SERVICE_NAME as REPORT_SERVICE_NAME
 from gridrl.master.reports import RunReportServicer
 from gridrl.master.runs import Runs
 from gridrl.master.store import NO_STORE, SqliteStore
+from gridrl.master.subscriptions import NodeFilter
 from gridrl.master.validate import (
     validate_filter,
     validate_heartbeat,
