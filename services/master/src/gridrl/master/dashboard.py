@@ -68,9 +68,6 @@ def _asset(name: str) -> bytes:
     return resources.files("gridrl.master").joinpath("static", name).read_bytes()
 
 
-# ---------------------------------------------------------------------------------- HTTP
-
-
 def _finite(obj: Any) -> Any:
     """``obj`` with every float that JSON cannot carry replaced by None."""
     if isinstance(obj, float):

@@ -48,9 +48,6 @@ API = "/api/v1"
 KEY_HEADER = "x-api-key"
 
 
-# ---------------------------------------------------------------------------- HTTP
-
-
 def app(facade: TinkerFacade) -> Any:
     """The Starlette application of ``facade``."""
     from starlette.applications import Starlette
