@@ -68,7 +68,7 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
     out = log_path.read_text()
     line = next(ln for ln in out.splitlines() if "waiting for 1 rollout node(s)" in ln)
     assert re.fullmatch(r"waiting for 1 rollout node\(s\) \(0 ready\) for \d+s, \d+s left "
-                        r"\(--node-wait-s\): master 127\.0\.0\.1:\d+ \(.+\)", line), line
+                        r"\(--start-wait-s\): master 127\.0\.0\.1:\d+ \(.+\)", line), line
     assert ("SIGINT: stopping before step 1 once the setup in progress (model load, node "
             "wait, baseline eval) ends; Ctrl-C again aborts") in out
     assert f"master {master}: not reachable yet" in out
