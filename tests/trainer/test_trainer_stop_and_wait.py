@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,5 +122,9 @@ def test_failed_run_checkpoints_the_steps_it_finished(tiny_llama_dir, tmp_path,
     out = log_path.read_text()
     last = max(r["step"] for r in step_records(run_dir))
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last:06d}", out[-3000:]
-    assert (f"run failed after step {last} (RuntimeError); checkpointed it: continue with: "
-            f"gridrl-trainer run --resume {run_dir}") in out
+    hint = re.search(rf"run failed after step {last} \(RuntimeError\); checkpointed it: "
+                     rf"continue with: (\S+) run --resume {re.escape(str(run_dir))}$", out, re.M)
+    assert hint, out[-3000:]
+    own = (Path(sys.executable).parent / "gridrl-trainer").resolve()  # the trainer that ran
+    assert (Path(shutil.which(hint.group(1)) or "/") if "/" not in hint.group(1)
+            else Path(hint.group(1))).resolve() == own, hint.group(1)
