@@ -389,6 +389,11 @@ def test_the_readme_own_task_runs_as_written(shell_factory, tiny_llama_dir: Path
     assert all(set(r["reward_funcs"]) == {"upper"} for r in records if r.get("step"))
     evals = [r for r in records if r.get("eval_score") is not None]
     assert evals and all(r["eval_n"] == 16 for r in evals), evals  # 16 rows held out
+    # the eval scores with the run's own reward (upper), as the README says, and names it
+    assert all(r["eval_scorer"] == "reward upper (upper_reward.py)" for r in evals), evals
+    assert all(e["score"] in (0.0, 0.5, 1.0) for r in evals for e in r["eval_examples"])
+    assert summary["eval_scorer"] == "reward upper (upper_reward.py)"
+    assert summary["final_eval_exact"] is not None
 
 
 @pytest.mark.slow
