@@ -141,3 +141,10 @@ def test_the_plot_shows_the_step_time_split(tmp_path):
     path = plot_run(records, tmp_path / "plot.png", baseline=0.1, baseline_exact=0.0,
                     title="run", scorer="reward upper (upper_reward.py)")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the dashboard gets the exact-match rate with the step that evaluated, not the others
+    from gridrl.trainer.report.status import step_report
+    from gridrl.trainer.report.to_master import step_message
+
+    assert step_message(records[1]).eval_exact == 0.25
+    assert not step_message(records[0]).HasField("eval_exact")
+    assert step_report(records[1]).eval_exact == 0.25
