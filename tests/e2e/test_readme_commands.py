@@ -462,3 +462,18 @@ def live_openai_node(tiny_llama_dir: Path, tmp_path: Path):
         yield node, backend.identity.model_id
     finally:
         node.stop(0)
+
+
+def test_the_quick_start_holds_instructions_not_dated_figures() -> None:
+    """The set-up path stays short: no dates, commit hashes or CPU models in it (measured
+    figures live in docs/benchmarks.md, which it points to), and it says what the eval's
+    score is."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Set-up on a fresh machine")
+    section = text[start:text.index("### By hand, on one machine", start)]
+    assert not re.search(r"\b20\d\d-\d\d(-\d\d)?\b|\b(19|20)\d\d\b", section), "a date"
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", section), \
+        "a commit hash"
+    assert not re.search(r"Xeon|EPYC|Ryzen|Core i\d|Apple M\d|GHz|vCPU", section), "a CPU model"
+    assert "docs/benchmarks.md" in section
+    assert "exact reversal" in section and "not 77% correct" in section
