@@ -303,7 +303,8 @@ class JsonlTask:
     def score(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         if not self.has_answer:
             raise ValueError(f"{self.name}: rows have no {self.answer_column!r} column to score "
-                             "against")
+                             "against; score them with --reward-file, or name the answer "
+                             "column with --answer-column")
         return similarity_reward(prompts, completions, **columns)
 
 
