@@ -160,22 +160,24 @@ def test_the_two_node_waits_have_distinct_names_and_the_former_ones_still_work(m
     seen = {}
 
     def fake_build(ctx, params):
-        seen.update(params)
+        seen.update(params, source=ctx.get_parameter_source("node_wait_s").name)
         raise invalid_argument("--x", "stop here")
 
     monkeypatch.setattr(cli, "build_config", fake_build)
     runner = CliRunner()
+    # (the source: --resume takes a wait given under either name over the saved one)
     for args, env, want in (
-            (["--node-wait-s", "7", "--wait-for-nodes-s", "9"], {}, (7.0, 9.0)),
+            (["--node-wait-s", "7", "--wait-for-nodes-s", "9"], {}, (7.0, 9.0, "COMMANDLINE")),
             ([], {"GRIDRL_TRAINER_NODE_WAIT_S": "5", "GRIDRL_TRAINER_WAIT_FOR_NODES_S": "6"},
-             (5.0, 6.0)),
+             (5.0, 6.0, "ENVIRONMENT")),
             (["--start-wait-s", "1", "--node-wait-s", "7", "--outage-wait-s", "2"], {},
-             (1.0, 2.0)),
-            ([], {}, (120.0, 300.0))):
+             (1.0, 2.0, "COMMANDLINE")),
+            ([], {}, (120.0, 300.0, "DEFAULT"))):
         seen.clear()
         runner.invoke(cli.main, ["run", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
                                  *args], env=env)
-        assert (seen["node_wait_s"], seen["wait_for_nodes_s"]) == want, (args, env)
+        assert (seen["node_wait_s"], seen["wait_for_nodes_s"], seen["source"]) == want, (
+            args, env)
     text = runner.invoke(cli.main, ["run", "--help"], env={"COLUMNS": "200"}).output
     assert "--start-wait-s" in text and "--outage-wait-s" in text
     assert "--node-wait-s" not in text and "--wait-for-nodes-s" not in text
