@@ -63,6 +63,9 @@ def test_demo_runs_end_to_end_and_stops_everything(tiny_llama_dir: Path, tmp_pat
     assert "master " in out and "rollout node " in out and "step    3/3" in out
     assert "eval (held-out, greedy, trainer's own weights):" in out
     summary = json.loads((run / "summary.json").read_text())
+    # the exact-match rate beside the similarity score, and the scorer named
+    assert (f"exact (full marks): {summary['baseline_eval_exact']:.1%} -> "
+            f"{summary['final_eval_exact']:.1%}; scored by reverse-words word similarity") in out
     assert summary["steps"] == 3 and summary["final_eval"] is not None
     # the run is named as its directory; the summary names the nodes, and the master apart
     assert summary["run_name"] == run.name

@@ -398,6 +398,11 @@ def test_the_readme_own_task_runs_as_written(shell_factory, tiny_llama_dir: Path
     assert all(set(r["reward_funcs"]) == {"upper"} for r in records if r.get("step"))
     evals = [r for r in records if r.get("eval_score") is not None]
     assert evals and all(r["eval_n"] == 16 for r in evals), evals  # 16 rows held out
+    # the eval scores with the run's own reward (upper), as the README says, and names it
+    assert all(r["eval_scorer"] == "reward upper (upper_reward.py)" for r in evals), evals
+    assert all(e["score"] in (0.0, 0.5, 1.0) for r in evals for e in r["eval_examples"])
+    assert summary["eval_scorer"] == "reward upper (upper_reward.py)"
+    assert summary["final_eval_exact"] is not None
 
 
 @pytest.mark.slow
@@ -466,3 +471,18 @@ def live_openai_node(tiny_llama_dir: Path, tmp_path: Path):
         yield node, backend.identity.model_id
     finally:
         node.stop(0)
+
+
+def test_the_quick_start_holds_instructions_not_dated_figures() -> None:
+    """The set-up path stays short: no dates, commit hashes or CPU models in it (measured
+    figures live in docs/benchmarks.md, which it points to), and it says what the eval's
+    score is."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Set-up on a fresh machine")
+    section = text[start:text.index("### By hand, on one machine", start)]
+    assert not re.search(r"\b20\d\d-\d\d(-\d\d)?\b|\b(19|20)\d\d\b", section), "a date"
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", section), \
+        "a commit hash"
+    assert not re.search(r"Xeon|EPYC|Ryzen|Core i\d|Apple M\d|GHz|vCPU", section), "a CPU model"
+    assert "docs/benchmarks.md" in section
+    assert "exact reversal" in section and "not 77% correct" in section

@@ -89,7 +89,8 @@ def test_step_record_json_keeps_the_log_keys():
     always = {*STEP_REPORT_FIELDS, "rollout_wait_s", "collect_s", "staleness_max",
               "samples_used", "sampled_tokens", "solved_fraction", "groups_with_signal",
               "reward_funcs", "nodes", "flagged_nodes", "excluded_samples", "updated",
-              "data_position"}
+              "data_position", "episodes", "turns_mean", "model_tokens", "env_tokens",
+              "truncated_episodes", "dropped_episodes", "env_counts", "reward_error_groups"}
     bare = StepRecord.of_step(batch, None, SyncOutcome(), None, {}, **base).to_json()
     assert set(bare) == always
     assert (bare["loss"], bare["mismatch_kl"], bare["updated"], bare["eval_score"]) == (
@@ -116,7 +117,7 @@ def test_step_record_json_keeps_the_log_keys():
     assert set(record) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens",
                                     "synced_nodes", "skipped_nodes", "lagging_nodes",
                                     "eval_exact", "eval_stderr", "eval_n", "eval_s",
-                                    "eval_examples"}
+                                    "eval_examples", "eval_metrics", "eval_scorer"}
     assert record["ref_kl"] is None and record["train_tokens"] == 6  # present though null
     assert (record["nodes_synced"], record["nodes_skipped"], record["sync_s"]) == (1, 1, 0.2)
     assert (record["eval_score"], record["eval_policy_version"]) == (0.75, 5)
@@ -156,3 +157,34 @@ def test_the_loop_imports_no_tensor_framework():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_reward_function_that_fails_names_itself_and_the_step_or_its_group_is_dropped():
+    """A function returning the wrong number of values (here for group p1's samples only):
+    with ``fail`` the error names the function, its file and the step; with ``drop`` that
+    group is left out, counted, and the other group is weighed as alone."""
+    import pytest
+
+    from gridrl.trainer.rewards import RewardError, RewardSet
+
+    def short_on_p1(prompts, completions, **kwargs):
+        values = [float(c) for c in completions]
+        return values[:-1] if "p1" in prompts else values
+
+    rewards = RewardSet([("short_on_p1", short_on_p1)], [1.0])
+    items = [TaskItem(prompt=p, messages=(), columns={"answer": f"answer of {p}"})
+             for p in ("p0", "p1")]
+    args = dict(lineage=LINEAGE, bound=1, rewards=rewards, scale_rewards=False,
+                advantage_eps=1e-4)
+    with pytest.raises(RewardError) as e:
+        build_batch(4, _rollouts(), items, [[1, 2], [3]], **args)
+    assert str(e.value) == ("reward function short_on_p1 (test_trainer_batch.py) at step 4: "
+                            "returned 3 values for 4 completions")
+    batch = build_batch(4, _rollouts(), items, [[1, 2], [3]], on_reward_error="drop", **args)
+    assert batch.reward_error_groups == 1 and "at step 4: returned 1 values for 2" in \
+        batch.reward_error
+    assert {a.group for a in batch.samples} == {0} and len(batch.samples) == 2
+    alone = build_batch(4, _rollouts(), items[:1] + items[:1], [[1, 2], [1, 2]],
+                        **{**args, "rewards": _rewards})
+    assert [a.sequence.advantage for a in batch.samples] == [
+        a.sequence.advantage for a in alone.samples if a.group == 0]

@@ -60,7 +60,7 @@ def test_wait_reported_on_the_console_and_in_get_run_status() -> None:
         # a line when the wait begins, then one every 5 s
         assert len(console.lines) == 3
         assert console.lines[0] == ("[bold yellow]waiting for a rollout node[/] (none in "
-                                    "rotation) for 0s, 300s left (--wait-for-nodes-s): "
+                                    "rotation) for 0s, 300s left (--outage-wait-s): "
                                     + waiting_for)
         assert "for 5s, 295s left" in console.lines[1] and "for 11s, 289s left" in console.lines[2]
         wait = get_status().node_wait
@@ -78,7 +78,7 @@ def test_wait_reported_on_the_console_and_in_get_run_status() -> None:
 
 def test_the_starts_wait_names_min_nodes_and_node_wait_s() -> None:
     """The start's wait for --min-nodes (NodeWait.starting) reads as such, names its own flag
-    (--node-wait-s), and ends with 'ready', not 'back'."""
+    (--start-wait-s), and ends with 'ready', not 'back'."""
     clock = {"now": 0.0}
     console = Console()
     report = on_wait(console, None, every_s=5.0, clock=lambda: clock["now"])
@@ -89,7 +89,7 @@ def test_the_starts_wait_names_min_nodes_and_node_wait_s() -> None:
     report(None)
     assert console.lines == [
         "[bold yellow]waiting for 2 rollout node(s)[/] (1 ready) for 0s, 120s left "
-        "(--node-wait-s): " + what,
+        "(--start-wait-s): " + what,
         "[bold green]rollout node(s) ready[/] after waiting 0s"]
 
 
@@ -105,3 +105,30 @@ def test_a_wait_ended_by_a_stop_says_so() -> None:
     report(None)
     assert console.lines[-1] == ("[bold yellow]stopped waiting for rollout nodes[/] after 39s: "
                                  "the run was asked to stop")
+
+
+def test_a_start_wait_that_times_out_never_says_ready(reserved_port) -> None:
+    """A wrong address: nothing answers there. The start's wait (a real pool, a real channel
+    to a port nobody serves) runs out: the console says it gave up, naming the flag, never
+    'ready'; GetRunStatus' node_wait is cleared; the run gets the TimeoutError."""
+    import pytest
+    from scripted_nodes import BASE
+
+    from gridrl.trainer.fleet.pool import NodePool
+
+    console = Console()
+    status = RunStatus()
+    report = on_wait(console, status, every_s=5.0, clock=lambda: 0.0)
+    pool = NodePool(master=None, addresses=[f"127.0.0.1:{reserved_port}"],
+                    model_identity=BASE, probe_interval_s=0.2, on_wait=report)
+    pool.start()
+    try:
+        with pytest.raises(TimeoutError, match=r"--start-wait-s"):
+            pool.wait_for_nodes(1, timeout_s=1.5)
+    finally:
+        pool.close()
+    assert not any("node(s) ready" in line for line in console.lines), console.lines
+    assert console.lines[-1].startswith("[bold red]gave up waiting for 1 rollout node(s) "
+                                        "(0 ready)[/] after ")
+    assert "(--start-wait-s): 127.0.0.1:" in console.lines[-1]
+    assert not status.snapshot().HasField("node_wait")

@@ -368,5 +368,5 @@ def test_every_node_gone_fails_after_the_wait(farm, make_pool) -> None:
     b.kill()
     with pytest.raises(RuntimeError) as e:
         pool.generate_groups(prompts(4), **SAMPLING)
-    assert "(0 in rotation) after waiting" in str(e.value) and "--wait-for-nodes-s" in str(e.value)
+    assert "(0 in rotation) after waiting" in str(e.value) and "--outage-wait-s" in str(e.value)
     assert a.address in str(e.value) and b.address in str(e.value)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 from trainer_runs import BIN, ENV, ONE_THREAD, run_args, wait_for_step, write_task_files
@@ -22,6 +25,16 @@ def _args(model, data, reward, run_dir, steps, **extra):
     args = run_args(model, data, reward, run_dir, steps, **extra)
     args[0] = "gridrl-trainer"  # service_factory prefixes the venv's bin directory
     return args
+
+
+def runnable_trainer(command: str, cwd: Path | None = None) -> bool:
+    """Whether ``command`` (the first word of a printed hint) runs this venv's gridrl-trainer
+    from ``cwd``: its bare name found on PATH, or a path to it."""
+    own = (BIN / "gridrl-trainer").resolve()
+    if "/" not in command:
+        found = shutil.which(command)
+        return found is not None and Path(found).resolve() == own
+    return (Path(cwd or Path.cwd()) / command).resolve() == own
 
 
 def _watch_all(address: str) -> list:
@@ -198,7 +211,11 @@ def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 40
     # the step in progress was finished and checkpointed (--checkpoint-every 100 never would)
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{steps[-1]:06d}"
-    assert "continue with: gridrl-trainer run --resume" in (tmp_path / "first.log").read_text()
+    # the hint is a command the user can run: the trainer by the name or path that runs it
+    hint = re.search(r"continue with: (\S+) run --resume (\S+)",
+                     (tmp_path / "first.log").read_text())
+    assert hint and hint.group(2) == str(run_dir), (tmp_path / "first.log").read_text()[-2000:]
+    assert runnable_trainer(hint.group(1))
     # The same command again, without --resume, is refused before anything is loaded: a
     # second run there would mix its log, checkpoints and versions with this one's.
     log_before = (run_dir / "log.jsonl").read_bytes()

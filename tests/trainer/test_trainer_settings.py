@@ -17,7 +17,7 @@ import click
 import pytest
 from flag_records import option_records
 
-from gridrl.common.errors import StatusError
+from gridrl.common.errors import StatusError, invalid_argument
 from gridrl.trainer.cli import main
 from gridrl.trainer.config import RESUME_OVERRIDABLE, TrainConfig, default_of, flag_of
 
@@ -27,7 +27,10 @@ RECORDED = json.loads((Path(__file__).parent / "data" / "trainer_run_flags.json"
 # --resume, --ready-file and the security flags of gridrl.common.cli.server_options (every
 # start's own; never saved with the run: TrainConfig.security)
 NOT_SETTINGS = {"resume", "ready_file", "tls_cert", "tls_key", "tls_ca", "authorized_tokens",
-                "insecure", "auth_token_file", "auth_token"}
+                "insecure", "auth_token_file", "auth_token",
+                # the former --node-wait-s and --wait-for-nodes-s (hidden; they set
+                # --start-wait-s and --outage-wait-s)
+                "_renamed_node_wait_s", "_renamed_wait_for_nodes_s"}
 # what --resume took from the new command line before the settings were declared once (with
 # the node pool branch's --wait-for-nodes-s and the exports branch's --report-to; the auth
 # token is no setting since the security work: every start takes its credentials from its flags)
@@ -100,7 +103,7 @@ def test_resume_takes_the_same_settings_from_the_command_line_as_before():
     (dict(lora_dropout=1.0), "--lora-dropout: must be in [0, 1), got 1.0"),
     (dict(warmup_steps=-1), "--warmup-steps: must be >= 0"),
     (dict(threads=-2), "--threads: must be >= 0, got -2"),
-    (dict(wait_for_nodes_s=-1.0), "--wait-for-nodes-s: must be >= 0, got -1.0"),
+    (dict(wait_for_nodes_s=-1.0), "--outage-wait-s: must be >= 0, got -1.0"),
     (dict(backend="jax"), "--backend: must be"),
     (dict(run_name="my run/1"), "--run-name: 'my run/1' must be 1-128 characters of "
                                 "[A-Za-z0-9._-], starting with a letter or digit"),
@@ -143,3 +146,38 @@ def test_help_lists_every_recorded_flag_with_its_env_var():
         for flag in r["flags"]:
             assert flag in text, flag
         assert f"[env var: {r['envvar']}" in text, r["envvar"]
+
+
+def test_the_two_node_waits_have_distinct_names_and_the_former_ones_still_work(monkeypatch):
+    """``--start-wait-s`` (before step 1, for --min-nodes) and ``--outage-wait-s`` (once
+    started, none in rotation) replace the look-alike ``--node-wait-s`` and
+    ``--wait-for-nodes-s``, which keep working (flag and environment variable) but are hidden
+    from ``--help``; the new names win when both are given."""
+    from click.testing import CliRunner
+
+    from gridrl.trainer import cli
+
+    seen = {}
+
+    def fake_build(ctx, params):
+        seen.update(params, source=ctx.get_parameter_source("node_wait_s").name)
+        raise invalid_argument("--x", "stop here")
+
+    monkeypatch.setattr(cli, "build_config", fake_build)
+    runner = CliRunner()
+    # (the source: --resume takes a wait given under either name over the saved one)
+    for args, env, want in (
+            (["--node-wait-s", "7", "--wait-for-nodes-s", "9"], {}, (7.0, 9.0, "COMMANDLINE")),
+            ([], {"GRIDRL_TRAINER_NODE_WAIT_S": "5", "GRIDRL_TRAINER_WAIT_FOR_NODES_S": "6"},
+             (5.0, 6.0, "ENVIRONMENT")),
+            (["--start-wait-s", "1", "--node-wait-s", "7", "--outage-wait-s", "2"], {},
+             (1.0, 2.0, "COMMANDLINE")),
+            ([], {}, (120.0, 300.0, "DEFAULT"))):
+        seen.clear()
+        runner.invoke(cli.main, ["run", "--listen", "127.0.0.1:0", "--metrics-port", "-1",
+                                 *args], env=env)
+        assert (seen["node_wait_s"], seen["wait_for_nodes_s"], seen["source"]) == want, (
+            args, env)
+    text = runner.invoke(cli.main, ["run", "--help"], env={"COLUMNS": "200"}).output
+    assert "--start-wait-s" in text and "--outage-wait-s" in text
+    assert "--node-wait-s" not in text and "--wait-for-nodes-s" not in text

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,7 @@ def test_absent_master_wait_is_reported_and_ctrl_c_stops_it(tiny_llama_dir, tmp_
     out = log_path.read_text()
     line = next(ln for ln in out.splitlines() if "waiting for 1 rollout node(s)" in ln)
     assert re.fullmatch(r"waiting for 1 rollout node\(s\) \(0 ready\) for \d+s, \d+s left "
-                        r"\(--node-wait-s\): master 127\.0\.0\.1:\d+ \(.+\)", line), line
+                        r"\(--start-wait-s\): master 127\.0\.0\.1:\d+ \(.+\)", line), line
     assert ("SIGINT: stopping before step 1 once the setup in progress (model load, node "
             "wait, baseline eval) ends; Ctrl-C again aborts") in out
     assert f"master {master}: not reachable yet" in out
@@ -120,5 +122,9 @@ def test_failed_run_checkpoints_the_steps_it_finished(tiny_llama_dir, tmp_path,
     out = log_path.read_text()
     last = max(r["step"] for r in step_records(run_dir))
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{last:06d}", out[-3000:]
-    assert (f"run failed after step {last} (RuntimeError); checkpointed it: continue with: "
-            f"gridrl-trainer run --resume {run_dir}") in out
+    hint = re.search(rf"run failed after step {last} \(RuntimeError\); checkpointed it: "
+                     rf"continue with: (\S+) run --resume {re.escape(str(run_dir))}$", out, re.M)
+    assert hint, out[-3000:]
+    own = (Path(sys.executable).parent / "gridrl-trainer").resolve()  # the trainer that ran
+    assert (Path(shutil.which(hint.group(1)) or "/") if "/" not in hint.group(1)
+            else Path(hint.group(1))).resolve() == own, hint.group(1)

@@ -60,7 +60,9 @@ def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[An
     """Keep a flag's former name working, hidden from ``--help``: ``old`` sets parameter
     ``dest`` (declared under its new name by another option) when given; the new name wins
     when both are. ``env``: the environment variable the old flag read (it keeps working,
-    and the new option's own variable wins over it); ``kwargs``: its ``type`` and the like."""
+    and the new option's own variable wins over it); ``kwargs``: its ``type`` and the like.
+    ``dest``'s parameter source becomes the old flag's (a command that asks whether a setting
+    was given, e.g. ``gridrl-trainer run --resume``, sees it given)."""
     alias = f"_renamed_{dest}"
 
     def decorate(f: Any) -> Any:
@@ -71,6 +73,9 @@ def renamed_option(old: str, dest: str, env: str, **kwargs: Any) -> Callable[[An
             if value is not None and ctx.get_parameter_source(dest) in (
                     ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
                 kw[dest] = value
+                source = ctx.get_parameter_source(alias)  # given, as the new name would be
+                if source is not None:
+                    ctx.set_parameter_source(dest, source)
             return f(*args, **kw)
 
         return click.option(old, alias, envvar=env, hidden=True, default=None,

@@ -323,7 +323,7 @@ class NodeWait(_message.Message):
     waited_s: _builtins.float
     """Seconds waited so far."""
     left_s: _builtins.float
-    """Seconds left before the run fails (--wait-for-nodes-s)."""
+    """Seconds left before the run fails (--outage-wait-s; --start-wait-s before step 1)."""
     def __init__(
         self,
         *,

@@ -28,6 +28,7 @@ from gridrl.common.cli import (
     env_option,
     exit_on_rpc_error,
     print_json,
+    renamed_option,
     server_options,
     setup_logging,
     write_ready_file,
@@ -74,6 +75,9 @@ def build_config(ctx: click.Context, params: dict[str, Any]) -> tuple[Any, bool]
 
 @main.command()
 @click_options
+@renamed_option("--node-wait-s", "node_wait_s", env="GRIDRL_TRAINER_NODE_WAIT_S", type=float)
+@renamed_option("--wait-for-nodes-s", "wait_for_nodes_s", env="GRIDRL_TRAINER_WAIT_FOR_NODES_S",
+                type=float)
 @env_option("--resume", env="GRIDRL_TRAINER_RESUME", default=None, show_default=False,
             type=click.Path(file_okay=False),
             help="Continue the run in this directory from its latest checkpoint.")
@@ -163,11 +167,11 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
 @env_option("--model", env="GRIDRL_TRAINER_MODEL", default=default_of("model"),
             help="Base model the rollout nodes serve (alias, directory or hub id); training "
                  "models may use others, sampled on the trainer.")
-@env_option("--rollout", env="GRIDRL_TRAINER_ROLLOUT", multiple=True, default=(),
-            help="Rollout node host:port (repeatable); none and no --master: the trainer "
-                 "samples.")
-@env_option("--master", env="GRIDRL_TRAINER_MASTER", default=None, show_default=False,
-            help="Master host:port to find rollout nodes.")
+@address_option("--rollout", env="GRIDRL_TRAINER_ROLLOUT", multiple=True, default=(),
+                help="Rollout node host:port (repeatable); none and no --master: the trainer "
+                     "samples.")
+@address_option("--master", env="GRIDRL_TRAINER_MASTER", default=None, show_default=False,
+                help="Master host:port to find rollout nodes.")
 @env_option("--http-listen", env="GRIDRL_TRAINER_HTTP_LISTEN", default="127.0.0.1:8100",
             help="host:port of the Tinker-compatible REST API (TINKER_BASE_URL); port 0: any.")
 @env_option("--api-dir", env="GRIDRL_TRAINER_API_DIR", default="runs/api",
@@ -191,9 +195,11 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
                                 "without a heartbeat.")
 @env_option("--sync-deadline-s", env="GRIDRL_TRAINER_SYNC_DEADLINE_S", type=float,
             default=30.0, help="Seconds one node's adapter push may take.")
-@env_option("--wait-for-nodes-s", env="GRIDRL_TRAINER_WAIT_FOR_NODES_S", type=float,
-            default=30.0, help="Seconds a sample waits for a node in rotation before the "
-                               "trainer samples it itself.")
+@env_option("--outage-wait-s", "wait_for_nodes_s", env="GRIDRL_TRAINER_OUTAGE_WAIT_S",
+            type=float, default=30.0, help="Seconds a sample waits for a node in rotation "
+                                           "before the trainer samples it itself.")
+@renamed_option("--wait-for-nodes-s", "wait_for_nodes_s", env="GRIDRL_TRAINER_WAIT_FOR_NODES_S",
+                type=float)
 @server_options("trainer", listen=default_of("listen"), metrics_port=-1, client=True)
 def serve_api(listen: str, metrics_port: int, security: Any, log_level: str,
               ready_file: str | None, **params: Any) -> None:
@@ -287,6 +293,9 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
 
     state = trainer_pb2.RunState.Name(response.state).removeprefix("RUN_STATE_").lower()
     r = response.last_report
+    progress = eval_progress_text(response)
+    if progress and response.eval_progress.step == 0:
+        state = progress  # "baseline eval, 16/128" rather than "starting"
     table = Table(show_header=False, box=None)
     rows = [
         ("run", f"{response.run_name} ({state})"), ("run dir", response.run_dir),
@@ -294,12 +303,20 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
         ("step", f"{response.step}/{response.total_steps}"),
         ("policy version", str(response.policy_version)),
         ("baseline eval", f"{response.baseline_eval:.3f}"
+         + (f" (exact {response.baseline_eval_exact:.2f})"
+            if response.HasField("baseline_eval_exact") else "")
          if response.HasField("baseline_eval") else "-"),
     ]
+    if response.eval_scorer:
+        rows.append(("eval scorer", response.eval_scorer))
+    if progress:
+        rows.append(("evaluating", progress))
     if response.step:
         rows += [
             ("reward", f"{r.reward_mean:.3f} ± {r.reward_std:.3f}"),
-            ("eval", f"{r.eval_score:.3f} (policy version {r.eval_policy_version})"
+            ("eval", f"{r.eval_score:.3f}" + (f" (exact {r.eval_exact:.2f})"
+                                              if r.HasField("eval_exact") else "")
+             + f" (policy version {r.eval_policy_version})"
              if r.HasField("eval_score") else "-"),
             ("loss", f"{r.loss:+.4f}"), ("mismatch KL", f"{r.mismatch_kl:.2e}"),
             ("staleness", f"{r.staleness_mean:.2f} (dropped {r.dropped_samples})"),
@@ -316,6 +333,17 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
     for k, v in rows:
         table.add_row(f"[bold]{k}[/]", v)
     Console().print(table)
+
+
+def eval_progress_text(response: Any) -> str:
+    """A ``GetRunStatusResponse``'s eval in progress in words: ``"baseline eval, 16/128
+    (12s, about 95s expected)"`` or ``"eval of step 10, 0/128 (2s)"``; "" when none runs."""
+    if not response.HasField("eval_progress"):
+        return ""
+    p = response.eval_progress
+    what = "baseline eval" if p.step == 0 else f"eval of step {p.step}"
+    expected = (f", about {p.expected_s:.0f}s expected" if p.HasField("expected_s") else "")
+    return f"{what}, {p.done}/{p.total} ({p.elapsed_s:.0f}s{expected})"
 
 
 if __name__ == "__main__":

@@ -124,6 +124,16 @@ class TrainConfig:
         "-> list[float] (repeatable; replaces the task's score).", flag="--reward-file")
     reward_weights: str | None = setting(
         None, "Comma-separated weight per reward function (default: all 1).")
+    eval_reward_files: list[str] = setting(  # noqa: RUF009 (setting() is a dataclasses.field)
+        [], "Python file of reward functions that score the held-out eval instead (repeatable; "
+        "default: the run's own --reward-file functions, else the task's score). The scorer "
+        "is named on the console, in log.jsonl, summary.json and the plot.",
+        flag="--eval-reward-file")
+    on_reward_error: str = setting(
+        "fail", "A reward function that raises or returns the wrong number of values mid-run: "
+        "fail (checkpoint the finished steps, exit non-zero, naming the function and the "
+        "step) or drop (leave that group out of the step, counted in log.jsonl's "
+        "reward_error_groups).", choices=("fail", "drop"))
     # GRPO
     steps: int = setting(60, "GRPO steps (optimizer updates).", check=POSITIVE, on_resume=True)
     prompts_per_step: int = setting(2, "B: prompts (groups) per step.", check=POSITIVE)
@@ -200,11 +210,14 @@ class TrainConfig:
     flag_after: int = setting(2, "Consecutive stale or mismatched steps that flag a node.",
                               check=POSITIVE)
     min_nodes: int = setting(1, "Rollout nodes to wait for before step 1.", on_resume=True)
-    node_wait_s: float = setting(120.0, "Seconds to wait for them.", on_resume=True)
+    # (formerly --node-wait-s and --wait-for-nodes-s, still taken: cli.py)
+    node_wait_s: float = setting(
+        120.0, "Seconds the start waits for --min-nodes rollout nodes before the run fails "
+        "(before step 1).", flag="--start-wait-s", on_resume=True)
     wait_for_nodes_s: float = setting(
         300.0, "Seconds the run waits, once started, when no rollout node is in rotation "
         "(every node dead, restarting or benched) before it fails; 0: fail at once.",
-        check=NON_NEGATIVE, on_resume=True)
+        flag="--outage-wait-s", check=NON_NEGATIVE, on_resume=True)
     request_timeout_s: float = setting(120.0, "Deadline of one Generate.", on_resume=True)
     sync_deadline_s: float = setting(30.0, "Deadline of one node's push.", on_resume=True)
     # eval, checkpoints, run directory

@@ -93,6 +93,19 @@ class Service:
                 self.proc.wait()
 
 
+def exact_line(summary: dict) -> str:
+    """The demo's second headline: the exact-match rate (the eval completions with full marks:
+    for reverse-words the exact reversals) before and after, beside the similarity score above,
+    and what scored the eval (``summary.json``'s ``baseline_eval_exact``, ``final_eval_exact``,
+    ``eval_scorer``)."""
+    def pct(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1%}"
+
+    return (f"exact (full marks): {pct(summary.get('baseline_eval_exact'))} -> "
+            f"{pct(summary.get('final_eval_exact'))}; scored by "
+            f"{summary.get('eval_scorer') or 'the task'}")
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--model", default="smollm2-135m-instruct", show_default=True,
               help="Base model: the embedded default, or a local directory (tests use a tiny one).")
@@ -178,6 +191,7 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
         click.echo("")
         click.echo(f"eval (held-out, greedy, trainer's own weights): {base:.3f} -> {final:.3f} "
                    f"(best {summary.get('best_eval'):.3f}) in {summary['steps']} steps")
+        click.echo(exact_line(summary))
         click.echo(f"training time {summary['elapsed_s'] / 60:.1f} min (model loading excluded); "
                    f"wall clock {minutes:.1f} min")
         click.echo(f"run directory {run}")

@@ -1,6 +1,11 @@
 """Held-out eval on the trainer's own weights: greedy episodes of the environment's held-out
-items (one greedy completion each for a single-turn task), scored by the environment (or by
-the run's rewards when a JSONL task has no answer column).
+items (one greedy completion each for a single-turn task), scored by the eval's scorer
+(:class:`~gridrl.trainer.rewards.EvalScorer`: the ``--eval-reward-file`` functions, else the
+run's ``--reward-file`` functions, else the environment's own score), which every result names.
+
+An eval of more than :data:`FIRST_BATCH` prompts decodes its first :data:`FIRST_BATCH` first,
+then the rest: the first batch's time gives the whole eval's expected time, reported to
+``on_progress`` (:class:`EvalProgress`) with the prompts done so far.
 
 The eval never asks a rollout node: a node may hold stale weights, and an eval of those would
 report the wrong policy. Every result carries the policy version it measured.
@@ -8,17 +13,39 @@ report the wrong policy. Every result carries the policy version it measured.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gridrl.trainer.envs.base import Environment, SingleTurnEnv
 from gridrl.trainer.envs.chat import ChatDelta, prompt_ids
 from gridrl.trainer.envs.episode import EpisodeLimits, reward_columns, run_episodes
+from gridrl.trainer.rewards import EvalScorer
 from gridrl.trainer.rollouts import EpisodeStats
 from gridrl.trainer.tasks import Task, TaskItem
+
+#: prompts decoded first, whose time gives the eval's expected time
+FIRST_BATCH = 16
+
+
+@dataclass(frozen=True)
+class EvalProgress:
+    """A held-out eval in progress.
+
+    Attributes:
+        done: prompts decoded so far; total: prompts in the eval.
+        elapsed_s: seconds since it started.
+        expected_s: seconds the whole eval is expected to take, from its first batch (None
+            before that batch is done).
+    """
+
+    done: int
+    total: int
+    elapsed_s: float
+    expected_s: float | None = None
 
 
 @dataclass
@@ -40,6 +67,7 @@ class EvalResult:
             (:meth:`~gridrl.trainer.envs.base.Environment.eval_metrics`, e.g. first- and
             second-attempt success), and for episodes of more than one turn ``turns_mean`` and
             ``truncated`` (the fraction cut by a limit).
+        scorer: what scored it, in words (:attr:`gridrl.trainer.rewards.EvalScorer.name`).
     """
 
     score: float
@@ -50,6 +78,7 @@ class EvalResult:
     examples: list[dict[str, Any]] = field(default_factory=list)
     stderr: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    scorer: str = ""
 
 
 class Evaluator:
@@ -61,8 +90,8 @@ class Evaluator:
         task: the :class:`~gridrl.trainer.envs.base.Environment` (a
             :class:`~gridrl.trainer.tasks.Task` is taken as its one-turn environment).
         max_tokens: new tokens per model turn.
-        rewards: the run's :class:`~gridrl.trainer.rewards.RewardSet`, used when the task
-            cannot score (a JSONL task without an answer column).
+        scorer: what scores the eval (None: the environment's own score, named by its
+            ``score_name``).
         shared_prefix: let the backend prefill the eval prompts' common prefix (the task's
             system prompt, chat template included) once (the same greedy completions up to
             float rounding of the logits; False: every prompt prefilled whole).
@@ -75,7 +104,7 @@ class Evaluator:
     """
 
     def __init__(self, backend: Any, task: Task | Environment, *, max_tokens: int,
-                 rewards: Any | None = None, shared_prefix: bool = True,
+                 scorer: EvalScorer | None = None, shared_prefix: bool = True,
                  status_delay_s: float = 30.0, limits: EpisodeLimits | None = None) -> None:
         self.backend = backend
         self.shared_prefix = shared_prefix
@@ -85,7 +114,8 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.limits = limits or EpisodeLimits(max_turns=self.env.max_turns,
                                               max_tokens=max_tokens)
-        self.rewards = rewards
+        self.scorer = scorer or EvalScorer(None, str(getattr(self.env, "score_name", "")
+                                                     or f"{self.env.name} score"))
         self.tokenizer = backend.tokenizer
         self.items: list[TaskItem] = self.env.eval_items()
         tools = self.env.template_tools()
@@ -93,36 +123,54 @@ class Evaluator:
         self.prompt_ids = [prompt_ids(self.tokenizer, item.messages, tools)
                            for item in self.items]
 
-    def run(self, policy_version: int) -> EvalResult:
+    def run(self, policy_version: int,
+            on_progress: Callable[[EvalProgress], None] | None = None) -> EvalResult:
         """Run one greedy episode (temperature 0) of every held-out item with the backend and
-        score it. ``policy_version`` is the trainer's version, recorded with the result."""
+        score it. ``policy_version`` is the trainer's version, recorded with the result;
+        ``on_progress`` hears when it starts, after its first batch (with the expected time)
+        and when every prompt is decoded.
+
+        Raises:
+            RewardError: a function of the scorer failed (named, with its file).
+        """
         from gridrl.common.progress import StatusLine
         from gridrl.trainer.local import LocalRollout
 
         start = time.perf_counter()
         local = LocalRollout(self.backend, version=lambda: policy_version)
+        n = len(self.items)
+        report = on_progress or (lambda _progress: None)
 
         def sample(requests: list[Any]) -> list[Any]:
             return local.sample_turns(requests, temperature=0.0,
                                       shared_prefix=self.shared_prefix)
 
+        # the first batch alone (its time: the whole eval's expected time), then the rest
+        bounds = [0, FIRST_BATCH, n] if n > FIRST_BATCH else [0, n]
+        groups: list[Any] = []
+        expected = None
+        report(EvalProgress(0, n, 0.0))
         with StatusLine(f"held-out eval of policy version {policy_version}: "
-                        f"{len(self.prompt_ids)} prompts, greedy, on the trainer's weights",
+                        f"{n} prompts, greedy, on the trainer's weights",
                         delay_s=self.status_delay_s):
-            groups = run_episodes(self.env, self.items, self.prompt_ids, sample, self.delta,
-                                  self.limits, group_size=1, seed=0,
-                                  decode=lambda ids: self.tokenizer.decode(
-                                      ids, skip_special_tokens=True))
+            for lo, hi in itertools.pairwise(bounds):
+                groups += run_episodes(self.env, self.items[lo:hi], self.prompt_ids[lo:hi],
+                                       sample, self.delta, self.limits, group_size=1, seed=0,
+                                       decode=lambda ids: self.tokenizer.decode(
+                                           ids, skip_special_tokens=True))
+                elapsed = time.perf_counter() - start
+                if expected is None:
+                    expected = elapsed * n / hi
+                report(EvalProgress(hi, n, elapsed, expected))
         episodes = [g[0] for g in groups]
         completions = [ep.last_reply for ep in episodes]
         prompts = [item.prompt for item in self.items]
         columns = reward_columns(episodes)
-        if getattr(self.env, "has_answer", True):
-            scores = [float(s) for s in self.env.score(prompts, completions, **columns)]
-        elif self.rewards is not None:
-            scores, _ = self.rewards(prompts, completions, columns)
+        if self.scorer.rewards is not None:
+            scores, _ = self.scorer.rewards(prompts, completions, columns)
+            scores = [0.0 if s != s else s for s in scores]  # NaN: no function applied
         else:
-            raise ValueError(f"task {self.env.name} cannot score its eval set")
+            scores = [float(s) for s in self.env.score(prompts, completions, **columns)]
         scores = [0.0 if ep.dropped else s for ep, s in zip(episodes, scores, strict=True)]
         n = len(scores)
         metrics = dict(self.env.eval_metrics(columns, scores))
@@ -134,7 +182,8 @@ class Evaluator:
         return EvalResult(score=sum(scores) / n, exact=sum(s >= 1.0 for s in scores) / n,
                           policy_version=policy_version, n=n,
                           seconds=time.perf_counter() - start, examples=examples,
-                          stderr=standard_error(scores), metrics=metrics)
+                          stderr=standard_error(scores), metrics=metrics,
+                          scorer=self.scorer.name)
 
 
 def standard_error(scores: Sequence[float]) -> float:

@@ -9,6 +9,12 @@ apply to that sample; like TRL, the combined reward is the weighted ``nansum`` o
 A ``--reward-file`` is a Python file; the functions used are its ``REWARD_FUNCS`` list when it
 defines one, else every public top-level function defined in the file itself. Built-ins can be
 imported there, e.g. ``from gridrl.trainer.tasks import similarity_reward``.
+
+Reward bugs surface early and in one line: :func:`check_reward_functions` calls every function
+once at start-up, before the model loads, on one row of the task with a dummy completion (a
+function that needs a column the rows lack is named with its file and the column), and a
+function that raises or returns the wrong number of values mid-run is a :class:`RewardError`
+naming the function, its file and the step.
 """
 
 from __future__ import annotations
@@ -26,16 +32,49 @@ from gridrl.common.errors import invalid_argument
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
+#: the completion a reward function is called with at start-up (:func:`check_reward_functions`)
+DUMMY_COMPLETION = "gridrl start-up check"
 
-def load_reward_file(path: str | Path) -> list[tuple[str, RewardFunc]]:
+
+class RewardError(RuntimeError, ValueError):
+    """A reward function failed: it raised, or returned the wrong number of values or a
+    non-number. A RuntimeError, so a run failing on it checkpoints its finished steps and
+    exits non-zero (:mod:`gridrl.trainer.run.driver`); a ValueError, as a bad value.
+
+    Attributes:
+        function: the function's name; source: its file's name (or module).
+        problem: what went wrong, in words; step: the step it happened at (None: not known).
+    """
+
+    def __init__(self, function: str, source: str, problem: str, step: int | None = None) -> None:
+        self.function, self.source, self.problem, self.step = function, source, problem, step
+        where = f" at step {step}" if step is not None else ""
+        super().__init__(f"reward function {function} ({source}){where}: {problem}")
+
+    def at_step(self, step: int) -> RewardError:
+        """The same error, saying the step it happened at."""
+        return RewardError(self.function, self.source, self.problem, step)
+
+
+def source_of(f: Any) -> str:
+    """Where reward function ``f`` is defined, for messages: its file's name
+    (``upper_reward.py``), else its module, else ``"?"``."""
+    code = getattr(f, "__code__", None) or getattr(getattr(f, "__func__", None), "__code__", None)
+    if code is not None and code.co_filename and not code.co_filename.startswith("<"):
+        return Path(code.co_filename).name
+    return getattr(f, "__module__", None) or "?"
+
+
+def load_reward_file(path: str | Path, flag: str = "--reward-file"
+                     ) -> list[tuple[str, RewardFunc]]:
     """Import ``path`` and return its reward functions as ``(name, function)`` pairs.
 
     Raises:
-        StatusError: INVALID_ARGUMENT on ``--reward-file`` when the file is missing, fails to
-            import, defines no function, or a function cannot take ``(prompts, completions)``.
+        StatusError: INVALID_ARGUMENT on ``flag`` when the file is missing, fails to import,
+            defines no function, or a function cannot take ``(prompts, completions)``.
     """
     p = Path(path)
-    module = import_file(p, "--reward-file")
+    module = import_file(p, flag)
     mod_name = module.__name__
     listed = getattr(module, "REWARD_FUNCS", None)
     if listed is not None:
@@ -45,12 +84,12 @@ def load_reward_file(path: str | Path) -> list[tuple[str, RewardFunc]]:
                  if inspect.isfunction(f) and not name.startswith("_")
                  and f.__module__ == mod_name]
     if not funcs:
-        raise invalid_argument("--reward-file", f"{p}: defines no reward function")
+        raise invalid_argument(flag, f"{p}: defines no reward function")
     out = []
     for f in funcs:
         if not callable(f):
-            raise invalid_argument("--reward-file", f"{p}: {f!r} is not callable")
-        _check_signature(f, p)
+            raise invalid_argument(flag, f"{p}: {f!r} is not callable")
+        _check_signature(f, p, flag)
         out.append((getattr(f, "__name__", repr(f)), f))
     return out
 
@@ -90,7 +129,7 @@ def optional_module(name: str, flag: str, what: str, hint: str) -> Any:
         raise invalid_argument(flag, f"{what} is not installed: {hint}") from e
 
 
-def _check_signature(f: RewardFunc, path: Path) -> None:
+def _check_signature(f: RewardFunc, path: Path, flag: str) -> None:
     try:
         inspect.signature(f).bind(prompts=[], completions=[])
     except TypeError as e:
@@ -99,8 +138,8 @@ def _check_signature(f: RewardFunc, path: Path) -> None:
         params = inspect.signature(f).parameters
         if "prompts" not in params and not any(
                 p.kind is p.VAR_KEYWORD for p in params.values()):
-            raise invalid_argument("--reward-file", f"{path}: {f.__name__} must accept "
-                                                    f"(prompts, completions, **kwargs): {e}") from e
+            raise invalid_argument(flag, f"{path}: {f.__name__} must accept "
+                                         f"(prompts, completions, **kwargs): {e}") from e
 
 
 def parse_weights(text: str | None, count: int) -> list[float]:
@@ -137,7 +176,16 @@ class RewardSet:
 
     @property
     def names(self) -> list[str]:
+        """The functions' names, in order."""
         return [n for n, _ in self.funcs]
+
+    def describe(self) -> str:
+        """The functions in words, e.g. ``"reward upper (upper_reward.py)"`` or ``"rewards
+        a (r.py) x 1, b (r.py) x 0.5"`` (at most 256 characters: the wire's bound)."""
+        parts = [f"{n} ({source_of(f)})" + (f" x {w:g}" if len(self.funcs) > 1 else "")
+                 for (n, f), w in zip(self.funcs, self.weights, strict=True)]
+        text = ("reward " if len(parts) == 1 else "rewards ") + ", ".join(parts)
+        return text if len(text) <= 256 else text[:253] + "..."
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  columns: Mapping[str, Sequence[Any]]) -> tuple[list[float], dict[str, list[float]]]:
@@ -150,7 +198,8 @@ class RewardSet:
             ``(total, per_function)``: the weighted nansum per sample, and each function's raw
             values (NaN for None).
         Raises:
-            ValueError: a function returned the wrong number of values or a non-number.
+            RewardError: a function raised, needs a column ``columns`` lacks, or returned
+                the wrong number of values or a non-number (a ValueError too).
         """
         n = len(completions)
         per: dict[str, list[float]] = {}
@@ -158,11 +207,17 @@ class RewardSet:
         for (name, f), w, accepts in zip(self.funcs, self.weights, self._accepts, strict=True):
             kwargs = dict(columns) if accepts is None else {
                 k: v for k, v in columns.items() if k in accepts}
-            values = f(prompts=list(prompts), completions=list(completions), **kwargs)
-            values = list(values)
+            missing = missing_columns(f, columns)
+            if missing:
+                raise RewardError(name, source_of(f), f"needs column {missing[0]!r}, which the "
+                                  f"rows lack (they have {', '.join(sorted(columns)) or 'none'})")
+            try:
+                values = list(f(prompts=list(prompts), completions=list(completions), **kwargs))
+            except Exception as e:
+                raise RewardError(name, source_of(f), f"raised {type(e).__name__}: {e}") from e
             if len(values) != n:
-                raise ValueError(f"reward function {name} returned {len(values)} values for "
-                                 f"{n} completions")
+                raise RewardError(name, source_of(f), f"returned {len(values)} values for {n} "
+                                  "completions")
             clean = []
             for v in values:
                 if v is None:
@@ -171,12 +226,48 @@ class RewardSet:
                 try:
                     clean.append(float(v))
                 except (TypeError, ValueError) as e:
-                    raise ValueError(f"reward function {name} returned {v!r}") from e
+                    raise RewardError(name, source_of(f), f"returned {v!r}, not a number "
+                                      "or None") from e
             per[name] = clean
             for i, v in enumerate(clean):
                 if not math.isnan(v):
                     totals[i] += w * v
         return totals, per
+
+
+def missing_columns(f: RewardFunc, columns: Mapping[str, Any]) -> list[str]:
+    """The parameters ``f`` requires (no default) that are neither ``prompts`` /
+    ``completions`` nor a key of ``columns``: the columns it needs that the rows lack."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to tell
+        return []
+    return [p.name for p in params
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in ("prompts", "completions") and p.name not in columns]
+
+
+def check_reward_functions(rewards: RewardSet, items: Sequence[Any], what: str) -> None:
+    """Call every function of ``rewards`` once, before the model loads, on each of ``items``
+    (task items: the first training row, the first eval row) with a dummy completion, the
+    row's columns and the columns every episode adds (``completion_ids``, ``transcript``,
+    ``turns``, ``truncated``, ``state``).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``what`` (``--reward-file``, ``--eval-reward-file``)
+            in one line naming the function, its file and what failed (e.g. the column it
+            needs that the rows lack).
+    """
+    for item in items:
+        columns: dict[str, list[Any]] = {k: [v] for k, v in item.columns.items()}
+        columns.update({
+            "completion_ids": [[0]], "turns": [1], "truncated": [None], "state": [{}],
+            "transcript": [[{"role": "assistant", "content": DUMMY_COMPLETION}]]})
+        try:
+            rewards([item.prompt], [DUMMY_COMPLETION], columns)
+        except RewardError as e:
+            raise invalid_argument(what, f"{e} (called at start-up on a row of the task with "
+                                         "a dummy completion)") from None
 
 
 def _accepted_keywords(f: RewardFunc) -> set[str] | None:
@@ -205,3 +296,35 @@ def build_reward_set(task: Any, reward_files: Sequence[str], weights: str | None
     env_weights = [float(w) for _, _, w in listed]
     return RewardSet([(n, f) for n, f, _ in listed],
                      parse_weights(weights, len(listed)) if weights else env_weights)
+
+
+@dataclass(frozen=True)
+class EvalScorer:
+    """What scores the held-out eval.
+
+    Attributes:
+        rewards: the reward functions that score it (combined as the run's), or None: the
+            environment's own score (:meth:`~gridrl.trainer.envs.base.Environment.score`).
+        name: the scorer in words, shown on the console, in ``log.jsonl``, ``summary.json``,
+            the plot's title and ``GetRunStatus`` (at most 256 characters).
+    """
+
+    rewards: RewardSet | None
+    name: str
+
+
+def build_eval_scorer(env: Any, run_rewards: RewardSet, reward_files: Sequence[str],
+                      eval_reward_files: Sequence[str]) -> EvalScorer:
+    """The eval's scorer: the functions of every ``--eval-reward-file`` (weight 1 each) when
+    given; else the run's own rewards when ``--reward-file`` replaced the task's score (the eval
+    measures what the run trains on); else the environment's own score (its ``score_name``
+    says what it is)."""
+    if eval_reward_files:
+        funcs = [f for path in eval_reward_files for f in load_reward_file(path,
+                                                                          "--eval-reward-file")]
+        scorer = RewardSet(funcs, [1.0] * len(funcs))
+        return EvalScorer(scorer, scorer.describe())
+    if reward_files:
+        return EvalScorer(run_rewards, run_rewards.describe())
+    name = getattr(env, "score_name", None) or f"{getattr(env, 'name', 'task')} score"
+    return EvalScorer(None, str(name)[:256])

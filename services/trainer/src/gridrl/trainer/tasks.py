@@ -147,6 +147,8 @@ class ReverseWords:
     #: reached 0.275 (docs/benchmarks.md, section 4), so 128 phrases keep the eval's standard
     #: error <= 0.025; generated, they cost no training data.
     eval_tasks: ClassVar[int] = 128
+    #: what :meth:`score` measures, in words (the eval's scorer)
+    score_name: ClassVar[str] = "reverse-words word similarity (1.0 only for the exact reversal)"
 
     def __post_init__(self) -> None:
         check_word_range(self.min_words, self.max_words)
@@ -254,6 +256,12 @@ class JsonlTask:
         self.has_answer = all(self.answer_column in r for r in self._train_rows + self._eval_rows)
         self._perm_cache: dict[int, list[int]] = {}
 
+    @property
+    def score_name(self) -> str:
+        """What :meth:`score` measures, in words (the eval's scorer without ``--reward-file``)."""
+        return (f"word similarity to the {self.answer_column!r} column (case-insensitive; 1.0 "
+                "for the same words in the same order)")
+
     def _key(self, row: dict[str, Any]) -> str:
         """What makes two rows the same prompt (for the eval split)."""
         if self.prompt_column in row:
@@ -295,7 +303,8 @@ class JsonlTask:
     def score(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         if not self.has_answer:
             raise ValueError(f"{self.name}: rows have no {self.answer_column!r} column to score "
-                             "against")
+                             "against; score them with --reward-file, or name the answer "
+                             "column with --answer-column")
         return similarity_reward(prompts, completions, **columns)
 
 

@@ -129,6 +129,12 @@ class Environment(abc.ABC):
         the module docstring): the held-out eval is its mean under greedy decoding, and it is
         the reward unless :meth:`reward_funcs` says otherwise."""
 
+    @property
+    def score_name(self) -> str:
+        """What :meth:`score` measures, in words: the held-out eval's scorer when the run has
+        no ``--reward-file`` (console, ``log.jsonl``, ``summary.json``, the plot)."""
+        return f"{self.name} score"
+
     def reward_funcs(self) -> list[tuple[str, RewardFunc, float]]:
         """``(name, function, weight)`` of each reward function (TRL's signature), combined
         as TRL's weighted nansum. Default: :meth:`score` with weight 1."""
@@ -160,6 +166,11 @@ class SingleTurnEnv(Environment):
     def has_answer(self) -> bool:
         """False for a JSONL task without its answer column (the run's rewards score it)."""
         return getattr(self.task, "has_answer", True)
+
+    @property
+    def score_name(self) -> str:
+        """The task's own ``score_name`` (e.g. reverse-words' word similarity)."""
+        return str(getattr(self.task, "score_name", None) or f"{self.name} score")
 
     def train_item(self, index: int) -> TaskItem:
         return self.task.train_item(index)

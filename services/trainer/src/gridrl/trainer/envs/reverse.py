@@ -81,6 +81,11 @@ class ReverseWordsRetry(Environment):
             return EnvTurn(done=True)
         return EnvTurn([{"role": "user", "content": feedback(reply, answer)}])
 
+    @property
+    def score_name(self) -> str:
+        """What :meth:`score` measures."""
+        return "word similarity of the last attempt (1.0 only for the exact reversal)"
+
     def score(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
         """Similarity of the last attempt to the answer (the eval's score; exact = success)."""
         return [word_similarity(c, a) for c, a in zip(completions, columns["answer"],

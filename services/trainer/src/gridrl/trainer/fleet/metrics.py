@@ -36,7 +36,8 @@ NODE_WAIT_SECONDS = Gauge("gridrl_trainer_node_wait_seconds",
                           "rotation); 0 when it is not waiting.")
 NODE_WAIT_LEFT_SECONDS = Gauge("gridrl_trainer_node_wait_left_seconds",
                                "Seconds left before a run waiting for a rollout node fails "
-                               "(--wait-for-nodes-s); 0 when it is not waiting.")
+                               "(--outage-wait-s; --start-wait-s before step 1); 0 when it "
+                               "is not waiting.")
 SYNC_FAILURES = Counter("gridrl_trainer_sync_failures_total",
                         "Adapter pushes that failed or missed their deadline, by node.", ["node"])
 

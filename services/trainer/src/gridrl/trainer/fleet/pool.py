@@ -37,6 +37,7 @@ group (membership's *syncing*), then the batch goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -89,6 +90,9 @@ class NodeWait:
         starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
         in_rotation: nodes in rotation now (the start's wait).
         needed: nodes the start waits for (``--min-nodes``).
+        gave_up: the wait ended without the nodes it waited for (its time ran out; the run
+            fails): the last report of a failed wait (a wait that got its nodes ends with
+            None).
     """
 
     waited_s: float
@@ -97,6 +101,7 @@ class NodeWait:
     starting: bool = False
     in_rotation: int = 0
     needed: int = 1
+    gave_up: bool = False
 
 
 @dataclass
@@ -255,7 +260,8 @@ class NodePool:
         """
         started = time.monotonic()
         deadline = started + timeout_s
-        reported = False
+        last: NodeWait | None = None  # the wait's last report (None: not reported)
+        gave_up = False
         try:
             with self._lock:
                 while len(self._members.in_rotation()) < min_nodes:
@@ -264,19 +270,22 @@ class NodePool:
                     now = time.monotonic()
                     left = deadline - now
                     if left <= 0 or self._closed.is_set():
+                        gave_up = True
                         raise TimeoutError(f"{len(self._members.in_rotation())} of {min_nodes} "
                                            f"rollout node(s) in rotation after "
-                                           f"{timeout_s:.1f}s (--node-wait-s): "
+                                           f"{timeout_s:.1f}s (--start-wait-s): "
                                            f"{self._describe()}")
-                    self._report_wait(NodeWait(now - started, left, self._describe(),
-                                               starting=True, needed=min_nodes,
-                                               in_rotation=len(self._members.in_rotation())))
-                    reported = True
+                    last = NodeWait(now - started, left, self._describe(), starting=True,
+                                    needed=min_nodes,
+                                    in_rotation=len(self._members.in_rotation()))
+                    self._report_wait(last)
                     self._changed.wait(min(left, _WAIT_REPORT_S))
                 return self._members.states()
         finally:
-            if reported:
-                self._report_wait(None)
+            if last is not None:
+                self._report_wait(dataclasses.replace(
+                    last, waited_s=time.monotonic() - started, left_s=0.0, gave_up=True)
+                    if gave_up else None)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -474,7 +483,8 @@ class NodePool:
         """
         started = time.monotonic()
         deadline = started + self.wait_for_nodes_s
-        reported = False
+        last: NodeWait | None = None  # the wait's last report (None: not reported)
+        gave_up = False
         try:
             while True:
                 with self._lock:
@@ -484,22 +494,25 @@ class NodePool:
                     left = deadline - now
                     describe = self._describe()
                     if left <= 0:
-                        waited = (f" after waiting {now - started:.1f}s (--wait-for-nodes-s)"
+                        gave_up = True
+                        waited = (f" after waiting {now - started:.1f}s (--outage-wait-s)"
                                   if self.wait_for_nodes_s else "")
                         raise RuntimeError(f"no rollout node can serve prompt {index} "
                                            f"(0 in rotation){waited}: {describe}")
-                    if not reported:
+                    if last is None:
                         log.warning("no rollout node in rotation; waiting up to %.0fs for one: "
                                     "%s", self.wait_for_nodes_s, describe)
-                    self._report_wait(NodeWait(now - started, left, describe))
-                    reported = True
+                    last = NodeWait(now - started, left, describe)
+                    self._report_wait(last)
                     self._changed.wait(min(left, _WAIT_REPORT_S))
-            if reported:
+            if last is not None:
                 log.info("a rollout node is in rotation again after %.1fs",
                          time.monotonic() - started)
         finally:
-            if reported:
-                self._report_wait(None)
+            if last is not None:
+                self._report_wait(dataclasses.replace(
+                    last, waited_s=time.monotonic() - started, left_s=0.0, gave_up=True)
+                    if gave_up else None)
 
     def _report_wait(self, wait: NodeWait | None) -> None:
         metrics.record_node_wait(wait.waited_s if wait else 0.0, wait.left_s if wait else 0.0)

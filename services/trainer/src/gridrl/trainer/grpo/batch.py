@@ -28,6 +28,7 @@ from gridrl.trainer.envs.episode import reward_columns
 from gridrl.trainer.grpo import advantages as grpo
 from gridrl.trainer.grpo.admission import NodeStepStats, admit
 from gridrl.trainer.grpo.sequences import TrainSequence
+from gridrl.trainer.rewards import RewardError
 from gridrl.trainer.rollouts import RolloutSample, StepRollouts
 
 
@@ -68,6 +69,8 @@ class StepBatch:
         groups_with_signal: groups with a non-zero advantage (a group of equal rewards teaches
             nothing).
         excluded: flagged node -> its samples kept out of the step.
+        reward_error_groups: groups left out because a reward function failed on them
+            (``--on-reward-error drop``); ``reward_error``: the first such failure, in words.
     """
 
     step: int
@@ -78,6 +81,8 @@ class StepBatch:
     reward_funcs: dict[str, float | None] = field(default_factory=dict)
     groups_with_signal: int = 0
     excluded: dict[str, int] = field(default_factory=dict)
+    reward_error_groups: int = 0
+    reward_error: str = ""
 
     @property
     def sequences(self) -> list[TrainSequence]:
@@ -129,7 +134,8 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
                 prompt_ids: Sequence[Sequence[int]], *, lineage: Mapping[int, int], bound: int,
                 rewards: Callable[..., tuple[list[float], dict[str, list[float]]]],
                 scale_rewards: bool, advantage_eps: float,
-                flagged: Mapping[str, str] | frozenset[str] = frozenset()) -> StepBatch:
+                flagged: Mapping[str, str] | frozenset[str] = frozenset(),
+                on_reward_error: str = "fail") -> StepBatch:
     """Admit, score and weigh the rollouts of ``step``.
 
     Args:
@@ -143,6 +149,10 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
             ``rewards(prompts, completions, columns) -> (combined, per_function)``.
         scale_rewards, advantage_eps: ``--scale-rewards``, ``--advantage-eps``.
         flagged: nodes whose samples are kept out.
+        on_reward_error: ``--on-reward-error``: ``fail`` (a reward function's failure is
+            raised) or ``drop`` (the groups it fails on are left out, counted).
+    Raises:
+        RewardError: a reward function failed (``fail``), naming it, its file and ``step``.
     """
     admission = admit(rollouts.groups, lineage=lineage, trainer_step=step - 1,
                       max_staleness=bound, flagged=flagged)
@@ -150,16 +160,28 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
                                                          strict=True)]
     combined: list[float] = []
     per_func: dict[str, list[float]] = {}
+    error_groups, error = 0, ""
     if admitted:
-        columns: dict[str, list[Any]] = {
-            key: [items[b].columns.get(key) for b, _, _, _ in admitted]
-            for key in items[0].columns}
-        columns["completion_ids"] = [list(s.token_ids) for _, _, s, _ in admitted]
-        if any(s.episode is not None for _, _, s, _ in admitted):  # multi-turn columns
-            columns.update({k: v for k, v in reward_columns(
-                [s.episode for _, _, s, _ in admitted]).items() if k not in columns})
-        combined, per_func = rewards([items[b].prompt for b, _, _, _ in admitted],
-                                     [s.text for _, _, s, _ in admitted], columns)
+        try:
+            combined, per_func = _score(admitted, items, rewards)
+        except RewardError as e:
+            if on_reward_error != "drop":
+                raise e.at_step(step) from e
+            # score group by group; leave out the groups a function fails on
+            kept: list[Any] = []
+            for b in dict.fromkeys(a[0] for a in admitted):
+                group = [a for a in admitted if a[0] == b]
+                try:
+                    values, per = _score(group, items, rewards)
+                except RewardError as ge:
+                    error_groups += 1
+                    error = error or str(ge.at_step(step))
+                    continue
+                kept += group
+                combined += values
+                for name, v in per.items():
+                    per_func.setdefault(name, []).extend(v)
+            admitted = kept
     g_max = max((len(g.samples) for g in rollouts.groups), default=0)
     reward_grid = np.zeros((len(rollouts.groups), max(g_max, 1)), dtype=np.float32)
     mask = np.zeros_like(reward_grid)
@@ -182,7 +204,23 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
         sampled_tokens=admission.sampled_tokens,
         reward_funcs={k: _nanmean(v) for k, v in per_func.items()},
         groups_with_signal=int(np.count_nonzero(np.any(np.abs(adv) > 0, axis=1))),
-        excluded=admission.excluded)
+        excluded=admission.excluded, reward_error_groups=error_groups, reward_error=error)
+
+
+def _score(admitted: Sequence[tuple[int, int, RolloutSample, int]], items: Sequence[Any],
+           rewards: Callable[..., tuple[list[float], dict[str, list[float]]]]
+           ) -> tuple[list[float], dict[str, list[float]]]:
+    """The rewards of ``admitted`` samples (group, index, sample, staleness): the items'
+    columns, ``completion_ids`` and the episode columns."""
+    columns: dict[str, list[Any]] = {
+        key: [items[b].columns.get(key) for b, _, _, _ in admitted]
+        for key in items[0].columns}
+    columns["completion_ids"] = [list(s.token_ids) for _, _, s, _ in admitted]
+    if any(s.episode is not None for _, _, s, _ in admitted):  # multi-turn columns
+        columns.update({k: v for k, v in reward_columns(
+            [s.episode for _, _, s, _ in admitted]).items() if k not in columns})
+    return rewards([items[b].prompt for b, _, _, _ in admitted],
+                   [s.text for _, _, s, _ in admitted], columns)
 
 
 def _nanmean(values: Sequence[float]) -> float | None:

@@ -21,6 +21,7 @@ from gridrl.trainer.fleet.pool import NodeWait
 from gridrl.trainer.report.events import (
     BENCHED,
     BaselineEvaluated,
+    EvalProgressed,
     FailedRunCheckpointed,
     NodeFlagged,
     NodeReviewed,
@@ -37,7 +38,7 @@ from gridrl.trainer.report.events import (
 from gridrl.trainer.report.records import StepRecord
 
 LEGEND = ("[dim]reward: mean±std of the step's samples; eval: held-out score±stderr"
-          "@policy version; stale: mean versions behind; kl: behaviour vs trainer "
+          "@policy version, exact: its completions with full marks; stale: mean versions behind; kl: behaviour vs trainer "
           "logprobs; loss: the GRPO surrogate, ≈0 on-policy (advantages are centred in "
           "each group), gnorm: the update's size; v: policy version[/]")
 
@@ -69,6 +70,7 @@ class ConsoleLines:
         self._legend_printed = False
         self._wait_printed_at: float | None = None
         self._last_wait: NodeWait | None = None
+        self._expected_printed = False
 
     def on_step(self, r: StepRecord) -> None:
         if not self._legend_printed:
@@ -81,7 +83,11 @@ class ConsoleLines:
                                          for name, v in r.reward_funcs.items()) + ")"
         if r.eval_score is not None:
             parts.append(f"[bold green]eval {r.eval_score:.3f}±{r.eval_stderr or 0:.3f}"
-                         f"@v{r.eval_policy_version}[/]" + _eval_metrics(r.eval_metrics))
+                         f"@v{r.eval_policy_version}[/]"
+                         + (f" exact {r.eval_exact:.2f}" if r.eval_exact is not None else "")
+                         + _eval_metrics(r.eval_metrics))
+        if r.reward_error_groups:
+            parts.append(f"[red]reward errors: {r.reward_error_groups} group(s) left out[/]")
         if episodes := _episodes(r):
             parts.append(episodes)
         stale = f"stale {r.staleness_mean:.1f}"
@@ -121,7 +127,15 @@ class ConsoleLines:
             case BaselineEvaluated(record=b):
                 self.console.print(f"baseline eval {b.eval_score:.3f}±{b.eval_stderr or 0:.3f} "
                                    f"(exact {b.eval_exact:.2f}, policy version 0, "
-                                   f"{b.eval_n} tasks)" + _eval_metrics(b.eval_metrics))
+                                   f"{b.eval_n} tasks)" + _eval_metrics(b.eval_metrics)
+                                   + (f"; scored by {b.eval_scorer}" if b.eval_scorer else ""))
+            case EvalProgressed(step=0, progress=p) if (
+                    p is not None and p.expected_s is not None and p.done < p.total
+                    and not self._expected_printed):
+                self._expected_printed = True
+                self.console.print(f"baseline eval: {p.total} prompts, about "
+                                   f"{_duration(p.expected_s)} expected (the first {p.done} "
+                                   f"took {_duration(p.elapsed_s)}; --eval-tasks sets how many)")
             case NoUpdate():
                 self.console.print(f"[bold red]step {event.step}: no sample survived the "
                                    f"staleness filter ({event.dropped} dropped); no update[/]")
@@ -145,11 +159,14 @@ class ConsoleLines:
             case RunFinished(summary=s, run_dir=run_dir):
                 final = (f"{s.final_eval:.3f}" + (f"±{s.final_eval_stderr:.3f}"
                                                   if s.final_eval_stderr is not None else "")
+                         + _exact(s.final_eval_exact)
                          + f" (policy version {s.final_eval_policy_version})"
                          if s.final_eval is not None else "n/a")
-                baseline = f"{s.baseline_eval:.3f}" if s.baseline_eval is not None else "n/a"
+                baseline = (f"{s.baseline_eval:.3f}{_exact(s.baseline_eval_exact)}"
+                            if s.baseline_eval is not None else "n/a")
+                scorer = f" (scored by {s.eval_scorer})" if s.eval_scorer else ""
                 self.console.print(f"[bold]done[/]: {s.steps} steps, eval {baseline} -> "
-                                   f"{final}, run directory {run_dir}")
+                                   f"{final}{scorer}, run directory {run_dir}")
                 if s.flagged_nodes:
                     self.console.print("[bold red]nodes flagged during the run: " + "; ".join(
                         f"{n}: {w}" for n, w in sorted(s.flagged_nodes.items())) + "[/]")
@@ -173,6 +190,14 @@ class ConsoleLines:
                                    f"{last.waited_s:.0f}s; going on")
             self._last_wait = self._wait_printed_at = None
             return
+        if wait.gave_up:  # its time ran out: the run fails, and says why
+            what = (f"{wait.needed} rollout node(s) ({wait.in_rotation} ready)" if wait.starting
+                    else "a rollout node")
+            flag = "--start-wait-s" if wait.starting else "--outage-wait-s"
+            self.console.print(f"[bold red]gave up waiting for {what}[/] after "
+                               f"{wait.waited_s:.0f}s ({flag}): {wait.waiting_for}")
+            self._last_wait = self._wait_printed_at = None
+            return
         self._last_wait = wait
         now = self._clock()
         if self._wait_printed_at is not None and now - self._wait_printed_at < self.wait_every_s:
@@ -182,16 +207,26 @@ class ConsoleLines:
             self.console.print(
                 f"[bold yellow]waiting for {wait.needed} rollout node(s)[/] "
                 f"({wait.in_rotation} ready) for {wait.waited_s:.0f}s, {wait.left_s:.0f}s "
-                f"left (--node-wait-s): {wait.waiting_for}")
+                f"left (--start-wait-s): {wait.waiting_for}")
         else:
             self.console.print(
                 f"[bold yellow]waiting for a rollout node[/] (none in rotation) for "
-                f"{wait.waited_s:.0f}s, {wait.left_s:.0f}s left (--wait-for-nodes-s): "
+                f"{wait.waited_s:.0f}s, {wait.left_s:.0f}s left (--outage-wait-s): "
                 f"{wait.waiting_for}")
 
 
 # the environment's counters shown on the step line, and their short names
 _COUNTS = (("tool_calls", "calls"), ("tool_errors", "err"), ("tool_timeouts", "timeouts"))
+
+
+def _exact(value: float | None) -> str:
+    """`` exact 0.06`` (the fraction with full marks), or "" when not known."""
+    return "" if value is None else f" exact {value:.2f}"
+
+
+def _duration(seconds: float) -> str:
+    """``"45s"``, ``"3.2 min"``."""
+    return f"{seconds:.0f}s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def _mean(value: float | None) -> str:

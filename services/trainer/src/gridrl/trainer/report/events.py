@@ -10,7 +10,8 @@ checkpoint is restored), :class:`NodesReady`, :class:`History` (a resumed run's 
 :class:`ResumedWeightsPushed`, :class:`BaselineEvaluated`, then per step the record and
 :class:`Checkpointed`, and one end: :class:`RunFinished`, :class:`RunStopped` or
 :class:`RunFailed` (after :class:`FailedRunCheckpointed` when the failure left steps to save).
-Any time: :class:`NodeWaitChanged`, :class:`NodeFlagged`, :class:`NodeReviewed`,
+Any time: :class:`EvalProgressed` (an eval under way), :class:`NodeWaitChanged`,
+:class:`NodeFlagged`, :class:`NodeReviewed`,
 :class:`SyncSkipped`, :class:`NoUpdate`.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from gridrl.trainer.evaluation import EvalProgress
 from gridrl.trainer.fleet.pool import NodeState, NodeWait
 from gridrl.trainer.fleet.probation import Review
 from gridrl.trainer.report.records import BaselineRecord, StepRecord
@@ -88,6 +90,15 @@ class BaselineEvaluated:
     """The base model's held-out eval, before step 1 (written to ``log.jsonl``)."""
 
     record: BaselineRecord
+
+
+@dataclass(frozen=True)
+class EvalProgressed:
+    """A held-out eval at ``step`` (0: the baseline) is under way (``progress``: prompts done,
+    of how many, the expected time once the first batch is done), or ended (None)."""
+
+    step: int
+    progress: EvalProgress | None
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,7 @@ class RunFailed:
 
 
 RunEvent = Union[RunStarted, RunResumed, NodesReady, History, ResumedWeightsPushed,  # noqa: UP007
-                 BaselineEvaluated, NoUpdate, NodeFlagged, NodeReviewed, SyncSkipped,
+                 BaselineEvaluated, EvalProgressed, NoUpdate, NodeFlagged, NodeReviewed,
+                 SyncSkipped,
                  NodeWaitChanged, Checkpointed, FailedRunCheckpointed, RunStopped, RunFinished,
                  RunFailed]

@@ -27,7 +27,8 @@ STEP_REPORT_FIELDS = ("step", "policy_version", "reward_mean", "reward_std", "lo
 # Keys present only after an update, a sync or an eval (absent otherwise, not null).
 _UPDATE_KEYS = ("clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens")
 _SYNC_KEYS = ("synced_nodes", "skipped_nodes", "lagging_nodes")
-_EVAL_KEYS = ("eval_exact", "eval_stderr", "eval_n", "eval_s", "eval_examples", "eval_metrics")
+_EVAL_KEYS = ("eval_exact", "eval_stderr", "eval_n", "eval_s", "eval_examples", "eval_metrics",
+              "eval_scorer")
 # Keys present only after an update with an importance-sampling correction (--is-correction).
 IS_KEYS = ("is_weight_mean", "is_weight_max", "is_limited_fraction")
 # Fields of a record that are published but not written to log.jsonl.
@@ -93,7 +94,10 @@ class StepRecord:
     ``mixed_node``), ``env_counts`` the environment's counters summed (``tool_calls``,
     ``tool_errors``, ``tool_timeouts``...). ``reward_funcs`` holds each reward function's mean;
     ``eval_metrics`` the environment's eval figures (e.g. ``first_attempt_success``,
-    ``second_attempt_success``, ``turns_mean``).
+    ``second_attempt_success``, ``turns_mean``); ``eval_exact`` the fraction of eval completions
+    with full marks (score >= 1: for reverse-words the exact reversal) and ``eval_scorer`` what
+    scored the eval. ``reward_error_groups``: groups left out because a reward function failed
+    on them (``--on-reward-error drop``).
     """
 
     step: int
@@ -135,6 +139,7 @@ class StepRecord:
     truncated_episodes: int = 0
     dropped_episodes: dict[str, int] = field(default_factory=dict)  # reason -> episodes
     env_counts: dict[str, int] = field(default_factory=dict)  # tool_calls, tool_errors...
+    reward_error_groups: int = 0
     # after an update
     clip_fraction: float | None = None
     grad_norm: float | None = None
@@ -156,6 +161,7 @@ class StepRecord:
     eval_s: float | None = None
     eval_examples: list[dict[str, Any]] | None = None
     eval_metrics: dict[str, float] | None = None
+    eval_scorer: str | None = None
     # published, not logged (NOT_LOGGED): the loosest mismatch bound applied to the step's
     # nodes, nats/token (None: not judged, e.g. a record read back from log.jsonl)
     mismatch_kl_bound: float | None = None
@@ -222,6 +228,7 @@ class StepRecord:
             env_tokens=episodes.env_tokens, truncated_episodes=episodes.truncated,
             dropped_episodes=dict(sorted(episodes.dropped.items())),
             env_counts=dict(sorted(episodes.counts.items())),
+            reward_error_groups=batch.reward_error_groups,
             mismatch_kl_bound=mismatch_kl_bound)
         if stats is not None:
             record.clip_fraction, record.grad_norm, record.lr = (stats.clip_fraction,
@@ -239,6 +246,7 @@ class StepRecord:
             record.eval_stderr, record.eval_n = evaluation.stderr, evaluation.n
             record.eval_examples = evaluation.examples
             record.eval_metrics = dict(evaluation.metrics)
+            record.eval_scorer = evaluation.scorer
         return record
 
     def to_json(self) -> dict[str, Any]:
@@ -301,13 +309,16 @@ class BaselineRecord:
     eval_policy_version: int
     eval_examples: list[dict[str, Any]] = field(default_factory=list)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    eval_scorer: str = ""
 
     @classmethod
     def of(cls, evaluation: EvalResult) -> BaselineRecord:
+        """The record of the base model's eval."""
         return cls(eval_score=evaluation.score, eval_exact=evaluation.exact,
                    eval_stderr=evaluation.stderr, eval_n=evaluation.n,
                    eval_policy_version=evaluation.policy_version,
-                   eval_examples=evaluation.examples, eval_metrics=dict(evaluation.metrics))
+                   eval_examples=evaluation.examples, eval_metrics=dict(evaluation.metrics),
+                   eval_scorer=evaluation.scorer)
 
     def to_json(self) -> dict[str, Any]:
         """The ``log.jsonl`` record (``"event": "baseline"``, no ``step``)."""
@@ -315,8 +326,10 @@ class BaselineRecord:
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> BaselineRecord:
+        """The ``log.jsonl`` baseline record read back (older runs' lack some keys)."""
         return cls(eval_score=record["eval_score"], eval_exact=record.get("eval_exact", 0.0),
                    eval_stderr=record.get("eval_stderr"), eval_n=record.get("eval_n", 0),
                    eval_policy_version=record.get("eval_policy_version", 0),
                    eval_examples=record.get("eval_examples") or [],
-                   eval_metrics=record.get("eval_metrics") or {})
+                   eval_metrics=record.get("eval_metrics") or {},
+                   eval_scorer=record.get("eval_scorer") or "")

@@ -22,8 +22,10 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 
+from gridrl.trainer.fleet.pool import NodeWait
 from gridrl.trainer.report.events import (
     BaselineEvaluated,
+    EvalProgressed,
     History,
     NodeWaitChanged,
     RunEvent,
@@ -51,6 +53,8 @@ def step_report(record: StepRecord) -> trainer_pb2.StepReport:
         tokens_per_s=record.tokens_per_s, elapsed_s=record.elapsed_s)
     if record.eval_score is not None:
         msg.eval_score = record.eval_score
+        if record.eval_exact is not None:
+            msg.eval_exact = record.eval_exact
     msg.time.FromNanoseconds(time.time_ns())
     return msg
 
@@ -104,6 +108,9 @@ class RunStatus:
         self._error = ""
         self._history: list[trainer_pb2.StepReport] = []
         self._node_wait: trainer_pb2.NodeWait | None = None
+        self._eval_progress: trainer_pb2.EvalProgress | None = None
+        self._baseline_exact: float | None = None
+        self._eval_scorer = ""
 
     def begin(self, run_name: str, run_dir: str, total_steps: int, model_id: str) -> None:
         """Start a run (state STARTING: loading the model, measuring the baseline)."""
@@ -112,14 +119,36 @@ class RunStatus:
             self._total_steps = int(total_steps)
             self._state = trainer_pb2.RUN_STATE_STARTING
             self._baseline = None
+            self._baseline_exact = None
+            self._eval_progress = None
             self._error = ""
             self._history = []
             self._cond.notify_all()
 
-    def set_baseline(self, score: float) -> None:
-        """Record the base model's eval score (in [0, 1]) measured before training."""
+    def set_baseline(self, score: float, exact: float | None = None, scorer: str = "") -> None:
+        """Record the base model's eval score (in [0, 1]) measured before training, the
+        fraction of its completions with full marks and what scored it (when known)."""
         with self._cond:
             self._baseline = float(score)
+            if exact is not None:
+                self._baseline_exact = float(exact)
+            if scorer:
+                self._eval_scorer = scorer[:256]
+
+    def set_eval_progress(self, step: int, done: int = 0, total: int = 0,
+                          elapsed_s: float = 0.0, expected_s: float | None = None,
+                          running: bool = True) -> None:
+        """A held-out eval at ``step`` (0: the baseline) has decoded ``done`` of ``total``
+        prompts in ``elapsed_s`` seconds, the whole expected to take ``expected_s``;
+        ``running`` False: no eval runs now."""
+        with self._cond:
+            if not running:
+                self._eval_progress = None
+                return
+            self._eval_progress = trainer_pb2.EvalProgress(step=step, done=done, total=total,
+                                                           elapsed_s=elapsed_s)
+            if expected_s is not None:
+                self._eval_progress.expected_s = expected_s
 
     def report(self, report: Mapping[str, Any]) -> None:
         """Append one step's report given as a dict (keys: StepReport field names; see
@@ -187,6 +216,11 @@ class RunStatus:
                 msg.last_report.CopyFrom(last)
             if self._baseline is not None:
                 msg.baseline_eval = self._baseline
+            if self._baseline_exact is not None:
+                msg.baseline_eval_exact = self._baseline_exact
+            msg.eval_scorer = self._eval_scorer
+            if self._eval_progress is not None:
+                msg.eval_progress.CopyFrom(self._eval_progress)
             if self._node_wait is not None:
                 msg.node_wait.CopyFrom(self._node_wait)
             return msg
@@ -224,7 +258,8 @@ class RunStatus:
 class StatusSubscriber:
     """The run's reporter subscriber that keeps a :class:`RunStatus` (``GetRunStatus``,
     ``WatchRun``) current: the lifecycle events, each step's report, a resumed run's earlier
-    steps (not published to Prometheus again), the baseline and the wait for nodes."""
+    steps (not published to Prometheus again), the baseline, an eval in progress and the wait for
+    nodes."""
 
     def __init__(self, status: RunStatus) -> None:
         self.status = status
@@ -240,10 +275,18 @@ class StatusSubscriber:
                 for record in event.records:
                     self.status.append(step_report(record))
                 if event.baseline_score is not None:
-                    self.status.set_baseline(event.baseline_score)
-            case BaselineEvaluated():
-                self.status.set_baseline(event.record.eval_score)
-            case NodeWaitChanged(wait=None):
+                    b = event.baseline
+                    self.status.set_baseline(event.baseline_score,
+                                             b.eval_exact if b is not None else None,
+                                             b.eval_scorer if b is not None else "")
+            case BaselineEvaluated(record=b):
+                self.status.set_baseline(b.eval_score, b.eval_exact, b.eval_scorer)
+            case EvalProgressed(progress=None):
+                self.status.set_eval_progress(event.step, running=False)
+            case EvalProgressed(progress=p) if p is not None:
+                self.status.set_eval_progress(event.step, p.done, p.total, p.elapsed_s,
+                                              p.expected_s)
+            case NodeWaitChanged(wait=None) | NodeWaitChanged(wait=NodeWait(gave_up=True)):
                 self.status.set_node_wait(None)
             case NodeWaitChanged(wait=wait) if wait is not None:
                 self.status.set_node_wait(wait.waiting_for, wait.waited_s, wait.left_s)

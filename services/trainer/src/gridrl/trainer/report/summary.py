@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalPoint:
     """One held-out eval of the run: at ``step``, of ``policy_version``, ``score`` ±
-    ``stderr``, ``elapsed_s`` training seconds into the run, taking ``eval_s`` seconds;
-    ``metrics`` the environment's own figures (e.g. first- and second-attempt success)."""
+    ``stderr``, ``exact`` of its completions with full marks, ``elapsed_s`` training seconds
+    into the run, taking ``eval_s`` seconds; ``metrics`` the environment's own figures (e.g.
+    first- and second-attempt success); ``scorer`` what scored it."""
 
     step: int
     score: float
@@ -42,14 +43,18 @@ class EvalPoint:
     elapsed_s: float | None
     eval_s: float | None
     metrics: dict[str, float] = field(default_factory=dict)
+    exact: float | None = None
+    scorer: str | None = None
 
 
 @dataclass(frozen=True)
 class RunSummary:
     """``summary.json``: totals and scores of a finished run (times in seconds; evals in
-    [0, 1]; ``rollout``: the nodes that served the run, or ``"local"``; the episode totals
-    over the steps of the records kept, ``turns_mean`` per episode; ``*_eval_metrics`` the
-    environment's own eval figures)."""
+    [0, 1]; ``*_eval_exact`` the fraction of eval completions with full marks, beside the
+    score; ``eval_scorer`` what scored the evals; ``rollout``: the nodes that served the run,
+    or ``"local"``; the episode totals over the steps of the records kept, ``turns_mean`` per
+    episode; ``*_eval_metrics`` the environment's own eval figures; ``reward_error_groups``:
+    groups left out for a reward function's failure)."""
 
     run_name: str | None
     model: str
@@ -63,6 +68,9 @@ class RunSummary:
     final_eval_stderr: float | None
     final_eval_policy_version: int | None
     best_eval: float | None
+    baseline_eval_exact: float | None
+    final_eval_exact: float | None
+    eval_scorer: str
     baseline_eval_metrics: dict[str, float]
     final_eval_metrics: dict[str, float]
     eval_tasks: int
@@ -79,6 +87,7 @@ class RunSummary:
     truncated_episodes: int
     dropped_episodes: dict[str, int]
     env_counts: dict[str, int]
+    reward_error_groups: int
     flagged_nodes: dict[str, str]
     resumed_at: list[int]
     rollout: str | list[str]
@@ -100,10 +109,12 @@ class RunHistory:
     Args:
         plot_path: the PNG redrawn at each checkpoint (``<run_dir>/plot.png``).
         title: the plot's title.
+        eval_scorer: what scores the held-out eval (in the plot's title and the summary).
     """
 
     plot_path: Path
     title: str = ""
+    eval_scorer: str = ""
     records: list[StepRecord] = field(default_factory=list)
     baseline: BaselineRecord | None = None
     baseline_score: float | None = None
@@ -130,7 +141,8 @@ class RunHistory:
         try:
             plot_run(self.records, self.plot_path, baseline=self.baseline_score,
                      baseline_stderr=self.baseline.eval_stderr if self.baseline else None,
-                     title=self.title)
+                     baseline_exact=self.baseline.eval_exact if self.baseline else None,
+                     title=self.title, scorer=self.eval_scorer)
         except Exception:
             log.exception("plot failed")
 
@@ -138,7 +150,8 @@ class RunHistory:
         """Every held-out eval of the run's steps, in step order."""
         return [EvalPoint(step=r.step, score=r.eval_score, policy_version=r.eval_policy_version,
                           stderr=r.eval_stderr, elapsed_s=r.elapsed_s, eval_s=r.eval_s,
-                          metrics=dict(r.eval_metrics or {}))
+                          metrics=dict(r.eval_metrics or {}), exact=r.eval_exact,
+                          scorer=r.eval_scorer)
                 for r in self.records if r.eval_score is not None]
 
     def summary(self, cfg: TrainConfig, *, steps: int, policy_version: int, elapsed_s: float,
@@ -178,6 +191,9 @@ class RunHistory:
             final_eval_stderr=final.stderr if final else None,
             final_eval_policy_version=final.policy_version if final else None,
             best_eval=max((e.score for e in evals), default=None),
+            baseline_eval_exact=self.baseline.eval_exact if self.baseline else None,
+            final_eval_exact=final.exact if final else None,
+            eval_scorer=self.eval_scorer or (final.scorer if final and final.scorer else ""),
             baseline_eval_metrics=dict(self.baseline.eval_metrics) if self.baseline else {},
             final_eval_metrics=dict(final.metrics) if final else {}, eval_tasks=eval_tasks,
             evals=evals,
@@ -190,6 +206,7 @@ class RunHistory:
             env_tokens=sum(r.env_tokens for r in self.records),
             truncated_episodes=sum(r.truncated_episodes for r in self.records),
             dropped_episodes=dict(sorted(dropped.items())), env_counts=dict(sorted(counts.items())),
+            reward_error_groups=sum(r.reward_error_groups for r in self.records),
             flagged_nodes=dict(flagged_nodes),
             resumed_at=list(resumed_at), rollout=rollout, master=cfg.master,
             adapter=str(adapter), adapter_mlx=str(adapter_mlx) if adapter_mlx else None,

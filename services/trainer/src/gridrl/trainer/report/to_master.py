@@ -106,6 +106,8 @@ def step_message(record: StepRecord) -> runs_pb2.RunStep:
                             excluded_samples=sum(record.excluded_samples.values()))
     if record.eval_stderr is not None:
         step.eval_stderr = record.eval_stderr
+    if record.eval_score is not None and record.eval_exact is not None:
+        step.eval_exact = record.eval_exact
     if record.lr is not None:
         step.lr = record.lr
     if record.is_weight_mean is not None:

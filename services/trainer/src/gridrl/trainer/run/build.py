@@ -12,7 +12,7 @@ broadcasts; rank 0 alone the rest):
 2. with ``--resume``, the latest checkpoint (rank 0 reads it, every rank restores it) and a
    policy version never used in the run directory (a node may hold the killed run's later
    versions);
-3. rank 0: the rewards (the environment's own, or ``--reward-file``), the run directory
+3. rank 0: the run directory
    (``config.json``), the reporter's ``log.jsonl``, tracker, Prometheus and history
    subscribers, the node monitor, the turn sampler: ``--rollout local``
    (:class:`~gridrl.trainer.local.LocalRollout`) or the node pool with its adapter sync
@@ -21,9 +21,11 @@ broadcasts; rank 0 alone the rest):
    run as episodes), the evaluator, probation, and the step sampler (prompts and episodes,
    ``--async-steps`` ahead).
 
-The environment (``--task``) is made first, before the model loads: a missing extra, an
-unknown dataset or a broken file fails in one line (the CLI's pre-flight check makes it too,
-before its server binds).
+The environment (``--task``), the rewards (the environment's own, or ``--reward-file``) and
+the eval's scorer (``--eval-reward-file``) are made first, before the model loads: a missing
+extra, an unknown dataset, a broken file or a reward function that cannot run on the task's
+rows fails in one line (:func:`gridrl.trainer.preflight.build_rewards`; the CLI's pre-flight
+check makes them too, before its server binds).
 
 A failure closes what was built and tells the other ranks (they fail too). The loop
 (:mod:`gridrl.trainer.run.loop`) holds no collaborator this module did not build.
@@ -51,6 +53,7 @@ from gridrl.trainer.fleet.pool import NodePool, NodeWait
 from gridrl.trainer.fleet.probation import Probation, Review, fresh_mismatch_kl
 from gridrl.trainer.fleet.sync import AdapterSync
 from gridrl.trainer.local import LocalRollout
+from gridrl.trainer.preflight import build_rewards
 from gridrl.trainer.report import trackers
 from gridrl.trainer.report.events import (
     NodeReviewed,
@@ -61,7 +64,7 @@ from gridrl.trainer.report.events import (
 from gridrl.trainer.report.metrics import PrometheusSubscriber
 from gridrl.trainer.report.reporter import HISTORY, LOG, METRICS, TRACKERS, Reporter
 from gridrl.trainer.report.summary import RunHistory
-from gridrl.trainer.rewards import RewardSet, build_reward_set
+from gridrl.trainer.rewards import EvalScorer, RewardSet
 from gridrl.trainer.run.checkpoint import Checkpoint, latest_checkpoint, load_checkpoint
 from gridrl.trainer.run.control import StopControl
 from gridrl.trainer.run.ranks import send_error
@@ -185,10 +188,11 @@ def build_run(cfg: TrainConfig, *, reporter: Reporter, control: StopControl,
     Raises:
         StatusError: bad configuration (``--prompts-per-step`` smaller than the ranks,
             ``--resume`` without a checkpoint, a tracker that cannot start);
-        TimeoutError: fewer than ``--min-nodes`` nodes in rotation within ``--node-wait-s``.
+        TimeoutError: fewer than ``--min-nodes`` nodes in rotation within ``--start-wait-s``.
     """
     trackers.require(cfg.report_to)  # a missing package fails before the model loads
     env = cfg.environment()  # so does a --task naming a missing extra or a broken file
+    rewards, scorer = build_rewards(cfg, env)  # and a reward function that cannot run
     # seeds every RNG, loads the model + LoRA, builds the optimizer and the schedule, and
     # joins data parallelism (torch: DDP under torchrun)
     backend = create_backend(cfg)
@@ -209,7 +213,7 @@ def build_run(cfg: TrainConfig, *, reporter: Reporter, control: StopControl,
         run = Run(cfg=cfg, backend=backend, state=state, control=control, reporter=reporter,
                   resumed=resumed, main=None, backend_lock=threading.Lock(), closing=closing)
         if run_dir is not None:
-            run.main = _build_main(run, run_dir, env, source)
+            run.main = _build_main(run, run_dir, env, (rewards, scorer), source)
         if freeze_gc:
             freeze_long_lived()  # the policy lives as long as the run: no 200 ms collections
         return run
@@ -257,12 +261,13 @@ def _begin_resumed(backend: TrainerBackend, state: TrainerState, run_dir: RunDir
 
 
 def _build_main(run: Run, run_dir: RunDir, env: Environment,
-                source: SourceFactory | None) -> Main:
+                scoring: tuple[RewardSet, EvalScorer], source: SourceFactory | None) -> Main:
     """Rank 0's collaborators (see the module docstring)."""
     cfg, backend, reporter = run.cfg, run.backend, run.reporter
-    rewards = build_reward_set(env, cfg.reward_files, cfg.reward_weights)
+    rewards, scorer = scoring
     cfg.save(run_dir.config)
-    history = RunHistory(run_dir.plot, title=f"{cfg.run_name}: {cfg.task} on {cfg.model}")
+    history = RunHistory(run_dir.plot, title=f"{cfg.run_name}: {cfg.task} on {cfg.model}",
+                         eval_scorer=scorer.name)
     opened = trackers.open_trackers(cfg, resumed_at=run.state.step if run.resumed else None)
     reporter.subscribe(LogFile(run_dir), essential=True, order=LOG)
     reporter.subscribe(trackers.TrackerSubscriber(opened), order=TRACKERS)
@@ -287,7 +292,7 @@ def _build_main(run: Run, run_dir: RunDir, env: Environment,
         turns = flags = pool[0]
     limits = cfg.episode_limits(env)
     episodes = EpisodeSource(env, backend.tokenizer, turns, limits)  # env.prepare(tokenizer)
-    evaluator = Evaluator(backend, env, max_tokens=limits.max_tokens, rewards=rewards,
+    evaluator = Evaluator(backend, env, max_tokens=limits.max_tokens, scorer=scorer,
                           limits=limits)
     prompts = StepPrompts(cfg, episodes)
     fleet = None

@@ -13,7 +13,12 @@ or failed run stands and the command that continues it, so those words live in o
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from gridrl.common.security.policy import Security
 from gridrl.trainer.run.state import TrainerState
@@ -72,12 +77,37 @@ class StopControl:
                 f"step {saved}")
 
 
+def trainer_executable() -> str:
+    """``gridrl-trainer`` as the user can run it from where they are: its bare name when that
+    name on ``PATH`` is this program, else its own path (``.venv/bin/gridrl-trainer`` from the
+    repository root, an absolute path elsewhere), shell-quoted."""
+    name = "gridrl-trainer"
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    own = argv0 if argv0.name == name else Path(sys.executable).parent / name
+    if not own.is_file():
+        return name
+    on_path = shutil.which(name)
+    if on_path is not None and Path(on_path).resolve() == own.resolve():
+        return name
+    absolute = own.absolute()
+    try:
+        shown = os.path.relpath(absolute)
+    except ValueError:  # another drive (Windows)
+        shown = str(absolute)
+    if shown.startswith(".."):
+        shown = str(absolute)
+    elif "/" not in shown:
+        shown = f"./{shown}"
+    return shlex.quote(shown)
+
+
 def resume_command(run_dir: str, security: Security | None) -> str:
-    """The command that continues the run in ``run_dir``; the security flags are not saved
-    with it, so a secured run's command says to give them again."""
+    """The command that continues the run in ``run_dir``, with the trainer as the user can run
+    it (:func:`trainer_executable`); the security flags are not saved with it, so a secured
+    run's command says to give them again."""
     secured = security is not None and bool(
         security.token or security.tls.cert or security.tls.ca or security.authorized)
-    return (f"gridrl-trainer run --resume {run_dir}"
+    return (f"{trainer_executable()} run --resume {shlex.quote(run_dir)}"
             + (" and this start's --tls-*, --authorized-tokens and --auth-token-file "
                "flags (credentials are never saved with a run)" if secured else ""))
 

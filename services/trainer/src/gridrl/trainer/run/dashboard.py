@@ -45,6 +45,9 @@ def dashboard_reporter(cfg: TrainConfig, status: RunStatus, address: str,
         out.started_at.FromNanoseconds(int(started * 1e9))
         if snap.HasField("baseline_eval"):
             out.baseline_eval = snap.baseline_eval
+        if snap.HasField("baseline_eval_exact"):
+            out.baseline_eval_exact = snap.baseline_eval_exact
+        out.eval_scorer = snap.eval_scorer[:256]
         return out
 
     def nodes(stats: dict[str, NodeStats]) -> list[runs_pb2.RunNode]:

@@ -38,12 +38,13 @@ import time
 from pathlib import Path
 
 from gridrl.trainer.backends.base import UpdateStats
-from gridrl.trainer.evaluation import EvalResult
+from gridrl.trainer.evaluation import EvalProgress, EvalResult
 from gridrl.trainer.grpo.batch import StepBatch, build_batch
 from gridrl.trainer.report.events import (
     BENCHED,
     BaselineEvaluated,
     Checkpointed,
+    EvalProgressed,
     History,
     NodeFlagged,
     NoUpdate,
@@ -51,6 +52,7 @@ from gridrl.trainer.report.events import (
     SyncSkipped,
 )
 from gridrl.trainer.report.records import BaselineRecord, StepRecord, SyncOutcome
+from gridrl.trainer.rewards import RewardError
 from gridrl.trainer.run.build import Main, Run
 from gridrl.trainer.run.checkpoint import save_checkpoint
 from gridrl.trainer.run.ranks import send_step
@@ -91,7 +93,7 @@ class StepLoop:
             sync = self.sync(st.step, force=True)
             run.reporter.event(ResumedWeightsPushed(st.version, len(sync.synced_nodes)))
         if st.baseline is None:
-            base = self.evaluate()
+            base = self.evaluate(0)
             st.baseline = base.score
             run.reporter.event(BaselineEvaluated(BaselineRecord.of(base)))
         t_start = time.perf_counter() - st.elapsed_s
@@ -131,7 +133,7 @@ class StepLoop:
         st.data_position = step * cfg.prompts_per_step
         st.dropped_total += batch.dropped
         sync = self.sync(step)
-        evaluation = (self.evaluate() if step % cfg.eval_every == 0 or step == cfg.steps
+        evaluation = (self.evaluate(step) if step % cfg.eval_every == 0 or step == cfg.steps
                       else None)
         st.elapsed_s = time.perf_counter() - t_start
         flagged, bound = self.judge_nodes(step, batch, stats)
@@ -147,7 +149,11 @@ class StepLoop:
         batch = build_batch(step, sampled.rollouts, sampled.items, sampled.prompt_ids,
                             lineage=self.run.state.lineage, bound=cfg.staleness_bound,
                             rewards=main.rewards, scale_rewards=cfg.scale_rewards,
-                            advantage_eps=cfg.advantage_eps, flagged=main.flags.benched_flags())
+                            advantage_eps=cfg.advantage_eps, flagged=main.flags.benched_flags(),
+                            on_reward_error=cfg.on_reward_error)
+        if batch.reward_error_groups:
+            log.warning("%s; %d group(s) left out of step %d (--on-reward-error drop)",
+                        batch.reward_error, batch.reward_error_groups, step)
         for node, n in batch.excluded.items():
             log.warning("step %d: %d sample(s) of flagged node %s kept out of the update",
                         step, n, node)
@@ -178,10 +184,25 @@ class StepLoop:
                            synced_nodes=report.synced, skipped_nodes=report.skipped,
                            lagging_nodes=lagging)
 
-    def evaluate(self) -> EvalResult:
-        """The held-out eval of the current weights."""
-        with self.run.backend_lock:
-            return self.main.evaluator.run(self.run.state.version)
+    def evaluate(self, step: int) -> EvalResult:
+        """The held-out eval of the current weights at ``step`` (0: the baseline), its
+        progress reported (:class:`~gridrl.trainer.report.events.EvalProgressed`).
+
+        Raises:
+            RewardError: a function of the eval's scorer failed, naming ``step``.
+        """
+        reporter = self.run.reporter
+
+        def progress(p: EvalProgress) -> None:
+            reporter.event(EvalProgressed(step, p))
+
+        try:
+            with self.run.backend_lock:
+                return self.main.evaluator.run(self.run.state.version, on_progress=progress)
+        except RewardError as e:
+            raise e.at_step(step) from e
+        finally:
+            reporter.event(EvalProgressed(step, None))
 
     def judge_nodes(self, step: int, batch: StepBatch,
                     stats: UpdateStats | None) -> tuple[dict[str, str], float]:
