@@ -89,7 +89,10 @@ def test_step_record_json_keeps_the_log_keys():
     always = {*STEP_REPORT_FIELDS, "rollout_wait_s", "collect_s", "staleness_max",
               "samples_used", "sampled_tokens", "solved_fraction", "groups_with_signal",
               "reward_funcs", "nodes", "flagged_nodes", "excluded_samples", "updated",
-              "data_position"}
+              "data_position",
+              # the step's episodes (every task runs as episodes)
+              "episodes", "turns_mean", "model_tokens", "env_tokens", "truncated_episodes",
+              "dropped_episodes", "env_counts"}
     bare = StepRecord.of_step(batch, None, SyncOutcome(), None, {}, **base).to_json()
     assert set(bare) == always
     assert (bare["loss"], bare["mismatch_kl"], bare["updated"], bare["eval_score"]) == (
@@ -116,7 +119,7 @@ def test_step_record_json_keeps_the_log_keys():
     assert set(record) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens",
                                     "synced_nodes", "skipped_nodes", "lagging_nodes",
                                     "eval_exact", "eval_stderr", "eval_n", "eval_s",
-                                    "eval_examples"}
+                                    "eval_examples", "eval_metrics"}
     assert record["ref_kl"] is None and record["train_tokens"] == 6  # present though null
     assert (record["nodes_synced"], record["nodes_skipped"], record["sync_s"]) == (1, 1, 0.2)
     assert (record["eval_score"], record["eval_policy_version"]) == (0.75, 5)
