@@ -175,13 +175,15 @@ def test_demo_refuses_a_task_it_cannot_make_before_starting_anything(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["reverse-words-retry", "tool-arithmetic"])
-def test_demo_runs_a_multi_turn_environment(tiny_llama_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("task", ["reverse-words-retry", "reasoning-gym:spell_backward",
+                                  "tool-arithmetic"])
+def test_demo_runs_each_shipped_environment(tiny_llama_dir: Path, tmp_path: Path,
                                             task: str) -> None:
     """``--task``: the demo's trainer runs the environment's episodes over the node (the
-    tiny model never solves reverse-words at once, so every episode has its second turn; its
-    tool calls are never well-formed, so tool episodes end after one turn, with the tool
-    counters at zero); the tool environment's demo exits 0 without a climbing eval."""
+    tiny model never solves reverse-words at once, so every episode has its second turn; a
+    reasoning-gym dataset is single-turn; the tiny model's tool calls are never well-formed,
+    so tool episodes end after one turn, with the tool counters at zero); the tool
+    environment's demo exits 0 without a climbing eval."""
     run = tmp_path / "run"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -204,6 +206,9 @@ def test_demo_runs_a_multi_turn_environment(tiny_llama_dir: Path, tmp_path: Path
         assert "turns 2.00 env" in out
         assert set(records[-1]["eval_metrics"]) >= {"first_attempt_success",
                                                     "second_attempt_success"}
-    else:
+    elif task == "tool-arithmetic":
         assert all(set(r["env_counts"]) == {"tool_calls", "tool_errors", "tool_timeouts"}
                    for r in steps), steps
+    else:
+        assert all(r["turns_mean"] == 1.0 and r["env_tokens"] == 0 for r in steps), steps
+        assert all(set(r["reward_funcs"]) == {f"{task}:score"} for r in steps), steps
