@@ -1,7 +1,8 @@
-"""A rollout node SIGKILLed in the middle of a multi-turn episode under a real trainer: the
-episodes it held are dropped and counted (never continued on another node, never trained
-across policy versions), the step goes on with the other node's episodes, and the run finishes
-on the survivor."""
+"""A rollout node SIGKILLed in the middle of multi-turn episodes under a real trainer: in a
+later turn, the episodes it held are dropped and counted (never continued on another node,
+never trained across policy versions) and the step goes on with the other node's episodes; in
+the first turn, the group restarts on the other node. Either way every turn of every trained
+episode carries one policy version, which the step record (log.jsonl) shows."""
 
 from __future__ import annotations
 
@@ -66,3 +67,31 @@ def test_node_killed_mid_episode_drops_its_episodes_and_never_mixes_versions(clu
             assert r["dropped_episodes"] == {}, r
     assert dropped_metric == dropped
     assert "sampler" in trainer.log()  # the step line's drop count, by reason
+
+
+def test_node_killed_in_an_episode_s_first_turn_restarts_it_on_the_other(cluster,
+                                                                         tmp_path) -> None:
+    """Node b is SIGKILLed in its first Generate, its group's turn 1 (no episode has a turn
+    on it yet): the request is sampled again on node a, whose episodes then run both turns
+    there; nothing is dropped, and every turn carries the version of the step before."""
+    a = cluster.node("a")
+    b = cluster.node("b", env=cluster.pause_env("b", "rollout.generate", 1))
+    run_dir = tmp_path / "run"
+    argv = cluster.trainer_argv(run_dir, 500, [a.address, b.address], min_nodes=2,
+                                task="reverse-words-retry", prompts_per_step=2)
+    trainer = cluster.trainer("trainer", argv)
+    cluster.wait_paused(b, "b")
+    kill(b)
+    wait_for(records_after(run_dir, 0, 2), 240, "two steps", alive=trainer)
+    trainer.proc.send_signal(signal.SIGTERM)
+    assert finish(trainer) == 143, trainer.log()[-4000:]
+
+    records = step_records(run_dir)
+    check_steps_once(records, records[-1]["step"])
+    first = records[0]
+    assert list(first["nodes"]) == [a.address], first  # b's group restarted on a
+    assert first["nodes"][a.address]["samples"] == 8 and first["episodes"] == 8, first
+    for r in records:
+        assert r["dropped_episodes"] == {} and r["turns_mean"] == 2.0, r
+        for node, stats in r["nodes"].items():
+            assert stats["versions"] == [r["policy_version"] - 1], (r["step"], node, stats)
