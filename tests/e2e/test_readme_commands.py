@@ -10,7 +10,7 @@ credentials bound to them must), the model (the tiny llama instead of the bundle
 the trainer's ``GRIDRL_TRAINER_MODEL``) and the step budget (2 steps).
 The blocks are found by the HTML comment that precedes them in README.md
 (``<!-- one-machine -->``, ``<!-- cluster-certs -->``, ``<!-- cluster-credentials -->``,
-``<!-- cluster-run -->``, ``<!-- tinker-serve -->``...). The trainer is started before the node so that its TrainerService
+``<!-- cluster-run -->``, ``<!-- tinker-serve -->``, ``<!-- own-environment -->``...). The trainer is started before the node so that its TrainerService
 answers ``gridrl-trainer status`` while it waits for one, then the node joins and the run
 finishes its steps."""
 

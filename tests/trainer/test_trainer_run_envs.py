@@ -11,6 +11,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from trainer_runs import BIN, ENV, records
 
 ENV_FILE = '''
@@ -43,6 +44,7 @@ class Flaky(Environment):
 '''
 
 
+@pytest.mark.slow
 def test_a_raising_and_an_endless_environment_run_to_the_end(tiny_llama_dir: Path,
                                                              tmp_path: Path) -> None:
     env_file = tmp_path / "flaky_env.py"
