@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
 FULL = ".venv/bin/python bench/env_learning.py --seeds 0 1 --steps 60 --record " \
        "docs/env_learning.json"
 
@@ -34,7 +35,10 @@ def test_env_learning_bench_runs_end_to_end(tiny_llama_dir: Path, tmp_path: Path
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "avx" in done.stdout.splitlines()[0] or "none of them" in done.stdout
+    from _common import cpu_flags  # bench/_common.py: the machine line names the CPU flags
+
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("machine: ") and f"({cpu_flags()})" in first, first
     assert "| seed | success @0 | success @1 |" in done.stdout
     figures = json.loads(record.read_text())
     assert set(figures["tasks"]) == {"reverse-words-retry", "reasoning-gym:spell_backward"}
