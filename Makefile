@@ -25,6 +25,8 @@ PKG_FILES := $(wildcard libs/*/pyproject.toml services/*/pyproject.toml) require
 NODES ?= torch
 TRAINER ?= torch
 DEMO_ARGS ?=
+# make demo TASK=reverse-words-retry (or reasoning-gym:spell_backward, tool-arithmetic...)
+TASK ?= reverse-words
 SECURE ?=
 # torch goes in first, so the packages' `torch>=2.4,<3` finds it installed. The default is the
 # build pip picks for this platform; TORCH_INDEX picks a PyTorch wheel index (a CUDA build:
@@ -133,7 +135,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist worksteal
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) --task $(TASK) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
 
 # Each bench prints its table with the machine (CPU flags included); docs/benchmarks.md has the
 # figures and the longer runs (bench/vs_trl.py: TRL against gridrl to an eval target).

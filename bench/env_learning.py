@@ -1,122 +1,164 @@
-"""Benchmark 13: learning on an environment (multi-turn, tools, reasoning-gym), in process.
+"""Benchmark 14: learning on environments: a multi-turn environment and a reasoning-gym dataset
+on the bundled SmolLM2-135M, over seeds.
 
-One process, ``--rollout local``-style: the torch trainer backend with the demo's settings
-(SmolLM2-135M fp32, LoRA r16/alpha 32 all-linear, AdamW lr 3e-4, 2 prompts x 8 episodes a
-step, temperature 1, clip 0.2), the environment's episodes through
-:class:`gridrl.trainer.envs.source.EpisodeSource` over the backend's own sampler, the batch from
-:func:`gridrl.trainer.grpo.batch.build_batch` with the environment's reward functions, one
-update a step, and the greedy held-out eval (:class:`gridrl.trainer.evaluation.Evaluator`) every
-``--eval-every`` steps, first- and second-attempt success apart where the environment reports
-them. Prints a line per step and writes ``--out`` (JSON lines: steps and evals).
+For each task and seed, one after the other on this machine, ``gridrl-trainer run --rollout
+local`` (the product's own loop: episodes, token-exact batch, update, greedy held-out eval on
+the trainer's weights) with ``run``'s defaults (2 prompts x 8 episodes a step, lr 3e-4, LoRA
+r16/alpha 32 all-linear, temperature 1) plus ``--task``, ``--seed``, ``--steps`` and an eval
+every ``--eval-every`` steps. The tasks (issue 35, item 7):
 
-    python bench/env_learning.py --task reverse-words-retry --seed 0 [--steps 60]
-    python bench/env_learning.py --task reasoning-gym:spell_backward \
-        --task-params min_word_len=3,max_word_len=4 --seed 0
+- ``reverse-words-retry``: a wrong first reply gets the environment's feedback and a second
+  attempt; goal: held-out success (exact reversal at the end) up by >= 0.25 within 60 steps,
+  first- and second-attempt success reported apart;
+- ``reasoning-gym:spell_backward`` (words of 3-5 letters, a size for a 135M model); goal:
+  success up by >= 0.15.
 
-The trainer's own loop (``gridrl-trainer run --task ...``) is the product; this script is the
-measurement, usable before that loop runs environments.
+Prints the machine (CPU flags, load average), one line per run, and a table per task: held-out
+success before and after (and the best eval), its change against the goal, first- and
+second-attempt success before and after where the environment reports them, seconds per step;
+``--record FILE`` writes every figure as JSON (``docs/env_learning.json``).
+
+    python bench/env_learning.py --seeds 0 1 --steps 60 --record docs/env_learning.json
+    python bench/env_learning.py --seeds 0 --steps 2 --eval-every 2 --eval-tasks 4  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-from _common import machine
+from _common import BIN, load_average, machine, table
 
-from gridrl.trainer.backends.base import create_backend
-from gridrl.trainer.config import TrainConfig
-from gridrl.trainer.envs.episode import EpisodeLimits
-from gridrl.trainer.envs.loading import make_environment
-from gridrl.trainer.envs.source import EpisodeSource
-from gridrl.trainer.evaluation import Evaluator
-from gridrl.trainer.grpo.batch import build_batch
-from gridrl.trainer.local import LocalRollout
-from gridrl.trainer.rewards import RewardSet
-from gridrl.trainer.rollouts import StepRollouts, group_seed
+#: task -> (its --task-params, the issue's goal for the held-out success's rise)
+TASKS: dict[str, tuple[str, float]] = {
+    "reverse-words-retry": ("", 0.25),
+    "reasoning-gym:spell_backward": ("min_word_len=3,max_word_len=5", 0.15),
+}
+
+
+def run_one(task: str, params: str, seed: int, args: argparse.Namespace, run_dir: Path
+            ) -> dict:
+    """One ``gridrl-trainer run`` of ``task`` with ``seed``; its evals and step figures."""
+    argv = [str(BIN / "gridrl-trainer"), "run", "--rollout", "local", "--task", task,
+            "--seed", str(seed), "--steps", str(args.steps), "--eval-every",
+            str(args.eval_every), "--checkpoint-every", str(max(args.steps, 1)),
+            "--model", args.model, "--run-dir", str(run_dir), "--run-name",
+            f"env-learning-{task.replace(':', '-')}-s{seed}", "--listen", "127.0.0.1:0",
+            "--metrics-port", "-1"]
+    if params:
+        argv += ["--task-params", params]
+    if args.eval_tasks:
+        argv += ["--eval-tasks", str(args.eval_tasks)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    argv += args.extra
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"{task} seed {seed}: gridrl-trainer run exited {done.returncode}:\n"
+                 f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [{"step": 0 if r.get("event") == "baseline" else r["step"],
+              "success": r["eval_exact"], "score": r["eval_score"],
+              "stderr": r.get("eval_stderr"), **(r.get("eval_metrics") or {})}
+             for r in records
+             if r.get("event") == "baseline" or (r.get("step") and
+                                                 r.get("eval_score") is not None)]
+    steps = [r for r in records if r.get("step")]
+    return {"task": task, "task_params": params, "seed": seed, "steps": len(steps),
+            "evals": evals, "seconds_per_step": summary["seconds_per_step"],
+            "wall_s": wall, "turns_mean": summary["turns_mean"],
+            "model_tokens": summary["model_tokens"], "env_tokens": summary["env_tokens"],
+            "truncated_episodes": summary["truncated_episodes"],
+            "dropped_episodes": summary["dropped_episodes"],
+            "reward_funcs_first10": summary.get("reward_funcs_first10"),
+            "reward_funcs_last10": summary.get("reward_funcs_last10"),
+            "command": " ".join(argv[1:])}
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def task_table(runs: list[dict], goal: float) -> tuple[str, dict]:
+    """The table of one task's runs (a row per seed and their mean) and its figures."""
+    rows = []
+    rises = []
+    for r in runs:
+        first, last = r["evals"][0], r["evals"][-1]
+        best = max(e["success"] for e in r["evals"])
+        rise = last["success"] - first["success"]
+        rises.append(rise)
+        rows.append([str(r["seed"]), _f(first["success"]), _f(last["success"]), _f(best),
+                     f"{rise:+.3f}", _f(first.get("first_attempt_success")),
+                     _f(last.get("first_attempt_success")),
+                     _f(first.get("second_attempt_success")),
+                     _f(last.get("second_attempt_success")),
+                     f"{r['seconds_per_step']:.1f}"])
+    mean = sum(rises) / len(rises)
+    rows.append(["mean", "", "", "", f"{mean:+.3f}", "", "", "", "", ""])
+    header = ["seed", "success @0", f"success @{runs[0]['steps']}", "best", "change",
+              "1st attempt @0", "1st attempt @end", "2nd attempt @0", "2nd attempt @end",
+              "s/step"]
+    return table(rows, header), {"mean_change": mean, "goal": goal, "met": mean >= goal}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="reverse-words-retry")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--task-params", default="")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--eval-tasks", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--max-turns", type=int, default=None)
-    parser.add_argument("--prompts-per-step", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    cfg = TrainConfig(model=args.model, backend="torch", task=args.task,
-                      task_params=args.task_params, lora_rank=16, lora_alpha=32.0, lr=args.lr,
-                      steps=args.steps, max_tokens=args.max_tokens, eval_tasks=args.eval_tasks,
-                      rollout=["local"], run_dir="unused", seed=args.seed,
-                      threads=args.threads, prompts_per_step=args.prompts_per_step,
-                      group_size=args.group_size).finalize()
-    env = make_environment(cfg.task, seed=cfg.seed, eval_size=cfg.eval_tasks,
-                           task_params=cfg.task_params)
-    backend = create_backend(cfg)
-    env.prepare(backend.tokenizer)
-    limits = EpisodeLimits(max_turns=args.max_turns or env.max_turns, max_tokens=cfg.max_tokens)
-    version = 0
-    local = LocalRollout(backend, version=lambda: version)
-    source = EpisodeSource(env, backend.tokenizer, local, limits)
-    funcs = env.reward_funcs()
-    rewards = RewardSet([(n, f) for n, f, _ in funcs], [w for *_, w in funcs])
-    evaluator = Evaluator(backend, env, max_tokens=cfg.max_tokens, limits=limits)
-    out = Path(args.out or f"env-learning-{cfg.task.replace(':', '-')}-s{cfg.seed}.jsonl")
-    log = out.open("w")
-    start = time.perf_counter()
-
-    def evaluate(step: int) -> None:
-        result = evaluator.run(version)
-        record = {"eval_step": step, "score": result.score, "success": result.exact,
-                  "stderr": result.stderr, "seconds": time.perf_counter() - start,
-                  **result.metrics}
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        extra = " ".join(f"{k} {v:.3f}" for k, v in result.metrics.items())
-        print(f"eval @{step}: score {result.score:.3f} success {result.exact:.3f}"
-              f"±{result.stderr:.3f} {extra} ({result.seconds:.0f} s)", flush=True)
-
-    print(machine(), flush=True)
-    evaluate(0)
-    b = cfg.prompts_per_step
-    for step in range(1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        items = [env.train_item((step - 1) * b + i) for i in range(b)]
-        groups, stats = source.generate(items, group_size=cfg.group_size,
-                                        temperature=cfg.temperature,
-                                        seed=group_seed(cfg.seed, 1_000_000 + step))
-        roll = time.perf_counter() - t0
-        batch = build_batch(step, StepRollouts(step=step, groups=groups, generate_s=roll), items,
-                            source.prompt_ids(items), lineage={v: v for v in range(version + 1)},
-                            bound=0, rewards=rewards, scale_rewards=cfg.scale_rewards,
-                            advantage_eps=cfg.advantage_eps)
-        loss = None
-        if batch.sequences:
-            loss = backend.update(batch.sequences).loss
-            version += 1
-        record = {"step": step, "reward": batch.reward_mean, "solved": batch.solved_fraction,
-                  "roll_s": roll, "step_s": time.perf_counter() - t0, "loss": loss,
-                  **stats.record(), **{f"reward/{k}": v for k, v in batch.reward_funcs.items()}}
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        print(f"step {step}: reward {batch.reward_mean:.3f} solved {batch.solved_fraction:.2f} "
-              f"turns {stats.turns_mean:.2f} model/env tokens {stats.model_tokens}/"
-              f"{stats.env_tokens} {record['step_s']:.1f} s", flush=True)
-        if step % args.eval_every == 0 or step == cfg.steps:
-            evaluate(step)
-    backend.close()
-    print(f"{out}: {cfg.steps} steps in {time.perf_counter() - start:.0f} s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), help="tasks to run (default: "
+                    "the multi-turn environment and the reasoning-gym dataset)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-tasks", type=int, default=0,
+                    help="held-out items (0: the task's default: 128 for reverse-words-retry, "
+                         "64 for reasoning-gym)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--record", type=Path, default=None, help="write the figures here (JSON)")
+    ap.add_argument("--keep-runs", type=Path, default=None,
+                    help="keep the run directories here (default: a temporary directory)")
+    ap.add_argument("extra", nargs="*", help="more gridrl-trainer run flags, after --")
+    args = ap.parse_args()
+    where = args.keep_runs or Path(tempfile.mkdtemp(prefix="env-learning-"))
+    where.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}; {load_average()} at the start", flush=True)
+    results: dict[str, list[dict]] = {}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for task in args.tasks:
+        params, _ = TASKS.get(task, ("", 0.0))
+        for seed in args.seeds:
+            run = run_one(task, params, seed, args,
+                          where / f"{task.replace(':', '-')}-s{seed}")
+            results.setdefault(task, []).append(run)
+            first, last = run["evals"][0], run["evals"][-1]
+            print(f"{task} seed {seed}: success {first['success']:.3f} -> "
+                  f"{last['success']:.3f} in {run['steps']} steps, "
+                  f"{run['seconds_per_step']:.1f} s/step, turns/episode "
+                  f"{run['turns_mean'] or 0:.2f} ({load_average()})", flush=True)
+    record = {"machine": machine(), "started": started,
+              "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "load_average_end": load_average(), "argv": sys.argv[1:], "tasks": {}}
+    for task, runs in results.items():
+        text, figures = task_table(runs, TASKS.get(task, ("", 0.0))[1])
+        print(f"\n{task} ({runs[0]['task_params'] or 'default parameters'}); goal: success up "
+              f"by >= {figures['goal']:.2f}: {'met' if figures['met'] else 'not met'}")
+        print(text)
+        record["tasks"][task] = {"runs": runs, **figures}
+    print(f"\n{load_average()} at the end")
+    if args.record:
+        args.record.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"recorded {args.record}")
+    if args.keep_runs is None:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,23 @@ def test_missing_task_file_before_the_model_loads(tmp_path: Path, monkeypatch) -
                                  f"{len(WORD_BANK)}, got 5..2")
 
 
+def test_a_verifiers_task_names_what_to_install_before_the_model_loads(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """``--task verifiers:<taskset>``: an uninstalled taskset package or a missing extra is
+    one line (naming what to install) before the model loads."""
+    pytest.importorskip("verifiers.v1")
+    unknown = trainer_run(tmp_path, "--task", "verifiers:no-such-taskset")
+    assert error_line(unknown).startswith(
+        "Error: --task: no verifiers taskset 'no-such-taskset' is installed (pip install its "
+        "package)")
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # the extra not installed
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    extra = trainer_run(tmp_path, "--task", "verifiers:no-such-taskset")
+    assert error_line(extra) == (
+        "Error: --task: verifiers is not installed: pip install 'gridrl-trainer[verifiers]' "
+        "(verifiers 0.4.x)")
+
+
 def _no_hub_env(tmp_path: Path, closed_port: int) -> dict[str, str]:
     """An environment whose hub is a loopback port nobody listens on (what no network looks
     like, decided at once) and whose Hugging Face cache is empty."""

@@ -10,7 +10,7 @@ credentials bound to them must), the model (the tiny llama instead of the bundle
 the trainer's ``GRIDRL_TRAINER_MODEL``) and the step budget (2 steps).
 The blocks are found by the HTML comment that precedes them in README.md
 (``<!-- one-machine -->``, ``<!-- cluster-certs -->``, ``<!-- cluster-credentials -->``,
-``<!-- cluster-run -->``, ``<!-- tinker-serve -->``...). The trainer is started before the node so that its TrainerService
+``<!-- cluster-run -->``, ``<!-- tinker-serve -->``, ``<!-- own-environment -->``...). The trainer is started before the node so that its TrainerService
 answers ``gridrl-trainer status`` while it waits for one, then the node joins and the run
 finishes its steps."""
 
@@ -403,6 +403,36 @@ def test_the_readme_own_task_runs_as_written(shell_factory, tiny_llama_dir: Path
     assert all(e["score"] in (0.0, 0.5, 1.0) for r in evals for e in r["eval_examples"])
     assert summary["eval_scorer"] == "reward upper (upper_reward.py)"
     assert summary["final_eval_exact"] is not None
+
+
+@pytest.mark.slow
+def test_the_readme_own_environment_runs_as_written(shell_factory, tiny_llama_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """"Your own environment": the README's file is written by its lines and the trainer
+    runs it as a multi-turn environment (2 steps, the tiny llama, sampling in-process): the
+    episodes have a second turn, their figures and the environment's reward function reach
+    log.jsonl and summary.json."""
+    env = fresh_env(tmp_path / "home", tiny_llama_dir)
+    env["GRIDRL_TRAINER_LISTEN"] = "127.0.0.1:0"
+    shell = shell_factory(env)
+    block = readme_block("own-environment")
+    python = block.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    assert len(python.splitlines()) <= 22, "the README promises a ~20-line example"
+    block = block.replace("--steps 60", "--steps 2")
+    assert "--master" not in block and "--steps 2" in block
+    done = shell.run(block, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (shell.cwd / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["task"] == "upper_env.py", summary
+    # the tiny random model never answers in capitals: every episode gets its second turn
+    assert summary["turns_mean"] == 2.0 and summary["env_tokens"] > 0, summary
+    assert set(summary["reward_funcs_last10"]) == {"upper:score"}, summary
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step")]
+    assert all(r["turns_mean"] == 2.0 and r["episodes"] == 16 for r in steps), steps
+    evals = [r for r in records if r.get("eval_score") is not None]
+    assert evals and all(r["eval_n"] == 16 for r in evals), evals
 
 
 @pytest.mark.slow

@@ -225,6 +225,28 @@ def test_failures_drop_episodes_and_the_rest_go_on(tok, caplog):
     assert stats.record()["dropped_mixed_version"] == 2
 
 
+def test_every_turn_s_policy_version_reaches_the_step_record(tok):
+    """An episode records the version of each model turn; admission puts every turn's
+    version in its node's ``versions`` (log.jsonl), so a record shows that no trained
+    episode spans two policy versions."""
+    from gridrl.trainer.grpo.admission import admit
+    from gridrl.trainer.rollouts import Group
+
+    groups = _run(Endless(), tok, FakeSampler(tok, ["w1"]), [Endless().train_item(0)],
+                  episode.EpisodeLimits(max_turns=3, max_tokens=4))
+    assert all(ep.turn_versions == [3, 3, 3] for ep in groups[0])
+    assert groups[0][0].record()["turn_versions"] == [3, 3, 3]
+    samples = [ep.sample() for ep in groups[0]]
+    admitted = admit([Group(0, groups[0][0].prompt_ids, samples, "n1", 0.0)],
+                     lineage={3: 0}, trainer_step=0, max_staleness=0)
+    assert admitted.per_node["n1"].versions == {3} and len(admitted.kept) == 2
+    # an episode whose turns had carried two versions would show both
+    samples[0].episode.turn_versions[1] = 4
+    admitted = admit([Group(0, groups[0][0].prompt_ids, samples, "n1", 0.0)],
+                     lineage={3: 0, 4: 1}, trainer_step=0, max_staleness=0)
+    assert admitted.per_node["n1"].versions == {3, 4}
+
+
 def test_a_one_turn_environment_asks_what_the_single_turn_task_asked(tok):
     """Turn 1 of a group is one request of G samples seeded group_seed(seed, i): the same
     Generate calls (and so the same samples) as before environments."""

@@ -109,6 +109,9 @@ class Episode:
             ``"sampler"``, ``"mixed_version"``, ``"mixed_node"``) with ``error`` the
             message.
         policy_version, node: of its model turns (all the same).
+        turn_versions: the policy version of each model turn, in order (all equal to
+            ``policy_version`` in an episode that was not dropped: the trained record shows
+            every turn's).
         finish_reason: of the last model turn.
         seconds: wall-clock seconds of its turns' sampler requests, added up.
     """
@@ -129,6 +132,7 @@ class Episode:
     dropped: str | None = None
     error: str | None = None
     policy_version: int | None = None
+    turn_versions: list[int] = field(default_factory=list)
     node: str = ""
     finish_reason: str = "length"
     seconds: float = 0.0
@@ -171,7 +175,8 @@ class Episode:
 
     def record(self) -> dict[str, Any]:
         """A JSON-able summary (no ids): turns, tokens, how it ended, counters."""
-        return {"turns": self.turns, "model_tokens": self.model_tokens,
+        return {"turns": self.turns, "turn_versions": list(self.turn_versions),
+                "model_tokens": self.model_tokens,
                 "env_tokens": self.env_tokens, "done": self.done, "truncated": self.truncated,
                 "dropped": self.dropped, "error": self.error, **self.counts}
 
@@ -270,6 +275,7 @@ def _model_turn(ep: Episode, s: RolloutSample, decode: Callable[[list[int]], str
     ep.turns += 1
     ep.finish_reason = s.finish_reason
     ep.policy_version = s.policy_version if ep.policy_version is None else ep.policy_version
+    ep.turn_versions.append(s.policy_version)
     ep.node = s.node
     ep.seconds += s.seconds
     ep._last_ids = list(s.token_ids)

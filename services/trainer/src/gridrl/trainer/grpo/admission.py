@@ -39,7 +39,8 @@ class NodeStepStats:
         staleness_sum: sum of the staleness of the samples kept.
         fresh_kl_sum: sum over kept samples of staleness 0 of (per-token mismatch KL * tokens).
         fresh_tokens: tokens of those samples.
-        versions: the policy versions seen.
+        versions: the policy versions seen (of every model turn of a multi-turn episode,
+            so a record shows that no trained episode spans two versions).
         low_precision: the node or the trainer computes in a 16-bit float dtype.
     """
 
@@ -110,6 +111,8 @@ def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], trainer_step: in
             ns.samples += 1
             assert ns.versions is not None
             ns.versions.add(s.policy_version)
+            if s.episode is not None:
+                ns.versions.update(s.episode.turn_versions)
             origin = lineage.get(s.policy_version)
             if origin is None:
                 ns.dropped += 1

@@ -61,7 +61,7 @@ class NodeRecord:
     Attributes:
         samples: samples it produced for the step.
         dropped: of which dropped by admission.
-        versions: policy versions its samples carried, sorted.
+        versions: policy versions its samples carried (every model turn of an episode), sorted.
         staleness_mean: mean staleness of its admitted samples (None when none).
         fresh_mismatch_kl: mismatch KL of its staleness-0 samples, nats/token (None: none).
         tokens_per_s: completion tokens it sampled for the step per second of its Generate

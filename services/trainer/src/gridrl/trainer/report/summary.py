@@ -54,7 +54,9 @@ class RunSummary:
     score; ``eval_scorer`` what scored the evals; ``rollout``: the nodes that served the run,
     or ``"local"``; the episode totals over the steps of the records kept, ``turns_mean`` per
     episode; ``*_eval_metrics`` the environment's own eval figures; ``reward_error_groups``:
-    groups left out for a reward function's failure)."""
+    groups left out for a reward function's failure; ``reward_funcs_first10`` /
+    ``reward_funcs_last10`` each reward function's mean over the first / last 10 steps, before
+    weighting)."""
 
     run_name: str | None
     model: str
@@ -96,6 +98,8 @@ class RunSummary:
     adapter_mlx: str | None
     adapter_mlx_error: str | None
     plot: str
+    reward_funcs_first10: dict[str, float] = field(default_factory=dict)
+    reward_funcs_last10: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary.json`` object (its keys are the field names)."""
@@ -210,4 +214,16 @@ class RunHistory:
             flagged_nodes=dict(flagged_nodes),
             resumed_at=list(resumed_at), rollout=rollout, master=cfg.master,
             adapter=str(adapter), adapter_mlx=str(adapter_mlx) if adapter_mlx else None,
-            adapter_mlx_error=adapter_mlx_error, plot=str(self.plot_path))
+            adapter_mlx_error=adapter_mlx_error, plot=str(self.plot_path),
+            reward_funcs_first10=_function_means(self.records[:10]),
+            reward_funcs_last10=_function_means(self.records[-10:]))
+
+
+def _function_means(records: list[StepRecord]) -> dict[str, float]:
+    """Each reward function's mean over ``records`` (steps where it scored nothing skipped)."""
+    values: dict[str, list[float]] = {}
+    for r in records:
+        for name, mean in (r.reward_funcs or {}).items():
+            if mean is not None:
+                values.setdefault(name, []).append(mean)
+    return {name: float(np.mean(v)) for name, v in sorted(values.items())}
