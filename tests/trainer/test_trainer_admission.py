@@ -19,7 +19,7 @@ def group(node: str, *versions: int, tokens: int = 2) -> Group:
 
 def test_staleness_lineage_and_flagged_nodes() -> None:
     groups = [group("a", 5, 5), group("b", 4, 3), group("c", 5, 9), group("bad", 5, 5)]
-    got = admit(groups, lineage=LINEAGE, trainer_step=4, max_staleness=1,
+    got = admit(groups, lineage=LINEAGE, max_staleness=1,
                 flagged={"bad": "mismatched"})
     # a: staleness 0, 0; b: 1 and 2 (> 1: dropped); c: 0 and unknown version 9
     assert [(b, j, s.node) for b, j, s in got.kept] == [(0, 0, "a"), (0, 1, "a"), (1, 0, "b"),
@@ -32,8 +32,18 @@ def test_staleness_lineage_and_flagged_nodes() -> None:
     assert got.per_node["b"].staleness_sum == 1
 
 
+def test_staleness_counts_updates_not_steps() -> None:
+    """Steps 5 and 6 made no update (no sample survived): version 5 still names the weights
+    being trained at step 7, so its samples are fresh, not two steps old; a run with
+    ``--max-staleness 0`` must not drop every later step after one empty step."""
+    got = admit([group("a", 5, 4)], lineage=LINEAGE, max_staleness=0)
+    assert got.staleness == [0] and got.dropped == 1  # 4 is one update behind 5
+    got = admit([group("a", 4)], lineage=LINEAGE, max_staleness=1)
+    assert got.staleness == [1] and got.dropped == 0
+
+
 def test_nothing_flagged_nothing_stale() -> None:
-    got = admit([group("a", 5)], lineage=LINEAGE, trainer_step=4, max_staleness=0)
+    got = admit([group("a", 5)], lineage=LINEAGE, max_staleness=0)
     assert len(got.kept) == 1 and got.excluded == {} and got.dropped == 0
 
 

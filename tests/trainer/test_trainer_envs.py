@@ -238,12 +238,12 @@ def test_every_turn_s_policy_version_reaches_the_step_record(tok):
     assert groups[0][0].record()["turn_versions"] == [3, 3, 3]
     samples = [ep.sample() for ep in groups[0]]
     admitted = admit([Group(0, groups[0][0].prompt_ids, samples, "n1", 0.0)],
-                     lineage={3: 0}, trainer_step=0, max_staleness=0)
+                     lineage={3: 0}, max_staleness=0)
     assert admitted.per_node["n1"].versions == {3} and len(admitted.kept) == 2
     # an episode whose turns had carried two versions would show both
     samples[0].episode.turn_versions[1] = 4
     admitted = admit([Group(0, groups[0][0].prompt_ids, samples, "n1", 0.0)],
-                     lineage={3: 0, 4: 1}, trainer_step=0, max_staleness=0)
+                     lineage={3: 0, 4: 1}, max_staleness=0)
     assert admitted.per_node["n1"].versions == {3, 4}
 
 

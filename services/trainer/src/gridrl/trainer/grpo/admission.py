@@ -1,7 +1,7 @@
 """Which samples of a step enter the update: pure rules over the step's groups.
 
-    admitted = admit(rollouts.groups, lineage=state.lineage, trainer_step=step - 1,
-                     max_staleness=2, flagged={"10.0.0.7:50051": "mismatched: ..."})
+    admitted = admit(rollouts.groups, lineage=state.lineage, max_staleness=2,
+                     flagged={"10.0.0.7:50051": "mismatched: ..."})
     admitted.kept          # (group index, sample index, sample) that enter the update
     admitted.per_node      # what each judged node produced (the monitor's input)
     admitted.excluded      # flagged node -> samples kept out
@@ -15,8 +15,10 @@ A sample enters the update when
   ``excluded``, not judged again (they say nothing new about the node);
 - its policy version is in the lineage of the trainer's weights (versions of a killed run, or
   of another run's adapter, are dropped and counted as ``unknown_version``);
-- its staleness, the trainer's step minus the step that produced its version, is at most
-  ``max_staleness``.
+- its staleness, the number of updates between its version and the weights being trained
+  (the lineage's versions newer than its own), is at most ``max_staleness``. Updates, not
+  steps: a step in which no sample survived makes no update and mints no version, so the
+  next step's samples of the current version are fresh (staleness 0), not one step old.
 
 No threads, no RPC, no tensors.
 """
@@ -85,22 +87,22 @@ class Admission:
         return sum(ns.dropped for ns in self.per_node.values())
 
 
-def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], trainer_step: int,
-          max_staleness: int, flagged: Mapping[str, str] | frozenset[str] = frozenset()
+def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], max_staleness: int, flagged: Mapping[str, str] | frozenset[str] = frozenset()
           ) -> Admission:
     """Decide which samples of ``groups`` enter the update (see the module docstring).
 
     Args:
         groups: the step's :class:`~gridrl.trainer.rollouts.Group` s, one per prompt; each
             sample has ``token_ids``, ``policy_version`` and ``node``.
-        lineage: policy version -> the step whose weights it names (version 0: step 0).
-        trainer_step: the step of the weights being trained (the step number minus one).
+        lineage: policy version -> the step whose weights it names (version 0: step 0), for
+            every version of the weights being trained; the newest is those weights.
         max_staleness: the largest staleness kept (>= 0).
         flagged: addresses of the nodes benched for their samples.
     Returns:
         the :class:`Admission`.
     """
     out = Admission()
+    newer = _updates_since(lineage)
     for b, group in enumerate(groups):
         for j, s in enumerate(group.samples):
             out.sampled_tokens += len(s.token_ids) if s.loss_mask is None else sum(s.loss_mask)
@@ -113,12 +115,11 @@ def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], trainer_step: in
             ns.versions.add(s.policy_version)
             if s.episode is not None:
                 ns.versions.update(s.episode.turn_versions)
-            origin = lineage.get(s.policy_version)
-            if origin is None:
+            age = newer.get(s.policy_version)
+            if age is None:
                 ns.dropped += 1
                 ns.unknown_version += 1
                 continue
-            age = trainer_step - origin
             if age > max_staleness:
                 ns.dropped += 1
                 continue
@@ -126,6 +127,12 @@ def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], trainer_step: in
             out.kept.append((b, j, s))
             out.staleness.append(age)
     return out
+
+
+def _updates_since(lineage: Mapping[int, int]) -> dict[int, int]:
+    """Version -> how many versions of ``lineage`` are newer (its staleness in updates)."""
+    ordered = sorted(lineage, reverse=True)
+    return {v: i for i, v in enumerate(ordered)}
 
 
 def readmission(versions: Sequence[int], current_version: int, kl: float | None,

@@ -8,8 +8,9 @@ advantages.
     batch.per_node           # node -> NodeStepStats for the node monitor
 
 Admission (:func:`gridrl.trainer.grpo.admission.admit`): a sample of policy version ``v`` was sampled
-with the weights after step ``lineage[v]``; the batch trains the weights after step
-``step - 1``, so its staleness is ``step - 1 - lineage[v]``. A sample whose version is not in
+with the weights after step ``lineage[v]``; the batch trains the newest version of the lineage,
+and the sample's staleness is the number of updates between the two (the lineage's versions
+newer than ``v``; a step without an update adds none). A sample whose version is not in
 the lineage (a killed run's last pushes, another run's adapter) or whose staleness exceeds
 ``bound`` is dropped and counted against its node; samples of flagged nodes are kept out.
 Advantages are computed over the admitted samples of each group only
@@ -154,8 +155,7 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
     Raises:
         RewardError: a reward function failed (``fail``), naming it, its file and ``step``.
     """
-    admission = admit(rollouts.groups, lineage=lineage, trainer_step=step - 1,
-                      max_staleness=bound, flagged=flagged)
+    admission = admit(rollouts.groups, lineage=lineage, max_staleness=bound, flagged=flagged)
     admitted = [(b, j, s, age) for (b, j, s), age in zip(admission.kept, admission.staleness,
                                                          strict=True)]
     combined: list[float] = []
