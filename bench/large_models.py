@@ -2,8 +2,8 @@
 Llama-3.2-1B shapes, built here (no hub), one at a time.
 
 For each ``--model`` shape:
-- builds the model in bfloat16 with random weights (std 0.02) and a word-level tokenizer of its
-  vocabulary size, saves it (safetensors), and a rank-16 all-linear LoRA adapter of it (peft);
+- builds the model in bfloat16 with random weights (std 0.02) and the bundled SmolLM2's
+  tokenizer (its ids fit every shape's vocabulary), saves it (safetensors), and a rank-16 all-linear LoRA adapter of it (peft);
 - per node ``--dtype`` (float32, bfloat16): starts a torch rollout node on it and measures one
   group of n = 8 x 40 new tokens (best of ``--repeats``) against the bandwidth bound (batch x
   read bandwidth / weight bytes) and the compute bound (GEMM peak / 2 FLOPs a parameter), the
@@ -67,7 +67,9 @@ SHAPES = {
                                        "original_max_position_embeddings": 8192}),
 }
 N, MAX_TOKENS = 8, 40
-PROMPT = " ".join(f"w{i}" for i in range(40))  # 40 words of the word-level tokenizer
+# ~40 tokens of the bundled SmolLM2 tokenizer's byte-level BPE (as the model's family reads it)
+PROMPT = ("Reverse the order of the words in this sentence, then say how many words it has and "
+          "which of them is the longest one: the quick red fox jumps over the lazy brown dog")
 
 
 def build(shape: str, out: Path) -> int:
@@ -75,13 +77,17 @@ def build(shape: str, out: Path) -> int:
     adapter under ``out`` (``out / "adapter"``); returns the parameter count."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from gridrl.models.testing import _word_tokenizer
+    from gridrl.models import resolve_model
 
     fields = dict(SHAPES[shape])
     kind = fields.pop("kind")
-    tok = _word_tokenizer(fields["vocab_size"])
+    # The bundled SmolLM2's byte-level BPE tokenizer (49152 ids, within every shape's vocab):
+    # transformers 5 loads a directory's tokenizer as its model type's class (Qwen2Tokenizer
+    # for qwen2), which re-reads a word-level tokenizer.json with byte-level rules and finds no
+    # token in "w0 w1 ..."; a byte-level BPE reads the same under either class.
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct", progress=False))
     config = AutoConfig.for_model(kind, bos_token_id=tok.bos_token_id,
                                   eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id, **fields)
@@ -161,7 +167,9 @@ def node_rows(shape: str, model_dir: Path, params: int, dtype: str, args: argpar
         node.stop()
     weights = params * nbytes / 1e6
     bound = N * bw * 1e9 / (params * nbytes)
-    compute = flops[dtype] * 1e9 / (2 * params)
+    # bfloat16 weights may be multiplied in float32 arithmetic (the AVX2 kernels do: a CPU
+    # without bf16 instructions measures ~1 GFLOP/s of bf16 GEMM): the faster of the two bounds
+    compute = max(flops[dtype], flops["float32"]) * 1e9 / (2 * params)
     return [shape, dtype, f"{best:.1f}", f"{bound:.0f}", f"{compute:.0f}",
             f"{best / min(bound, compute):.0%}", f"{weights:.0f}", f"{started:.0f}",
             f"{after:.0f} (peak {peak:.0f})",

@@ -22,6 +22,20 @@ from faultkit import (
 pytestmark = pytest.mark.slow
 
 
+def _kill_node_b_in_its_generate(cluster, tmp_path, call: int):
+    """Nodes a and b, a trainer of ``reverse-words-retry`` (2 prompts a step) on both; node b
+    is SIGKILLed paused in its ``call``-th Generate. Returns (node a, run dir, trainer)."""
+    a = cluster.node("a")
+    b = cluster.node("b", env=cluster.pause_env("b", "rollout.generate", call))
+    run_dir = tmp_path / "run"
+    argv = cluster.trainer_argv(run_dir, 500, [a.address, b.address], min_nodes=2,
+                                task="reverse-words-retry", prompts_per_step=2)
+    trainer = cluster.trainer("trainer", argv)
+    cluster.wait_paused(b, "b")
+    kill(b)
+    return a, run_dir, trainer
+
+
 def test_node_killed_mid_episode_drops_its_episodes_and_never_mixes_versions(cluster,
                                                                              tmp_path) -> None:
     """Two nodes holding one group of 4 each (``--capacity 4``), 2 prompts a step of
@@ -29,14 +43,7 @@ def test_node_killed_mid_episode_drops_its_episodes_and_never_mixes_versions(clu
     episode gets the environment's feedback and a second turn, pinned to the node of its
     first. Node b pauses in its second Generate (the first is its turn-1 group, the second one
     of its episodes' second turns) and is SIGKILLed there."""
-    a = cluster.node("a")
-    b = cluster.node("b", env=cluster.pause_env("b", "rollout.generate", 2))
-    run_dir = tmp_path / "run"
-    argv = cluster.trainer_argv(run_dir, 500, [a.address, b.address], min_nodes=2,
-                                task="reverse-words-retry", prompts_per_step=2)
-    trainer = cluster.trainer("trainer", argv)
-    cluster.wait_paused(b, "b")
-    kill(b)
+    a, run_dir, trainer = _kill_node_b_in_its_generate(cluster, tmp_path, 2)
     wait_for(lambda: any(r["dropped_episodes"] for r in step_records(run_dir)), 240,
              "the step of the kill", alive=trainer)
     killed_step = max(r["step"] for r in step_records(run_dir))
@@ -74,14 +81,7 @@ def test_node_killed_in_an_episode_s_first_turn_restarts_it_on_the_other(cluster
     """Node b is SIGKILLed in its first Generate, its group's turn 1 (no episode has a turn
     on it yet): the request is sampled again on node a, whose episodes then run both turns
     there; nothing is dropped, and every turn carries the version of the step before."""
-    a = cluster.node("a")
-    b = cluster.node("b", env=cluster.pause_env("b", "rollout.generate", 1))
-    run_dir = tmp_path / "run"
-    argv = cluster.trainer_argv(run_dir, 500, [a.address, b.address], min_nodes=2,
-                                task="reverse-words-retry", prompts_per_step=2)
-    trainer = cluster.trainer("trainer", argv)
-    cluster.wait_paused(b, "b")
-    kill(b)
+    a, run_dir, trainer = _kill_node_b_in_its_generate(cluster, tmp_path, 1)
     wait_for(records_after(run_dir, 0, 2), 240, "two steps", alive=trainer)
     trainer.proc.send_signal(signal.SIGTERM)
     assert finish(trainer) == 143, trainer.log()[-4000:]
