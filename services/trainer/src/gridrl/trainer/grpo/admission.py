@@ -87,8 +87,8 @@ class Admission:
         return sum(ns.dropped for ns in self.per_node.values())
 
 
-def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], max_staleness: int, flagged: Mapping[str, str] | frozenset[str] = frozenset()
-          ) -> Admission:
+def admit(groups: Sequence[Any], *, lineage: Mapping[int, int], max_staleness: int,
+          flagged: Mapping[str, str] | frozenset[str] = frozenset()) -> Admission:
     """Decide which samples of ``groups`` enter the update (see the module docstring).
 
     Args:
