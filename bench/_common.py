@@ -66,6 +66,14 @@ def matmul_gflops(dtype: str = "float32", size: int = 1536, repeats: int = 5) ->
     return 2 * size**3 / best / 1e9
 
 
+
+def decode_compute_bound(flops: dict[str, float], dtype: str, params: int) -> float:
+    """Tokens/s the products of one decode step allow: ``flops`` (GFLOP/s by dtype, from
+    :func:`matmul_gflops`) over 2 FLOPs a parameter. bfloat16 weights may be multiplied in
+    float32 arithmetic (the AVX2 kernels do: a CPU without bf16 instructions measures ~1
+    GFLOP/s of bf16 GEMM), so the faster of the two arithmetics bounds them."""
+    return max(flops[dtype], flops["float32"]) * 1e9 / (2 * params)
+
 class Proc:
     """A gridrl service subprocess started with --ready-file; stopped with SIGTERM. Its
     scratch directory (ready file, log) is removed when it stops; a service that fails to

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from _common import (
     Proc,
+    decode_compute_bound,
     load_average,
     machine,
     matmul_gflops,
@@ -167,9 +168,7 @@ def node_rows(shape: str, model_dir: Path, params: int, dtype: str, args: argpar
         node.stop()
     weights = params * nbytes / 1e6
     bound = N * bw * 1e9 / (params * nbytes)
-    # bfloat16 weights may be multiplied in float32 arithmetic (the AVX2 kernels do: a CPU
-    # without bf16 instructions measures ~1 GFLOP/s of bf16 GEMM): the faster of the two bounds
-    compute = max(flops[dtype], flops["float32"]) * 1e9 / (2 * params)
+    compute = decode_compute_bound(flops, dtype, params)
     return [shape, dtype, f"{best:.1f}", f"{bound:.0f}", f"{compute:.0f}",
             f"{best / min(bound, compute):.0%}", f"{weights:.0f}", f"{started:.0f}",
             f"{after:.0f} (peak {peak:.0f})",

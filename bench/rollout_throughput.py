@@ -43,6 +43,7 @@ from _common import (
     BackgroundLoad,
     Channels,
     Proc,
+    decode_compute_bound,
     load_average,
     machine,
     matmul_gflops,
@@ -191,9 +192,7 @@ def main() -> None:
         return N * bw * 1e9 / (params * dtype_bytes)
 
     def compute_bound(dtype: str) -> float:
-        # bfloat16 weights may be multiplied in float32 arithmetic (the AVX2 kernels do): the
-        # faster of the two arithmetics bounds the products
-        return max(flops[dtype], flops["float32"]) * 1e9 / (2 * params)
+        return decode_compute_bound(flops, dtype, params)
 
     adapter_root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     memory: list[list[str]] = []
