@@ -48,9 +48,9 @@ def test_env_learning_bench_runs_end_to_end(tiny_llama_dir: Path, tmp_path: Path
     assert first.startswith("machine: ") and f"({cpu_flags()})" in first, first
     assert "| seed | success @0 | success @1 |" in done.stdout
     figures = json.loads(record.read_text())
-    assert set(figures["tasks"]) == {"reverse-words-retry", "reasoning-gym:spell_backward"}
+    assert set(figures["tasks"]) == {"reverse-words-retry", "reasoning-gym:chain_sum"}
     retry = figures["tasks"]["reverse-words-retry"]
-    assert retry["goal"] == 0.25 and figures["tasks"]["reasoning-gym:spell_backward"][
+    assert retry["goal"] == 0.25 and figures["tasks"]["reasoning-gym:chain_sum"][
         "goal"] == 0.15
     (run,) = retry["runs"]
     assert [e["step"] for e in run["evals"]] == [0, 1] and run["turns_mean"] == 2.0

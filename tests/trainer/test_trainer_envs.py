@@ -157,6 +157,9 @@ def test_reverse_retry_episode_is_token_exact_with_a_model_only_mask(tok):
     assert sample.loss_mask == ep.loss_mask and sample.text == "blue cat red"
     rewards = env.attempt_reward([item.prompt], ["blue cat red"], ["blue cat red"], turns=[2])
     assert rewards == [0.75]
+    # solved: the exact reversal only (similarity 0.8 here scores 0), a second attempt's x0.75
+    assert env.solved_reward([item.prompt] * 3, ["Blue cat, red.", "blue cat red", "blue cat"],
+                             ["blue cat red"] * 3, turns=[1, 2, 1]) == [1.0, 0.75, 0.0]
     assert env.eval_metrics({"turns": [1, 2, 2]}, [1.0, 1.0, 0.5]) == {
         "first_attempt_success": 1 / 3, "second_attempt_success": 1 / 3}
 
@@ -570,8 +573,9 @@ def test_the_run_s_rewards_are_the_environment_s_unless_reward_files_say_otherwi
 
     env = loading.make_environment("reverse-words-retry", seed=0, eval_size=4)
     rewards = build_reward_set(env, [], None)
-    assert rewards.names == ["reverse-words-retry:attempt"] and rewards.weights == [1.0]
-    assert build_reward_set(env, [], "0.5").weights == [0.5]
+    assert rewards.names == ["reverse-words-retry:attempt", "reverse-words-retry:solved"]
+    assert rewards.weights == [0.5, 0.5]
+    assert build_reward_set(env, [], "0.25,1").weights == [0.25, 1.0]
     single = loading.make_environment("reverse-words", seed=0, eval_size=4)
     assert build_reward_set(single, [], None).names == ["reverse-words:score"]
     assert build_reward_set(single.task, [], None).names == ["reverse-words:score"]

@@ -223,8 +223,8 @@ def test_a_reverse_retry_step_from_episodes_to_update(tiny_llama_dir):
     for a in batch.samples:
         ep = a.sample.episode
         assert a.sequence.loss_mask == tuple(ep.loss_mask) and 0 in ep.loss_mask
-        want = env.attempt_reward([ep.item.prompt], [ep.last_reply],
-                                  [ep.item.columns["answer"]], turns=[ep.turns])[0]
+        want = sum(w * f([ep.item.prompt], [ep.last_reply], [ep.item.columns["answer"]],
+                         turns=[ep.turns])[0] for _, f, w in funcs)
         assert a.reward == pytest.approx(want)
     assert batch.sampled_tokens == stats.model_tokens
     out = backend.update(batch.sequences)

@@ -48,7 +48,9 @@ class ReverseWordsRetry(Environment):
 
     Args:
         seed, min_words, max_words, eval_size: as :class:`~gridrl.trainer.tasks.ReverseWords`.
-        second_attempt_weight: the reward of a second attempt is its similarity times this.
+        second_attempt_weight: a second attempt's rewards are a first one's times this.
+        solved_weight: the weight of ``solved`` (exact reversal) beside ``attempt``'s
+            ``1 - solved_weight`` (similarity).
         system_prompt: the instruction (default: reverse-words' own, so the first attempt is
             exactly a reverse-words prompt; the feedback says a second attempt is allowed).
     """
@@ -60,11 +62,12 @@ class ReverseWordsRetry(Environment):
 
     def __init__(self, seed: int = 0, min_words: int = 3, max_words: int = 4,
                  eval_size: int = 128, second_attempt_weight: float = 0.75,
-                 system_prompt: str | None = None) -> None:
+                 solved_weight: float = 0.5, system_prompt: str | None = None) -> None:
         self.words = ReverseWords(seed=seed, min_words=min_words, max_words=max_words,
                                   eval_size=eval_size,
                                   system_prompt=system_prompt or REVERSE_SYSTEM_PROMPT)
         self.second_attempt_weight = second_attempt_weight
+        self.solved_weight = solved_weight
 
     def train_item(self, index: int) -> TaskItem:
         return self.words.train_item(index)
@@ -99,8 +102,18 @@ class ReverseWordsRetry(Environment):
         return [word_similarity(c, a) * (1.0 if t <= 1 else self.second_attempt_weight)
                 for c, a, t in zip(completions, answer, turns, strict=True)]
 
+    def solved_reward(self, prompts: list[str], completions: list[str], answer: Sequence[str],
+                      turns: Sequence[int] | None = None, **_: Any) -> list[float]:
+        """TRL-signature reward: 1 for the exact reversal at the first attempt,
+        ``second_attempt_weight`` at the second, else 0."""
+        turns = turns or [1] * len(completions)
+        return [float(words_of(c) == words_of(a)) * (1.0 if t <= 1 else
+                                                     self.second_attempt_weight)
+                for c, a, t in zip(completions, answer, turns, strict=True)]
+
     def reward_funcs(self) -> list[tuple[str, Any, float]]:
-        return [(f"{self.name}:attempt", self.attempt_reward, 1.0)]
+        return [(f"{self.name}:attempt", self.attempt_reward, 1.0 - self.solved_weight),
+                (f"{self.name}:solved", self.solved_reward, self.solved_weight)]
 
     def eval_metrics(self, columns: dict[str, list[Any]], scores: Sequence[float]
                      ) -> dict[str, float]:
