@@ -560,7 +560,8 @@ def test_reasoning_gym_dataset_items_scores_and_split():
     from gridrl.trainer.envs.reasoning_gym import plain_answer
 
     assert [plain_answer(r) for r in ('The answer is: "nus".', "tac", "Sure.\n\n-12",
-                                      "Result: 'abc'")] == ["nus", "tac", "-12", "abc"]
+                                      "Result: 'abc'", "1 - 1 = 0.", "6 - 7 = -1")] == [
+        "nus", "tac", "-12", "abc", "0", "-1"]
     with pytest.raises(StatusError, match="has no dataset 'nope'"):
         loading.make_environment("reasoning-gym:nope", seed=0, eval_size=4)
     with pytest.raises(StatusError, match="--task-params"):

@@ -126,13 +126,14 @@ class ReasoningGymEnv(Environment):
 
 def plain_answer(reply: str) -> str:
     """The answer of a reply without ``<answer>`` tags: its last non-empty line, after the last
-    ``answer is`` or ``:`` in it, without surrounding quotes or a final period (small models
-    say ``The answer is: "nus".`` before they learn the tags)."""
+    ``answer is``, ``:`` or ``=`` in it, without surrounding quotes or a final period (small
+    models say ``The answer is: "nus".`` or ``1 - 1 = 0.`` before they learn the tags)."""
     lines = [line for line in reply.strip().splitlines() if line.strip()]
     text = lines[-1] if lines else ""
     low = text.lower()
     cut = max(low.rfind("answer is") + len("answer is") if "answer is" in low else -1,
-              text.rfind(":") + 1 if ":" in text else -1)
+              text.rfind(":") + 1 if ":" in text else -1,
+              text.rfind("=") + 1 if "=" in text else -1)
     if cut > 0:
         text = text[cut:]
     return text.strip().strip(":").strip().strip("\"'`").rstrip(".").strip("\"'`").strip()
