@@ -93,7 +93,7 @@ def main() -> None:
         rows.append([label, str(len(prompts)), str(tokens), str(reused),
                      f"{best['cold']:.3f}", f"{best['warm']:.3f}",
                      f"{best['cold'] / best['warm']:.2f}x"])
-        print(rows[-1], flush=True)
+        print(" | ".join(rows[-1]), flush=True)
     print(machine())
     print(f"{args.episodes} items x {args.group} samples, {args.max_tokens} new tokens a turn, "
           f"fp32 lean forward, best of {args.repeats}; same tokens with and without the cache: "
