@@ -5,10 +5,9 @@ For each task and seed, one after the other on this machine, ``gridrl-trainer ru
 local`` (the product's own loop: episodes, token-exact batch, update, greedy held-out eval on
 the trainer's weights) with ``run``'s defaults (2 prompts x 8 episodes a step, lr 3e-4, LoRA
 r16/alpha 32 all-linear, temperature 1) plus ``--task``, ``--seed``, ``--steps``, an eval
-every ``--eval-every`` steps and the task's flags in :data:`TASKS` (none yet: a task that
-needs other settings says so there). A linear decay of the learning rate (TRL's default) was
-tried on reverse-words-retry and learned slower (seed 0: 0.117 at step 50, against 0.438 at a
-constant rate). The tasks (issue 35, item 7):
+every ``--eval-every`` steps (a linear decay of the learning rate, TRL's default, was tried on
+reverse-words-retry and learned slower: seed 0 0.117 at step 50, against 0.438 at a constant
+rate). The tasks (issue 35, item 7):
 
 - ``reverse-words-retry``: a wrong first reply gets the environment's feedback and a second
   attempt; goal: held-out success (exact reversal at the end) up by >= 0.25 within 60 steps,
@@ -39,17 +38,15 @@ from pathlib import Path
 
 from _common import BIN, load_average, machine, table
 
-#: task -> (its --task-params, the issue's goal for the held-out success's rise, its flags
-#: beside run's defaults)
-TASKS: dict[str, tuple[str, float, tuple[str, ...]]] = {
-    "reverse-words-retry": ("", 0.25, ()),
-    "reasoning-gym:chain_sum": ("min_terms=2,max_terms=2,min_digits=1,max_digits=1", 0.15,
-                                ()),
+#: task -> (its --task-params, the issue's goal for the held-out success's rise)
+TASKS: dict[str, tuple[str, float]] = {
+    "reverse-words-retry": ("", 0.25),
+    "reasoning-gym:chain_sum": ("min_terms=2,max_terms=2,min_digits=1,max_digits=1", 0.15),
 }
 
 
-def run_one(task: str, params: str, flags: tuple[str, ...], seed: int,
-            args: argparse.Namespace, run_dir: Path) -> dict:
+def run_one(task: str, params: str, seed: int, args: argparse.Namespace, run_dir: Path
+            ) -> dict:
     """One ``gridrl-trainer run`` of ``task`` with ``seed``; its evals and step figures."""
     argv = [str(BIN / "gridrl-trainer"), "run", "--rollout", "local", "--task", task,
             "--seed", str(seed), "--steps", str(args.steps), "--eval-every",
@@ -59,7 +56,6 @@ def run_one(task: str, params: str, flags: tuple[str, ...], seed: int,
             "--metrics-port", "-1"]
     if params:
         argv += ["--task-params", params]
-    argv += flags
     if args.eval_tasks:
         argv += ["--eval-tasks", str(args.eval_tasks)]
     if args.threads:
@@ -141,9 +137,9 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for task in args.tasks:
-        params, _, flags = TASKS.get(task, ("", 0.0, ()))
+        params, _ = TASKS.get(task, ("", 0.0))
         for seed in args.seeds:
-            run = run_one(task, params, flags, seed, args,
+            run = run_one(task, params, seed, args,
                           where / f"{task.replace(':', '-')}-s{seed}")
             results.setdefault(task, []).append(run)
             first, last = run["evals"][0], run["evals"][-1]
@@ -155,7 +151,7 @@ def main() -> None:
               "ended": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_average_end": load_average(), "argv": sys.argv[1:], "tasks": {}}
     for task, runs in results.items():
-        text, figures = task_table(runs, TASKS.get(task, ("", 0.0, ()))[1])
+        text, figures = task_table(runs, TASKS.get(task, ("", 0.0))[1])
         print(f"\n{task} ({runs[0]['task_params'] or 'default parameters'}); goal: success up "
               f"by >= {figures['goal']:.2f}: {'met' if figures['met'] else 'not met'}")
         print(text)

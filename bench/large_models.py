@@ -3,7 +3,8 @@ Llama-3.2-1B shapes, built here (no hub), one at a time.
 
 For each ``--model`` shape:
 - builds the model in bfloat16 with random weights (std 0.02) and the bundled SmolLM2's
-  tokenizer (its ids fit every shape's vocabulary), saves it (safetensors), and a rank-16 all-linear LoRA adapter of it (peft);
+  tokenizer (its ids fit every shape's vocabulary), saves it (safetensors), and a rank-16
+  all-linear LoRA adapter of it (peft);
 - per node ``--dtype`` (float32, bfloat16): starts a torch rollout node on it and measures one
   group of n = 8 x 40 new tokens (best of ``--repeats``) against the bandwidth bound (batch x
   read bandwidth / weight bytes) and the compute bound (GEMM peak / 2 FLOPs a parameter), the

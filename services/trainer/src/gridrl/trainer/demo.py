@@ -15,10 +15,10 @@ listening. Exit status: 0 when the held-out eval climbed above the baseline, 1 w
 ``--task`` (``make demo TASK=...``) trains on another of gridrl's environments instead of
 ``reverse-words``: ``reverse-words-retry`` (a second attempt after the environment's feedback),
 ``reasoning-gym:chain_sum`` (extra ``reasoning-gym``; its size in ``--task-params``),
-``tool-arithmetic`` (the tool environment), or any ``--task`` of ``gridrl-trainer run``. A ``--task`` that cannot be made (a
-missing extra, an unknown dataset) fails in one line before any process starts. The tool
-environment is shown end to end, not judged on learning: its exit status is 0 once the run
-finished (:data:`LEARNING_NOT_REQUIRED`).
+``tool-arithmetic`` (the tool environment), or any ``--task`` of ``gridrl-trainer run``. A
+``--task`` that cannot be made (a missing extra, an unknown dataset) fails in one line before
+any process starts. The tool environment is shown end to end, not judged on learning: its exit
+status is 0 once the run finished (:data:`LEARNING_NOT_REQUIRED`).
 
 ``--trainer mlx`` trains with the MLX trainer backend (``--backend mlx``); with ``--nodes mlx``
 that is the all-Mac shop: every process on MLX (on a Linux CPU MLX is slow: README, "All-Mac

@@ -94,22 +94,25 @@ class ReverseWordsRetry(Environment):
         return [word_similarity(c, a) for c, a in zip(completions, columns["answer"],
                                                       strict=True)]
 
+    def _by_attempt(self, values: list[float], turns: Sequence[int] | None) -> list[float]:
+        """``values`` with a second attempt's times ``second_attempt_weight``."""
+        turns = turns or [1] * len(values)
+        return [v * (1.0 if t <= 1 else self.second_attempt_weight)
+                for v, t in zip(values, turns, strict=True)]
+
     def attempt_reward(self, prompts: list[str], completions: list[str], answer: Sequence[str],
                        turns: Sequence[int] | None = None, **_: Any) -> list[float]:
         """TRL-signature reward: the last attempt's similarity, a second attempt's times
         ``second_attempt_weight``."""
-        turns = turns or [1] * len(completions)
-        return [word_similarity(c, a) * (1.0 if t <= 1 else self.second_attempt_weight)
-                for c, a, t in zip(completions, answer, turns, strict=True)]
+        return self._by_attempt([word_similarity(c, a) for c, a in
+                                 zip(completions, answer, strict=True)], turns)
 
     def solved_reward(self, prompts: list[str], completions: list[str], answer: Sequence[str],
                       turns: Sequence[int] | None = None, **_: Any) -> list[float]:
         """TRL-signature reward: 1 for the exact reversal at the first attempt,
         ``second_attempt_weight`` at the second, else 0."""
-        turns = turns or [1] * len(completions)
-        return [float(words_of(c) == words_of(a)) * (1.0 if t <= 1 else
-                                                     self.second_attempt_weight)
-                for c, a, t in zip(completions, answer, turns, strict=True)]
+        return self._by_attempt([float(words_of(c) == words_of(a)) for c, a in
+                                 zip(completions, answer, strict=True)], turns)
 
     def reward_funcs(self) -> list[tuple[str, Any, float]]:
         return [(f"{self.name}:attempt", self.attempt_reward, 1.0 - self.solved_weight),
