@@ -193,7 +193,8 @@ class Cluster:
             status = RunStatus()
             status.begin("fuzz", str(work / "run"), total_steps=2, model_id="tiny")
             for step in (1, 2):
-                status.report({"step": step, "policy_version": step, "reward_mean": 0.5})
+                status.append(trainer_pb2.StepReport(step=step, policy_version=step,
+                                                     reward_mean=0.5))
             status.finish()
             self.trainer = serve_trainer(status, "127.0.0.1:0", metrics_port=-1)
             self._stopping.append(lambda: self.trainer.stop(0))

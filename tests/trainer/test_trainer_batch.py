@@ -16,11 +16,16 @@ from gridrl.trainer.backends.base import UpdateStats
 from gridrl.trainer.evaluation import EvalResult, standard_error
 from gridrl.trainer.grpo import advantages as grpo
 from gridrl.trainer.grpo.batch import build_batch
-from gridrl.trainer.report.records import IS_KEYS, STEP_REPORT_FIELDS, StepRecord, SyncOutcome
+from gridrl.trainer.report.records import IS_KEYS, StepRecord, SyncOutcome
 from gridrl.trainer.report.status import step_report
 from gridrl.trainer.rollouts import Group, RolloutSample, StepRollouts
 from gridrl.trainer.tasks import TaskItem
+from gridrl.v1 import trainer_pb2
 
+# The gridrl.v1.StepReport fields every record holds under the same name (``time`` is the
+# report's own; ``eval_exact`` only at an eval).
+STEP_REPORT_FIELDS = tuple(f.name for f in trainer_pb2.StepReport.DESCRIPTOR.fields
+                           if f.name not in ("time", "eval_exact"))
 # version -> the step whose weights it names
 LINEAGE = {0: 0, 3: 2, 4: 3}
 

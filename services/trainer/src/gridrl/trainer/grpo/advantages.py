@@ -143,18 +143,6 @@ def loss_weights(mask: ArrayLike, aggregation: Aggregation,
     return m * sequence_weights(m.sum(axis=1), aggregation, max_tokens)[:, None]
 
 
-def aggregate(per_token_loss: ArrayLike, mask: ArrayLike, aggregation: Aggregation,
-              max_tokens: int | None = None) -> float:
-    """Scalar loss of a whole step: ``sum(loss_weights(mask, ...) * per_token_loss)``.
-
-    Args:
-        per_token_loss: (N, C) float.
-        mask: (N, C) completion mask.
-    """
-    w = loss_weights(mask, aggregation, max_tokens)
-    return float((w * np.asarray(per_token_loss, dtype=np.float32)).sum())
-
-
 def mismatch_kl_per_sequence(trainer_logp: ArrayLike, behaviour_logp: ArrayLike,
                              mask: ArrayLike) -> np.ndarray:
     """Per-sequence k3 estimate of ``KL(pi_behaviour || pi_trainer)`` over the sampled tokens,

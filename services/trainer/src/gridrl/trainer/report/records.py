@@ -19,11 +19,6 @@ from gridrl.trainer.backends.base import UpdateStats
 from gridrl.trainer.evaluation import EvalResult
 from gridrl.trainer.grpo.batch import StepBatch
 
-# The record's fields that make up a gridrl.v1.StepReport (same names).
-STEP_REPORT_FIELDS = ("step", "policy_version", "reward_mean", "reward_std", "loss",
-                      "eval_score", "eval_policy_version", "mismatch_kl", "staleness_mean",
-                      "dropped_samples", "rollout_s", "train_s", "sync_s", "nodes_synced",
-                      "nodes_skipped", "tokens_per_s", "elapsed_s")
 # Keys present only after an update, a sync or an eval (absent otherwise, not null).
 _UPDATE_KEYS = ("clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens")
 _SYNC_KEYS = ("synced_nodes", "skipped_nodes", "lagging_nodes")
@@ -80,7 +75,7 @@ class NodeRecord:
 class StepRecord:
     """One finished step (one line of ``log.jsonl``; times in seconds).
 
-    The first block are the ``gridrl.v1.StepReport`` fields (:data:`STEP_REPORT_FIELDS`);
+    The first block are the ``gridrl.v1.StepReport`` fields (same names, ``time`` aside);
     ``loss``, ``mismatch_kl`` are 0 and the update block is absent when no sample survived
     admission (``updated`` False); the sync block is present at a push, the eval block at an
     eval (``eval_score`` not None).

@@ -8,19 +8,14 @@ TrainerService (readers).
     status.finish()            # or status.fail("CUDA out of memory")
 
 Reports are ``gridrl.v1.StepReport`` messages: :func:`step_report` converts a step's
-:class:`~gridrl.trainer.report.records.StepRecord` (the one conversion to this wire message);
-:meth:`RunStatus.report` builds one from a dict keyed by its field names (times in seconds;
-``time`` is filled with the current time when absent).
+:class:`~gridrl.trainer.report.records.StepRecord` (the one conversion to this wire message).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
-
-from google.protobuf import timestamp_pb2
+from collections.abc import Callable
 
 from gridrl.trainer.fleet.pool import NodeWait
 from gridrl.trainer.report.events import (
@@ -36,8 +31,6 @@ from gridrl.trainer.report.events import (
 )
 from gridrl.trainer.report.records import StepRecord
 from gridrl.v1 import trainer_pb2
-
-_FIELDS = frozenset(f.name for f in trainer_pb2.StepReport.DESCRIPTOR.fields)
 
 
 def step_report(record: StepRecord) -> trainer_pb2.StepReport:
@@ -56,38 +49,6 @@ def step_report(record: StepRecord) -> trainer_pb2.StepReport:
         if record.eval_exact is not None:
             msg.eval_exact = record.eval_exact
     msg.time.FromNanoseconds(time.time_ns())
-    return msg
-
-
-def report_to_proto(report: Mapping[str, Any]) -> trainer_pb2.StepReport:
-    """Build a StepReport from a dict of its field names (``eval_score`` None: not measured;
-    ``time`` absent: now; ``time`` may be a Timestamp or POSIX seconds).
-
-    Raises:
-        ValueError: naming the key, for an unknown key or a value of the wrong type.
-    """
-    unknown = sorted(set(report) - _FIELDS)
-    if unknown:
-        raise ValueError(f"report: unknown field(s) {', '.join(unknown)} (StepReport has "
-                         f"{', '.join(sorted(_FIELDS))})")
-    msg = trainer_pb2.StepReport()
-    for key, value in report.items():
-        if value is None:
-            continue
-        try:
-            if key == "time":
-                if isinstance(value, timestamp_pb2.Timestamp):
-                    msg.time.CopyFrom(value)
-                else:
-                    msg.time.FromNanoseconds(int(float(value) * 1e9))
-            elif isinstance(getattr(msg, key), int):
-                setattr(msg, key, int(value))
-            else:
-                setattr(msg, key, float(value))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"report.{key}: {value!r} is not valid: {e}") from None
-    if "time" not in report or report["time"] is None:
-        msg.time.FromNanoseconds(time.time_ns())
     return msg
 
 
@@ -149,15 +110,6 @@ class RunStatus:
                                                            elapsed_s=elapsed_s)
             if expected_s is not None:
                 self._eval_progress.expected_s = expected_s
-
-    def report(self, report: Mapping[str, Any]) -> None:
-        """Append one step's report given as a dict (keys: StepReport field names; see
-        :meth:`append`).
-
-        Raises:
-            ValueError: naming the key, for an unknown key or a bad value.
-        """
-        self.append(report_to_proto(report))
 
     def append(self, msg: trainer_pb2.StepReport) -> None:
         """Append one step's report, set state RUNNING and wake WatchRun subscribers. Does not

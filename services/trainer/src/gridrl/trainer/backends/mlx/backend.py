@@ -73,8 +73,6 @@ from gridrl.trainer.grpo import advantages as grpo
 OPTIMIZER = "optimizer.safetensors"
 RNG = "rng.json"
 PEFT_PREFIX = "base_model.model."
-MLX_ADAPTER_CONFIG = "adapter_config.json"
-MLX_ADAPTER_WEIGHTS = "adapters.safetensors"
 # mlx-lm model types whose __call__ is ``head(self.model(inputs))`` with the head
 # ``lm_head`` or the tied ``model.embed_tokens.as_linear``: the head can be applied to the
 # completion positions only.

@@ -36,7 +36,6 @@ import torch
 
 ISCorrection = Literal["none", "tis", "mis"]
 ISLevel = Literal["token", "sequence"]
-IS_CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis")
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
