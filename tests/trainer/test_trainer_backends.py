@@ -20,13 +20,12 @@ from lora_gradients import capture_gradients, random_adapter
 
 from gridrl.common.errors import Kind
 from gridrl.trainer.backends.base import (
-    BACKENDS,
     RESERVED_CHECKPOINT_FILES,
     TrainerBackend,
     TrainSequence,
     create_backend,
 )
-from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.config import BACKENDS, TrainConfig
 
 BACKENDS_UNDER_TEST = [pytest.param("torch", id="torch"),
                        pytest.param("mlx", id="mlx", marks=pytest.mark.mlx)]

@@ -48,7 +48,6 @@ from gridrl.common.address import parse_address
 from gridrl.common.errors import invalid_argument
 from gridrl.common.settings import NON_NEGATIVE, POSITIVE, above, at_least, setting, within
 from gridrl.common.transport import ADAPTER_NAME, ADAPTER_NAME_RULE
-from gridrl.trainer.backends.base import BACKENDS
 from gridrl.trainer.envs.episode import EpisodeLimits
 from gridrl.trainer.envs.loading import default_eval_tasks, default_max_tokens, make_environment
 
@@ -56,6 +55,11 @@ if TYPE_CHECKING:
     from gridrl.trainer.envs.base import Environment
 
 ENV_PREFIX = "GRIDRL_TRAINER_"
+# --backend name -> "module:class" of its TrainerBackend (imported when chosen).
+BACKENDS: dict[str, str] = {
+    "torch": "gridrl.trainer.backends.torch.backend:TorchTrainerBackend",
+    "mlx": "gridrl.trainer.backends.mlx.backend:MlxTrainerBackend",
+}
 # --report-to name -> the module it imports; each is also the name of a gridrl-trainer extra,
 # whose version range services/trainer/pyproject.toml declares.
 TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}

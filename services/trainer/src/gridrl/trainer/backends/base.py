@@ -18,8 +18,8 @@ exact resume               :meth:`TrainerBackend.checkpoint_files` / ``restore_c
 data parallelism           ``rank``, ``world_size``, :meth:`TrainerBackend.broadcast`
 =========================  ===================================================================
 
-``--backend NAME`` picks the implementation from :data:`BACKENDS` (imported only when chosen,
-so ``gridrl-trainer --help`` and the loop import no framework). ``torch`` is
+``--backend NAME`` picks the implementation from :data:`gridrl.trainer.config.BACKENDS`
+(imported only when chosen, so ``gridrl-trainer --help`` and the loop import no framework). ``torch`` is
 :class:`gridrl.trainer.backends.torch.backend.TorchTrainerBackend` (a peft LoRA on a transformers model;
 DDP under ``torchrun``).
 
@@ -29,8 +29,8 @@ Adding an implementation (e.g. MLX with mlx-lm's LoRA layers, issue 16):
    abstract method as its docstring specifies. The docstrings are the contract; the numbers
    that must agree with the torch backend are the ones the conformance suite
    (``tests/trainer/test_trainer_backends.py``) checks.
-2. Add ``"<name>": "gridrl.trainer.backends.<name>.backend:<Class>"`` to :data:`BACKENDS`; the
-   ``--backend`` flag's choices come from it.
+2. Add ``"<name>": "gridrl.trainer.backends.<name>.backend:<Class>"`` to
+   :data:`gridrl.trainer.config.BACKENDS`; the ``--backend`` flag's choices come from it.
 3. Add ``<name>`` to the conformance suite's parameters.
 
 What an implementation reuses rather than re-derives (so that every backend learns from the
@@ -52,20 +52,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gridrl.common.errors import invalid_argument
+from gridrl.trainer.config import BACKENDS, TrainConfig
 from gridrl.trainer.grpo.sequences import TrainSequence
 
 if TYPE_CHECKING:
     from gridrl.engine.contract import SamplingConfig, SequenceResult
     from gridrl.models import ModelIdentity
-    from gridrl.trainer.config import TrainConfig
 
 T = TypeVar("T")
-
-# --backend name -> "module:class" of its TrainerBackend (imported when chosen).
-BACKENDS: dict[str, str] = {
-    "torch": "gridrl.trainer.backends.torch.backend:TorchTrainerBackend",
-    "mlx": "gridrl.trainer.backends.mlx.backend:MlxTrainerBackend",
-}
 
 # File names a checkpoint keeps for itself; checkpoint_files() must not use them.
 RESERVED_CHECKPOINT_FILES = frozenset({"state.json", "config.json"})
@@ -357,7 +351,8 @@ class TrainerBackend(abc.ABC):
 
 
 def backend_class(name: str) -> type[TrainerBackend]:
-    """The :class:`TrainerBackend` subclass registered as ``name`` in :data:`BACKENDS`.
+    """The :class:`TrainerBackend` subclass registered as ``name`` in
+    :data:`gridrl.trainer.config.BACKENDS`.
 
     Raises:
         StatusError: INVALID_ARGUMENT ``--backend: ...`` for an unknown name;

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 from gridrl.trainer.evaluation import EvalProgress
 from gridrl.trainer.fleet.pool import NodeState, NodeWait
 from gridrl.trainer.fleet.probation import Review
-from gridrl.trainer.report.records import BaselineRecord, StepRecord
-
-if TYPE_CHECKING:
-    from gridrl.trainer.report.summary import RunSummary
+from gridrl.trainer.report.records import BaselineRecord, RunSummary, StepRecord
 
 # What a flag does to a node in a run with a node pool (printed after the reason).
 BENCHED = ("benched: no new groups, its samples kept out of the update until it serves the "

@@ -15,95 +15,17 @@ log again.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.report.events import BaselineEvaluated, Checkpointed, History, RunEvent
 from gridrl.trainer.report.plot import plot_run
-from gridrl.trainer.report.records import BaselineRecord, StepRecord
+from gridrl.trainer.report.records import BaselineRecord, EvalPoint, RunSummary, StepRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalPoint:
-    """One held-out eval of the run: at ``step``, of ``policy_version``, ``score`` ±
-    ``stderr``, ``exact`` of its completions with full marks, ``elapsed_s`` training seconds
-    into the run, taking ``eval_s`` seconds; ``metrics`` the environment's own figures (e.g.
-    first- and second-attempt success); ``scorer`` what scored it."""
-
-    step: int
-    score: float
-    policy_version: int
-    stderr: float | None
-    elapsed_s: float | None
-    eval_s: float | None
-    metrics: dict[str, float] = field(default_factory=dict)
-    exact: float | None = None
-    scorer: str | None = None
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """``summary.json``: totals and scores of a finished run (times in seconds; evals in
-    [0, 1]; ``*_eval_exact`` the fraction of eval completions with full marks, beside the
-    score; ``eval_scorer`` what scored the evals; ``rollout``: the nodes that served the run,
-    or ``"local"``; the episode totals over the steps of the records kept, ``turns_mean`` per
-    episode; ``*_eval_metrics`` the environment's own eval figures; ``reward_error_groups``:
-    groups left out for a reward function's failure; ``reward_funcs_first10`` /
-    ``reward_funcs_last10`` each reward function's mean over the first / last 10 steps, before
-    weighting)."""
-
-    run_name: str | None
-    model: str
-    task: str
-    steps: int
-    total_steps: int
-    policy_version: int
-    baseline_eval: float | None
-    baseline_eval_stderr: float | None
-    final_eval: float | None
-    final_eval_stderr: float | None
-    final_eval_policy_version: int | None
-    best_eval: float | None
-    baseline_eval_exact: float | None
-    final_eval_exact: float | None
-    eval_scorer: str
-    baseline_eval_metrics: dict[str, float]
-    final_eval_metrics: dict[str, float]
-    eval_tasks: int
-    evals: list[EvalPoint]
-    reward_mean_first10: float | None
-    reward_mean_last10: float | None
-    elapsed_s: float
-    seconds_per_step: float
-    dropped_samples: int
-    episodes: int
-    turns_mean: float | None
-    model_tokens: int
-    env_tokens: int
-    truncated_episodes: int
-    dropped_episodes: dict[str, int]
-    env_counts: dict[str, int]
-    reward_error_groups: int
-    flagged_nodes: dict[str, str]
-    resumed_at: list[int]
-    rollout: str | list[str]
-    master: str | None
-    adapter: str
-    adapter_mlx: str | None
-    adapter_mlx_error: str | None
-    plot: str
-    reward_funcs_first10: dict[str, float] = field(default_factory=dict)
-    reward_funcs_last10: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``summary.json`` object (its keys are the field names)."""
-        return asdict(self)
 
 
 @dataclass
