@@ -499,3 +499,33 @@ def test_a_taken_port_is_probed_without_the_token(tmp_path: Path) -> None:
     assert len(seen) == 2  # both asked
     assert not any(key == "authorization" or token in str(value)
                    for metadata in seen for key, value in metadata)
+
+
+def test_errors_carry_their_flag_and_the_serve_flags_name_it(tmp_path: Path, pki) -> None:
+    """AuthError and TlsError hold the flag at fault apart from the problem (the message is
+    ``"<flag>: <problem>"``); a serve command's error names the flag and shows the problem."""
+    import click
+
+    from gridrl.common.cli import server_options
+
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    with pytest.raises(AuthError) as auth:
+        read_token_file(empty)
+    assert (auth.value.field, auth.value.problem) == ("--auth-token-file", f"{empty} is empty")
+    assert str(auth.value) == f"--auth-token-file: {empty} is empty"
+    with pytest.raises(TlsError) as tls:
+        TlsFiles(pki.crt("server"), None, None).check("server")
+    assert (tls.value.flag, tls.value.problem) == ("--tls-key", "required with --tls-cert")
+
+    @click.command()
+    @server_options("master", "127.0.0.1:0", -1, client=True)
+    def serve(**_kwargs) -> None:
+        pass
+
+    out = CliRunner().invoke(serve, ["--auth-token-file", str(empty)])
+    assert out.exit_code == 2 and (f"Invalid value for --auth-token-file: {empty} is empty"
+                                   in out.output), out.output
+    out = CliRunner().invoke(serve, ["--tls-cert", pki.crt("server")])
+    assert out.exit_code == 2 and ("Invalid value for --tls-key: required with --tls-cert"
+                                   in out.output), out.output

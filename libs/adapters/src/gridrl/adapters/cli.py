@@ -120,9 +120,10 @@ def _local_model(base: str) -> Path:
             param_hint="'--base'")
     try:
         return Path(resolve_model(base, progress=False))
-    except (ModelNameError, FileNotFoundError) as e:
-        raise click.BadParameter(str(e).removeprefix("--model: "),
-                                 param_hint="'--base'") from e
+    except ModelNameError as e:
+        raise click.BadParameter(e.problem, param_hint="'--base'") from e
+    except FileNotFoundError as e:
+        raise click.BadParameter(str(e), param_hint="'--base'") from e
 
 
 @main.command()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 from gridrl.common.errors import invalid_argument
 
 
@@ -72,9 +75,6 @@ def port_in_use(host: str, port: int) -> bool:
     """Whether ``port`` on ``host`` (a bindable address of this machine) is taken: a test bind
     fails with EADDRINUSE. Port 0 (any free port) and negative ports (off) are never in use;
     other bind errors (not an address of this machine) are left to the server's own bind."""
-    import errno
-    import socket
-
     if port <= 0:
         return False
     host = host.strip("[]") or "0.0.0.0"

@@ -31,9 +31,8 @@ _authorized = env_option(
     help="The authorized-tokens file the servers read (created when missing).")
 
 
-def _fail(e: Exception) -> None:
-    flag, _, message = str(e).partition(": ")
-    raise click.BadParameter(message, param_hint=flag) from None
+def _fail(e: AuthError) -> None:
+    raise click.BadParameter(e.problem, param_hint=e.field) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

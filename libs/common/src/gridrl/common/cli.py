@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,9 @@ import click
 import grpc
 from click.core import ParameterSource
 from google.protobuf.json_format import MessageToDict
+
+from gridrl.common.address import join_address, parse_address, parse_listen, port_in_use
+from gridrl.common.errors import StatusError
 
 ENV_PREFIX = "GRIDRL_"
 
@@ -42,9 +46,6 @@ def address_option(*decls: str, env: str, **kwargs: Any) -> Callable[[Any], Any]
 
 
 def _host_port(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
-    from gridrl.common.address import parse_address
-    from gridrl.common.errors import StatusError
-
     flag = next((o for o in param.opts if o.startswith("--")), param.name or "address")
     for one in (value if isinstance(value, tuple) else (value,)):
         if one is None:
@@ -106,8 +107,6 @@ def server_options(service: str, listen: str, metrics_port: int,
         @functools.wraps(f)
         def with_security(*args: Any, **kwargs: Any) -> Any:
             security = _build_security(kwargs, server=True, client=client)
-            from gridrl.common.address import parse_listen
-            from gridrl.common.errors import StatusError
             from gridrl.common.security.policy import ExposedError, check_exposure
 
             try:
@@ -169,8 +168,6 @@ def check_ports_free(host: str, port: int, metrics_port: int, security: Any = No
         click.BadParameter: e.g. ``Invalid value for '--metrics-port': port 9402 is already in
             use on 127.0.0.1; give another port (0: any free port, -1: no metrics)``.
     """
-    from gridrl.common.address import join_address, port_in_use
-
     if port_in_use(host, port):
         from gridrl.common.rpc.probe import describe, list_services
 
@@ -274,12 +271,11 @@ def _build_security(kwargs: dict[str, Any], server: bool, client: bool) -> Any:
                 "--authorized-tokens FILE, or unset GRIDRL_AUTH_TOKEN.")
         authorized = AuthorizedTokens(authorized_path) if authorized_path else None
     except AuthError as e:
-        flag = str(e).split(":", 1)[0]
-        raise click.BadParameter(str(e).split(": ", 1)[1], param_hint=flag) from None
+        raise click.BadParameter(e.problem, param_hint=e.field) from None
     try:
         tls.check("server" if server else "client")
     except TlsError as e:
-        raise click.BadParameter(str(e).split(": ", 1)[1], param_hint=e.flag) from None
+        raise click.BadParameter(e.problem, param_hint=e.flag) from None
     return Security(tls=tls, authorized=authorized, token=token, insecure=insecure)
 
 
@@ -299,8 +295,6 @@ def progress_bars_off_terminal() -> None:
     cursor escapes garble the lines. Sets ``TQDM_DISABLE`` and ``HF_HUB_DISABLE_PROGRESS_BARS``
     unless already set (an explicit setting wins); call it before transformers is imported."""
     if not sys.stderr.isatty():
-        import os
-
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
 
@@ -346,8 +340,6 @@ def write_ready_file(path: str | None, address: str, port: int, metrics_port: in
     ``extra`` adds service-specific keys (e.g. the rollout node's ``openai_base_url``)."""
     if not path:
         return
-    import os
-
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"address": address, "port": port, "metrics_port": metrics_port,

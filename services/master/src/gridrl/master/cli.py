@@ -15,6 +15,7 @@ import sys
 
 import click
 
+from gridrl.common.address import parse_listen, port_in_use
 from gridrl.common.cli import (
     address_option,
     bad_parameter,
@@ -53,8 +54,6 @@ def serve(listen: str, metrics_port: int, security: Security, log_level: str,
         dashboard_port = from_params(DashboardSettings, params).dashboard_port
     except StatusError as e:
         raise bad_parameter(e) from None
-    from gridrl.common.address import parse_listen, port_in_use
-
     host = parse_listen(listen, "--listen")[0]
     if port_in_use(host, dashboard_port):
         raise click.BadParameter(f"port {dashboard_port} is already in use on {host}; give "

@@ -17,11 +17,13 @@ and ``--auth-token-file`` (:func:`gridrl.common.cli.client_security_options`).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import click
 
+from gridrl.common.address import parse_listen
 from gridrl.common.cli import bad_parameter, server_options, setup_logging, write_ready_file
 from gridrl.common.errors import StatusError
 from gridrl.common.security.policy import ExposedError, Security, check_exposure
@@ -103,8 +105,6 @@ def serve(security: Security, log_level: str, ready_file: str | None, **params) 
         # interpreter now would end that thread inside C++ code as it takes the GIL back:
         # std::terminate, exit 134. Everything else is stopped and flushed by now, so leave
         # without interpreter cleanup.
-        import logging
-
         logging.getLogger(__name__).warning(
             "the engine's scheduler is still in the backend; exiting without cleanup")
         logging.shutdown()
@@ -123,8 +123,6 @@ def _check_openai(config: NodeConfig, security: Security) -> None:
     except ImportError as e:
         raise click.BadParameter(f"needs the openai extra ({e}): pip install "
                                  "'gridrl-rollout[openai]'", param_hint="--openai-listen") from e
-    from gridrl.common.address import parse_listen
-
     try:
         check_exposure(parse_listen(config.openai_listen, "--openai-listen")[0], security,
                        "--openai-listen")

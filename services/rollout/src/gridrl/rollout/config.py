@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from gridrl.common import settings
 from gridrl.common.address import parse_address, parse_listen
@@ -156,8 +157,6 @@ class NodeConfig:
                 if value is not None:
                     raise invalid_argument(flag, "only with --backend vllm")
             return
-        from urllib.parse import urlsplit
-
         if self.vllm_url is None:
             raise invalid_argument("--vllm-url", "required with --backend vllm")
         parts = urlsplit(self.vllm_url)

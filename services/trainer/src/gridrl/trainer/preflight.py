@@ -55,8 +55,7 @@ def check_inputs(cfg: TrainConfig, probe_timeout_s: float = 3.0) -> None:
     try:
         check_model(cfg.model)
     except ModelNameError as e:
-        flag, _, problem = str(e).partition(": ")
-        raise invalid_argument(flag, problem) from None
+        raise invalid_argument(e.field, e.problem) from None
     for flag, path in [("--eval-file", cfg.eval_file),
                        *(("--reward-file", p) for p in cfg.reward_files),
                        *(("--eval-reward-file", p) for p in cfg.eval_reward_files)]:

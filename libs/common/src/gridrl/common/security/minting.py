@@ -37,14 +37,14 @@ def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scop
     _check_credential(scope, credential_id, address, None, cert)
     existing = _read_existing(authorized_path)
     if any(c.id == credential_id for c in existing):
-        raise AuthError(f"--id: {credential_id!r} is already in {authorized_path} (revoke it "
+        raise AuthError("--id", f"{credential_id!r} is already in {authorized_path} (revoke it "
                         "first to replace its token)")
     if address is not None:
         wanted = parse_address(address)
         holder = next((c for c in existing if c.address is not None
                        and parse_address(c.address) == wanted), None)
         if holder is not None:  # the master reserves an address for the credential bound first
-            raise AuthError(f"--address: {address} is already bound to credential "
+            raise AuthError("--address", f"{address} is already bound to credential "
                             f"{holder.id!r}, and a node may register it only with that one "
                             f"(revoke {holder.id!r} first to move the address)")
     token = new_token()
@@ -52,9 +52,9 @@ def mint(authorized_path: str | os.PathLike, token_path: str | os.PathLike, scop
     try:
         fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError as e:
-        raise AuthError(f"--out: {token_path} exists; not overwriting a token") from e
+        raise AuthError("--out", f"{token_path} exists; not overwriting a token") from e
     except OSError as e:
-        raise AuthError(f"--out: cannot create {token_path}: {e.strerror or e}") from e
+        raise AuthError("--out", f"cannot create {token_path}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
@@ -74,11 +74,11 @@ def revoke(authorized_path: str | os.PathLike, credential_id: str) -> Credential
     """
     authorized_path = Path(authorized_path)
     if not authorized_path.exists():
-        raise AuthError(f"--authorized-tokens: {authorized_path} does not exist")
+        raise AuthError("--authorized-tokens", f"{authorized_path} does not exist")
     existing = _read_existing(authorized_path)
     gone = [c for c in existing if c.id == credential_id]
     if not gone:
-        raise AuthError(f"ID: no credential {credential_id!r} in {authorized_path}")
+        raise AuthError("ID", f"no credential {credential_id!r} in {authorized_path}")
     _write_authorized(authorized_path, [c for c in existing if c.id != credential_id])
     return gone[0]
 
@@ -89,7 +89,7 @@ def _read_existing(path: Path) -> list[Credential]:
     try:
         return parse_authorized_tokens(path.read_text(), str(path))
     except OSError as e:
-        raise AuthError(f"--authorized-tokens: cannot read {path}: {e.strerror or e}") from e
+        raise AuthError("--authorized-tokens", f"cannot read {path}: {e.strerror or e}") from e
 
 
 def _write_authorized(path: Path, credentials: list[Credential]) -> None:

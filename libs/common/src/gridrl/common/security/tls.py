@@ -30,11 +30,15 @@ log = logging.getLogger(__name__)
 
 class TlsError(ValueError):
     """A TLS file is missing, unreadable, not PEM, or a key does not match its certificate.
-    The message starts with the flag at fault; ``flag`` holds it."""
+    The message is ``"<flag>: <problem>"``.
 
-    def __init__(self, flag: str, message: str) -> None:
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
+    Attributes:
+        flag: the flag at fault (``"--tls-key"``); problem: the message without it.
+    """
+
+    def __init__(self, flag: str, problem: str) -> None:
+        super().__init__(f"{flag}: {problem}")
+        self.flag, self.problem = flag, problem
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ Which scope may call which RPC: :mod:`gridrl.common.security.access`; minting an
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import logging
@@ -70,8 +71,17 @@ _MISSING = (-1, -1, -1)  # file stamp of a file that cannot be stat'ed
 
 
 class AuthError(ValueError):
-    """A token file, an authorized-tokens file or a mint request is unusable. The message
-    starts with the flag or field at fault."""
+    """A token file, an authorized-tokens file or a mint request is unusable. The message is
+    ``"<field>: <problem>"``.
+
+    Attributes:
+        field: the flag, variable or file line at fault (``"--auth-token-file"``,
+            ``"GRIDRL_AUTH_TOKEN"``, ``"/etc/gridrl/tokens:3"``); problem: the message without it.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
 
 
 @dataclass(frozen=True)
@@ -107,8 +117,6 @@ def cert_fingerprint(pem: bytes | str) -> str:
     Raises:
         ValueError: ``pem`` holds no PEM certificate.
     """
-    import base64
-
     found = _PEM_CERT.search(pem.encode() if isinstance(pem, str) else pem)
     if found is None:
         raise ValueError("no PEM certificate (-----BEGIN CERTIFICATE-----)")
@@ -125,9 +133,9 @@ def certificate_file_fingerprint(path: str | os.PathLike, flag: str = "--cert") 
     try:
         return cert_fingerprint(Path(path).read_bytes())
     except OSError as e:
-        raise AuthError(f"{flag}: cannot read {path}: {e.strerror or e}") from e
+        raise AuthError(flag, f"cannot read {path}: {e.strerror or e}") from e
     except ValueError as e:  # binascii.Error is a ValueError
-        raise AuthError(f"{flag}: {path}: {e}") from e
+        raise AuthError(flag, f"{path}: {e}") from e
 
 
 def token_digest(token: str) -> str:
@@ -155,25 +163,29 @@ def read_token_file(path: str | os.PathLike, flag: str = "--auth-token-file") ->
         text = Path(path).read_text()
         mode = os.stat(path).st_mode
     except (OSError, UnicodeDecodeError) as e:
-        raise AuthError(f"{flag}: cannot read {path}: {getattr(e, 'strerror', None) or e}") \
+        raise AuthError(flag, f"cannot read {path}: {getattr(e, 'strerror', None) or e}") \
             from e
     token = text.strip()
     if not token:
-        raise AuthError(f"{flag}: {path} is empty")
-    return check_token(token, f"{flag}: {path}", mode)
+        raise AuthError(flag, f"{path} is empty")
+    return check_token(token, flag, mode, path)
 
 
-def check_token(token: str, where: str, mode: int | None = None) -> str:
-    """``token`` when it looks like a bearer token (16-512 url-safe characters, no spaces).
+def check_token(token: str, where: str, mode: int | None = None,
+                path: str | os.PathLike | None = None) -> str:
+    """``token`` when it looks like a bearer token (16-512 url-safe characters, no spaces);
+    ``where`` the flag or variable it came from, ``path`` the file it was read from.
 
     Raises:
-        AuthError: ``<where>: ...`` otherwise.
+        AuthError: ``<where>: [<path>: ]...`` otherwise.
     """
+    source = f"{path}: " if path is not None else ""
     if not _TOKEN.fullmatch(token):
-        raise AuthError(f"{where}: not a token (one line of 16-512 url-safe characters, no "
-                        "spaces)")
+        raise AuthError(where, f"{source}not a token (one line of 16-512 url-safe characters, "
+                               "no spaces)")
     if mode is not None and mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("%s is readable by other users; chmod 600 it", where)
+        log.warning("%s is readable by other users; chmod 600 it",
+                    where if path is None else f"{where}: {path}")
     return token
 
 
@@ -199,18 +211,18 @@ def parse_authorized_tokens(text: str, source: str) -> list[Credential]:
         binding = [f for f in fields[3:] if f.startswith(CERT_FIELD)]
         rest = [f for f in fields[3:] if not f.startswith(CERT_FIELD)]
         if len(fields) < 3 or len(binding) > 1 or len(rest) > 1:
-            raise AuthError(f"{where}: expected 'sha256:<hex> SCOPE ID [ADDRESS] "
-                            f"[cert=sha256:<hex>]', got {len(fields)} fields")
+            raise AuthError(where, f"expected 'sha256:<hex> SCOPE ID [ADDRESS] "
+                                   f"[cert=sha256:<hex>]', got {len(fields)} fields")
         digest, scope, cid = fields[:3]
         address = rest[0] if rest else None
         cert = binding[0].removeprefix(CERT_FIELD) if binding else None
         if not _DIGEST.fullmatch(digest):
-            raise AuthError(f"{where}: {digest[:20]!r} is not sha256:<64 lowercase hex digits>")
+            raise AuthError(where, f"{digest[:20]!r} is not sha256:<64 lowercase hex digits>")
         _check_credential(scope, cid, address, where, cert)
         if cid in ids:
-            raise AuthError(f"{where}: id {cid!r} appears twice")
+            raise AuthError(where, f"id {cid!r} appears twice")
         if digest in digests:
-            raise AuthError(f"{where}: the same token appears twice")
+            raise AuthError(where, "the same token appears twice")
         ids.add(cid)
         digests.add(digest)
         credentials.append(Credential(cid, scope, digest, address, cert))
@@ -221,22 +233,22 @@ def _check_credential(scope: str, cid: str, address: str | None, where: str | No
                       cert: str | None = None) -> None:
     """Raise AuthError prefixed with ``where`` (a file line), or with the flag at fault."""
     if cert is not None and not _DIGEST.fullmatch(cert):
-        raise AuthError(f"{where or '--cert'}: {CERT_FIELD}{cert[:20]!r} is not "
+        raise AuthError(where or "--cert", f"{CERT_FIELD}{cert[:20]!r} is not "
                         f"{CERT_FIELD}sha256:<64 lowercase hex digits>")
     if scope not in SCOPES:
-        raise AuthError(f"{where or '--scope'}: scope {scope!r} is not one of "
+        raise AuthError(where or "--scope", f"scope {scope!r} is not one of "
                         f"{', '.join(SCOPES)}")
     if not _ID.fullmatch(cid):
-        raise AuthError(f"{where or '--id'}: id {cid!r} must match [A-Za-z0-9][A-Za-z0-9._-]* "
+        raise AuthError(where or "--id", f"id {cid!r} must match [A-Za-z0-9][A-Za-z0-9._-]* "
                         "(at most 64)")
     if address is not None:
         if scope != NODE:
-            raise AuthError(f"{where or '--address'}: only node credentials are bound to an "
+            raise AuthError(where or "--address", "only node credentials are bound to an "
                             "address")
         try:
             parse_address(address, "address")
         except StatusError as e:
-            raise AuthError(f"{where or '--address'}: {e.message}") from e
+            raise AuthError(where or "--address", e.message) from e
 
 
 class AuthorizedTokens:
@@ -263,12 +275,12 @@ class AuthorizedTokens:
         try:
             self._load(self._file_stamp())
         except OSError as e:
-            raise AuthError(f"--authorized-tokens: cannot read {self.path}: "
+            raise AuthError("--authorized-tokens", f"cannot read {self.path}: "
                             f"{e.strerror or e}") from e
         except AuthError as e:
-            raise AuthError(f"--authorized-tokens: {e}") from e
+            raise AuthError("--authorized-tokens", str(e)) from e
         if not self._credentials:
-            raise AuthError(f"--authorized-tokens: {self.path} lists no credential (mint one "
+            raise AuthError("--authorized-tokens", f"{self.path} lists no credential (mint one "
                             "with `gridrl-auth mint`)")
         mode = os.stat(self.path).st_mode
         if mode & (stat.S_IWGRP | stat.S_IWOTH):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import random
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -293,8 +294,6 @@ class ToolArithmetic(ToolEnv):
 
     @staticmethod
     def _question(key: str) -> tuple[str, int, int]:
-        import random
-
         r = random.Random(key)
         return r.choice("+*"), r.randint(10, 999), r.randint(10, 99)
 
