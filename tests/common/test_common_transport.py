@@ -146,3 +146,30 @@ def test_trailer_refusals() -> None:
         manifest=manifest_to_proto(mixed)))])
     assert code is Kind.INVALID_ARGUMENT and msg.startswith(
         "header.manifest.files[1].sha256")
+
+
+def test_enum_words_come_from_the_enums_own_names() -> None:
+    """One helper turns every gridrl.v1 enum value into the word gridrl uses and back."""
+    from gridrl.v1 import common_pb2, runs_pb2, trainer_pb2
+    from gridrl.v1.enums import enum_value, enum_word
+
+    for enum in (common_pb2.Backend, common_pb2.AdapterFormat, common_pb2.FinishReason,
+                 common_pb2.NodeRole, common_pb2.NodeStatus, trainer_pb2.RunState,
+                 runs_pb2.RunEventKind):
+        for value in enum.values():  # each a lower-case word that leads back to it
+            word = enum_word(enum, value)
+            assert word == word.lower() and (word == "") == (value == 0)
+            assert enum.Name(value).lower().endswith(word) and enum_value(enum, word) == value
+    assert enum_word(common_pb2.Backend, common_pb2.BACKEND_TORCH) == "torch"
+    assert enum_word(trainer_pb2.RunState, trainer_pb2.RUN_STATE_RUNNING) == "running"
+    assert enum_word(runs_pb2.RunEventKind, runs_pb2.RUN_EVENT_KIND_NODE_JOINED) == "node_joined"
+    # the unspecified value and one from a newer peer: the default, or spelled out (None)
+    assert (enum_word(common_pb2.Backend, 0), enum_word(common_pb2.Backend, 99)) == ("", "")
+    assert enum_word(common_pb2.AdapterFormat, 99, "peft") == "peft"
+    assert (enum_word(common_pb2.NodeRole, 0, None), enum_word(common_pb2.NodeRole, 99, None)) \
+        == ("unspecified", "99")
+    assert enum_value(common_pb2.AdapterFormat, "") == 0
+    assert enum_value(common_pb2.AdapterFormat, "onnx", default=0) == 0
+    for word in ("onnx", "unspecified"):
+        with pytest.raises(ValueError, match=rf"^'{word}' is not a AdapterFormat \(one of peft"):
+            enum_value(common_pb2.AdapterFormat, word)

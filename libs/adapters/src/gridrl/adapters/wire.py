@@ -3,46 +3,25 @@ adapter format, the base model (:class:`gridrl.models.ModelIdentity` <-> ``BaseM
 manifest (:class:`gridrl.adapters.AdapterManifest` <-> ``AdapterManifest``, through its
 :meth:`~gridrl.adapters.AdapterManifest.to_proto` / ``from_proto``, which use these).
 
-Enums go by their names (``EnumTypeWrapper.Name()`` / ``.Value()``): ``"peft"`` is
-``ADAPTER_FORMAT_PEFT``, ``"torch"`` is ``BACKEND_TORCH``; ``""`` is the ``_UNSPECIFIED``
-value. Messages only: this module imports no gRPC.
+Enums go by their names (:mod:`gridrl.v1.enums`): ``"peft"`` is ``ADAPTER_FORMAT_PEFT``;
+``""`` is the ``_UNSPECIFIED`` value. Messages only: this module imports no gRPC.
 """
 
 from __future__ import annotations
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
-
 from gridrl.models import ModelIdentity
 from gridrl.v1 import common_pb2
-
-
-def enum_name(enum: EnumTypeWrapper, value: int, prefix: str) -> str:
-    """``BACKEND_TORCH`` -> ``"torch"`` (``prefix`` ``"BACKEND_"``); ``""`` for the unspecified
-    value or one this build does not know."""
-    try:
-        name = enum.Name(value)
-    except ValueError:
-        return ""
-    return "" if name.endswith("_UNSPECIFIED") else name.removeprefix(prefix).lower()
-
-
-def enum_value(enum: EnumTypeWrapper, name: str, prefix: str) -> int:
-    """``"torch"`` -> ``BACKEND_TORCH`` (``prefix`` ``"BACKEND_"``); 0 (unspecified) for ``""``
-    or a name the enum lacks."""
-    try:
-        return enum.Value(prefix + name.upper()) if name else 0
-    except ValueError:
-        return 0
+from gridrl.v1.enums import enum_value, enum_word
 
 
 def adapter_format_to_proto(name: str) -> int:
     """``"peft"`` -> ``ADAPTER_FORMAT_PEFT``; unknown names -> unspecified."""
-    return enum_value(common_pb2.AdapterFormat, name, "ADAPTER_FORMAT_")
+    return enum_value(common_pb2.AdapterFormat, name, default=0)
 
 
 def adapter_format_from_proto(value: int) -> str:
     """``ADAPTER_FORMAT_PEFT`` -> ``"peft"``; ``""`` for unspecified."""
-    return enum_name(common_pb2.AdapterFormat, value, "ADAPTER_FORMAT_")
+    return enum_word(common_pb2.AdapterFormat, value)
 
 
 def base_model_to_proto(identity: ModelIdentity) -> common_pb2.BaseModel:

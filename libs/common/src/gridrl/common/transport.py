@@ -38,6 +38,7 @@ from google.protobuf import json_format
 
 from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.v1 import common_pb2, rollout_pb2
+from gridrl.v1.enums import enum_value
 
 CHUNK_SIZE = 1 << 20
 # the adapter formats a node takes (gridrl.adapters.wire converts the domain's names)
@@ -56,7 +57,7 @@ def _message(manifest: Any) -> common_pb2.AdapterManifest:
     d = dict(manifest)
     fmt = d.pop("format", "")
     msg = json_format.ParseDict(d, common_pb2.AdapterManifest(), ignore_unknown_fields=False)
-    msg.format = common_pb2.AdapterFormat.Value(f"ADAPTER_FORMAT_{fmt.upper()}") if fmt else 0
+    msg.format = enum_value(common_pb2.AdapterFormat, fmt)
     return msg
 
 

@@ -107,12 +107,12 @@ def nodes(address: str, security: Security, as_json: bool, role: str | None,
     from gridrl.common.rpc.channel import dial
     from gridrl.master.display import nodes_json, nodes_table
     from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+    from gridrl.v1.enums import enum_value
 
     request = registry_pb2.ListNodesRequest(
-        role=common_pb2.NodeRole.Value(f"NODE_ROLE_{role.upper()}") if role else 0,
-        backend=common_pb2.Backend.Value(f"BACKEND_{backend.upper()}") if backend else 0,
-        model_id=model or "",
-        status=common_pb2.NodeStatus.Value(f"NODE_STATUS_{status.upper()}") if status else 0)
+        role=enum_value(common_pb2.NodeRole, role or ""),
+        backend=enum_value(common_pb2.Backend, backend or ""), model_id=model or "",
+        status=enum_value(common_pb2.NodeStatus, status or ""))
     channel = dial(address, security)
     try:
         response = registry_pb2_grpc.RegistryServiceStub(channel).ListNodes(request,

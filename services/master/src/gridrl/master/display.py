@@ -8,8 +8,8 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from gridrl.master.metrics import enum_label
 from gridrl.v1 import common_pb2, registry_pb2
+from gridrl.v1.enums import enum_word
 
 COLUMNS = ("ADDRESS", "ROLE", "BACKEND", "MODEL", "ADAPTER", "STATUS", "LAST SEEN")
 
@@ -31,10 +31,10 @@ def last_seen_label(record: registry_pb2.NodeRecord, now: float) -> str:
 def node_row(record: registry_pb2.NodeRecord, now: float) -> tuple[str, ...]:
     """The table cells of one record, in :data:`COLUMNS` order."""
     info = record.info
-    return (info.address, enum_label(common_pb2.NodeRole, info.role),
-            enum_label(common_pb2.Backend, info.backend) if info.backend else "-",
+    return (info.address, enum_word(common_pb2.NodeRole, info.role, None),
+            enum_word(common_pb2.Backend, info.backend, None) if info.backend else "-",
             info.base_model.model_id or "-", adapter_label(info.adapter),
-            enum_label(common_pb2.NodeStatus, record.status), last_seen_label(record, now))
+            enum_word(common_pb2.NodeStatus, record.status, None), last_seen_label(record, now))
 
 
 def nodes_table(records: list[registry_pb2.NodeRecord], now: float | None = None):

@@ -11,9 +11,10 @@ import time
 from typing import Any
 
 from gridrl.master.registry import CHANGED, JOINED, REMOVED, UNHEALTHY, Registry
-from gridrl.master.runs import Runs, enum_name
+from gridrl.master.runs import Runs
 from gridrl.master.subscriptions import NodeFilter
 from gridrl.v1 import common_pb2, runs_pb2
+from gridrl.v1.enums import enum_word
 
 log = logging.getLogger(__name__)
 GONE_KEPT_S = 600.0  # how long a node that left or expired stays on the page
@@ -42,11 +43,11 @@ def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, d
         healthy = record.status != UNHEALTHY
         rows[info.address] = {
             "node_id": record.node_id, "address": info.address,
-            "role": enum_name(common_pb2.NodeRole, info.role),
-            "backend": enum_name(common_pb2.Backend, info.backend) if info.backend else "",
-            "adapter_format": (enum_name(common_pb2.AdapterFormat, info.adapter_format)
+            "role": enum_word(common_pb2.NodeRole, info.role, None),
+            "backend": enum_word(common_pb2.Backend, info.backend, None) if info.backend else "",
+            "adapter_format": (enum_word(common_pb2.AdapterFormat, info.adapter_format, None)
                                if info.adapter_format else ""),
-            "health": enum_name(common_pb2.NodeStatus, record.status),
+            "health": enum_word(common_pb2.NodeStatus, record.status, None),
             "last_seen_s": max(0.0, now - seen),
             "policy_version": info.adapter.version, "adapter": info.adapter.name,
             "queue": info.queue_depth, "load": record.load, "capacity": info.capacity,
@@ -114,11 +115,12 @@ class FleetWatch:
                 self._apply(event.type, event.node)
 
     def _apply(self, kind: int, record: Any) -> None:
-        address, role = record.info.address, enum_name(common_pb2.NodeRole, record.info.role)
+        address = record.info.address
+        role = enum_word(common_pb2.NodeRole, record.info.role, None)
         before = self._status.get(record.node_id)
         what = f"{role} {address}"
         if kind == JOINED:
-            backend = (f" ({enum_name(common_pb2.Backend, record.info.backend)})"
+            backend = (f" ({enum_word(common_pb2.Backend, record.info.backend, None)})"
                        if record.info.backend else "")
             self._runs.fleet_event(runs_pb2.RUN_EVENT_KIND_NODE_JOINED, address,
                                    f"{what} joined{backend}")

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gridrl.v1 import common_pb2
+from gridrl.v1.enums import enum_word
 
 HEARTBEATS = Counter("gridrl_master_heartbeats_total", "Heartbeats accepted from known nodes.")
 REGISTRATIONS = Counter(
@@ -30,16 +31,6 @@ UNHEALTHY_TRANSITIONS = Counter(
     "gridrl_master_unhealthy_total",
     "Times a node was marked UNHEALTHY after missing heartbeats for --unhealthy-after seconds.")
 WATCHERS = Gauge("gridrl_master_watchers", "Open WatchNodes streams.")
-
-
-def enum_label(enum_type, value: int) -> str:
-    """Short lower-case name of an enum value: ``NODE_ROLE_ROLLOUT`` -> ``"rollout"``."""
-    names = list(enum_type.keys())
-    prefix = names[0].removesuffix("UNSPECIFIED")  # the zero value is <PREFIX>_UNSPECIFIED
-    try:
-        return enum_type.Name(value).removeprefix(prefix).lower()
-    except ValueError:
-        return str(value)
 
 
 class _Counts(Protocol):
@@ -77,9 +68,9 @@ class _NodesCollector:
                 for backend in common_pb2.Backend.values()
                 for status in common_pb2.NodeStatus.values() if status} | set(totals)
         for role, backend, status in sorted(keys):
-            family.add_metric([enum_label(common_pb2.NodeRole, role),
-                               enum_label(common_pb2.Backend, backend),
-                               enum_label(common_pb2.NodeStatus, status)],
+            family.add_metric([enum_word(common_pb2.NodeRole, role, None),
+                               enum_word(common_pb2.Backend, backend, None),
+                               enum_word(common_pb2.NodeStatus, status, None)],
                               totals.get((role, backend, status), 0))
         yield family
 

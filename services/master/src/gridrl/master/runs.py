@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from gridrl.common.errors import Kind, StatusError, invalid_argument
 from gridrl.v1 import runs_pb2, trainer_pb2
+from gridrl.v1.enums import enum_word
 
 STEP_POINTS = 1000
 EVAL_POINTS = 500
@@ -43,15 +44,6 @@ MASTER_KINDS = frozenset({runs_pb2.RUN_EVENT_KIND_NODE_JOINED, runs_pb2.RUN_EVEN
 _LOST = frozenset({runs_pb2.RUN_EVENT_KIND_NODE_UNHEALTHY, runs_pb2.RUN_EVENT_KIND_NODE_EXPIRED})
 _ACTIVE = frozenset({trainer_pb2.RUN_STATE_STARTING, trainer_pb2.RUN_STATE_RUNNING,
                      trainer_pb2.RUN_STATE_UNSPECIFIED})
-
-
-def enum_name(enum_type: Any, value: int) -> str:
-    """``RUN_STATE_RUNNING`` -> ``"running"`` (the prefix is the zero value's)."""
-    prefix = enum_type.Name(0).removesuffix("UNSPECIFIED")
-    try:
-        return enum_type.Name(value).removeprefix(prefix).lower()
-    except ValueError:
-        return str(value)
 
 
 # ------------------------------------------------------------------------------ validation
@@ -227,7 +219,7 @@ class Series:
 def event_dict(kind: int, time_s: float, step: int = 0, node: str = "", duration_s: float = 0.0,
                ok: bool = True, message: str = "") -> dict[str, Any]:
     """An event line as the dashboard shows it (``kind``: the short name, e.g. ``push``)."""
-    return {"kind": enum_name(runs_pb2.RunEventKind, kind), "time": time_s, "step": step,
+    return {"kind": enum_word(runs_pb2.RunEventKind, kind, None), "time": time_s, "step": step,
             "node": node, "duration_s": _num(duration_s), "ok": ok, "message": message}
 
 
@@ -280,8 +272,8 @@ class RunRecordStore(Protocol):
 
 def _info(run: runs_pb2.RunInfo) -> dict[str, Any]:
     return {"run_id": run.run_id, "run_name": run.run_name,
-            "trainer_address": run.trainer_address, "state": enum_name(trainer_pb2.RunState,
-                                                                       run.state),
+            "trainer_address": run.trainer_address,
+            "state": enum_word(trainer_pb2.RunState, run.state, None),
             "state_value": run.state, "error": run.error, "total_steps": run.total_steps,
             "model_id": run.model_id, "task": run.task,
             "baseline_eval": _num(run.baseline_eval) if run.HasField("baseline_eval") else None,

@@ -36,6 +36,7 @@ from gridrl.master.validate import (
     validate_register,
 )
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc, runs_pb2_grpc
+from gridrl.v1.enums import enum_word
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if credential is not None and self._claims is not None:
             self._claims.register(request.node.address, credential)
         record, existed = self._registry.register(request.node)
-        metrics.REGISTRATIONS.labels(metrics.enum_label(common_pb2.NodeRole, record.info.role),
+        metrics.REGISTRATIONS.labels(enum_word(common_pb2.NodeRole, record.info.role, None),
                                      str(existed).lower()).inc()
         log.info("%s %s as %s (%s)", "re-registered" if existed else "registered",
                  record.info.address, record.node_id,
-                 metrics.enum_label(common_pb2.NodeRole, record.info.role))
+                 enum_word(common_pb2.NodeRole, record.info.role, None))
         return registry_pb2.RegisterNodeResponse(
             node_id=record.node_id,
             heartbeat_interval=_duration(self._registry.heartbeat_interval_s))
@@ -192,13 +193,13 @@ ROLES_BY_SCOPE = {NODE: (common_pb2.NODE_ROLE_ROLLOUT,), TRAINER: (common_pb2.NO
 
 def _check_role(credential: Credential, role: int) -> None:
     if role not in ROLES_BY_SCOPE.get(credential.scope, ()):
-        allowed = [metrics.enum_label(common_pb2.NodeRole, r)
+        allowed = [enum_word(common_pb2.NodeRole, r, None)
                    for r in ROLES_BY_SCOPE.get(credential.scope, ())]
         raise StatusError(Kind.PERMISSION_DENIED,
                           f"RegistryService/RegisterNode: credential {credential.id!r} has "
                           f"scope {credential.scope}; it may register "
                           f"{' or '.join(allowed) or 'no'} entries (node.role), not "
-                          f"{metrics.enum_label(common_pb2.NodeRole, role)}")
+                          f"{enum_word(common_pb2.NodeRole, role, None)}")
 
 
 def _reserved_by(tokens: AuthorizedTokens) -> Callable[[str], str | None]:

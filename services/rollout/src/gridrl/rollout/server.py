@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from gridrl.adapters.wire import adapter_format_to_proto, base_model_to_proto, enum_value
+from gridrl.adapters.wire import adapter_format_to_proto, base_model_to_proto
 from gridrl.common.errors import Kind, StatusError
 from gridrl.common.faults import pause_in_stream, pause_point
 from gridrl.common.rpc.channel import NODE_REQUEST_BYTES
@@ -37,6 +37,7 @@ from gridrl.rollout.scheduler import Engine
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from gridrl.v1.enums import enum_value
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         adapter = outcome.adapter
         samples = [common_pb2.Sample(
             token_ids=r.token_ids, logprobs=r.logprobs, text=node.codec.decode(r.token_ids),
-            finish_reason=enum_value(common_pb2.FinishReason, r.finish_reason, "FINISH_REASON_"), adapter_version=adapter.version,
+            finish_reason=enum_value(common_pb2.FinishReason, r.finish_reason, default=0), adapter_version=adapter.version,
             adapter_name=adapter.name) for r in outcome.samples]
         return rollout_pb2.GenerateResponse(samples=samples, prompt_token_ids=job.prompt_ids,
                                             duration_s=outcome.duration_s)
@@ -295,7 +296,7 @@ class RolloutNode:
         serving = self.engine.serving
         return common_pb2.NodeInfo(
             address=self.advertise_address, role=common_pb2.NODE_ROLE_ROLLOUT,
-            backend=enum_value(common_pb2.Backend, b.name, "BACKEND_"),
+            backend=enum_value(common_pb2.Backend, b.name, default=0),
             adapter_format=adapter_format_to_proto(b.adapter_format),
             base_model=base_model_to_proto(i),
             adapter=common_pb2.AdapterRef(name=serving.name, version=serving.version),

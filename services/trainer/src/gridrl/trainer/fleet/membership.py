@@ -59,8 +59,9 @@ from gridrl.trainer.fleet.backoff import Backoff
 from gridrl.trainer.fleet.nodes import AdapterTarget, Effects, NodeState
 from gridrl.trainer.fleet.outcomes import GenerateFailure
 from gridrl.trainer.fleet.scheduling import Candidate
-from gridrl.trainer.fleet.wire import base_model_problem, enum_word
+from gridrl.trainer.fleet.wire import base_model_problem
 from gridrl.v1 import common_pb2, registry_pb2
+from gridrl.v1.enums import enum_word
 
 log = logging.getLogger("gridrl.trainer.fleet.pool")
 

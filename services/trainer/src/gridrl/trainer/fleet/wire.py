@@ -1,9 +1,6 @@
-"""The trainer's side of the rollout wire: protobuf messages in, domain types out (and the one
-place enum values become words).
+"""The trainer's side of the rollout wire: protobuf messages in, domain types out (enum values
+become words by :func:`gridrl.v1.enums.enum_word`: ``FINISH_REASON_STOP`` -> ``"stop"``).
 
-- :func:`enum_word`: a ``gridrl.v1`` enum value as the word the trainer uses (``BACKEND_TORCH``
-  -> ``"torch"``, ``ADAPTER_FORMAT_MLX`` -> ``"mlx"``, ``FINISH_REASON_STOP`` -> ``"stop"``),
-  by the enum's own names (``EnumTypeWrapper.Name``), never a hand-written map;
 - :func:`sample_from_proto` / :func:`samples_of`: a ``Generate`` answer's samples as
   :class:`~gridrl.trainer.rollouts.RolloutSample` s, checked;
 - :func:`base_model_problem`: how a node's ``BaseModel`` differs from the trainer's
@@ -14,23 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
-
 from gridrl.models import ModelIdentity
 from gridrl.trainer.rollouts import RolloutSample
 from gridrl.v1 import common_pb2, rollout_pb2
-
-
-def enum_word(enum: EnumTypeWrapper, value: int, default: str = "") -> str:
-    """``value`` of ``enum`` in lower case without the enum's prefix (the name of its
-    ``*_UNSPECIFIED`` value up to ``UNSPECIFIED``); ``default`` for the unspecified value and
-    for a value this version does not know (a newer peer)."""
-    prefix = enum.Name(0).removesuffix("UNSPECIFIED")
-    try:
-        name = enum.Name(value)
-    except ValueError:
-        return default
-    return default if value == 0 else name.removeprefix(prefix).lower()
+from gridrl.v1.enums import enum_word
 
 
 def sample_from_proto(sample: common_pb2.Sample, node: str, seconds: float = 0.0

@@ -43,6 +43,7 @@ from gridrl.trainer.report.events import Checkpointed, RunEvent
 from gridrl.trainer.report.records import StepRecord
 from gridrl.trainer.report.status import step_report
 from gridrl.v1 import runs_pb2, runs_pb2_grpc, trainer_pb2
+from gridrl.v1.enums import enum_value, enum_word
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ SEND_EVERY_S = 2.0  # a report at least this often (the page shows how fresh it 
 LINGER_S = 0.2  # after something is queued, wait this long for more before sending
 TIMEOUT_S = 5.0
 MAX_BACKOFF_S = 10.0
-_KINDS = {name.removeprefix("RUN_EVENT_KIND_").lower(): value
-          for name, value in runs_pb2.RunEventKind.items() if value}
 # Codes after which the master will not take reports from this run (an older master, a
 # credential without the trainer scope, a run id another credential holds).
 _GIVE_UP = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
@@ -84,9 +83,9 @@ class EventLine:
     time: float = field(default_factory=time.time)
 
     def to_proto(self) -> runs_pb2.RunEvent:
-        event = runs_pb2.RunEvent(kind=_KINDS[self.kind], step=self.step, node=self.node,
-                                  duration_s=self.duration_s, ok=self.ok,
-                                  message=self.message[:4096])
+        event = runs_pb2.RunEvent(kind=enum_value(runs_pb2.RunEventKind, self.kind),
+                                  step=self.step, node=self.node, duration_s=self.duration_s,
+                                  ok=self.ok, message=self.message[:4096])
         event.time.FromNanoseconds(int(self.time * 1e9))
         return event
 
@@ -311,8 +310,7 @@ class MasterReporter:
         """One ReportRun with up to MAX_PENDING steps and events; removes what was sent."""
         run = self._run()
         if run.state != self._state:
-            state = runs_pb2.RunInfo.DESCRIPTOR.fields_by_name["state"].enum_type \
-                .values_by_number[run.state].name.removeprefix("RUN_STATE_").lower()
+            state = enum_word(trainer_pb2.RunState, run.state, None)
             self.line(EventLine("state", state + (f": {run.error}" if run.error else ""),
                                 ok=run.state not in _BAD_STATES))
         with self._cond:
