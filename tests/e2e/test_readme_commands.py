@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,15 +180,12 @@ def wait_for_log(shell: Shell, name: str, line: str, alive: list[subprocess.Pope
         raise AssertionError(f"no {line!r} in {timeout} s:\n" + shell.log(name)) from None
 
 
-def answers(shell: Shell, line: str, ok: Callable[[str], bool], what: str,
-            tries: int = 10) -> str:
-    """Run the README ``line`` until it exits 0 with ``ok(stdout)`` (a few tries: a service
-    logs that it serves just before its state is filled in)."""
-    for _ in range(tries):
-        got = shell.run(line)
-        if got.returncode == 0 and ok(got.stdout):
-            return got.stdout
-        time.sleep(1)
+def answers(shell: Shell, line: str, ok: Callable[[str], bool], what: str) -> str:
+    """Run the README ``line`` once: it exits 0 with ``ok(stdout)`` (the caller waited for the
+    log line that follows the state it asks about)."""
+    got = shell.run(line)
+    if got.returncode == 0 and ok(got.stdout):
+        return got.stdout
     pytest.fail(f"{what}: exit {got.returncode}\n{got.stdout}{got.stderr}")
 
 
@@ -214,6 +210,8 @@ def run_the_cluster(shell: Shell, lines: list[str], ports: HeldPorts,
     ports.release(2)
     trainer = shell.start(command["trainer run"], "trainer")
     wait_for_log(shell, "trainer", "serving gridrl.v1.TrainerService", [master, trainer])
+    # the run has begun (GetRunStatus has its steps) once it waits for a node
+    wait_for_log(shell, "trainer", "rollout node(s) (0 ready)", [master, trainer])
     status = answers(shell, command["trainer status"], lambda out: "0/2" in out,
                      "gridrl-trainer status, waiting for a node")
     assert "step" in status, status

@@ -19,6 +19,9 @@ from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 IDENTITY = {"architecture": "llama", "hidden_size": 64, "num_layers": 2, "vocab_size": 512}
 # The trainer's base model in the pool / sync tests (the scripted nodes serve IDENTITY).
 BASE = ModelIdentity(model_id="tiny", max_context=2048, **IDENTITY)
+# Hang guard of a push_barrier (a push still alone after this long fails: BrokenBarrierError)
+# and of a gate (a held Generate answers after this long).
+BARRIER_TIMEOUT_S = 30.0
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 _BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
              "vllm": common_pb2.BACKEND_VLLM}
@@ -31,7 +34,10 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
     ``down`` (every call fails UNAVAILABLE, like a sleeping laptop behind a live port),
     ``fail_generate`` (Generate fails UNAVAILABLE, GetNodeInfo still answers),
     ``adapter`` ((name, version) served), ``serve_after_push`` ((name, version) served after
-    every push whatever it answered: a swap that silently failed). Records: ``generates``
+    every push whatever it answered: a swap that silently failed), ``push_barrier`` (a push
+    answers only once every node sharing the barrier has one in flight: proof of concurrent
+    pushes without timing them), ``gate`` (when set to an Event, Generate answers only once
+    it is set: a group held on the node for as long as the test needs). Records: ``generates``
     (requests), ``max_active``
     (most concurrent Generate calls), ``pushes`` (manifest dicts), ``pushed_files``, ``infos``
     (GetNodeInfo calls).
@@ -39,13 +45,16 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
 
     def __init__(self, *, capacity: int = 4, backend: str = "torch", adapter_format: str = "peft",
                  identity: Mapping[str, object] = IDENTITY, generate_s: float = 0.0,
-                 push_s: float = 0.0, adapter: tuple[str, int] = ("", 0)) -> None:
+                 push_s: float = 0.0, adapter: tuple[str, int] = ("", 0),
+                 push_barrier: threading.Barrier | None = None) -> None:
         self.capacity = capacity
         self.backend = backend
         self.adapter_format = adapter_format
         self.identity = dict(identity)
         self.generate_s = generate_s
         self.push_s = push_s
+        self.push_barrier = push_barrier
+        self.gate: threading.Event | None = None
         self.adapter = adapter
         self.down = False
         self.fail_generate = False
@@ -95,6 +104,8 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
             self.max_active = max(self.max_active, self.active)
         try:
             self._sleep(self.generate_s)
+            if self.gate is not None:
+                self.gate.wait(BARRIER_TIMEOUT_S)
             if self.fail_generate:
                 raise StatusError(Kind.UNAVAILABLE, f"{self.address}: engine failed")
             name, version = self.adapter
@@ -113,6 +124,8 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
     def PushAdapter(self, request_iterator, context):
         self._check_up()
         received = receive_push(request_iterator, max_bytes=64 << 20)
+        if self.push_barrier is not None:
+            self.push_barrier.wait(BARRIER_TIMEOUT_S)
         self._sleep(self.push_s)
         self._check_up()
         manifest = AdapterManifest.from_proto(received.manifest).to_dict()
