@@ -503,7 +503,7 @@ def live_openai_node(tiny_llama_dir: Path, tmp_path: Path):
 
 def test_the_quick_start_holds_instructions_not_dated_figures() -> None:
     """The set-up path stays short: no dates, commit hashes or CPU models in it (measured
-    figures live in docs/benchmarks.md, which it points to), and it says what the eval's
+    figures live in docs/results.md, which it points to), and it says what the eval's
     score is."""
     text = (REPO / "README.md").read_text()
     start = text.index("## Set-up on a fresh machine")
@@ -512,5 +512,22 @@ def test_the_quick_start_holds_instructions_not_dated_figures() -> None:
     assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", section), \
         "a commit hash"
     assert not re.search(r"Xeon|EPYC|Ryzen|Core i\d|Apple M\d|GHz|vCPU", section), "a CPU model"
-    assert "docs/benchmarks.md" in section
+    assert "docs/results.md" in section
     assert "exact reversal" in section and "not 77% correct" in section
+
+
+def test_the_results_page_shows_each_figure_with_its_command_date_and_cpu() -> None:
+    """docs/results.md: its plots exist, and each row of its summary names the command that
+    measured it, the date and the CPU."""
+    text = (REPO / "docs" / "results.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert {"learning.png", "results_vs_trl.png", "results_envs.png"} <= set(images)
+    for image in images:
+        assert (REPO / "docs" / image).is_file(), image
+    table = text[text.index("## In one table"):text.index("## What it learns")]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 10, rows
+    for row in rows:
+        _what, _figure, command, date, cpu = (c.strip() for c in row.strip("|").split(" | "))
+        assert command.startswith(("`python bench/", "`make demo`", "same command")), row
+        assert re.match(r"20\d\d-\d\d-\d\d", date) and cpu in ("AVX-512", "AVX2"), row
