@@ -28,7 +28,7 @@ Adding an implementation (e.g. MLX with mlx-lm's LoRA layers, issue 16):
 1. Subclass :class:`TrainerBackend` in ``gridrl/trainer/<name>_backend.py`` and implement every
    abstract method as its docstring specifies. The docstrings are the contract; the numbers
    that must agree with the torch backend are the ones the conformance suite
-   (``tests/trainer/test_trainer_backends.py``) checks.
+   (``tests/trainer/backends/test_trainer_backends.py``) checks.
 2. Add ``"<name>": "gridrl.trainer.backends.<name>.backend:<Class>"`` to
    :data:`gridrl.trainer.config.BACKENDS`; the ``--backend`` flag's choices come from it.
 3. Add ``<name>`` to the conformance suite's parameters.

@@ -19,7 +19,7 @@ import pytest
 tinker = pytest.importorskip("tinker", reason="the Tinker SDK (gridrl-trainer[tinker])")
 httpx = pytest.importorskip("httpx")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # The documented supervised example (tinker-cookbook docs/training-sampling.mdx): pig latin.
 EXAMPLES = [
