@@ -609,6 +609,20 @@ def test_task_params_reach_the_dataset_typed_and_unknown_keys_name_the_valid_one
                                  task_params="seed=3")
 
 
+def test_an_environment_file_that_fails_to_import_is_named_with_its_line(tmp_path):
+    bad = tmp_path / "env.py"
+    bad.write_text("from gridrl.trainer.envs.base import Environment\n\nclass Env(:\n    pass\n")
+    with pytest.raises(StatusError) as caught:
+        loading.make_environment(str(bad), seed=0, eval_size=4)
+    assert str(caught.value) == (f"INVALID_ARGUMENT: --task: {bad}:3:11: import failed: "
+                                 "SyntaxError: invalid syntax: 'class Env(:'")
+    bad.write_text("import os\n\nLIMIT = 3\nWORDS = LIMT * 2\n")
+    with pytest.raises(StatusError) as caught:
+        loading.make_environment(str(bad), seed=0, eval_size=4)
+    assert str(caught.value) == (f"INVALID_ARGUMENT: --task: {bad}:4: import failed: "
+                                 "NameError: name 'LIMT' is not defined")
+
+
 def test_the_run_s_rewards_are_the_environment_s_unless_reward_files_say_otherwise(tmp_path):
     from gridrl.trainer.rewards import build_reward_set
 
