@@ -1,7 +1,7 @@
 """The Tinker-compatible REST facade on HTTP: the Starlette routes under ``/api/v1`` that the
 official SDK (``tinker`` 0.38, read in its ``tinker/resources/*.py``) calls, each mapped onto
 :class:`~gridrl.trainer.primitives.tinker_facade.TinkerFacade` (what the endpoints mean), and
-:class:`HttpServer`, uvicorn on a thread of its own.
+:class:`HttpServer`, on the services' HTTP stack (:mod:`gridrl.common.http`).
 
 Point the SDK at it with ``TINKER_BASE_URL=http://127.0.0.1:8100`` (https with TLS) and
 ``TINKER_API_KEY=tml-<a gridrl token of scope trainer>`` (the SDK insists on the ``tml-``
@@ -26,13 +26,10 @@ Endpoints gridrl does not serve answer 400 (a known Tinker feature: the message 
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from gridrl.common import http
 from gridrl.common.errors import StatusError
 from gridrl.trainer.primitives import tinker_wire
 from gridrl.trainer.primitives.tinker_facade import (
@@ -132,7 +129,8 @@ def app(facade: TinkerFacade) -> Any:
 
 
 class HttpServer:
-    """The facade on uvicorn, on a thread of its own.
+    """The facade on the services' HTTP stack (:class:`gridrl.common.http.HttpServer`:
+    uvicorn on a thread of its own).
 
     Args:
         facade: what it serves.
@@ -150,8 +148,7 @@ class HttpServer:
         self.port = port
         self.tls = tls
         self.grace_s = grace_s
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: http.HttpServer | None = None
 
     @property
     def base_url(self) -> str:
@@ -166,35 +163,18 @@ class HttpServer:
         Raises:
             OSError: the address cannot be bound. RuntimeError: it did not start.
         """
-        import uvicorn
-
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.create_server((self.host or "0.0.0.0", self.port), family=family)
-        self.port = sock.getsockname()[1]
-        kwargs: dict[str, Any] = {}
-        if self.tls:
-            kwargs = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1],
-                      "ssl_cert_reqs": ssl.CERT_NONE}
-        config = uvicorn.Config(app(self.facade), log_config=None, access_log=False,
-                                lifespan="off", http="h11", loop="asyncio", server_header=False,
-                                timeout_graceful_shutdown=self.grace_s, **kwargs)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="tinker-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                sock.close()
-                raise RuntimeError(f"the Tinker facade on {self.base_url} did not start")
-            time.sleep(0.01)
+        tls = http.HttpTls(*self.tls) if self.tls else None
+        server = http.HttpServer(app(self.facade), self.host, self.port, tls=tls,
+                                 name="tinker-http", grace_s=self.grace_s)
+        self._server = server.start()
+        self.port = server.port
         return self
 
     def stop(self) -> None:
         """Stop serving (long polls answer at once). Idempotent."""
-        if self._server is None or self._thread is None:
+        if self._server is None:
             return
-        self._server.should_exit = True
+        server, self._server = self._server, None
+        server.begin_stop()
         self.facade.futures.wake()
-        self._thread.join(self.grace_s + LONG_POLL_S + 5)
-        self._server = None
+        server.stop(extra_s=LONG_POLL_S)
