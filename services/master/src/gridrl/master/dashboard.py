@@ -1,7 +1,8 @@
 """The master's dashboard: a web page of the fleet and the runs, on an HTTP port of its own
 (``gridrl-master serve --dashboard-port``, default 8321, on the host of ``--listen``).
 
-    GET  /                 the page (static/index.html; the data comes from /api/*)
+    GET  /                 the page (static/index.html, with the data of its first render;
+                           then it polls /api/*)
     GET  /static/<file>    its script and style (no data; style.css is served to anyone)
     GET  /api/state        the fleet (one row per node and trainer), the runs, fleet events
     GET  /api/runs/<id>    one run: steps, evals, events, node view (?since=STEP&gen=G: only
@@ -149,6 +150,7 @@ class Dashboard:
             self.tls = HttpTls(tls.cert, tls.key, tls.ca or None)
             self.tls.context()  # unusable files fail here, not in the serving thread
         self._login_template = _asset("login.html").decode()
+        self._index_template = _asset("index.html").decode()
         self._server: HttpServer | None = None
         self._fleet: FleetWatch | None = None
         self._stop = threading.Event()
@@ -177,6 +179,17 @@ class Dashboard:
                 "fleet": fleet_rows(self.registry.list_nodes(), runs, gone, now),
                 "runs": [{k: v for k, v in r.items() if k != "nodes"} for r in runs],
                 "events": self.runs.fleet_events()[-100:]}
+
+    def index_page(self) -> bytes:
+        """The page, carrying the data of its first render (``/api/state`` and the newest
+        run's ``/api/runs/<id>``) as JSON in a ``<meta name="gridrl-initial">`` attribute
+        (HTML-escaped: a string from a trainer stays text), so its charts draw without
+        waiting for a request."""
+        state = self.state()
+        run = self.runs.detail(state["runs"][0]["run_id"]) if state["runs"] else None
+        initial = _json_body({"state": state, "run": run}).decode()
+        return self._index_template.replace("{{initial}}",
+                                            html.escape(initial, quote=True)).encode()
 
     # ------------------------------------------------------------------ the app
 
@@ -317,7 +330,7 @@ class Dashboard:
                 return send_json(error.status_code, {"error": str(error.detail)})
             return send_json(404, {"error": "path: not found"})
 
-        index = guarded(asset("index.html"))
+        index = guarded(lambda request: send(200, self.index_page(), _STATIC["index.html"]))
         routes = [
             Route("/login", login_form, methods=["GET"]),
             Route("/login", sign_in, methods=["POST"]),

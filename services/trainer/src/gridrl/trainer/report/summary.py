@@ -56,7 +56,9 @@ class RunSummary:
     episode; ``*_eval_metrics`` the environment's own eval figures; ``reward_error_groups``:
     groups left out for a reward function's failure; ``reward_funcs_first10`` /
     ``reward_funcs_last10`` each reward function's mean over the first / last 10 steps, before
-    weighting)."""
+    weighting); ``baseline_eval_examples`` / ``final_eval_examples`` the first episodes of the
+    baseline's and the last eval, whole (:func:`gridrl.trainer.evaluation.eval_example`: the
+    prompt, every model and environment turn with its role, the score)."""
 
     run_name: str | None
     model: str
@@ -100,6 +102,8 @@ class RunSummary:
     plot: str
     reward_funcs_first10: dict[str, float] = field(default_factory=dict)
     reward_funcs_last10: dict[str, float] = field(default_factory=dict)
+    baseline_eval_examples: list[dict[str, Any]] = field(default_factory=list)
+    final_eval_examples: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary.json`` object (its keys are the field names)."""
@@ -216,7 +220,10 @@ class RunHistory:
             adapter=str(adapter), adapter_mlx=str(adapter_mlx) if adapter_mlx else None,
             adapter_mlx_error=adapter_mlx_error, plot=str(self.plot_path),
             reward_funcs_first10=_function_means(self.records[:10]),
-            reward_funcs_last10=_function_means(self.records[-10:]))
+            reward_funcs_last10=_function_means(self.records[-10:]),
+            baseline_eval_examples=list(self.baseline.eval_examples) if self.baseline else [],
+            final_eval_examples=next((list(r.eval_examples) for r in reversed(self.records)
+                                      if r.eval_score is not None and r.eval_examples), []))
 
 
 def _function_means(records: list[StepRecord]) -> dict[str, float]:
