@@ -44,10 +44,11 @@ def check_chart_polish(page, run_dir: Path) -> None:
     """Readable ticks, no bar across the y-axis, "none" for an empty chart, the reward band
     within the rewards' range (issue 43.8), on the finished run's charts."""
     for chart in ("reward", "eval", "time", "lr"):
+        # each tick label as drawn on the screen (the SVG scales with its box): its height
         ticks = page.evaluate(f"[...document.querySelectorAll('#chart-{chart} text.ytick')]"
-                              ".map(t => [t.textContent, getComputedStyle(t).fontSize])")
+                              ".map(t => [t.textContent, t.getBoundingClientRect().height])")
         assert len(ticks) >= 3, (chart, ticks)  # more than min and max
-        assert all(float(size.removesuffix("px")) >= 12 for _, size in ticks), (chart, ticks)
+        assert all(height >= 12 for _, height in ticks), (chart, ticks)
         assert all("e-" not in text for text, _ in ticks), (chart, ticks)
         xticks = page.evaluate(f"[...document.querySelectorAll('#chart-{chart} text.xtick')]"
                                ".map(t => +t.dataset.value)")

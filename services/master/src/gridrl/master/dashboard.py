@@ -284,12 +284,15 @@ class Dashboard:
 
         async def form(request: Request) -> str | Response:
             """The posted form's text, or the answer refusing it (too large, cross-site)."""
+            too_large = send_json(413, {"error": f"body: at most {MAX_FORM_BYTES} bytes"})
             declared = request.headers.get("content-length") or "0"
             if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
-                return send_json(413, {"error": f"body: at most {MAX_FORM_BYTES} bytes"})
-            body = await request.body()
-            if len(body) > MAX_FORM_BYTES:
-                return send_json(413, {"error": f"body: at most {MAX_FORM_BYTES} bytes"})
+                return too_large
+            body = b""
+            async for chunk in request.stream():  # a chunked body is read up to the bound
+                body += chunk
+                if len(body) > MAX_FORM_BYTES:
+                    return too_large
             if not same_origin(request):
                 return send_json(403, {"error": "Origin: cross-site request refused"})
             return body.decode(errors="replace")

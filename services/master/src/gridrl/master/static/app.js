@@ -6,7 +6,7 @@
 
 const POLL_MS = 1000;
 const SVG = "http://www.w3.org/2000/svg";
-const W = 600, H = 200, PAD = { l: 56, r: 12, t: 10, b: 26 };
+const W = 600, H = 200, PAD = { l: 66, r: 14, t: 12, b: 30 };
 let fetches = 0;      // requests sent (the first render needs none: the page carries its data)
 
 let selected = null;  // run id shown below the tables
@@ -166,11 +166,11 @@ function frame(svg, xs, yLo, yHi, pad) {
   const yStep = yt.length > 1 ? yt[1] - yt[0] : Math.abs(yHi - yLo) || 1;
   for (const v of yt) {
     svg.append(svgEl("line", { class: "grid", x1: PAD.l, x2: W - PAD.r, y1: y(v).toFixed(1), y2: y(v).toFixed(1) }));
-    svg.append(svgEl("text", { class: "tick ytick", x: PAD.l - 5, y: (y(v) + 4).toFixed(1), "text-anchor": "end", "data-value": v }, tickText(v, yStep)));
+    svg.append(svgEl("text", { class: "tick ytick", x: PAD.l - 5, y: (y(v) + 5).toFixed(1), "text-anchor": "end", "data-value": v }, tickText(v, yStep)));
   }
   for (const v of ticks(xs[0], xs[1], 6, true)) {
     svg.append(svgEl("line", { class: "axis", x1: x(v).toFixed(1), x2: x(v).toFixed(1), y1: H - PAD.b, y2: H - PAD.b + 4 }));
-    svg.append(svgEl("text", { class: "tick xtick", x: x(v).toFixed(1), y: H - PAD.b + 16, "text-anchor": "middle", "data-value": v }, String(v)));
+    svg.append(svgEl("text", { class: "tick xtick", x: x(v).toFixed(1), y: H - PAD.b + 20, "text-anchor": "middle", "data-value": v }, String(v)));
   }
   svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: H - PAD.b, x2: W - PAD.r, y2: H - PAD.b }));
   svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b }));
