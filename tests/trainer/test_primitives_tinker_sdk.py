@@ -198,3 +198,51 @@ def test_what_gridrl_does_not_serve_is_refused_by_name_never_a_hang(api: dict, p
     with pytest.raises(tinker.BadRequestError, match="'dro' is not supported by gridrl"):
         training_client.forward_backward([datum], "dro").result(timeout=60)
     service_client.close("success").result()
+
+
+def test_after_any_refused_call_the_training_client_goes_on(api: dict) -> None:
+    """The defect of issue 46: one refused call (``forward_backward(data, "cispo")`` answered
+    400) left every later call of that training client waiting forever, the server waiting
+    for the refused request's place in the model's order. Every kind of refusal is tried; the
+    client's next forward-backward and optimizer step still answer."""
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    training_client = service_client.create_lora_training_client(base_model=api["model"],
+                                                                 rank=4).result(timeout=120)
+    good = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 2],
+                                        "weights": [0.0, 1.0, 1.0, 1.0]})]
+    short = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                         loss_fn_inputs={"target_tokens": [6, 7]})]
+    refusals = {
+        "a loss gridrl does not serve": (
+            lambda: training_client.forward_backward(good, "gspo"), "'gspo'"),
+        "an input no loss reads": (lambda: training_client.forward_backward(
+            [types.Datum(model_input=good[0].model_input, loss_fn_inputs={
+                "target_tokens": [6, 7, 8, 2], "mask": [1.0] * 4})], "cross_entropy"),
+            "mask"),
+        "targets of the wrong length": (
+            lambda: training_client.forward_backward(short, "cross_entropy"), "data[0]"),
+        "advantages missing": (
+            lambda: training_client.forward_backward(good, "importance_sampling"),
+            "advantages"),
+        "an optimizer setting out of range": (lambda: training_client.optim_step(
+            types.AdamParams(learning_rate=1e-3, beta2=1.5)), "beta2"),
+        "a bad checkpoint name": (lambda: training_client.save_state("../escape"), "path"),
+        "an unknown checkpoint": (lambda: training_client.load_state(
+            "tinker://nope:train:0/weights/gone"), "tinker://nope:train:0/weights/gone"),
+        "a feature gridrl does not serve": (
+            lambda: training_client.save_weights_external("merged"),
+            "exporting merged weights"),
+    }
+    for what, (refused, named) in refusals.items():
+        with pytest.raises(Exception, match=named.replace("[", r"\[").replace("(", r"\(")):
+            refused().result(timeout=60)
+        step = training_client.forward_backward(good, "cross_entropy")
+        optim = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
+        assert step.result(timeout=60).metrics["loss:sum"] > 0, what
+        assert optim.result(timeout=60) is not None, what
+    gone = "tinker://nope:train:0/weights/gone"
+    with pytest.raises(tinker.NotFoundError, match=gone):  # 404 at once, naming the path
+        service_client.create_training_client_from_state(gone).result(timeout=60)
+    service_client.close("success").result()

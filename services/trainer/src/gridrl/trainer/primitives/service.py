@@ -289,6 +289,13 @@ class PrimitivesService:
 
         return self._on_model_thread(job)
 
+    def check_state(self, where: paths.WeightsPath) -> None:
+        """Raises NOT_FOUND naming ``where`` unless a training state is saved there (never
+        saved, deleted, or expired)."""
+        if not (where.directory(self.root) / "state.json").is_file():
+            raise not_found(f"{where.uri}: no saved state there (never saved, deleted or "
+                            "expired)")
+
     def _read_state(self, where: paths.WeightsPath
                     ) -> tuple[dict[str, bytes], LoraSettings, str]:
         """The files of a saved state, its LoRA settings and its base model."""

@@ -191,6 +191,7 @@ class TinkerFacade:
     def load_weights(self, body: dict) -> dict:
         request = tinker_wire.parse(tinker_wire.tt.LoadWeightsRequest, body, "request")
         where = paths.parse(request.path, "path", kind=paths.STATE)
+        self.service.check_state(where)  # 404 at once, naming the path
         if request.session_id is not None:  # a new model from the state
             session = self._session(request.session_id)
             model_id = f"{request.session_id}:train:{request.model_seq_id}"
@@ -217,8 +218,13 @@ class TinkerFacade:
     # ------------------------------------------------------------------ training
 
     def forward_backward(self, body: bytes, content_encoding: str | None) -> dict:
-        call = tinker_wire.forward_backward_request(body, content_encoding)
-        kind = "Forward" if call.forward_only else "ForwardBackward"
+        msg = tinker_wire.forward_backward_message(body, content_encoding)
+        kind = "Forward" if msg.forward_only else "ForwardBackward"
+        try:
+            call = tinker_wire.forward_backward_call(msg)
+        except StatusError as e:
+            self.release_refused(msg.model_id, msg.seq_id, kind, e.message)
+            raise
         return self._ordered(call.model_id, call.seq_id, kind, lambda: self.service.forward(
             call.model_id, call.data, call.loss, backward=not call.forward_only),
             tinker_wire.forward_output)
@@ -336,18 +342,46 @@ class TinkerFacade:
                 self._start(ready_rid, ready_start, ready_encode)
         return {"request_id": rid, "model_id": model_id}
 
+    def release_refused(self, model_id: Any, seq_id: Any, kind: str, message: str) -> None:
+        """Give up the place of a refused request (answered 4xx before it could start):
+        request ``seq_id`` of ``model_id`` is taken as a failed one, so the requests numbered
+        after it start in their turn instead of waiting for it forever. A place already taken
+        (a repeat), an unknown model or a request without a number releases nothing.
+
+        The SDK numbers a training client's requests before it sends them and moves on to the
+        next number whatever the answer, so a refusal must consume its number here too.
+        """
+        if not isinstance(model_id, str) or isinstance(seq_id, bool) or not isinstance(seq_id,
+                                                                                     int):
+            return
+        with self._lock:
+            gate = self._gates.get(model_id)
+            if gate is None or gate.repeat_of(seq_id) is not None or seq_id < gate.next_seq:
+                return
+            rid = self.futures.create(kind)
+            self.futures.fail(rid, message, user=True)
+            for ready_rid, ready_start, ready_encode in gate.offer(seq_id, (rid, None, None),
+                                                                    rid):
+                self._start(ready_rid, ready_start, ready_encode)
+
     def _track(self, kind: str, started: futures.Future, encode: Callable[[Any], Any],
                on_error: Callable[[], None] | None = None) -> str:
         rid = self.futures.create(kind)
         self._settle(rid, started, encode, on_error)
         return rid
 
-    def _start(self, rid: str, start: Callable[[], futures.Future],
-               encode: Callable[[Any], Any]) -> None:
+    def _start(self, rid: str, start: Callable[[], futures.Future] | None,
+               encode: Callable[[Any], Any] | None) -> None:
+        if start is None or encode is None:  # a refused request's place: already failed
+            return
         try:
             started = start()
         except StatusError as e:
             self.futures.fail(rid, e.message, user=True)
+            return
+        except Exception as e:  # a bug of ours: the request fails, the order goes on
+            log.error("request %s failed to start", rid, exc_info=e)
+            self.futures.fail(rid, f"{type(e).__name__}: {e}", user=False)
             return
         self._settle(rid, started, encode)
 

@@ -66,19 +66,23 @@ def app(facade: TinkerFacade) -> Any:
 
     def endpoint(fn: Callable[..., Any], *, raw: bool = False, auth: bool = True) -> Callable:
         async def handle(request: Request) -> Response:
+            body = None
             try:
                 if auth:
                     facade.check_key(request.headers.get(KEY_HEADER))
                 if raw:
                     return await fn(request)
-                args = [await json_body(request)] if request.method == "POST" else []
+                args = [body := await json_body(request)] if request.method == "POST" else []
                 args += list(request.path_params.values())
                 return JSONResponse(fn(*args))
             except HttpError as e:
-                return JSONResponse({"error": e.message}, status_code=e.status)
+                error = e
             except StatusError as e:
                 error = HttpError.of(e)
-                return JSONResponse({"error": error.message}, status_code=error.status)
+            if body is not None:  # a numbered request refused: the ones after it go on
+                facade.release_refused(body.get("model_id"), body.get("seq_id"),
+                                       request.url.path.rsplit("/", 1)[-1], error.message)
+            return JSONResponse({"error": error.message}, status_code=error.status)
         return handle
 
     async def forward_backward(request: Request) -> Response:
@@ -95,10 +99,20 @@ def app(facade: TinkerFacade) -> Any:
         path = request.url.path.removeprefix(API + "/")
         feature = next((f for key, f in UNSUPPORTED.items() if path.startswith(key)), None)
         if feature is None:
-            return JSONResponse({"error": f"gridrl's Tinker facade has no {request.method} "
-                                          f"{request.url.path}"}, status_code=404)
-        return JSONResponse({"error": f"{request.method} {request.url.path}: {feature} is not "
-                                      "supported by gridrl"}, status_code=400)
+            error = HttpError(404, f"gridrl's Tinker facade has no {request.method} "
+                                   f"{request.url.path}")
+        else:
+            error = HttpError(400, f"{request.method} {request.url.path}: {feature} is not "
+                                   "supported by gridrl")
+        if request.method == "POST":  # e.g. save_weights_external takes a place in the order
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                facade.release_refused(body.get("model_id"), body.get("seq_id"), path,
+                                       error.message)
+        return JSONResponse({"error": error.message}, status_code=error.status)
 
     routes = [
         Route(f"{API}/healthz", endpoint(lambda: {"status": "ok"}, auth=False), methods=["GET"]),

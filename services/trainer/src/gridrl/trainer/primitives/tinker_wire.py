@@ -32,7 +32,6 @@ from gridrl.trainer.primitives.types import (
     SamplingSpec,
 )
 
-SDK_VERSIONS = ">=0.38,<0.39"  # the SDK releases whose wire this module speaks
 PROTOBUF = "application/x-protobuf"
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens left unset
 # loss_fn_inputs key -> Datum field
@@ -66,9 +65,11 @@ class ForwardBackwardCall:
     forward_only: bool
 
 
-def forward_backward_request(body: bytes, content_encoding: str | None) -> ForwardBackwardCall:
-    """Decode the SDK's protobuf ``ForwardBackwardRequest`` (zstd when
-    ``Content-Encoding: zstd``)."""
+def forward_backward_message(body: bytes, content_encoding: str | None
+                             ) -> pb.ForwardBackwardRequest:
+    """The protobuf ``ForwardBackwardRequest`` of a body (zstd when ``Content-Encoding:
+    zstd``), not yet checked: its ``model_id`` and ``seq_id`` are known even when the rest is
+    refused by :func:`forward_backward_call`."""
     if content_encoding and content_encoding.lower() == "zstd":
         import zstandard
 
@@ -78,6 +79,11 @@ def forward_backward_request(body: bytes, content_encoding: str | None) -> Forwa
         msg.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
         raise invalid_argument("body", f"not a tinker_public.ForwardBackwardRequest: {e}") from e
+    return msg
+
+
+def forward_backward_call(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
+    """The checked call of a ``ForwardBackwardRequest``; INVALID_ARGUMENT naming the field."""
     return ForwardBackwardCall(model_id=msg.model_id, seq_id=msg.seq_id,
                                data=[_datum(d, i) for i, d in enumerate(msg.data)],
                                loss=_loss(msg), forward_only=msg.forward_only)
