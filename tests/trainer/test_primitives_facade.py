@@ -48,8 +48,9 @@ class ScriptedService:
 
 
 @pytest.fixture
-def client() -> tuple[TestClient, ScriptedService, TinkerFacade]:
+def client(tmp_path) -> tuple[TestClient, ScriptedService, TinkerFacade]:
     service = ScriptedService()
+    service.root = tmp_path
     facade = TinkerFacade(service, base_model="/m", long_poll_s=0.05)  # type: ignore[arg-type]
     with TestClient(app(facade)) as c:
         yield c, service, facade
@@ -157,7 +158,10 @@ def test_a_refused_request_gives_up_its_place_and_the_later_ones_start(client) -
         (lambda seq: c.post("/api/v1/save_weights", json={
             "model_id": model_id, "seq_id": seq, "path": "../escape"}), 400, "path"),
         (lambda seq: c.post("/api/v1/save_weights_external", json={
-            "model_id": model_id, "seq_id": seq}), 400, "exporting merged weights"),
+            "model_id": model_id, "seq_id": seq, "path": "x",
+            "age_encryption_recipients": ["age1q"]}), 400, "age_encryption_recipients"),
+        (lambda seq: c.post("/api/v1/copy_weights", json={
+            "model_id": model_id, "seq_id": seq}), 400, "copying weights"),
     ]
     seq = 1
     for n, (refuse, status, named) in enumerate(refusals):

@@ -183,10 +183,10 @@ def test_what_gridrl_does_not_serve_is_refused_by_name_never_a_hang(api: dict, p
         return httpx.request(method, f"{api['url']}/api/v1/{path}", json={}, headers=headers,
                              verify=pki.ca, timeout=30)
 
-    external = call("POST", "save_weights_external")
-    assert external.status_code == 400 and "exporting merged weights" in external.json()["error"]
-    listing = call("GET", "training_runs")
-    assert listing.status_code == 400 and "--api-dir" in listing.json()["error"]
+    billing = call("GET", "billing/usage/events")
+    assert billing.status_code == 400 and "billing" in billing.json()["error"]
+    publish = call("POST", "training_runs/r:train:0/checkpoints/weights/x/publish")
+    assert publish.status_code == 400 and "publishing" in publish.json()["error"]
     assert call("POST", "no_such_endpoint").status_code == 404
 
     types = tinker.types
@@ -195,8 +195,8 @@ def test_what_gridrl_does_not_serve_is_refused_by_name_never_a_hang(api: dict, p
                                                                  rank=4).result()
     datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
                         loss_fn_inputs={"target_tokens": [6, 7, 2]})
-    with pytest.raises(tinker.BadRequestError, match="'dro' is not supported by gridrl"):
-        training_client.forward_backward([datum], "dro").result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="'gspo' is not supported by gridrl"):
+        training_client.forward_backward([datum], "gspo").result(timeout=60)
     service_client.close("success").result()
 
 
@@ -231,9 +231,8 @@ def test_after_any_refused_call_the_training_client_goes_on(api: dict) -> None:
         "a bad checkpoint name": (lambda: training_client.save_state("../escape"), "path"),
         "an unknown checkpoint": (lambda: training_client.load_state(
             "tinker://nope:train:0/weights/gone"), "tinker://nope:train:0/weights/gone"),
-        "a feature gridrl does not serve": (
-            lambda: training_client.save_weights_external("merged"),
-            "exporting merged weights"),
+        "a feature gridrl does not serve": (lambda: training_client.save_weights_external(
+            "merged", age_encryption_recipients=["age1qqqq"]), "age_encryption_recipients"),
     }
     for what, (refused, named) in refusals.items():
         with pytest.raises(Exception, match=named.replace("[", r"\[").replace("(", r"\(")):
@@ -245,4 +244,81 @@ def test_after_any_refused_call_the_training_client_goes_on(api: dict) -> None:
     gone = "tinker://nope:train:0/weights/gone"
     with pytest.raises(tinker.NotFoundError, match=gone):  # 404 at once, naming the path
         service_client.create_training_client_from_state(gone).result(timeout=60)
+    service_client.close("success").result()
+
+
+def test_the_rest_client_lists_runs_and_checkpoints_honours_ttls_and_deletes(api: dict) -> None:
+    """RestClient on the trainer's disk: runs, sessions and checkpoints listed, weights info,
+    file URLs of an export, a TTL that the server honours (the files are deleted), deletion,
+    and 404 naming the path for what is gone."""
+    import time
+
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    rest = service_client.create_rest_client()
+    training_client = service_client.create_lora_training_client(
+        base_model=api["model"], rank=4, train_mlp=False,
+        user_metadata={"who": "tinker-test"}).result(timeout=120)
+    run_id = training_client.model_id
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 2],
+                                        "advantages": [0.5, -0.2, 1.0, 0.3],
+                                        "logprobs": [-2.0, -3.0, -1.5, -2.5]})
+    for loss, config in (("cispo", {"clip_low_threshold": 0.9}), ("dro", {"beta": 0.1})):
+        out = training_client.forward_backward([datum], loss, loss_fn_config=config).result(
+            timeout=60)
+        assert np.isfinite(out.metrics["loss:sum"]), loss
+    training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    state = training_client.save_state("s1").result(timeout=60).path
+    sampler = training_client.save_weights_for_sampler("w1").result(timeout=60).path
+    export = training_client.save_weights_external("e1").result(timeout=60).path
+    assert export == f"tinker://{run_id}/external_weights/e1"
+
+    run = rest.get_training_run(run_id).result(timeout=30)
+    assert (run.training_run_id, run.base_model, run.lora_rank) == (run_id, api["model"], 4)
+    assert run.user_metadata == {"who": "tinker-test"}
+    assert run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint.tinker_path == sampler
+    assert rest.get_training_run_by_tinker_path(sampler).result(timeout=30).training_run_id == \
+        run_id
+    assert run_id in [r.training_run_id for r in
+                      rest.list_training_runs().result(timeout=30).training_runs]
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(run_id).result(timeout=30)
+              .checkpoints}
+    assert set(listed) == {state, sampler, export}
+    assert listed[state].checkpoint_type == "training" and listed[state].size_bytes > 0
+    assert state in [c.tinker_path for c in
+                     rest.list_user_checkpoints().result(timeout=30).checkpoints]
+    info = rest.get_weights_info_by_tinker_path(state).result(timeout=30)
+    assert (info.base_model, info.lora_rank, info.train_attn, info.train_mlp) == (
+        api["model"], 4, True, False)
+    urls = rest.get_external_weights_urls(export).result(timeout=30).urls
+    assert {"peft/adapter_config.json", "mlx/adapters.safetensors"} <= set(urls)
+    assert all(Path(u.removeprefix("file://")).is_file() for u in urls.values())
+    session_id = service_client.holder.get_session_id()
+    assert session_id in rest.list_sessions().result(timeout=30).sessions
+    assert run_id in rest.get_session(session_id).result(timeout=30).training_run_ids
+
+    # a resumed run with its optimizer state, on a client of its own
+    resumed = service_client.create_training_client_from_state_with_optimizer(state).result(
+        timeout=120)
+    assert resumed.model_id != run_id
+    assert resumed.forward_backward([datum], "cross_entropy").result(timeout=60)
+
+    rest.set_checkpoint_ttl_from_tinker_path(sampler, 1).result(timeout=30)
+    folder = api["dir"] / run_id.replace(":", "-") / "sampler_weights" / "w1"
+    deadline = time.monotonic() + 60  # a hang guard: the server sweeps every few seconds
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not folder.exists()  # deleted by the server, nobody asked
+    rest.delete_checkpoint_from_tinker_path(state).result(timeout=30)
+    for gone in (state, sampler):
+        with pytest.raises(tinker.NotFoundError, match=gone):
+            rest.get_weights_info_by_tinker_path(gone).result(timeout=30)
+    with pytest.raises(tinker.NotFoundError, match=state):
+        service_client.create_training_client_from_state(state).result(timeout=60)
+    with pytest.raises(tinker.NotFoundError, match=sampler):
+        service_client.create_sampling_client(model_path=sampler).result(timeout=60)
+    assert set(c.tinker_path for c in rest.list_checkpoints(run_id).result(timeout=30)
+               .checkpoints) == {export}
     service_client.close("success").result()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("gridrl.trainer")
+SWEEP_S = 5.0  # seconds between deletions of checkpoints whose TTL passed
 
 
 @dataclass
@@ -117,7 +118,9 @@ def serve(settings: ApiSettings, *, listen: str, metrics_port: int, security: An
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        while not stop.wait(SWEEP_S):  # checkpoints whose TTL passed are deleted
+            for uri in facade.checkpoints.sweep():
+                log.info("checkpoint %s expired: deleted", uri)
     finally:
         if http is not None:
             http.stop()

@@ -75,6 +75,7 @@ TRAINER = "trainer"  # SampleResult.sampled_by when the trainer sampled
 # older ones are deleted as new ones are saved (an RL loop saves one a step).
 KEEP_UNNAMED = 4
 SNAPSHOT_FILE = "snapshot.json"
+EXTERNAL_FILE = "external.json"
 # Seconds the trainer's sampler waits for more requests before a decode, so that requests a
 # client sent together (one per prompt of a step) decode as one batch.
 COALESCE_S = 0.02
@@ -289,13 +290,6 @@ class PrimitivesService:
 
         return self._on_model_thread(job)
 
-    def check_state(self, where: paths.WeightsPath) -> None:
-        """Raises NOT_FOUND naming ``where`` unless a training state is saved there (never
-        saved, deleted, or expired)."""
-        if not (where.directory(self.root) / "state.json").is_file():
-            raise not_found(f"{where.uri}: no saved state there (never saved, deleted or "
-                            "expired)")
-
     def _read_state(self, where: paths.WeightsPath
                     ) -> tuple[dict[str, bytes], LoraSettings, str]:
         """The files of a saved state, its LoRA settings and its base model."""
@@ -341,6 +335,23 @@ class PrimitivesService:
 
         return self._on_model_thread(job)
 
+    def save_external(self, model_id: str, name: str) -> futures.Future[str]:
+        """Export the adapter for use outside gridrl as ``external_weights/<name>``: the peft
+        layout (``peft/``, what HuggingFace peft and vLLM load) and the mlx-lm layout
+        (``mlx/``), with ``external.json`` (base model, LoRA settings). Not a policy version,
+        not pushed to the fleet. Resolves to its ``tinker://`` path."""
+        def job() -> str:
+            entry = self._entry(model_id)
+            where = paths.WeightsPath(model_id, paths.EXTERNAL, paths.check_name(name))
+            directory = where.directory(self.root)
+            files = entry.model.adapter_files()
+            _write_dir(files, directory / "peft")
+            self._write_mlx(files, directory / "mlx", entry)
+            (directory / EXTERNAL_FILE).write_text(json.dumps(self._describe(entry), indent=2))
+            return where.uri
+
+        return self._on_model_thread(job)
+
     def _drop_old_unnamed(self, entry: _Entry, version: int) -> list[Path]:
         entry.unnamed.append(version)
         dropped = []
@@ -373,10 +384,10 @@ class PrimitivesService:
         with self._lock:
             known = self._snapshots.get(where.uri)
             entry = self._models.get(where.model_id)
-            if known is not None and entry is not None:
-                return SampleTarget(entry.base_model, where.model_id, known[1])
         directory = where.directory(self.root)
         meta_file = directory / SNAPSHOT_FILE
+        if known is not None and entry is not None and meta_file.is_file():
+            return SampleTarget(entry.base_model, where.model_id, known[1])
         if not meta_file.is_file():
             raise not_found(f"{uri}: no sampler weights there (dropped, or never saved)")
         meta = json.loads(meta_file.read_text())

@@ -23,7 +23,9 @@ from gridrl.common.errors import invalid_argument
 from gridrl.trainer.primitives.types import (
     DEFAULT_CLIP_HIGH,
     DEFAULT_CLIP_LOW,
+    DEFAULT_DRO_BETA,
     LOSS_FUNCTIONS,
+    LOSS_SETTINGS,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -99,14 +101,15 @@ def _loss(msg: pb.ForwardBackwardRequest) -> LossSpec:
         if value.WhichOneof("value") == "text":
             raise invalid_argument(f"loss_fn_config['{key}']", "text values are not supported")
         config[key] = value.number
-    known = ("clip_low_threshold", "clip_high_threshold")
+    known = LOSS_SETTINGS[msg.loss_fn]
     for key in config:
-        if key not in known or msg.loss_fn != "ppo":
+        if key not in known:
+            reads = ", ".join(known) if known else "no settings"
             raise invalid_argument(f"loss_fn_config['{key}']",
-                                   f"not a setting of {msg.loss_fn} here (gridrl reads "
-                                   "clip_low_threshold and clip_high_threshold for ppo)")
+                                   f"not a setting of {msg.loss_fn} (it reads {reads})")
     return LossSpec(msg.loss_fn, config.get("clip_low_threshold", DEFAULT_CLIP_LOW),
-                    config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
+                    config.get("clip_high_threshold", DEFAULT_CLIP_HIGH),
+                    config.get("beta", DEFAULT_DRO_BETA))
 
 
 def _datum(d: pb.Datum, i: int) -> Datum:
