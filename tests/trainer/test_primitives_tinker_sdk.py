@@ -322,3 +322,52 @@ def test_the_rest_client_lists_runs_and_checkpoints_honours_ttls_and_deletes(api
     assert set(c.tinker_path for c in rest.list_checkpoints(run_id).result(timeout=30)
                .checkpoints) == {export}
     service_client.close("success").result()
+
+
+def test_topk_prompt_logprobs_and_two_training_clients_each_with_its_own_lora(api: dict) -> None:
+    """Top-k prompt logprobs are the base model's own (peft-free transformers forward), the
+    prompt token's logprob is among them where it ranks in the top k; two training clients
+    on one base model train their own adapters (one's step does not move the other's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    ids = [5, 17, 9, 33, 2, 41]
+    sampler = service_client.create_sampling_client(base_model=api["model"])
+    response = sampler.sample(types.ModelInput.from_ints(ids), 1, types.SamplingParams(
+        max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3).result(timeout=60)
+    topk = response.topk_prompt_logprobs
+    assert len(topk) == len(ids) and topk[0] is None and all(len(r) == 3 for r in topk[1:])
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(api["model"], dtype=torch.float32)(
+            torch.tensor([ids[:-1]])).logits[0]
+    want = torch.log_softmax(logits, -1).topk(3, -1)
+    for i, row in enumerate(topk[1:]):
+        assert [t for t, _ in row] == want.indices[i].tolist()
+        np.testing.assert_allclose([lp for _, lp in row], want.values[i].numpy(), rtol=0,
+                                   atol=1e-4)
+    plain = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result(timeout=60)
+    assert plain[0] is None
+    for i, row in enumerate(topk[1:]):
+        ranked = dict(row)
+        if ids[i + 1] in ranked:
+            assert plain[i + 1] == pytest.approx(ranked[ids[i + 1]], abs=1e-4)
+
+    first = service_client.create_lora_training_client(base_model=api["model"], rank=4).result(
+        timeout=120)
+    second = service_client.create_lora_training_client(base_model=api["model"], rank=8).result(
+        timeout=120)
+    assert first.model_id != second.model_id
+    assert (first.get_info().lora_rank, second.get_info().lora_rank) == (4, 8)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:]})
+    before = second.forward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    for _ in range(3):
+        first.forward_backward([datum], "cross_entropy")
+        first.optim_step(types.AdamParams(learning_rate=5e-2))
+    moved = first.forward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    after = second.forward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"]
+    assert moved < before  # the first one learned
+    assert after == pytest.approx(before, rel=1e-6)  # the second one's adapter did not move
+    service_client.close("success").result()

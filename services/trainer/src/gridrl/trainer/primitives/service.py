@@ -128,6 +128,7 @@ class _LocalSample:
     seed: int
     prompt_logprobs: bool
     result: futures.Future
+    topk_prompt: int = 0
 
 
 @dataclass
@@ -407,14 +408,19 @@ class PrimitivesService:
         return SampleTarget(entry.base_model, model_id, version)
 
     def sample(self, target: SampleTarget, prompt: Sequence[int], spec: SamplingSpec, *,
-               prompt_logprobs: bool = False) -> futures.Future[SampleResult]:
+               prompt_logprobs: bool = False, topk_prompt: int = 0
+               ) -> futures.Future[SampleResult]:
         """``spec.n`` samples of ``prompt`` on ``target``'s weights: on the rollout nodes when
-        they serve that version (and prompt logprobs are not asked), else on the trainer."""
+        they serve that version (and prompt logprobs are not asked), else on the trainer.
+        ``topk_prompt`` > 0: also the top-k logprobs of every prompt position
+        (:attr:`SampleResult.topk_prompt`)."""
         result: futures.Future[SampleResult] = futures.Future()
         try:
             spec.check()
             if not prompt:
                 raise invalid_argument("prompt", "is empty")
+            if topk_prompt < 0:
+                raise invalid_argument("topk_prompt_logprobs", f"must be >= 0, got {topk_prompt}")
         except StatusError as e:
             result.set_exception(e)
             return result
@@ -424,7 +430,7 @@ class PrimitivesService:
         def local() -> None:
             with self._lock:
                 self._local_queue.append(_LocalSample(target, prompt, spec, seed,
-                                                      prompt_logprobs, result))
+                                                      prompt_logprobs, result, topk_prompt))
             drained = self._on_model_thread(self._drain_local)
             if drained.done() and drained.exception() is not None:  # shutting down
                 result.set_exception(drained.exception())
@@ -445,7 +451,8 @@ class PrimitivesService:
             except Exception as e:
                 result.set_exception(e)
 
-        if self.fleet is not None and not prompt_logprobs and self._fleet_serves(target):
+        if (self.fleet is not None and not prompt_logprobs and not topk_prompt
+                and self._fleet_serves(target)):
             self._sample_threads.submit(remote)
         else:
             local()
@@ -510,13 +517,15 @@ class PrimitivesService:
             results = model.generate(prompts, config, seeds) if prompts else []
             plps = [_prompt_logprobs(model, q.prompt) if q.prompt_logprobs else None
                     for q in fitting]
+            topks = [model.prompt_topk(q.prompt, q.topk_prompt)
+                     if q.topk_prompt and len(q.prompt) > 1 else None for q in fitting]
         at = 0
-        for q, plp in zip(fitting, plps, strict=True):
+        for q, plp, topk in zip(fitting, plps, topks, strict=True):
             seqs = [SampledSequence(list(r.token_ids), list(r.logprobs), r.finish_reason,
                                     target.version) for r in results[at:at + q.spec.n]]
             at += q.spec.n
             q.result.set_result(SampleResult(
-                self._apply_stops(target, seqs, q.spec, model.tokenizer), TRAINER, plp))
+                self._apply_stops(target, seqs, q.spec, model.tokenizer), TRAINER, plp, topk))
 
     def _sampler_for(self, target: SampleTarget
                      ) -> tuple[TrainableModel, Mapping[str, bytes] | None]:

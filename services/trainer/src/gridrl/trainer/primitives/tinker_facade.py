@@ -374,7 +374,8 @@ class TinkerFacade:
         if last_n is not None and not 1 <= last_n < len(prompt):
             raise invalid_argument("prompt_logprobs_last_n", f"must be in [1, {len(prompt) - 1}]")
         started = self.service.sample(target, prompt, spec,
-                                      prompt_logprobs=bool(request.prompt_logprobs))
+                                      prompt_logprobs=bool(request.prompt_logprobs),
+                                      topk_prompt=int(request.topk_prompt_logprobs or 0))
         rid = self._track("Sample", started,
                           lambda r: tinker_wire.sample_output(r, len(prompt), last_n))
         if key is not None and request.seq_id is not None:

@@ -35,6 +35,7 @@ from gridrl.trainer.primitives.types import (
 )
 
 PROTOBUF = "application/x-protobuf"
+TOPK_MASK_LOGPROB = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB: a row not scored
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens left unset
 # loss_fn_inputs key -> Datum field
 _INPUTS = {"target_tokens": "target_ids", "weights": "weights", "advantages": "advantages",
@@ -194,10 +195,9 @@ def adam_settings(request: Any) -> AdamSettings:
 
 def sampling_spec(request: Any) -> tuple[list[int], SamplingSpec]:
     """The prompt and :class:`SamplingSpec` of a ``SampleRequest``; INVALID_ARGUMENT naming a
-    feature gridrl does not serve (top-k logprobs, target or alternative prompt tokens,
-    stability records)."""
-    unsupported = (("topk_prompt_logprobs", request.topk_prompt_logprobs),
-                   ("topk_sample_logprobs", request.topk_sample_logprobs),
+    feature gridrl does not serve (top-k logprobs of sampled tokens, target or alternative
+    prompt tokens, stability records)."""
+    unsupported = (("topk_sample_logprobs", request.topk_sample_logprobs),
                    ("target_prompt_logprobs", request.target_prompt_logprobs is not None),
                    ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
                    ("record_stability_info", request.record_stability_info))
@@ -247,4 +247,16 @@ def sample_output(result: SampleResult, prompt_length: int, last_n: int | None) 
         if last_n is not None:
             values[:max(prompt_length - last_n, 0)] = np.nan
         out.prompt_logprobs = values.tobytes()
+    if result.topk_prompt is not None:
+        ids, logprobs = result.topk_prompt
+        k = ids.shape[1]
+        # position 0 (and positions before the last ``last_n``) carry the SDK's sentinel
+        all_ids = np.zeros((prompt_length, k), dtype=np.int32)
+        all_lps = np.full((prompt_length, k), TOPK_MASK_LOGPROB, dtype=np.float32)
+        all_ids[1:], all_lps[1:] = ids, logprobs
+        if last_n is not None:
+            cut = max(prompt_length - last_n, 0)
+            all_ids[:cut], all_lps[:cut] = 0, TOPK_MASK_LOGPROB
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=all_ids.tobytes(), logprobs=all_lps.tobytes(), k=k, length=prompt_length))
     return out.SerializeToString()

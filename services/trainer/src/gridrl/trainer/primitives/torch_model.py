@@ -241,6 +241,15 @@ class TorchTrainableModel:
             self.backend.optimizer = _adamw(self.policy.trainable_parameters())
             self.steps = 0
 
+    def prompt_topk(self, prompt: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """See :meth:`TrainableModel.prompt_topk`: one forward of ``prompt[:-1]``, a
+        ``log_softmax`` over the whole vocabulary per position, its ``k`` largest."""
+        ids = torch.tensor([list(prompt[:-1])], dtype=torch.long, device=self.policy.device)
+        with torch.no_grad():
+            logits = self.policy.model(input_ids=ids).logits[0].float()
+            values, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), -1)
+        return top.cpu().numpy().astype(np.int32), values.cpu().numpy().astype(np.float32)
+
     def generate(self, prompts: Sequence[Sequence[int]], config: Any,
                  seeds: Sequence[int]) -> list[Any]:
         return self.backend.generate(prompts, config, seeds)

@@ -306,11 +306,15 @@ class SampleResult:
         prompt_logprobs: with prompt logprobs asked: per prompt position, the logprob of that
             token given the ones before (temperature 1, the sampled weights); None at
             position 0.
+        topk_prompt: with top-k prompt logprobs asked: ``(token_ids, logprobs)``, both
+            ``(len(prompt) - 1, k)`` (int32, float32), row ``i`` the k most likely tokens
+            after ``prompt[: i + 1]``, most likely first (temperature 1).
     """
 
     sequences: list[SampledSequence]
     sampled_by: str
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
