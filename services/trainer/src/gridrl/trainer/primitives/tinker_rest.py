@@ -35,8 +35,8 @@ NOT_ON_OWNED_MACHINES = {
     "sessions/search": "session search (list_sessions and get_session work)",
     "project": "projects",
     "trace_export": "session trace export",
-    "publish": "publishing checkpoints to a hub (the files are on the trainer's disk: "
-               "get_external_weights_urls answers file URLs)",
+    "publish": "publishing checkpoints to a hub (save_weights_external and "
+               "get_external_weights_urls give the files)",
 }
 
 
@@ -146,6 +146,15 @@ class TinkerRest:
         expires = checkpoint.expires_at or dt.datetime.now(dt.UTC).timestamp() + URL_LIFETIME_S
         return {"urls": self.store.file_urls(where), "expires": _iso(expires)}
 
+    def storage_usage(self) -> dict[str, Any]:
+        """Tinker's ``CurrentCheckpointStorageUsageResponse``: the live checkpoints' count and
+        bytes on the trainer's disk (no rate, no cost: nobody bills an owned disk)."""
+        found = self.store.checkpoints()
+        size = sum(c.size_bytes for c in found)
+        return {"effective_rate_usd_per_gigabyte_month": None,
+                "data": [{"checkpoint_count": len(found), "size_bytes": size,
+                          "size_gigabytes": size / 1e9, "estimated_monthly_cost_usd": None}]}
+
     # ---------------------------------------------------------------- sessions
 
     def sessions(self, query: dict[str, str]) -> dict[str, Any]:
@@ -184,6 +193,8 @@ class TinkerRest:
                     return self.set_ttl(run_id, checkpoint_id, body or {})
                 if action == ["external_weights_urls"] and method == "GET":
                     return self.external_weights_urls(run_id, checkpoint_id)
+        if rest == "billing/usage/checkpoints/current" and method == "GET":
+            return self.storage_usage()
         if rest == "checkpoints" and method == "GET":
             return self.checkpoints(None, query)
         if rest == "weights_info" and method == "POST":
