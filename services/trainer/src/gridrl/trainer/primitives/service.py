@@ -11,8 +11,11 @@ one thread, ``primitives-model``, in the order it was submitted (so a caller tha
 its order gets that order; the HTTP facade releases a client's requests in its ``seq_id``
 order first, :mod:`gridrl.trainer.primitives.ordering`). Samples the nodes serve run on the
 ``primitives-sample`` threads and never wait for the model thread; the samples the trainer
-serves itself queue for the model thread, and the requests queued at once for the same
-weights and settings share one batched decode (as a node batches concurrent requests). Errors are
+serves itself queue for the model thread
+(:class:`~gridrl.trainer.primitives.local_sampling.TrainerSampler`: requests queued at once
+for the same weights and settings share one batched decode). The saved checkpoints as
+Tinker's RestClient sees them (listings, TTLs, deletion) are
+:mod:`gridrl.trainer.primitives.checkpoints`. Errors are
 :class:`gridrl.common.errors.StatusError` s set on the future (NOT_FOUND for an unknown model,
 INVALID_ARGUMENT naming the field, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
 
@@ -23,15 +26,13 @@ weights, its optimizer and the snapshot directories.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
 import shutil
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +48,14 @@ from gridrl.common.errors import (
 from gridrl.trainer.backends.base import LoraSettings
 from gridrl.trainer.primitives import paths
 from gridrl.trainer.primitives.fleet import FleetRoute
+from gridrl.trainer.primitives.local_sampling import (
+    LocalSample,
+    SampleTarget,
+    TrainerSampler,
+    apply_stops,
+)
 from gridrl.trainer.primitives.model import TrainableModel
-from gridrl.trainer.primitives.stops import cut_at_stop
 from gridrl.trainer.primitives.types import (
-    CROSS_ENTROPY,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -70,33 +75,11 @@ T = TypeVar("T")
 ModelLoader = Callable[[str, LoraSettings, int], TrainableModel]
 ATTENTION_MODULES = "q_proj,k_proj,v_proj,o_proj"
 MLP_MODULES = "gate_proj,up_proj,down_proj"
-TRAINER = "trainer"  # SampleResult.sampled_by when the trainer sampled
 # Unnamed snapshots (Tinker's save_weights_and_get_sampling_client) kept on disk per model;
 # older ones are deleted as new ones are saved (an RL loop saves one a step).
 KEEP_UNNAMED = 4
 SNAPSHOT_FILE = "snapshot.json"
 EXTERNAL_FILE = "external.json"
-# Seconds the trainer's sampler waits for more requests before a decode, so that requests a
-# client sent together (one per prompt of a step) decode as one batch.
-COALESCE_S = 0.02
-
-
-@dataclass(frozen=True)
-class SampleTarget:
-    """Which weights to sample.
-
-    Attributes:
-        base_model: the base model string.
-        model_id: the training model, or None for the base model alone.
-        version: the model's policy version (0: its base model).
-        adapter_dir: a peft adapter directory to sample when the model is gone (a snapshot
-            from disk), else None.
-    """
-
-    base_model: str
-    model_id: str | None = None
-    version: int = 0
-    adapter_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -116,19 +99,6 @@ class Snapshot:
     peft_dir: Path
     mlx_dir: Path | None
     nodes_synced: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _LocalSample:
-    """A sample request waiting for the trainer's sampler."""
-
-    target: SampleTarget
-    prompt: list[int]
-    spec: SamplingSpec
-    seed: int
-    prompt_logprobs: bool
-    result: futures.Future
-    topk_prompt: int = 0
 
 
 @dataclass
@@ -168,7 +138,7 @@ class PrimitivesService:
         self._models: dict[str, _Entry] = {}
         self._snapshots: dict[str, tuple[str, int]] = {}  # sampler uri -> (model id, version)
         self._samplers: dict[tuple[str, Any], TrainableModel] = {}  # models of closed ones
-        self._local_queue: list[_LocalSample] = []  # samples for the trainer's sampler
+        self._trainer_sampler = TrainerSampler(self._sampler_for)
         self._model_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="primitives-model")
         self._sample_threads = futures.ThreadPoolExecutor(16, thread_name_prefix="primitives-sample")
         self._closed = False
@@ -428,10 +398,9 @@ class PrimitivesService:
         prompt = list(prompt)
 
         def local() -> None:
-            with self._lock:
-                self._local_queue.append(_LocalSample(target, prompt, spec, seed,
-                                                      prompt_logprobs, result, topk_prompt))
-            drained = self._on_model_thread(self._drain_local)
+            self._trainer_sampler.enqueue(LocalSample(target, prompt, spec, seed, result,
+                                                      prompt_logprobs, topk_prompt))
+            drained = self._on_model_thread(self._trainer_sampler.drain)
             if drained.done() and drained.exception() is not None:  # shutting down
                 result.set_exception(drained.exception())
 
@@ -447,7 +416,9 @@ class PrimitivesService:
             seqs = [SampledSequence(s.token_ids, s.logprobs, s.finish_reason, s.policy_version)
                     for s in samples]
             try:
-                result.set_result(SampleResult(self._apply_stops(target, seqs, spec), node))
+                if spec.stop_strings:
+                    seqs = apply_stops(seqs, spec, self.tokenizer(target.base_model))
+                result.set_result(SampleResult(seqs, node))
             except Exception as e:
                 result.set_exception(e)
 
@@ -467,65 +438,6 @@ class PrimitivesService:
             return False
         return self.fleet is not None and self.fleet.serves(
             target.model_id, target.version, path)
-
-    def _drain_local(self) -> None:
-        """Sample every request queued for the trainer (on the model thread): requests for
-        the same weights and settings share one batched decode, as a node batches them."""
-        from gridrl.engine.contract import SamplingConfig
-
-        with self._lock:
-            if not self._local_queue:  # an earlier drain took them
-                return
-        time.sleep(COALESCE_S)  # requests sent together (a step's groups) arrive ms apart
-        with self._lock:
-            queued, self._local_queue = self._local_queue, []
-        batches: dict[tuple[SampleTarget, Any], list[_LocalSample]] = {}
-        for q in queued:
-            s = q.spec
-            config = SamplingConfig(max_tokens=s.max_tokens, temperature=s.temperature,
-                                    top_p=s.top_p, top_k=s.top_k, stop_token_ids=s.stop_token_ids)
-            batches.setdefault((q.target, config), []).append(q)
-        for (target, config), requests in batches.items():
-            try:
-                self._sample_batch(target, config, requests)
-            except Exception as e:
-                for q in requests:
-                    if not q.result.done():
-                        q.result.set_exception(e)
-
-    def _sample_batch(self, target: SampleTarget, config: Any,
-                      requests: list[_LocalSample]) -> None:
-        from gridrl.engine.rng import sequence_seed
-        from gridrl.trainer.rollouts import group_seed
-
-        model, files = self._sampler_for(target)
-        bound = model.identity.max_context
-        fitting = []
-        for q in requests:
-            if bound and len(q.prompt) + config.max_tokens > bound:
-                q.result.set_exception(invalid_argument(
-                    "sampling_params.max_tokens", f"prompt ({len(q.prompt)} tokens) + "
-                    f"max_tokens ({config.max_tokens}) exceeds the context ({bound})"))
-            else:
-                fitting.append(q)
-        prompts, seeds = [], []
-        for q in fitting:
-            g_seed = group_seed(q.seed, 0)  # as a node seeds group 0 of a request: same samples
-            prompts += [q.prompt] * q.spec.n
-            seeds += [sequence_seed(g_seed, j) for j in range(q.spec.n)]
-        with _swapped(model, files):
-            results = model.generate(prompts, config, seeds) if prompts else []
-            plps = [_prompt_logprobs(model, q.prompt) if q.prompt_logprobs else None
-                    for q in fitting]
-            topks = [model.prompt_topk(q.prompt, q.topk_prompt)
-                     if q.topk_prompt and len(q.prompt) > 1 else None for q in fitting]
-        at = 0
-        for q, plp, topk in zip(fitting, plps, topks, strict=True):
-            seqs = [SampledSequence(list(r.token_ids), list(r.logprobs), r.finish_reason,
-                                    target.version) for r in results[at:at + q.spec.n]]
-            at += q.spec.n
-            q.result.set_result(SampleResult(
-                self._apply_stops(target, seqs, q.spec, model.tokenizer), TRAINER, plp, topk))
 
     def _sampler_for(self, target: SampleTarget
                      ) -> tuple[TrainableModel, Mapping[str, bytes] | None]:
@@ -567,22 +479,6 @@ class PrimitivesService:
             with self._lock:
                 self._samplers[key] = model
         return model
-
-    def _apply_stops(self, target: SampleTarget, seqs: list[SampledSequence],
-                     spec: SamplingSpec, tokenizer: Any = None) -> list[SampledSequence]:
-        if not spec.stop_strings:
-            return seqs
-        if tokenizer is None:
-            tokenizer = self.tokenizer(target.base_model)
-        out = []
-        for s in seqs:
-            keep = cut_at_stop(s.token_ids, spec.stop_strings,
-                               lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-            if keep is not None:
-                s = SampledSequence(s.token_ids[:keep], s.logprobs[:keep], "stop",
-                                    s.policy_version)
-            out.append(s)
-        return out
 
     def tokenizer(self, base_model: str) -> Any:
         """The tokenizer of ``base_model`` (an open model's, else loaded from its directory)."""
@@ -662,27 +558,3 @@ def _write_dir(files: Mapping[str, bytes], directory: Path) -> Path:
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     return write_dir(files, directory)
-
-
-@contextlib.contextmanager
-def _swapped(model: TrainableModel, files: Mapping[str, bytes] | None) -> Iterator[None]:
-    """Within the block, ``model`` holds the adapter ``files`` (None: unchanged); its own
-    weights are back afterwards (the accumulated gradient is not touched)."""
-    if files is None:
-        yield
-        return
-    own = model.adapter_files()
-    model.load_adapter_files(files)
-    try:
-        yield
-    finally:
-        model.load_adapter_files(own)
-
-
-def _prompt_logprobs(model: TrainableModel, prompt: list[int]) -> list[float | None]:
-    """Per prompt position, the logprob of its token given the ones before (None at 0)."""
-    if len(prompt) < 2:
-        return [None] * len(prompt)
-    datum = Datum.of(prompt[:-1], prompt[1:])
-    out = model.forward([datum], LossSpec(CROSS_ENTROPY), backward=False)
-    return [None, *(float(x) for x in out.logprobs[0])]
