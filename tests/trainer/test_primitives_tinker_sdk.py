@@ -463,6 +463,13 @@ def test_every_public_sdk_method_works_or_is_refused_by_name(api: dict) -> None:
     def save(name: str) -> str:
         return tc.save_state(name).result(timeout=60).path
 
+    def copy_elsewhere(path: str) -> Any:
+        other = tinker.ServiceClient(project_id="elsewhere")
+        try:
+            return other.copy_weights(path).result(timeout=60)
+        finally:
+            other.close("success").result(timeout=60)
+
     def per_datum_loss(logprobs: Any, advantages: Any) -> Any:
         return -(logprobs * advantages).sum(), {}
 
@@ -486,8 +493,7 @@ def test_every_public_sdk_method_works_or_is_refused_by_name(api: dict) -> None:
         "ServiceClient.create_sampling_client_async": lambda: sc.create_sampling_client_async(
             base_model=api["model"]),
         "ServiceClient.create_rest_client": sc.create_rest_client,
-        "ServiceClient.copy_weights": lambda: tinker.ServiceClient(
-            project_id="elsewhere").copy_weights(state),
+        "ServiceClient.copy_weights": lambda: copy_elsewhere(state),
         "ServiceClient.create_custom_loss": lambda: sc.create_custom_loss(
             per_datum_loss, {"logprobs": 1, "advantages": 1}),
         "ServiceClient.get_console_url": sc.get_console_url,
