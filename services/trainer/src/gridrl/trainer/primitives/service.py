@@ -55,6 +55,16 @@ from gridrl.trainer.primitives.local_sampling import (
     apply_stops,
 )
 from gridrl.trainer.primitives.model import TrainableModel
+from gridrl.trainer.primitives.snapshots import (
+    EXTERNAL_FILE,
+    KEEP_UNNAMED,
+    SNAPSHOT_FILE,
+    Snapshot,
+    lora_targets,
+    read_state,
+    write_dir,
+    write_mlx,
+)
 from gridrl.trainer.primitives.types import (
     AdamSettings,
     Datum,
@@ -75,30 +85,6 @@ T = TypeVar("T")
 ModelLoader = Callable[[str, LoraSettings, int], TrainableModel]
 ATTENTION_MODULES = "q_proj,k_proj,v_proj,o_proj"
 MLP_MODULES = "gate_proj,up_proj,down_proj"
-# Unnamed snapshots (Tinker's save_weights_and_get_sampling_client) kept on disk per model;
-# older ones are deleted as new ones are saved (an RL loop saves one a step).
-KEEP_UNNAMED = 4
-SNAPSHOT_FILE = "snapshot.json"
-EXTERNAL_FILE = "external.json"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A policy version saved for sampling.
-
-    Attributes:
-        version: its policy version.
-        uri: ``tinker://<model>/sampler_weights/<name>``.
-        peft_dir: the adapter in peft layout.
-        mlx_dir: in mlx-lm layout (None: not written, unnamed snapshots; or not convertible).
-        nodes_synced: rollout nodes serving it now.
-    """
-
-    version: int
-    uri: str
-    peft_dir: Path
-    mlx_dir: Path | None
-    nodes_synced: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -164,7 +150,7 @@ class PrimitivesService:
             mid = model_id or f"ts-{uuid.uuid4().hex[:12]}"
             saved, settings, base = None, self._lora_settings(lora), base_model
             if state is not None:
-                saved, settings, saved_base = self._read_state(state)
+                saved, settings, saved_base = read_state(self.root, state)
                 base = base or saved_base
             if not base:
                 raise invalid_argument("base_model", "is empty")
@@ -240,7 +226,7 @@ class PrimitivesService:
             where = paths.WeightsPath(model_id, paths.STATE, paths.check_name(name))
             files = entry.model.state_files()
             files["state.json"] = json.dumps(self._describe(entry), indent=2).encode()
-            _write_dir(files, where.directory(self.root))
+            write_dir(files, where.directory(self.root))
             return where.uri
 
         return self._on_model_thread(job)
@@ -250,9 +236,9 @@ class PrimitivesService:
         """Replace the model's adapter (and optimizer) by a saved state."""
         def job() -> None:
             entry = self._entry(model_id)
-            files, settings, _ = self._read_state(where)
+            files, settings, _ = read_state(self.root, where)
             if (settings.rank, settings.target_modules) != (
-                    entry.model.lora_rank, _targets(entry.model.target_modules)):
+                    entry.model.lora_rank, lora_targets(entry.model.target_modules)):
                 raise failed_precondition(f"{where.uri}: saved with LoRA rank {settings.rank} "
                                           f"on {settings.target_modules}; {model_id} has rank "
                                           f"{entry.model.lora_rank}")
@@ -260,19 +246,6 @@ class PrimitivesService:
             entry.live = None
 
         return self._on_model_thread(job)
-
-    def _read_state(self, where: paths.WeightsPath
-                    ) -> tuple[dict[str, bytes], LoraSettings, str]:
-        """The files of a saved state, its LoRA settings and its base model."""
-        directory = where.directory(self.root)
-        meta_file = directory / "state.json"
-        if not meta_file.is_file():
-            raise not_found(f"{where.uri}: no saved state (looked in {directory})")
-        meta = json.loads(meta_file.read_text())
-        files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
-        settings = LoraSettings(rank=int(meta["lora_rank"]), alpha=float(meta["lora_alpha"]),
-                                target_modules=_targets(meta["target_modules"]))
-        return files, settings, meta["base_model"]
 
     # ---------------------------------------------------------------- sampling
 
@@ -288,8 +261,9 @@ class PrimitivesService:
                                       paths.check_name(name) if name else f"v{version}")
             directory = where.directory(self.root)
             files = entry.model.adapter_files()
-            peft_dir = _write_dir(files, directory / "peft")
-            mlx_dir = self._write_mlx(files, directory / "mlx", entry) if name else None
+            peft_dir = write_dir(files, directory / "peft")
+            layers = entry.model.identity.num_layers
+            mlx_dir = write_mlx(files, directory / "mlx", entry.model_id, layers) if name else None
             (directory / SNAPSHOT_FILE).write_text(json.dumps(
                 {**self._describe(entry), "policy_version": version}, indent=2))
             synced = None
@@ -316,8 +290,9 @@ class PrimitivesService:
             where = paths.WeightsPath(model_id, paths.EXTERNAL, paths.check_name(name))
             directory = where.directory(self.root)
             files = entry.model.adapter_files()
-            _write_dir(files, directory / "peft")
-            self._write_mlx(files, directory / "mlx", entry)
+            write_dir(files, directory / "peft")
+            write_mlx(files, directory / "mlx", entry.model_id,
+                      entry.model.identity.num_layers)
             (directory / EXTERNAL_FILE).write_text(json.dumps(self._describe(entry), indent=2))
             return where.uri
 
@@ -333,16 +308,6 @@ class PrimitivesService:
                                                   directory.name).uri, None)
             dropped.append(directory)
         return dropped
-
-    def _write_mlx(self, files: Mapping[str, bytes], directory: Path, entry: _Entry) -> Path | None:
-        from gridrl.adapters import convert_files
-
-        try:
-            return _write_dir(convert_files(files, "mlx", entry.model.identity.num_layers),
-                              directory)
-        except Exception as e:  # the peft directory is there; MLX may not cover the model
-            log.warning("%s: no mlx-lm copy of the snapshot: %s", entry.model_id, e)
-            return None
 
     def sampler_target(self, uri: str) -> SampleTarget:
         """What a ``tinker://.../sampler_weights/<name>`` path samples.
@@ -467,7 +432,7 @@ class PrimitivesService:
         cfg = json.loads(files["adapter_config.json"])
         targets = cfg.get("target_modules") or []
         settings = LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                                target_modules=_targets(targets))
+                                target_modules=lora_targets(targets))
         return self._sampler_model(target.base_model, settings), files
 
     def _sampler_model(self, base_model: str, settings: LoraSettings) -> TrainableModel:
@@ -545,16 +510,3 @@ class PrimitivesService:
         return {"model_id": entry.model_id, "base_model": entry.base_model,
                 "lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha,
                 "target_modules": list(m.target_modules), "optimizer_steps": m.steps}
-
-
-def _targets(modules: str | Sequence[str]) -> str:
-    """``LoraSettings.target_modules`` of a saved adapter's module list."""
-    return modules if isinstance(modules, str) else ",".join(sorted(modules))
-
-
-def _write_dir(files: Mapping[str, bytes], directory: Path) -> Path:
-    """Write ``files`` as ``directory``, replacing what was there (atomically)."""
-    from gridrl.adapters import write_dir
-
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    return write_dir(files, directory)
