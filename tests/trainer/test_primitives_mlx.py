@@ -108,3 +108,48 @@ def test_topk_prompt_logprobs_and_sampling(pair) -> None:
     assert_close_to_largest(m_lp, t_lp, ROUNDING_REL, "top-k prompt logprobs")
     out = m.generate([prompt], SamplingConfig(max_tokens=3, temperature=0.0), [1])
     assert len(out[0].token_ids) == 3 and len(out[0].logprobs) == 3
+
+
+@pytest.mark.slow
+def test_the_sdk_trains_and_samples_on_serve_api_backend_mlx(tiny_llama_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """An all-Mac team's Tinker: the official SDK against ``serve-api --backend mlx``
+    (loopback, no credentials): forward-backward with cispo, an optimizer step that learns,
+    sampler weights in peft and mlx-lm layouts, samples of them."""
+    tinker = pytest.importorskip("tinker")
+    from service_procs import start_service
+
+    server = start_service(
+        ["gridrl-trainer", "serve-api", "--backend", "mlx", "--device", "cpu", "--model",
+         str(tiny_llama_dir), "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
+         "--api-dir", str(tmp_path / "api"), "--lora-alpha", "8"], tmp_path, "serve-api-mlx")
+    try:
+        types = tinker.types
+        service = tinker.ServiceClient(base_url=server.info["tinker_base_url"],
+                                       api_key="tml-local")
+        training = service.create_lora_training_client(base_model=str(tiny_llama_dir),
+                                                       rank=4).result(timeout=120)
+        datum = types.Datum(model_input=types.ModelInput.from_ints([5, 9, 12, 7]),
+                            loss_fn_inputs={"target_tokens": [9, 12, 7, 30]})
+        before = training.forward([datum], "cross_entropy").result(timeout=120).metrics[
+            "loss:sum"]
+        rl = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": [9, 12, 7, 30], "advantages": [1.0] * 4, "logprobs": [-5.0] * 4})
+        assert training.forward_backward([rl], "cispo").result(timeout=120)
+        for _ in range(3):
+            training.forward_backward([datum], "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=120)
+        after = training.forward([datum], "cross_entropy").result(timeout=120).metrics[
+            "loss:sum"]
+        assert after < before
+        path = training.save_weights_for_sampler("mac").result(timeout=120).path
+        folder = tmp_path / "api" / training.model_id.replace(":", "-") / "sampler_weights" / "mac"
+        assert (folder / "peft" / "adapter_model.safetensors").is_file()
+        assert (folder / "mlx" / "adapters.safetensors").is_file()
+        sampler = service.create_sampling_client(model_path=path)
+        out = sampler.sample(types.ModelInput.from_ints([5, 9, 12]), 2, types.SamplingParams(
+            max_tokens=3, temperature=1.0, seed=1)).result(timeout=120)
+        assert len(out.sequences) == 2 and all(len(s.tokens) <= 3 for s in out.sequences)
+        service.close("success").result(timeout=60)
+    finally:
+        server.stop()

@@ -36,6 +36,7 @@ class ApiSettings:
     lora_alpha: float
     seed: int
     max_models: int
+    backend: str
     device: str
     dtype: str
     threads: int
@@ -50,6 +51,16 @@ def torch_loader(device: str, dtype: str) -> Any:
 
     def load(base_model: str, lora: Any, seed: int) -> Any:
         return TorchTrainableModel.load(base_model, lora, seed=seed, device=device, dtype=dtype)
+
+    return load
+
+
+def mlx_loader(device: str, dtype: str) -> Any:
+    """The :data:`~gridrl.trainer.primitives.service.ModelLoader` of the MLX backend."""
+    from gridrl.trainer.primitives.mlx_model import MlxTrainableModel
+
+    def load(base_model: str, lora: Any, seed: int) -> Any:
+        return MlxTrainableModel.load(base_model, lora, seed=seed, device=device, dtype=dtype)
 
     return load
 
@@ -75,7 +86,8 @@ def build_service(settings: ApiSettings, security: Any) -> Any:
         fleet = FleetRoute(pool, model_path=str(path), identity=identity,
                            deadline_s=settings.sync_deadline_s)
     return PrimitivesService(root=Path(settings.api_dir),
-                             load_model=torch_loader(settings.device, settings.dtype),
+                             load_model=(mlx_loader if settings.backend == "mlx" else
+                                         torch_loader)(settings.device, settings.dtype),
                              lora_alpha=settings.lora_alpha, seed=settings.seed, fleet=fleet,
                              max_models=settings.max_models)
 
