@@ -38,6 +38,7 @@ from gridrl.trainer.primitives.tinker_facade import (
     HttpError,
     TinkerFacade,
 )
+from gridrl.trainer.primitives.tinker_rest import TinkerRest, refused_feature
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +64,23 @@ def app(facade: TinkerFacade) -> Any:
 
     def endpoint(fn: Callable[..., Any], *, raw: bool = False, auth: bool = True) -> Callable:
         async def handle(request: Request) -> Response:
+            body = None
             try:
                 if auth:
                     facade.check_key(request.headers.get(KEY_HEADER))
                 if raw:
                     return await fn(request)
-                args = [await json_body(request)] if request.method == "POST" else []
+                args = [body := await json_body(request)] if request.method == "POST" else []
                 args += list(request.path_params.values())
                 return JSONResponse(fn(*args))
             except HttpError as e:
-                return JSONResponse({"error": e.message}, status_code=e.status)
+                error = e
             except StatusError as e:
                 error = HttpError.of(e)
-                return JSONResponse({"error": error.message}, status_code=error.status)
+            if body is not None:  # a numbered request refused: the ones after it go on
+                facade.release_refused(body.get("model_id"), body.get("seq_id"),
+                                       request.url.path.rsplit("/", 1)[-1], error.message)
+            return JSONResponse({"error": error.message}, status_code=error.status)
         return handle
 
     async def forward_backward(request: Request) -> Response:
@@ -88,14 +93,41 @@ def app(facade: TinkerFacade) -> Any:
             return Response(payload, media_type=tinker_wire.PROTOBUF)
         return JSONResponse(payload, status_code=408 if kind == "pending" else 200)
 
-    async def unsupported(request: Request) -> Response:
+    rest_api = TinkerRest(facade)
+
+    async def rest_or_refused(request: Request) -> Response:
+        """The RestClient's paths (:mod:`~gridrl.trainer.primitives.tinker_rest`), else a
+        refusal: 400 naming a Tinker feature gridrl does not serve, 404 for anything else."""
         path = request.url.path.removeprefix(API + "/")
-        feature = next((f for key, f in UNSUPPORTED.items() if path.startswith(key)), None)
-        if feature is None:
-            return JSONResponse({"error": f"gridrl's Tinker facade has no {request.method} "
-                                          f"{request.url.path}"}, status_code=404)
-        return JSONResponse({"error": f"{request.method} {request.url.path}: {feature} is not "
-                                      "supported by gridrl"}, status_code=400)
+        body = None
+        if request.method in ("POST", "PUT", "PATCH"):
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+        try:
+            facade.check_key(request.headers.get(KEY_HEADER))
+            try:
+                answer = rest_api.route(request.method, path, dict(request.query_params), body)
+                return JSONResponse(answer)
+            except KeyError:
+                pass
+            feature = refused_feature(path) or next(
+                (f for key, f in UNSUPPORTED.items() if path.startswith(key)), None)
+            if feature is None:
+                error = HttpError(404, f"gridrl's Tinker facade has no {request.method} "
+                                       f"{request.url.path}")
+            else:
+                error = HttpError(400, f"{request.method} {request.url.path}: {feature} is not "
+                                       "supported by gridrl")
+        except HttpError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+        except StatusError as e:
+            error = HttpError.of(e)
+        if isinstance(body, dict):  # e.g. copy_weights may take a place in the order
+            facade.release_refused(body.get("model_id"), body.get("seq_id"), path,
+                                   error.message)
+        return JSONResponse({"error": error.message}, status_code=error.status)
 
     routes = [
         Route(f"{API}/healthz", endpoint(lambda: {"status": "ok"}, auth=False), methods=["GET"]),
@@ -114,6 +146,8 @@ def app(facade: TinkerFacade) -> Any:
         Route(f"{API}/optim_step", endpoint(facade.optim_step), methods=["POST"]),
         Route(f"{API}/save_weights", endpoint(facade.save_weights), methods=["POST"]),
         Route(f"{API}/load_weights", endpoint(facade.load_weights), methods=["POST"]),
+        Route(f"{API}/save_weights_external", endpoint(facade.save_weights_external),
+              methods=["POST"]),
         Route(f"{API}/save_weights_for_sampler", endpoint(facade.save_weights_for_sampler),
               methods=["POST"]),
         Route(f"{API}/create_sampling_session", endpoint(facade.create_sampling_session),
@@ -122,7 +156,7 @@ def app(facade: TinkerFacade) -> Any:
         Route(f"{API}/asample", endpoint(facade.asample), methods=["POST"]),
         Route(f"{API}/retrieve_future", endpoint(retrieve, raw=True), methods=["POST"]),
         Route(f"{API}/cancel_future", endpoint(lambda body: {}), methods=["POST"]),
-        Route(f"{API}/{{rest:path}}", endpoint(unsupported, raw=True),
+        Route(f"{API}/{{rest:path}}", rest_or_refused,
               methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
     return Starlette(routes=routes)
