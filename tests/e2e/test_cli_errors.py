@@ -197,6 +197,23 @@ def test_missing_task_file_before_the_model_loads(tmp_path: Path, monkeypatch) -
                                  f"{len(WORD_BANK)}, got 5..2")
 
 
+def test_an_environment_file_s_syntax_error_and_an_unknown_task_param_are_one_line(
+        tmp_path: Path) -> None:
+    """A syntax error in a ``--task`` file is FILE:LINE:COL and the message (not a repr
+    tuple); a ``--task-params`` key the dataset lacks names the keys it has."""
+    env_file = tmp_path / "env.py"
+    env_file.write_text("import os\n\nclass Env(:\n    pass\n")
+    syntax = trainer_run(tmp_path, "--task", str(env_file))
+    assert error_line(syntax) == (f"Error: --task: {env_file}:3:11: import failed: "
+                                  "SyntaxError: invalid syntax: 'class Env(:'")
+    pytest.importorskip("reasoning_gym")
+    key = trainer_run(tmp_path, "--task", "reasoning-gym:spell_backward", "--task-params",
+                      "min_len=3")
+    assert error_line(key) == ("Error: --task-params: spell_backward has no parameter "
+                               "'min_len'; its parameters: min_word_len, max_word_len, "
+                               "data_file")
+
+
 def test_a_verifiers_task_names_what_to_install_before_the_model_loads(tmp_path: Path,
                                                                      monkeypatch) -> None:
     """``--task verifiers:<taskset>``: an uninstalled taskset package or a missing extra is

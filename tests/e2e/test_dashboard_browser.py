@@ -1,7 +1,9 @@
 """The master's dashboard in a real browser (headless Chromium over the DevTools protocol,
 ``tests/browser.py``): a master, two rollout nodes and a trainer on the tiny llama; the page
 shows the run's steps and eval points as they come, the node rows, a node SIGKILLed mid-run
-turning unhealthy, two runs as two runs, and strings from trainers as text, never as HTML.
+turning unhealthy, two runs as two runs, and strings from trainers as text, never as HTML; its
+polish (ticks, bars, empty charts, the reward band, a finished trainer, eval transcripts, a first
+render without waiting for a request).
 The screenshot is saved as ``dashboard.png`` in the test's directory, and copied to
 ``$GRIDRL_DASHBOARD_SCREENSHOT`` when that is set."""
 
@@ -36,6 +38,51 @@ def node(service_factory, model: Path, tmp_path: Path, name: str, master: str):
                             str(model), "--listen", "127.0.0.1:0", "--metrics-port", "-1",
                             "--adapter-root", str(tmp_path / f"{name}-adapters"),
                             "--master", master], name, env=ONE_THREAD)
+
+
+def check_chart_polish(page, run_dir: Path) -> None:
+    """Readable ticks, no bar across the y-axis, "none" for an empty chart, the reward band
+    within the rewards' range (issue 43.8), on the finished run's charts."""
+    for chart in ("reward", "eval", "time", "lr"):
+        # each tick label as drawn on the screen (the SVG scales with its box): its height
+        ticks = page.evaluate(f"[...document.querySelectorAll('#chart-{chart} text.ytick')]"
+                              ".map(t => [t.textContent, t.getBoundingClientRect().height])")
+        assert len(ticks) >= 3, (chart, ticks)  # more than min and max
+        assert all(height >= 12 for _, height in ticks), (chart, ticks)
+        assert all("e-" not in text for text, _ in ticks), (chart, ticks)
+        xticks = page.evaluate(f"[...document.querySelectorAll('#chart-{chart} text.xtick')]"
+                               ".map(t => +t.dataset.value)")
+        assert len(xticks) >= 3 and xticks == sorted(xticks), (chart, xticks)
+    # bars start right of the y-axis (the first step's bar too)
+    axis_x, lefts = page.evaluate(
+        "[+document.querySelector('#chart-time line.axis:last-of-type').getAttribute('x1'), "
+        "[...document.querySelectorAll('#chart-time rect')].map(r => +r.getAttribute('x'))]")
+    assert lefts and min(lefts) >= axis_x, (axis_x, min(lefts or [0]))
+    # nothing dropped or excluded in this run: the samples chart says "none", no 1e-9 axis
+    assert page.evaluate("document.getElementById('chart-samples').dataset.empty") == "true"
+    assert page.evaluate("document.querySelector('#chart-samples text.none').textContent") \
+        == "none"
+    assert page.evaluate("document.querySelectorAll('#chart-samples text.tick, "
+                         "#chart-samples rect').length") == 0
+    # the reward band stays inside the range of the rewards the steps scored
+    logged = [r for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())
+              if r.get("step") and r.get("reward_min") is not None]
+    assert logged
+    lo = min(r["reward_min"] for r in logged)
+    hi = max(r["reward_max"] for r in logged)
+    band = page.evaluate("(b => [+b.dataset.lo, +b.dataset.hi])"
+                         "(document.querySelector('#chart-reward path.band'))")
+    assert lo - 1e-9 <= band[0] <= band[1] <= hi + 1e-9, (band, lo, hi)
+
+
+def check_transcripts(page) -> None:
+    """The latest eval's episodes, every turn with its role marked (issue 43.7)."""
+    roles = page.evaluate("[...document.querySelectorAll('#examples details')]"
+                          ".map(d => [...d.querySelectorAll('.transcript li')]"
+                          ".map(li => li.dataset.role))")
+    assert roles and all(r[0] == "prompt" and "assistant" in r for r in roles), roles
+    caption = page.evaluate("document.getElementById('examples-caption').textContent")
+    assert f"step {STEPS}" in caption, caption
 
 
 def test_the_dashboard_shows_a_live_run_in_a_real_browser(service_factory, tiny_llama_dir,
@@ -82,6 +129,15 @@ def test_the_dashboard_shows_a_live_run_in_a_real_browser(service_factory, tiny_
         wait_for(lambda: shown("steps-shown") >= STEPS, 20, f"{STEPS} steps on the page")
         wait_for(lambda: page.evaluate("document.querySelector('#runs tbody tr .state-finished')"
                                        " !== null"), 20, "the run shown finished")
+        # a trainer that finished its run and deregistered is shown finished, not "left"
+        wait_for(lambda: page.evaluate(
+            "[...document.querySelectorAll('#fleet tr[data-role=\"trainer\"]')]"
+            ".map(r => r.dataset.health).join()") == "finished", 20,
+            "the finished trainer's row shown finished")
+        assert page.evaluate("document.querySelector('#fleet tr[data-role=\"trainer\"] "
+                             ".health-finished') !== null")
+        check_chart_polish(page, tmp_path / "run")
+        check_transcripts(page)
         # the eval points, each with its standard error as data and as an error bar
         points = page.evaluate("[...document.querySelectorAll('#chart-eval circle.eval-point')]"
                                ".map(c => [+c.dataset.step, c.dataset.stderr])")
@@ -109,6 +165,14 @@ def test_the_dashboard_shows_a_live_run_in_a_real_browser(service_factory, tiny_
         kinds = set(page.evaluate("[...document.querySelectorAll('#events li')]"
                                   ".map(li => li.dataset.kind)"))
         assert {"push", "eval", "checkpoint", "node_joined", "node_unhealthy"} <= kinds, kinds
+        # a fresh page draws its charts from the data it was served with, before any request
+        fresh = browser.page(url)
+        assert fresh.evaluate("document.body.dataset.firstRender") == "inline"
+        assert fresh.evaluate("document.body.dataset.fetchesBeforeFirstRender") == "0"
+        assert fresh.evaluate("document.querySelectorAll('#chart-eval circle.eval-point')"
+                              ".length") == len(points)
+        assert fresh.evaluate("document.getElementById('steps-shown').textContent") \
+            == str(STEPS)
         page.screenshot(tmp_path / "dashboard.png")
         if os.environ.get("GRIDRL_DASHBOARD_SCREENSHOT"):  # e.g. docs/dashboard.png
             shutil.copyfile(tmp_path / "dashboard.png", os.environ["GRIDRL_DASHBOARD_SCREENSHOT"])

@@ -569,6 +569,60 @@ def test_reasoning_gym_dataset_items_scores_and_split():
                                  task_params="bogus_field=1")
 
 
+def test_task_params_read_booleans_numbers_none_and_lists():
+    from gridrl.trainer.envs.reasoning_gym import parse_params
+
+    assert parse_params("allow_negation=False,a=true,b=no,c=YES,d=None,e=null,f=3,g=-2,"
+                        "h=0.5,i=1e-3,j=abc") == {
+        "allow_negation": False, "a": True, "b": False, "c": True, "d": None, "e": None,
+        "f": 3, "g": -2, "h": 0.5, "i": 0.001, "j": "abc"}
+    # lists: commas inside brackets do not split pairs; JSON values keep working
+    assert parse_params("operators=[+,-],max_terms=2,ws=[ 1 , 2.5 , x ],none=[]") == {
+        "operators": ["+", "-"], "max_terms": 2, "ws": [1, 2.5, "x"], "none": []}
+    assert parse_params('ops=["*", "/"],cfg={"k": [1, 2]},s="False",q=\'7\'') == {
+        "ops": ["*", "/"], "cfg": {"k": [1, 2]}, "s": "False", "q": "7"}
+    assert parse_params("") == {} and parse_params(" a = 1 , ") == {"a": 1}
+    for bad, message in (("a=1,a=2", "'a' is given twice"), ("ops=[+,-", "a list ends with"),
+                          ("flag", "'flag' is not key=value")):
+        with pytest.raises(StatusError, match=re.escape(message)):
+            parse_params(bad)
+
+
+def test_task_params_reach_the_dataset_typed_and_unknown_keys_name_the_valid_ones():
+    pytest.importorskip("reasoning_gym")
+    env = loading.make_environment(
+        "reasoning-gym:basic_arithmetic", seed=0, eval_size=4,
+        task_params="allow_negation=False,operators=[+,-],min_terms=2,max_terms=2")
+    config = env.train.config
+    assert config.allow_negation is False and list(config.operators) == ["+", "-"]
+    assert config.min_terms == config.max_terms == 2
+    for item in [env.train_item(i) for i in range(20)] + env.eval_items():
+        assert "*" not in item.prompt and "/" not in item.prompt
+    with pytest.raises(StatusError) as caught:
+        loading.make_environment("reasoning-gym:chain_sum", seed=0, eval_size=4,
+                                 task_params="allow_negatives=false")
+    assert str(caught.value) == (
+        "INVALID_ARGUMENT: --task-params: chain_sum has no parameter 'allow_negatives'; its "
+        "parameters: min_terms, max_terms, min_digits, max_digits, allow_negation")
+    with pytest.raises(StatusError, match="seed: set by gridrl"):
+        loading.make_environment("reasoning-gym:chain_sum", seed=0, eval_size=4,
+                                 task_params="seed=3")
+
+
+def test_an_environment_file_that_fails_to_import_is_named_with_its_line(tmp_path):
+    bad = tmp_path / "env.py"
+    bad.write_text("from gridrl.trainer.envs.base import Environment\n\nclass Env(:\n    pass\n")
+    with pytest.raises(StatusError) as caught:
+        loading.make_environment(str(bad), seed=0, eval_size=4)
+    assert str(caught.value) == (f"INVALID_ARGUMENT: --task: {bad}:3:11: import failed: "
+                                 "SyntaxError: invalid syntax: 'class Env(:'")
+    bad.write_text("import os\n\nLIMIT = 3\nWORDS = LIMT * 2\n")
+    with pytest.raises(StatusError) as caught:
+        loading.make_environment(str(bad), seed=0, eval_size=4)
+    assert str(caught.value) == (f"INVALID_ARGUMENT: --task: {bad}:4: import failed: "
+                                 "NameError: name 'LIMT' is not defined")
+
+
 def test_the_run_s_rewards_are_the_environment_s_unless_reward_files_say_otherwise(tmp_path):
     from gridrl.trainer.rewards import build_reward_set
 

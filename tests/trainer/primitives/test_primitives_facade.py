@@ -48,8 +48,9 @@ class ScriptedService:
 
 
 @pytest.fixture
-def client() -> tuple[TestClient, ScriptedService, TinkerFacade]:
+def client(tmp_path) -> tuple[TestClient, ScriptedService, TinkerFacade]:
     service = ScriptedService()
+    service.root = tmp_path
     facade = TinkerFacade(service, base_model="/m", long_poll_s=0.05)  # type: ignore[arg-type]
     with TestClient(app(facade)) as c:
         yield c, service, facade
@@ -124,3 +125,61 @@ def test_serve_api_keeps_its_http_port_off_the_network_without_tls_and_credentia
     assert done.returncode == 2, done.stderr
     assert "--http-listen: 0.0.0.0 is reachable from other machines" in done.stderr
     assert "TLS" in done.stderr and "--authorized-tokens" in done.stderr
+
+
+def test_a_refused_request_gives_up_its_place_and_the_later_ones_start(client) -> None:
+    """Every kind of refusal of a numbered request (bad body, bad settings, bad name, a
+    feature gridrl does not serve, a bad loss) consumes its ``seq_id``: the requests numbered
+    after it start in their turn, whichever arrived first (the defect: they waited forever)."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    c, service, _ = client
+    sid = c.post("/api/v1/create_session", json={"tags": [], "user_metadata": None,
+                                                  "sdk_version": "0.38.0"}).json()["session_id"]
+    model_id = c.post("/api/v1/create_model", json={
+        "session_id": sid, "model_seq_id": 0, "base_model": "/m",
+        "lora_config": {"rank": 4}}).json()["model_id"]
+
+    def step(seq: int, lr: float, **extra: Any) -> Any:
+        return c.post("/api/v1/optim_step", json={
+            "model_id": model_id, "seq_id": seq, "adam_params": {**ADAM, "learning_rate": lr,
+                                                                 **extra}})
+
+    def fwdbwd(seq: int, loss: str) -> Any:
+        msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn=loss)
+        return c.post("/api/v1/forward_backward", content=msg.SerializeToString(),
+                      headers={"content-type": "application/x-protobuf"})
+
+    # arriving after their turn: each refusal releases the good request held behind it
+    refusals = [
+        (lambda seq: step(seq, 1.0, beta1="not a number"), 400, "beta1"),
+        (lambda seq: step(seq, -1.0), 400, "learning_rate"),
+        (lambda seq: fwdbwd(seq, "no-such-loss"), 400, "loss_fn"),
+        (lambda seq: c.post("/api/v1/save_weights", json={
+            "model_id": model_id, "seq_id": seq, "path": "../escape"}), 400, "path"),
+        (lambda seq: c.post("/api/v1/save_weights_external", json={
+            "model_id": model_id, "seq_id": seq, "path": "x",
+            "age_encryption_recipients": ["age1q"]}), 400, "age_encryption_recipients"),
+        (lambda seq: c.post("/api/v1/copy_weights", json={
+            "model_id": model_id, "seq_id": seq}), 400, "copying weights"),
+    ]
+    seq = 1
+    for n, (refuse, status, named) in enumerate(refusals):
+        lr = 1e-3 * (n + 1)
+        assert step(seq + 1, lr).status_code == 200  # arrives first, waits for seq
+        assert service.started[-1][0] == "create_model" or service.started[-1][1] != lr
+        answer = refuse(seq)
+        assert answer.status_code == status and named in answer.json()["error"], answer.text
+        assert service.started[-1] == ("optim_step", lr)  # started once its turn was given up
+        seq += 2
+    # a refusal arriving before its turn holds its place, then gives it up in order
+    assert step(seq + 2, 0.5).status_code == 200
+    answer = step(seq + 1, 1.0, beta2=2.0)
+    assert answer.status_code == 400
+    assert service.started[-1] == ("optim_step", 1e-3 * len(refusals))
+    assert step(seq, 0.25).status_code == 200
+    assert service.started[-2:] == [("optim_step", 0.25), ("optim_step", 0.5)]
+    # an unknown model releases nothing and names the model
+    answer = c.post("/api/v1/optim_step", json={
+        "model_id": "nope:train:0", "seq_id": 1, "adam_params": ADAM})
+    assert answer.status_code == 404 and "nope:train:0" in answer.json()["error"]

@@ -119,10 +119,29 @@ def test_bad_requests_name_the_field(stub, tiny_llama_dir: Path) -> None:
             pb.ForwardBackwardRequest(session_id=sid, loss_function=pb.LOSS_FUNCTION_PPO,
                                       data=DATA, loss_config=pb.LossConfig(
                                           clip_high_threshold=0.5)),
+        "data[0].advantages: the cispo loss needs it": pb.ForwardBackwardRequest(
+            session_id=sid, loss_function=pb.LOSS_FUNCTION_CISPO, data=DATA),
+        "loss_fn_config.beta: must be a finite number >= 0, got -1.0": pb.ForwardBackwardRequest(
+            session_id=sid, loss_function=pb.LOSS_FUNCTION_DRO, data=DATA,
+            loss_config=pb.LossConfig(beta=-1.0)),
     }
     for message, request in cases.items():
         code, details = code_of(lambda r=request: stub.ForwardBackward(r, timeout=60))
         assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    # cispo and dro over gRPC: on policy (sampling logprobs = the model's own) both are
+    # cross_entropy weighted by the advantages (the ratio is 1, the penalty 0)
+    own = stub.Forward(pb.ForwardRequest(session_id=sid, loss_function=CE, data=DATA),
+                       timeout=60)
+    rl = [pb.Datum(input_token_ids=d.input_token_ids, target_token_ids=d.target_token_ids,
+                   advantages=[0.5] * len(d.input_token_ids),
+                   sampling_logprobs=list(o.logprobs)) for d, o in zip(DATA, own.outputs,
+                                                                      strict=True)]
+    weighted_ce = -0.5 * sum(sum(o.logprobs) for o in own.outputs)
+    for function, config in ((pb.LOSS_FUNCTION_CISPO, pb.LossConfig(clip_low_threshold=0.9)),
+                             (pb.LOSS_FUNCTION_DRO, pb.LossConfig(beta=0.4))):
+        got = stub.Forward(pb.ForwardRequest(session_id=sid, loss_function=function, data=rl,
+                                             loss_config=config), timeout=60).loss
+        assert got == pytest.approx(weighted_ce, rel=1e-5), function
     code, details = code_of(lambda: stub.OptimStep(pb.OptimStepRequest(
         session_id=sid, adam=pb.AdamParams(learning_rate=0))))
     assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT,

@@ -163,7 +163,8 @@ def test_datums_are_checked_field_by_field() -> None:
 
 def test_losses_settings_and_sampling_are_checked_naming_the_field() -> None:
     bad = {
-        "loss_fn": lambda: LossSpec("dro").check(),
+        "loss_fn": lambda: LossSpec("gspo").check(),
+        "loss_fn_config.beta": lambda: LossSpec("dro", beta=-1.0).check(),
         "loss_fn_config.clip_low_threshold": lambda: LossSpec("ppo", clip_low=1.5).check(),
         "loss_fn_config.clip_high_threshold": lambda: LossSpec("ppo", clip_high=0.5).check(),
         "adam_params.learning_rate": lambda: AdamSettings(lr=0).check(),

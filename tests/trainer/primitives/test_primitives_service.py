@@ -82,8 +82,13 @@ def test_forward_logprobs_are_the_models_own_and_the_losses_follow_their_formula
     is_ = -sum(float((r * d.advantages).sum()) for d, r in zip(data, ratios, strict=True))
     ppo = -sum(float(np.minimum(r * d.advantages, np.clip(r, 0.9, 1.1) * d.advantages).sum())
                for d, r in zip(data, ratios, strict=True))
+    cispo = -sum(float((np.clip(r, 0.9, 1.1) * p * d.advantages).sum())
+                 for d, r, p in zip(data, ratios, lp, strict=True))
+    dro = -sum(float((p * d.advantages - 0.5 * 0.3 * (p - d.sampling_logprobs) ** 2).sum())
+               for d, p in zip(data, lp, strict=True))
     for loss, want in ((LossSpec("cross_entropy"), ce), (LossSpec("importance_sampling"), is_),
-                       (LossSpec("ppo", 0.9, 1.1), ppo)):
+                       (LossSpec("ppo", 0.9, 1.1), ppo), (LossSpec("cispo", 0.9, 1.1), cispo),
+                       (LossSpec("dro", beta=0.3), dro)):
         got = model.forward(data, loss, backward=False).loss
         assert got == pytest.approx(want, rel=1e-5, abs=1e-4), loss.name
     assert model.pending_datums == 0
@@ -118,6 +123,31 @@ def test_ppo_sends_no_gradient_through_clipped_tokens(model: TorchTrainableModel
                        sampling_logprobs=lp - 1.0)
     model.forward([clipped], LossSpec("ppo", 0.8, 1.2), backward=True)
     assert all(float(g.abs().max()) == 0 for g in grads(model))
+
+
+def test_cispo_weighs_the_likelihood_gradient_by_the_clipped_ratio_and_dro_on_policy_is_ce(
+        model: TorchTrainableModel) -> None:
+    """CISPO's ratio is a constant weight (stop-gradient): with every ratio e^1 clipped to
+    clip_high its gradient is clip_high x that of cross_entropy weighted by the advantages,
+    where PPO's is zero. DRO on policy (q = logp): the penalty and its gradient vanish, what
+    is left is cross_entropy weighted by the advantages."""
+    d = Datum.of(*SEQS[0])
+    adv = np.linspace(0.5, 1.5, d.length)
+    lp = model.forward([d], LossSpec("cross_entropy"), backward=False).logprobs[0]
+    model.forward([Datum.of(d.input_ids, d.target_ids, weights=adv)], LossSpec("cross_entropy"),
+                  backward=True)
+    weighted_ce = grads(model)
+    model.backend.optimizer.zero_grad(set_to_none=True)
+    model.forward([Datum.of(d.input_ids, d.target_ids, advantages=adv, sampling_logprobs=lp - 1.0)],
+                  LossSpec("cispo", 0.8, 1.2), backward=True)
+    assert_tensors_close_to_largest(grads(model), [1.2 * g for g in weighted_ce], ROUNDING_REL,
+                                    "cispo with every ratio clipped vs 1.2 x weighted CE")
+    model.backend.optimizer.zero_grad(set_to_none=True)
+    model.forward([Datum.of(d.input_ids, d.target_ids, advantages=adv, sampling_logprobs=lp)],
+                  LossSpec("dro", beta=0.7), backward=True)
+    assert_tensors_close_to_largest(grads(model), weighted_ce, ROUNDING_REL,
+                                    "dro on policy vs weighted CE")
+    model.backend.optimizer.zero_grad(set_to_none=True)
 
 
 def test_an_optimizer_step_needs_a_gradient_and_applies_the_steps_settings(

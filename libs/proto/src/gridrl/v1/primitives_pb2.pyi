@@ -37,6 +37,14 @@ class _LossFunctionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossFunc
     """-sum_t min(r[t] * advantages[t], clip(r[t], clip_low, clip_high) * advantages[t]) with
     r = exp(logp - sampling_logprobs). Needs advantages and sampling_logprobs.
     """
+    LOSS_FUNCTION_CISPO: _LossFunction.ValueType  # 4
+    """-sum_t sg(clip(r[t], clip_low, clip_high)) * logp[t] * advantages[t], sg a stop-gradient
+    (CISPO, MiniMax-M1 arXiv:2506.13585). Needs advantages and sampling_logprobs.
+    """
+    LOSS_FUNCTION_DRO: _LossFunction.ValueType  # 5
+    """-sum_t (logp[t] * advantages[t] - beta / 2 * (logp[t] - sampling_logprobs[t])^2) (DRO,
+    Richemond et al. arXiv:2405.19107). Needs advantages and sampling_logprobs.
+    """
 
 class LossFunction(_LossFunction, metaclass=_LossFunctionEnumTypeWrapper):
     """Which loss ForwardBackward computes. Every loss is a sum over the datums and their positions
@@ -55,6 +63,14 @@ sampling_logprobs.
 LOSS_FUNCTION_PPO: LossFunction.ValueType  # 3
 """-sum_t min(r[t] * advantages[t], clip(r[t], clip_low, clip_high) * advantages[t]) with
 r = exp(logp - sampling_logprobs). Needs advantages and sampling_logprobs.
+"""
+LOSS_FUNCTION_CISPO: LossFunction.ValueType  # 4
+"""-sum_t sg(clip(r[t], clip_low, clip_high)) * logp[t] * advantages[t], sg a stop-gradient
+(CISPO, MiniMax-M1 arXiv:2506.13585). Needs advantages and sampling_logprobs.
+"""
+LOSS_FUNCTION_DRO: LossFunction.ValueType  # 5
+"""-sum_t (logp[t] * advantages[t] - beta / 2 * (logp[t] - sampling_logprobs[t])^2) (DRO,
+Richemond et al. arXiv:2405.19107). Needs advantages and sampling_logprobs.
 """
 Global___LossFunction: _TypeAlias = LossFunction  # noqa: Y015
 
@@ -119,24 +135,32 @@ class LossConfig(_message.Message):
 
     CLIP_LOW_THRESHOLD_FIELD_NUMBER: _builtins.int
     CLIP_HIGH_THRESHOLD_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
     clip_low_threshold: _builtins.float
-    """PPO's lower clip of the ratio, in (0, 1]; default 0.8."""
+    """PPO's and CISPO's lower clip of the ratio, in (0, 1]; default 0.8."""
     clip_high_threshold: _builtins.float
-    """PPO's upper clip of the ratio, >= 1; default 1.2."""
+    """PPO's and CISPO's upper clip of the ratio, >= 1; default 1.2."""
+    beta: _builtins.float
+    """DRO's weight of the quadratic penalty, >= 0; default 0.05."""
     def __init__(
         self,
         *,
         clip_low_threshold: _builtins.float | None = ...,
         clip_high_threshold: _builtins.float | None = ...,
+        beta: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "beta", b"beta", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_beta", b"_beta", "_clip_high_threshold", b"_clip_high_threshold", "_clip_low_threshold", b"_clip_low_threshold", "beta", b"beta", "clip_high_threshold", b"clip_high_threshold", "clip_low_threshold", b"clip_low_threshold"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__beta: _TypeAlias = _typing.Literal["beta"]  # noqa: Y015
+    _WhichOneofArgType__beta: _TypeAlias = _typing.Literal["_beta", b"_beta"]  # noqa: Y015
     _WhichOneofReturnType__clip_high_threshold: _TypeAlias = _typing.Literal["clip_high_threshold"]  # noqa: Y015
     _WhichOneofArgType__clip_high_threshold: _TypeAlias = _typing.Literal["_clip_high_threshold", b"_clip_high_threshold"]  # noqa: Y015
     _WhichOneofReturnType__clip_low_threshold: _TypeAlias = _typing.Literal["clip_low_threshold"]  # noqa: Y015
     _WhichOneofArgType__clip_low_threshold: _TypeAlias = _typing.Literal["_clip_low_threshold", b"_clip_low_threshold"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__beta) -> _WhichOneofReturnType__beta | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_high_threshold) -> _WhichOneofReturnType__clip_high_threshold | None: ...
     @_typing.overload

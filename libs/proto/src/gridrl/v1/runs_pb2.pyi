@@ -259,6 +259,9 @@ class RunStep(_message.Message):
     IMPORTANCE_WEIGHTS_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     EVAL_EXACT_FIELD_NUMBER: _builtins.int
+    EVAL_EXAMPLES_FIELD_NUMBER: _builtins.int
+    REWARD_MIN_FIELD_NUMBER: _builtins.int
+    REWARD_MAX_FIELD_NUMBER: _builtins.int
     eval_stderr: _builtins.float
     """Standard error of report.eval_score, when the step evaluated."""
     eval_s: _builtins.float
@@ -269,6 +272,11 @@ class RunStep(_message.Message):
     """Learning rate of the update; unset when nothing was trained."""
     eval_exact: _builtins.float
     """Fraction of the step's eval completions with full marks, when the step evaluated."""
+    reward_min: _builtins.float
+    """The lowest and the highest reward of the step's admitted samples (report.reward_mean and
+    reward_std are over the same samples); unset when none was admitted.
+    """
+    reward_max: _builtins.float
     @_builtins.property
     def report(self) -> _trainer_pb2.StepReport:
         """The step's report (the TrainerService's StepReport); report.step >= 1."""
@@ -281,6 +289,12 @@ class RunStep(_message.Message):
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunStepNode]:
         """The nodes that drew the step's groups; at most 1,000."""
 
+    @_builtins.property
+    def eval_examples(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalExample]:
+        """The first eval episodes whole (prompt, every turn, score), when the step evaluated; at
+        most 8.
+        """
+
     def __init__(
         self,
         *,
@@ -292,10 +306,13 @@ class RunStep(_message.Message):
         importance_weights: Global___ImportanceWeights | None = ...,
         nodes: _abc.Iterable[Global___RunStepNode] | None = ...,
         eval_exact: _builtins.float | None = ...,
+        eval_examples: _abc.Iterable[Global___EvalExample] | None = ...,
+        reward_min: _builtins.float | None = ...,
+        reward_max: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_stderr", b"_eval_stderr", "_lr", b"_lr", "eval_exact", b"eval_exact", "eval_stderr", b"eval_stderr", "importance_weights", b"importance_weights", "lr", b"lr", "report", b"report"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_stderr", b"_eval_stderr", "_lr", b"_lr", "_reward_max", b"_reward_max", "_reward_min", b"_reward_min", "eval_exact", b"eval_exact", "eval_stderr", b"eval_stderr", "importance_weights", b"importance_weights", "lr", b"lr", "report", b"report", "reward_max", b"reward_max", "reward_min", b"reward_min"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_stderr", b"_eval_stderr", "_lr", b"_lr", "eval_exact", b"eval_exact", "eval_s", b"eval_s", "eval_stderr", b"eval_stderr", "excluded_samples", b"excluded_samples", "importance_weights", b"importance_weights", "lr", b"lr", "nodes", b"nodes", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact", "_eval_stderr", b"_eval_stderr", "_lr", b"_lr", "_reward_max", b"_reward_max", "_reward_min", b"_reward_min", "eval_exact", b"eval_exact", "eval_examples", b"eval_examples", "eval_s", b"eval_s", "eval_stderr", b"eval_stderr", "excluded_samples", b"excluded_samples", "importance_weights", b"importance_weights", "lr", b"lr", "nodes", b"nodes", "report", b"report", "reward_max", b"reward_max", "reward_min", b"reward_min"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_exact: _TypeAlias = _typing.Literal["eval_exact"]  # noqa: Y015
     _WhichOneofArgType__eval_exact: _TypeAlias = _typing.Literal["_eval_exact", b"_eval_exact"]  # noqa: Y015
@@ -303,14 +320,97 @@ class RunStep(_message.Message):
     _WhichOneofArgType__eval_stderr: _TypeAlias = _typing.Literal["_eval_stderr", b"_eval_stderr"]  # noqa: Y015
     _WhichOneofReturnType__lr: _TypeAlias = _typing.Literal["lr"]  # noqa: Y015
     _WhichOneofArgType__lr: _TypeAlias = _typing.Literal["_lr", b"_lr"]  # noqa: Y015
+    _WhichOneofReturnType__reward_max: _TypeAlias = _typing.Literal["reward_max"]  # noqa: Y015
+    _WhichOneofArgType__reward_max: _TypeAlias = _typing.Literal["_reward_max", b"_reward_max"]  # noqa: Y015
+    _WhichOneofReturnType__reward_min: _TypeAlias = _typing.Literal["reward_min"]  # noqa: Y015
+    _WhichOneofArgType__reward_min: _TypeAlias = _typing.Literal["_reward_min", b"_reward_min"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_exact) -> _WhichOneofReturnType__eval_exact | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_stderr) -> _WhichOneofReturnType__eval_stderr | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lr) -> _WhichOneofReturnType__lr | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_max) -> _WhichOneofReturnType__reward_max | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reward_min) -> _WhichOneofReturnType__reward_min | None: ...
 
 Global___RunStep: _TypeAlias = RunStep  # noqa: Y015
+
+@_typing.final
+class EvalExample(_message.Message):
+    """One held-out eval episode as the dashboard shows it: the prompt and every turn after it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    TURNS_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    prompt: _builtins.str
+    """The item's prompt (its user message); at most 16,384 characters."""
+    score: _builtins.float
+    """The episode's score (what the eval averages; 0 for a dropped episode)."""
+    turns: _builtins.int
+    """Model turns in the episode (>= 1 unless it was dropped before its first)."""
+    dropped: _builtins.str
+    """Why the episode was dropped ("env_error", "template", ...); empty when it was not."""
+    error: _builtins.str
+    """The drop's message (the environment's exception, ...); at most 16,384 characters."""
+    @_builtins.property
+    def transcript(self) -> _containers.RepeatedCompositeFieldContainer[Global___TranscriptMessage]:
+        """The messages after the prompt, in order: the model's replies (role "assistant") and the
+        environment's turns (the role it gave them: "user" feedback, "tool" results...); at most
+        64 messages.
+        """
+
+    def __init__(
+        self,
+        *,
+        prompt: _builtins.str = ...,
+        transcript: _abc.Iterable[Global___TranscriptMessage] | None = ...,
+        score: _builtins.float = ...,
+        turns: _builtins.int = ...,
+        dropped: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "error", b"error", "prompt", b"prompt", "score", b"score", "transcript", b"transcript", "turns", b"turns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalExample: _TypeAlias = EvalExample  # noqa: Y015
+
+@_typing.final
+class TranscriptMessage(_message.Message):
+    """One message of an episode's transcript."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """Who sent it: "assistant" (the model), "user", "tool" (the environment); at most 256
+    characters.
+    """
+    content: _builtins.str
+    """Its text; at most 16,384 characters."""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptMessage: _TypeAlias = TranscriptMessage  # noqa: Y015
 
 @_typing.final
 class RunEvent(_message.Message):

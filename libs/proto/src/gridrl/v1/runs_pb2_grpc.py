@@ -56,7 +56,8 @@ class RunReportServiceServicer:
         its store when it has one.
         INVALID_ARGUMENT naming the field: run.run_id empty or not [A-Za-z0-9._-]{1,128}; a
         string over its bound (below); more than 1,000 steps, 1,000 events or 1,000 nodes in one
-        request; steps out of increasing order; an unknown state or event kind, or an event kind
+        request; more than 8 eval examples in a step or 64 messages in an example; steps out of
+        increasing order; an unknown state or event kind, or an event kind
         the master records itself (NODE_JOINED, NODE_LEFT, NODE_UNHEALTHY, NODE_EXPIRED).
         PERMISSION_DENIED when another credential reported run.run_id first.
         """

@@ -17,6 +17,9 @@ from gridrl.v1 import common_pb2, runs_pb2
 from gridrl.v1.enums import enum_word
 
 log = logging.getLogger(__name__)
+#: run states of a trainer that deregistered after ending its run as asked: its row shows the
+#: state ("finished", "stopped") instead of "left"
+ENDED_CLEANLY = frozenset({"finished", "stopped"})
 GONE_KEPT_S = 600.0  # how long a node that left or expired stays on the page
 
 
@@ -69,6 +72,8 @@ def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, d
             rows[address]["run"] = {"run_id": run["run_id"], "run_name": run["run_name"],
                                     "state": run["state"], "last_step": run["last_step"],
                                     "total_steps": run["total_steps"]}
+            if rows[address].get("health") == "left" and run["state"] in ENDED_CLEANLY:
+                rows[address]["health"] = run["state"]  # finished or stopped, not "left"
     return sorted(rows.values(), key=lambda r: (r.get("role") != "trainer", r["address"]))
 
 

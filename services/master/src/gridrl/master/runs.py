@@ -35,7 +35,8 @@ FLEET_EVENTS = 500
 MAX_RUNS = 32
 FLEET_LEAD_S = 60.0  # a run's events include the fleet's from this long before it started
 MAX_ITEMS = 1000  # steps, events or nodes in one report
-SHORT, LONG = 256, 4096  # string bounds (characters)
+SHORT, LONG, TEXT = 256, 4096, 16_384  # string bounds (characters)
+MAX_EXAMPLES, MAX_MESSAGES = 8, 64  # eval examples a step, messages an example
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # Event kinds the master records itself (from its registry); a trainer may not report them.
 MASTER_KINDS = frozenset({runs_pb2.RUN_EVENT_KIND_NODE_JOINED, runs_pb2.RUN_EVENT_KIND_NODE_LEFT,
@@ -85,6 +86,20 @@ def validate_report(request: runs_pb2.ReportRunRequest) -> None:
             raise invalid_argument(f"steps[{i}].nodes", f"at most {MAX_ITEMS} nodes")
         for j, node in enumerate(step.nodes):
             _bounded(node.address, f"steps[{i}].nodes[{j}].address", SHORT)
+        if len(step.eval_examples) > MAX_EXAMPLES:
+            raise invalid_argument(f"steps[{i}].eval_examples", f"{len(step.eval_examples)} "
+                                   f"items, at most {MAX_EXAMPLES}")
+        for j, example in enumerate(step.eval_examples):
+            where = f"steps[{i}].eval_examples[{j}]"
+            _bounded(example.prompt, f"{where}.prompt", TEXT)
+            _bounded(example.dropped, f"{where}.dropped", SHORT)
+            _bounded(example.error, f"{where}.error", TEXT)
+            if len(example.transcript) > MAX_MESSAGES:
+                raise invalid_argument(f"{where}.transcript", f"{len(example.transcript)} "
+                                       f"messages, at most {MAX_MESSAGES}")
+            for k, message in enumerate(example.transcript):
+                _bounded(message.role, f"{where}.transcript[{k}].role", SHORT)
+                _bounded(message.content, f"{where}.transcript[{k}].content", TEXT)
     for i, event in enumerate(request.events):
         if event.kind not in runs_pb2.RunEventKind.values() or event.kind == 0:
             raise invalid_argument(f"events[{i}].kind", f"unknown value {event.kind}")
@@ -120,6 +135,8 @@ def step_point(step: runs_pb2.RunStep) -> dict[str, Any]:
         "update_s": _num(r.train_s), "sync_s": _num(r.sync_s), "eval_s": _num(step.eval_s),
         "dropped": r.dropped_samples, "excluded": step.excluded_samples,
         "lr": _num(step.lr) if step.HasField("lr") else None,
+        "reward_min": _num(step.reward_min) if step.HasField("reward_min") else None,
+        "reward_max": _num(step.reward_max) if step.HasField("reward_max") else None,
         "tokens_per_s": _num(r.tokens_per_s), "elapsed_s": _num(r.elapsed_s),
         "time": r.time.ToNanoseconds() / 1e9 if r.HasField("time") else None,
         "is_mean": _num(iw.mean) if iw else None, "is_max": _num(iw.max) if iw else None,
@@ -143,11 +160,12 @@ def eval_point(step: runs_pb2.RunStep) -> dict[str, Any] | None:
 # Fields merged as a sum, and fields the later point gives.
 _SUMS = frozenset({"dropped", "excluded", "steps"})
 _LATER = frozenset({"step", "policy_version", "time", "elapsed_s"})
+_EXTREMES = {"reward_min": min, "reward_max": max}  # a range: the steps' together
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """One point standing for the steps of ``a`` and then ``b``: counts summed, the later
-    step, version and time, the others averaged weighted by the steps each stands for (over
+    step, version and time, the reward range covering both, the others averaged weighted by the steps each stands for (over
     the points that measured them). Two eval points' standard errors combine as that of
     their mean (independent evals: sqrt(wa^2 se_a^2 + wb^2 se_b^2))."""
     wa, wb = a["steps"], b["steps"]
@@ -167,6 +185,8 @@ def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                         math.sqrt((wa * va) ** 2 + (wb * vb) ** 2) / (wa + wb))
         elif va is None or vb is None:
             out[key] = va if vb is None else vb
+        elif key in _EXTREMES:
+            out[key] = _EXTREMES[key](va, vb)
         else:
             out[key] = (wa * va + wb * vb) / (wa + wb)
     return out
@@ -236,6 +256,7 @@ class Run:
     evals: Series = field(default_factory=lambda: Series(EVAL_POINTS))
     events: deque = field(default_factory=lambda: deque(maxlen=RUN_EVENTS))
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    examples: dict[str, Any] = field(default_factory=dict)  # the latest eval's, examples_dict
     reported_at: float = 0.0  # wall clock of the last report
     dirty: bool = True  # changed since last persisted
 
@@ -248,12 +269,12 @@ class Run:
         return {"run_id": self.run_id, "owner": self.owner, "info": self.info,
                 "steps": self.steps.points, "evals": self.evals.points,
                 "events": list(self.events), "nodes": self.nodes,
-                "reported_at": self.reported_at}
+                "examples": self.examples, "reported_at": self.reported_at}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Run:
         run = cls(d["run_id"], d.get("owner"), info=d["info"], nodes=d.get("nodes", {}),
-                  reported_at=d.get("reported_at", 0.0), dirty=False)
+                  examples=d.get("examples") or {}, reported_at=d.get("reported_at", 0.0), dirty=False)
         run.steps.points = list(d.get("steps", []))[-STEP_POINTS:]
         run.evals.points = list(d.get("evals", []))[-EVAL_POINTS:]
         run.events.extend(d.get("events", []))
@@ -285,6 +306,20 @@ def _info(run: runs_pb2.RunInfo) -> dict[str, Any]:
             "importance_weighting": run.importance_weighting,
             "started_at": (run.started_at.ToNanoseconds() / 1e9
                            if run.HasField("started_at") else None)}
+
+
+def examples_dict(step: runs_pb2.RunStep) -> dict[str, Any] | None:
+    """An evaluating step's eval examples for the page: ``{"step", "policy_version",
+    "examples": [{"prompt", "score", "turns", "dropped", "error", "transcript": [{"role",
+    "content"}...]}...]}``; None when the step carries none."""
+    if not step.eval_examples:
+        return None
+    return {"step": step.report.step, "policy_version": step.report.eval_policy_version,
+            "examples": [{"prompt": e.prompt, "score": _num(e.score), "turns": e.turns,
+                          "dropped": e.dropped, "error": e.error,
+                          "transcript": [{"role": m.role, "content": m.content}
+                                         for m in e.transcript]}
+                         for e in step.eval_examples]}
 
 
 def _node(node: runs_pb2.RunNode) -> dict[str, Any]:
@@ -331,6 +366,7 @@ class Runs:
         run_id = request.run.run_id
         now = self._clock()
         points = [(step_point(s), eval_point(s)) for s in request.steps]
+        examples = next((e for e in map(examples_dict, reversed(request.steps)) if e), None)
         events = [event_dict(e.kind, e.time.ToNanoseconds() / 1e9 if e.HasField("time") else now,
                              e.step, e.node, e.duration_s, e.ok, e.message)
                   for e in request.events]
@@ -353,6 +389,10 @@ class Runs:
                 if evaluation is not None:
                     run.evals.add(evaluation)
             run.events.extend(events)
+            if examples is not None:
+                run.examples = examples
+            elif run.examples.get("step", 0) > run.steps.last_step:  # resumed before it
+                run.examples = {}
             if nodes is not None:
                 run.nodes = nodes
             run.reported_at = now
@@ -409,7 +449,8 @@ class Runs:
                     "generation": generation_now, "full": full,
                     "steps": run.steps.since(0 if full else since),
                     "evals": run.evals.since(0 if full else since),
-                    "events": events, "nodes": list(run.nodes.values())}
+                    "events": events, "nodes": list(run.nodes.values()),
+                    "eval_examples": run.examples or None}
 
     def flush(self) -> None:
         """Write the runs changed since the last flush to the store (no-op without one)."""

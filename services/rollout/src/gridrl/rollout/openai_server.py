@@ -26,8 +26,8 @@ certificates required when a CA is given too).
 What one request does inside the engine (its sink, its choices) is
 :class:`~gridrl.rollout.openai_run.RequestRun`; this module is the HTTP side.
 
-Stack: Starlette on uvicorn (h11), in a thread of its own with its own asyncio loop; the
-engine's scheduler thread hands tokens to that loop with ``call_soon_threadsafe``.
+Stack: the services' one HTTP stack (:class:`gridrl.common.http.HttpServer`: Starlette on
+uvicorn, in a thread of its own with its own asyncio loop); the engine's scheduler thread hands tokens to that loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
-import ssl
-import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from gridrl.common.address import join_address, parse_listen
 from gridrl.common.errors import Kind, StatusError
+from gridrl.common.http import HttpServer, HttpTls
 from gridrl.common.security.access import Decision, authorize
 from gridrl.common.security.policy import Security, check_exposure
 from gridrl.common.security.tokens import AUTH_HEADER, AuthorizedTokens
@@ -132,8 +129,7 @@ class OpenAIServer:
         self.grace_s = grace_s
         self.port = 0
         self.created = now()
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: HttpServer | None = None
 
     @property
     def scheme(self) -> str:
@@ -159,32 +155,11 @@ class OpenAIServer:
             OSError: the address cannot be bound.
             RuntimeError: the server did not start (the log says why).
         """
-        import uvicorn
-
-        host = self._host.strip("[]") or "0.0.0.0"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, self._requested_port), family=family)
-        self.port = sock.getsockname()[1]
-        kwargs: dict[str, Any] = {}
-        if self.tls:
-            cert, key, ca = self.tls
-            kwargs = {"ssl_certfile": cert, "ssl_keyfile": key}
-            if ca:
-                kwargs |= {"ssl_ca_certs": ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        config = uvicorn.Config(self._app(), log_config=None, access_log=False,
-                                lifespan="off", http="h11", loop="asyncio",
-                                server_header=False, timeout_graceful_shutdown=self.grace_s,
-                                **kwargs)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="openai-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                sock.close()
-                raise RuntimeError(f"the OpenAI endpoint on {self.address} did not start")
-            time.sleep(0.01)
+        tls = HttpTls(*self.tls) if self.tls else None
+        server = HttpServer(self._app(), self._host, self._requested_port, tls=tls,
+                            name="openai-http", grace_s=self.grace_s)
+        self._server = server.start()
+        self.port = server.port
         log.info("OpenAI-compatible endpoint on %s (%s, %s)", self.base_url,
                  "mutual TLS" if self.tls and self.tls[2] else self.scheme,
                  "bearer token required" if self.authorized else "no credentials")
@@ -192,12 +167,11 @@ class OpenAIServer:
 
     def stop(self) -> None:
         """Stop accepting, give requests in flight ``grace_s`` to finish, then close. Idempotent."""
-        if self._server is None or self._thread is None:
+        if self._server is None:
             return
-        self._server.should_exit = True
-        self._thread.join(self.grace_s + 5)
-        if self._thread.is_alive():
+        if not self._server.stop():
             log.warning("the OpenAI endpoint did not stop within %.0fs", self.grace_s + 5)
+        self._server = None
 
     # -- routes ------------------------------------------------------------------------------
 

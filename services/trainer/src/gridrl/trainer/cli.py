@@ -183,8 +183,12 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
             help="Seed of adapters created without one.")
 @env_option("--max-models", env="GRIDRL_TRAINER_MAX_MODELS", type=int, default=4,
             help="Training models open at once (each holds a copy of its base model).")
+@env_option("--backend", env="GRIDRL_TRAINER_BACKEND", default="torch",
+            type=click.Choice(["torch", "mlx"]),
+            help="Framework that holds the training models: torch (peft) or mlx (mlx-lm; "
+                 "Apple Silicon, or Linux CPU through mlx[cpu]).")
 @env_option("--device", env="GRIDRL_TRAINER_DEVICE", default="auto",
-            help="auto, cpu, cuda, cuda:1, mps.")
+            help="auto, cpu, cuda, cuda:1, mps (torch); auto, cpu, gpu (mlx).")
 @env_option("--dtype", env="GRIDRL_TRAINER_DTYPE", default="auto",
             type=click.Choice(["auto", "float32", "bfloat16"]),
             help="Base weights' dtype (auto: float32 on CPU, bfloat16 on CUDA).")
@@ -205,7 +209,7 @@ def serve_api(listen: str, metrics_port: int, security: Any, log_level: str,
               ready_file: str | None, **params: Any) -> None:
     """Serve training primitives for a loop you write: gRPC TrainingService on --listen and
     a Tinker-compatible REST API on --http-listen (the official `tinker` SDK runs against
-    it), on this machine's torch trainer, sampling on the rollout nodes. Ctrl-C / SIGTERM
+    it), on this machine's torch or MLX trainer, sampling on the rollout nodes. Ctrl-C / SIGTERM
     stops it (saved states and sampler weights stay in --api-dir)."""
     from gridrl.common.address import parse_listen
     from gridrl.common.errors import StatusError

@@ -106,8 +106,12 @@ class TrainConfig:
         "(add/multiply tools), 'reasoning-gym:<dataset>', 'verifiers:<taskset>', a Python file "
         "defining an Environment, or a JSONL file with prompt (or chat messages) and answer "
         "columns."))
-    task_params: str = setting("", "reasoning-gym: the dataset's parameters, "
-                               "'key=value,...' (e.g. min_word_len=3,max_word_len=5).")
+    task_params: str = setting("", (
+        "reasoning-gym: the dataset's parameters, 'key=value,key=value'. Values: true/false/"
+        "yes/no (any case), none/null, integers, floats, lists in brackets (commas inside "
+        "brackets do not split pairs: operators=[+,-]), JSON, 'quoted' text, else text; e.g. "
+        "min_terms=2,allow_negation=false,operators=[+,-]. An unknown key is refused with the "
+        "dataset's keys."))
     max_turns: int | None = setting(
         None, "Model turns per episode at most. Default: the task's own (1 for single-turn "
         "tasks; reverse-words-retry: 2; tool-arithmetic: 4).", check=POSITIVE)

@@ -29,6 +29,8 @@ from gridrl.trainer.tasks import Task, TaskItem
 
 #: prompts decoded first, whose time gives the eval's expected time
 FIRST_BATCH = 16
+#: eval episodes kept whole (prompt, every turn, score) for the log, summary and dashboard
+EXAMPLES = 3
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class EvalResult:
         policy_version: trainer policy version of the weights measured.
         n: eval prompts.
         seconds: wall-clock time.
-        examples: the first few (prompt, completion, score) for the log.
+        examples: the first :data:`EXAMPLES` episodes, whole (:func:`eval_example`), for the
+            log, the summary and the dashboard.
         stderr: standard error of ``score`` as the mean of ``n`` draws,
             ``s / sqrt(n)`` with ``s`` the sample (Bessel-corrected) std of the per-prompt
             scores (0 when ``n < 2``). Two evals of one set differ by more than noise when
@@ -177,13 +180,40 @@ class Evaluator:
         if self.limits.max_turns > 1:
             stats = EpisodeStats.of(episodes)
             metrics.update(turns_mean=stats.turns_mean, truncated=stats.truncated / max(n, 1))
-        examples = [{"prompt": p, "completion": c, "score": s}
-                    for p, c, s in list(zip(prompts, completions, scores, strict=True))[:3]]
+        examples = [eval_example(p, ep, s) for p, ep, s
+                    in list(zip(prompts, episodes, scores, strict=True))[:EXAMPLES]]
         return EvalResult(score=sum(scores) / n, exact=sum(s >= 1.0 for s in scores) / n,
                           policy_version=policy_version, n=n,
                           seconds=time.perf_counter() - start, examples=examples,
                           stderr=standard_error(scores), metrics=metrics,
                           scorer=self.scorer.name)
+
+
+def eval_example(prompt: str, episode: Any, score: float) -> dict[str, Any]:
+    """One eval episode for the log, the summary and the dashboard: ``prompt``, ``completion``
+    (the model's last reply, what the score is of), ``score``, ``turns`` (model turns) and
+    ``transcript``: every message after the prompt in order, ``{"role", "content"}``, the
+    model's replies as role ``assistant`` and the environment's turns with the role it gave
+    them (``user`` feedback, ``tool`` results...); ``dropped`` and ``error`` when the episode
+    was dropped (then its score is 0)."""
+    transcript = [{"role": str(m.get("role", "")), "content": _text(m.get("content"))}
+                  for m in episode.transcript]
+    out: dict[str, Any] = {"prompt": prompt, "completion": episode.last_reply, "score": score,
+                           "turns": episode.turns, "transcript": transcript}
+    if episode.dropped:
+        out |= {"dropped": episode.dropped, "error": episode.error}
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (a list of parts: their ``text`` joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
 
 
 def standard_error(scores: Sequence[float]) -> float:

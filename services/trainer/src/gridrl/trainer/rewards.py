@@ -112,8 +112,37 @@ def import_file(path: Path, flag: str) -> Any:
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise invalid_argument(flag, f"{path}: import failed: {e!r}") from e
+        sys.modules.pop(name, None)
+        raise invalid_argument(flag, import_error_message(path, e)) from e
     return module
+
+
+def import_error_message(path: Path, error: BaseException) -> str:
+    """What went wrong importing the user's file ``path``, as one line a user can act on:
+    ``FILE:LINE[:COL]: import failed: <Type>: <message>``, plus the offending source text for a
+    syntax error (``env.py:3:9: import failed: SyntaxError: invalid syntax: 'class X(:'``).
+    The line is the syntax error's, else that of the innermost frame in ``path`` (the file's
+    line that raised, or called what raised), else absent."""
+    where, detail = str(path), ""
+    if isinstance(error, SyntaxError):
+        if error.lineno is not None:
+            where += f":{error.lineno}" + (f":{error.offset}" if error.offset else "")
+        message = error.msg
+        if error.text and error.text.strip():
+            detail = f": {error.text.strip()!r}"
+    else:
+        message = str(error)
+        target = str(path.resolve())
+        frame_line = None
+        tb = error.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename in (target, str(path)):
+                frame_line = tb.tb_lineno
+            tb = tb.tb_next
+        if frame_line is not None:
+            where += f":{frame_line}"
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return f"{where}: import failed: {text}{detail}"
 
 
 def optional_module(name: str, flag: str, what: str, hint: str) -> Any:

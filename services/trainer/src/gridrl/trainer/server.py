@@ -1,7 +1,7 @@
 """TrainerService over gRPC: a read-only view of the run in :class:`RunStatus`.
 
     server = serve_trainer(status, listen="127.0.0.1:50052", metrics_port=9402)
-    ...                      # the loop calls status.report(...) each step
+    ...                      # the run's StatusSubscriber appends each step's report
     server.stop()
 
 ``GetRunStatus`` answers the run's state and last report. ``WatchRun`` streams step reports as

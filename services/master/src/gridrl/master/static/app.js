@@ -1,11 +1,13 @@
-// gridrl dashboard: polls /api/state and /api/runs/<id> every second and draws the fleet, the
-// runs and the selected run's curves as inline SVG. Every string from the API goes into the
+// gridrl dashboard: draws the fleet, the runs and the selected run's curves as inline SVG, first
+// from the data the page was served with (<meta name="gridrl-initial" content="JSON">), then
+// polling /api/state and /api/runs/<id> every second. Every string from the API goes into the
 // page through textContent or setAttribute of a fixed attribute, never as HTML.
 "use strict";
 
 const POLL_MS = 1000;
 const SVG = "http://www.w3.org/2000/svg";
-const W = 600, H = 180, PAD = { l: 48, r: 8, t: 8, b: 20 };
+const W = 600, H = 200, PAD = { l: 66, r: 14, t: 12, b: 30 };
+let fetches = 0;      // requests sent (the first render needs none: the page carries its data)
 
 let selected = null;  // run id shown below the tables
 let run = null;       // {id, gen, steps, evals, info, events, nodes}
@@ -44,6 +46,7 @@ function clock(t) {
 }
 
 async function getJSON(url) {
+  fetches += 1;
   const response = await fetch(url, { credentials: "same-origin", cache: "no-store" });
   if (response.status === 401 || response.status === 403) {
     window.location.assign("/login");
@@ -119,26 +122,69 @@ function scale(d0, d1, r0, r1) {
   return (x) => r0 + (x - d0) * (r1 - r0) / (d1 - d0);
 }
 
+function finite(values) {
+  return values.filter((x) => x !== null && x !== undefined && Number.isFinite(x));
+}
+
 function extent(values) {
-  const v = values.filter((x) => x !== null && x !== undefined && Number.isFinite(x));
+  const v = finite(values);
   if (!v.length) return [0, 1];
   let lo = Math.min(...v), hi = Math.max(...v);
   if (lo === hi) { lo -= Math.abs(lo) * 0.1 || 0.5; hi += Math.abs(hi) * 0.1 || 0.5; }
   return [lo, hi];
 }
 
-function frame(svg, xs, yLo, yHi) {
+// "nice" tick values covering [lo, hi]: steps of 1, 2 or 5 times a power of ten, about n of them
+function ticks(lo, hi, n, integer) {
+  const span = hi - lo;
+  if (!(span > 0)) return [lo];
+  let step = Math.pow(10, Math.floor(Math.log10(span / n)));
+  for (const m of [1, 2, 5, 10]) { if (span / (step * m) <= n) { step *= m; break; } }
+  if (integer) step = Math.max(1, Math.round(step));
+  const out = [];
+  for (let v = Math.ceil(lo / step - 1e-9) * step; v <= hi + step * 1e-9; v += step) out.push(Math.abs(v) < step * 1e-9 ? 0 : v);
+  return out;
+}
+
+function tickText(v, step) {
+  if (v === 0) return "0";
+  if (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e5) return v.toExponential(1);
+  const digits = Math.max(0, Math.min(4, -Math.floor(Math.log10(step) + 1e-9)));
+  return v.toFixed(digits);
+}
+
+// the axes with their ticks and grid lines; xs: the step range, pad: half a step either side
+// (bars) so no bar crosses the y-axis
+function frame(svg, xs, yLo, yHi, pad) {
   svg.setAttribute("viewBox", "0 0 " + W + " " + H);
   svg.replaceChildren();
-  const x = scale(xs[0], xs[1], PAD.l, W - PAD.r);
+  svg.removeAttribute("data-empty");
+  const p = pad ? 0.5 : 0;
+  const x = scale(xs[0] - p, xs[1] + p, PAD.l, W - PAD.r);
   const y = scale(yLo, yHi, H - PAD.b, PAD.t);
+  const yt = ticks(yLo, yHi, 5, false);
+  const yStep = yt.length > 1 ? yt[1] - yt[0] : Math.abs(yHi - yLo) || 1;
+  for (const v of yt) {
+    svg.append(svgEl("line", { class: "grid", x1: PAD.l, x2: W - PAD.r, y1: y(v).toFixed(1), y2: y(v).toFixed(1) }));
+    svg.append(svgEl("text", { class: "tick ytick", x: PAD.l - 5, y: (y(v) + 5).toFixed(1), "text-anchor": "end", "data-value": v }, tickText(v, yStep)));
+  }
+  for (const v of ticks(xs[0], xs[1], 6, true)) {
+    svg.append(svgEl("line", { class: "axis", x1: x(v).toFixed(1), x2: x(v).toFixed(1), y1: H - PAD.b, y2: H - PAD.b + 4 }));
+    svg.append(svgEl("text", { class: "tick xtick", x: x(v).toFixed(1), y: H - PAD.b + 20, "text-anchor": "middle", "data-value": v }, String(v)));
+  }
   svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: H - PAD.b, x2: W - PAD.r, y2: H - PAD.b }));
   svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b }));
-  svg.append(svgEl("text", { x: PAD.l - 4, y: PAD.t + 8, "text-anchor": "end" }, fmt(yHi, 2)));
-  svg.append(svgEl("text", { x: PAD.l - 4, y: H - PAD.b, "text-anchor": "end" }, fmt(yLo, 2)));
-  svg.append(svgEl("text", { x: PAD.l, y: H - 4 }, "step " + xs[0]));
-  svg.append(svgEl("text", { x: W - PAD.r, y: H - 4, "text-anchor": "end" }, "step " + xs[1]));
   return { x, y };
+}
+
+// a chart with nothing to show: its frame and "none", no axis of made-up numbers
+function empty(svg, why) {
+  svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+  svg.replaceChildren();
+  svg.setAttribute("data-empty", "true");
+  svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: H - PAD.b, x2: W - PAD.r, y2: H - PAD.b }));
+  svg.append(svgEl("line", { class: "axis", x1: PAD.l, y1: PAD.t, x2: PAD.l, y2: H - PAD.b }));
+  svg.append(svgEl("text", { class: "none", x: (PAD.l + W - PAD.r) / 2, y: (PAD.t + H - PAD.b) / 2, "text-anchor": "middle" }, why || "none"));
 }
 
 function stepRange(points) {
@@ -158,6 +204,7 @@ function path(points, x, y, key) {
 function lineChart(svg, points, series, extra) {
   const values = [];
   for (const s of series) for (const p of points) values.push(p[s.key]);
+  if (!finite(values).length) return empty(svg, "none");
   for (const v of extra || []) values.push(v);
   const [lo, hi] = extent(values);
   const { x, y } = frame(svg, stepRange(points), lo, hi);
@@ -167,28 +214,36 @@ function lineChart(svg, points, series, extra) {
   return { x, y };
 }
 
+// mean ± std, the band clipped to the step's reward range (no reward outside [min, max])
+function band(p) {
+  const std = p.reward_std || 0;
+  const lo = p.reward_min === null || p.reward_min === undefined ? -Infinity : p.reward_min;
+  const hi = p.reward_max === null || p.reward_max === undefined ? Infinity : p.reward_max;
+  return [Math.max(p.reward_mean - std, lo), Math.min(p.reward_mean + std, hi)];
+}
+
 function rewardChart(svg, points) {
-  const values = [];
-  for (const p of points) if (p.reward_mean !== null) values.push(p.reward_mean - (p.reward_std || 0), p.reward_mean + (p.reward_std || 0));
-  const [lo, hi] = extent(values);
+  const ok = points.filter((p) => p.reward_mean !== null && p.reward_mean !== undefined);
+  if (!ok.length) return empty(svg, "none");
+  const bands = ok.map(band);
+  const [lo, hi] = extent(bands.flat().concat(ok.map((p) => p.reward_mean)));
   const { x, y } = frame(svg, stepRange(points), lo, hi);
-  const ok = points.filter((p) => p.reward_mean !== null);
-  if (ok.length) {
-    const upper = ok.map((p) => x(p.step).toFixed(1) + "," + y(p.reward_mean + (p.reward_std || 0)).toFixed(1));
-    const lower = ok.slice().reverse().map((p) => x(p.step).toFixed(1) + "," + y(p.reward_mean - (p.reward_std || 0)).toFixed(1));
-    svg.append(svgEl("path", { class: "band rollout", d: "M" + upper.join("L") + "L" + lower.join("L") + "Z" }));
-  }
+  const upper = ok.map((p, i) => x(p.step).toFixed(1) + "," + y(bands[i][1]).toFixed(1));
+  const lower = ok.map((p, i) => x(p.step).toFixed(1) + "," + y(bands[i][0]).toFixed(1)).reverse();
+  svg.append(svgEl("path", { class: "band rollout", d: "M" + upper.join("L") + "L" + lower.join("L") + "Z", "data-lo": Math.min(...bands.map((b) => b[0])), "data-hi": Math.max(...bands.map((b) => b[1])) }));
   svg.append(svgEl("path", { class: "line rollout", d: path(points, x, y, "reward_mean") }));
 }
 
 function evalChart(svg, evals, steps, info) {
   const values = [];
   for (const p of evals) if (p.score !== null) values.push(p.score - (p.stderr || 0), p.score + (p.stderr || 0));
-  if (info.baseline_eval !== null && info.baseline_eval !== undefined) values.push(info.baseline_eval);
+  const hasBaseline = info.baseline_eval !== null && info.baseline_eval !== undefined;
+  if (hasBaseline) values.push(info.baseline_eval);
+  if (!finite(values).length) return empty(svg, "none yet");
   const [lo, hi] = extent(values.concat([0]));
   const range = steps.length ? stepRange(steps) : stepRange(evals);
   const { x, y } = frame(svg, [Math.min(range[0], evals.length ? evals[0].first_step : range[0]), Math.max(range[1], evals.length ? evals[evals.length - 1].step : range[1])], Math.max(0, lo), Math.min(1, Math.max(hi, lo + 0.05)));
-  if (info.baseline_eval !== null && info.baseline_eval !== undefined) {
+  if (hasBaseline) {
     svg.append(svgEl("line", { class: "baseline", x1: PAD.l, x2: W - PAD.r, y1: y(info.baseline_eval), y2: y(info.baseline_eval) }));
     svg.append(svgEl("text", { x: W - PAD.r, y: y(info.baseline_eval) - 3, "text-anchor": "end" }, "baseline " + fmt(info.baseline_eval)));
   }
@@ -216,15 +271,20 @@ function exactText(exact) {  // the share of eval replies with full marks, as th
 
 function stackedBars(svg, points, parts) {  // parts: [[key, css class], ...]
   const totals = points.map((p) => parts.reduce((a, [k]) => a + (p[k] || 0), 0));
-  const { x, y } = frame(svg, stepRange(points), 0, Math.max(...totals, 1e-9));
-  const n = Math.max(1, points.length);
-  const width = Math.max(1, (W - PAD.l - PAD.r) / n * 0.8);
+  const top = Math.max(0, ...totals);
+  if (!(top > 0)) return empty(svg, "none");
+  const range = stepRange(points);
+  const { x, y } = frame(svg, range, 0, top, true);
+  const slot = (W - PAD.l - PAD.r) / Math.max(1, range[1] - range[0] + 1);
   for (const p of points) {
+    // a merged point stands for steps first_step..step: its bar spans them
+    const left = x(p.first_step - 0.5) + slot * 0.1, right = x(p.step + 0.5) - slot * 0.1;
+    const x0 = Math.max(PAD.l + 0.5, left), width = Math.max(1, right - x0);
     let base = 0;
     for (const [k, cls] of parts) {
       const v = p[k] || 0;
       if (v > 0) {
-        svg.append(svgEl("rect", { class: cls, x: (x(p.step) - width / 2).toFixed(1), width: width.toFixed(1), y: y(base + v).toFixed(1), height: Math.max(0.5, y(base) - y(base + v)).toFixed(1) }));
+        svg.append(svgEl("rect", { class: cls, x: x0.toFixed(1), width: width.toFixed(1), y: y(base + v).toFixed(1), height: Math.max(0.5, y(base) - y(base + v)).toFixed(1) }));
       }
       base += v;
     }
@@ -268,12 +328,43 @@ function renderRun() {
     for (const c of cells) tr.append(el("td", {}, c));
     return tr;
   }));
+  renderExamples(run.examples);
   const events = run.events.slice().reverse();
   document.getElementById("events").replaceChildren(...events.map((e) => {
     const li = el("li", { class: e.ok ? "" : "bad", "data-kind": e.kind });
     li.textContent = clock(e.time) + "  " + (e.step ? "step " + e.step + "  " : "") + e.kind + (e.node ? " " + e.node : "") + ": " + e.message + (e.duration_s ? " (" + fmt(e.duration_s, 2) + " s)" : "");
     return li;
   }));
+}
+
+function renderExamples(shown) {  // the latest eval's first episodes, every turn, roles marked
+  const caption = document.getElementById("examples-caption");
+  const box = document.getElementById("examples");
+  if (!shown || !shown.examples || !shown.examples.length) {
+    caption.textContent = "none yet (the first held-out eval shows its first episodes here, every turn)";
+    box.replaceChildren();
+    return;
+  }
+  caption.textContent = "the held-out eval at step " + shown.step + " (policy v" + shown.policy_version + "), its first " + shown.examples.length + " episodes";
+  box.replaceChildren(...shown.examples.map((ex, i) => {
+    const details = el("details", { class: "example", "data-index": i, "data-turns": ex.turns, "data-score": ex.score });
+    if (i === 0) details.setAttribute("open", "");
+    const head = "score " + fmt(ex.score, 2) + " · " + ex.turns + (ex.turns === 1 ? " model turn" : " model turns") + (ex.dropped ? " · dropped (" + ex.dropped + "): " + ex.error : "") + " · " + ex.prompt;
+    details.append(el("summary", {}, head));
+    const list = el("ol", { class: "transcript" });
+    list.append(message({ role: "prompt", content: ex.prompt }));
+    for (const m of ex.transcript) list.append(message(m));
+    details.append(list);
+    return details;
+  }));
+}
+
+function message(m) {
+  const who = m.role === "assistant" ? "model" : m.role === "prompt" ? "prompt" : "environment";
+  const li = el("li", { class: "msg " + who, "data-role": m.role });
+  li.append(el("span", { class: "role" }, m.role === "assistant" ? "model (assistant)" : m.role === "prompt" ? "prompt" : "environment (" + m.role + ")"));
+  li.append(el("pre", {}, m.content));
+  return li;
 }
 
 async function pollRun() {
@@ -291,6 +382,27 @@ async function pollRun() {
   run.info = d.info;
   run.events = d.events;
   run.nodes = d.nodes;
+  run.examples = d.eval_examples;
+}
+
+// the first render: from the data the page was served with (no request to wait for)
+function renderInitial() {
+  const holder = document.getElementById("initial");
+  let initial = null;
+  try { initial = holder ? JSON.parse(holder.getAttribute("content")) : null; } catch (e) { initial = null; }
+  if (!initial || !initial.state) return false;
+  document.getElementById("logout").hidden = !initial.state.protected;
+  renderFleet(initial.state.fleet);
+  renderRuns(initial.state.runs);
+  const d = initial.run;
+  if (d && selected === d.info.run_id) {
+    run = { id: selected, steps: d.steps, evals: d.evals, gen: d.generation, info: d.info, events: d.events, nodes: d.nodes, examples: d.eval_examples };
+  }
+  renderRun();
+  document.body.dataset.firstRender = "inline";
+  document.body.dataset.fetchesBeforeFirstRender = String(fetches);
+  document.getElementById("status").textContent = "as of " + clock(initial.state.time);
+  return true;
 }
 
 let timer = null;
@@ -313,4 +425,10 @@ async function poll() {
   timer = setTimeout(poll, POLL_MS);
 }
 
-document.addEventListener("DOMContentLoaded", poll);
+function start() {
+  if (renderInitial()) timer = setTimeout(poll, POLL_MS);
+  else poll();
+}
+
+if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+else start();

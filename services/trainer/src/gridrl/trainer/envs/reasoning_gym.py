@@ -37,25 +37,103 @@ def load_reasoning_gym() -> Any:
     return optional_module("reasoning_gym", "--task", "reasoning-gym", INSTALL_HINT)
 
 
-def parse_params(text: str) -> dict[str, Any]:
-    """``"min_word_len=3,max_word_len=5"`` -> ``{"min_word_len": 3, "max_word_len": 5}``
-    (values read as JSON when they parse, else kept as strings).
+PARAMS_SYNTAX = (
+    "'key=value,key=value' (no spaces needed); a value is read as: true/false/yes/no (any "
+    "case) -> bool, none/null -> None, an integer or a float, a list in brackets "
+    "([+,-] or [1,2]; commas inside brackets do not split pairs), JSON ({...}, \"...\"), "
+    "'quoted' text kept as it is, else a string")
 
-    Raises:
-        StatusError: INVALID_ARGUMENT on ``--task-params`` for an entry without ``=``.
-    """
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """``text`` cut at each ``sep`` outside brackets, braces and quotes."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def parse_value(text: str) -> Any:
+    """One ``--task-params`` value (the syntax: :data:`PARAMS_SYNTAX`): ``"False"`` -> False,
+    ``"no"`` -> False, ``"None"`` -> None, ``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"[+,-]"`` ->
+    ``["+", "-"]``, ``'["a", 1]'`` -> ``["a", 1]``, ``"'3'"`` -> ``"3"``, ``"abc"`` ->
+    ``"abc"``."""
     import json
 
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise invalid_argument("--task-params", f"{part!r} is not key=value")
+    t = text.strip()
+    low = t.lower()
+    if low in ("true", "yes"):
+        return True
+    if low in ("false", "no"):
+        return False
+    if low in ("none", "null", "~"):
+        return None
+    for number in (int, float):
         try:
-            out[key.strip()] = json.loads(value)
+            return number(t)
+        except ValueError:
+            pass
+    if len(t) >= 2 and t[0] == t[-1] == "'":
+        return t[1:-1]
+    if t[:1] in ("[", "{", '"'):
+        try:
+            return json.loads(t)
         except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
+            if t[0] == "[" and t[-1] == "]":
+                inner = t[1:-1].strip()
+                return [parse_value(v) for v in _split_top(inner)] if inner else []
+    return t
+
+
+def parse_params(text: str) -> dict[str, Any]:
+    """``--task-params`` -> keyword arguments: ``"min_word_len=3,allow_negation=False,
+    operators=[+,-]"`` -> ``{"min_word_len": 3, "allow_negation": False, "operators": ["+",
+    "-"]}`` (each value by :func:`parse_value`; the syntax: :data:`PARAMS_SYNTAX`).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--task-params`` for an entry without ``=``, a key
+            given twice, or unbalanced brackets.
+    """
+    out: dict[str, Any] = {}
+    for raw in _split_top(text):
+        part = raw.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise invalid_argument("--task-params", f"{part!r} is not key=value")
+        if key in out:
+            raise invalid_argument("--task-params", f"{key!r} is given twice")
+        if value.strip()[:1] == "[" and not value.strip().endswith("]"):
+            raise invalid_argument("--task-params", f"{part!r}: a list ends with ']'")
+        out[key] = parse_value(value)
     return out
+
+
+def dataset_fields(dataset: str) -> list[str]:
+    """The parameters ``--task-params`` may set for a reasoning-gym dataset: the fields of its
+    config dataclass but ``seed`` and ``size`` (gridrl sets those: ``--seed``,
+    ``--eval-tasks``)."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    config_cls = DATASETS[dataset][1]
+    return [f.name for f in dataclasses.fields(config_cls) if f.name not in _OWN_FIELDS]
+
+
+_OWN_FIELDS = ("seed", "size")
 
 
 class ReasoningGymEnv(Environment):
@@ -69,8 +147,8 @@ class ReasoningGymEnv(Environment):
         system_prompt: the instruction (default: the answer between ``<answer>`` tags).
     Raises:
         StatusError: INVALID_ARGUMENT on ``--task`` when reasoning-gym is missing or the
-            dataset unknown (naming the known ones), on ``--task-params`` when the dataset
-            refuses its parameters.
+            dataset unknown (naming the known ones), on ``--task-params`` for a key the
+            dataset does not have (naming the ones it has) or values it refuses.
     """
 
     max_tokens: ClassVar[int] = 32
@@ -87,6 +165,16 @@ class ReasoningGymEnv(Environment):
         self.name = f"reasoning-gym:{dataset}"
         self.system_prompt = system_prompt
         params = dict(params or {})
+        valid = dataset_fields(dataset)
+        own = sorted(set(params) & set(_OWN_FIELDS))
+        if own:
+            raise invalid_argument("--task-params", (
+                f"{', '.join(own)}: set by gridrl (--seed, --eval-tasks), not here"))
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise invalid_argument("--task-params", (
+                f"{dataset} has no parameter {', '.join(map(repr, unknown))}; its parameters: "
+                f"{', '.join(valid)}"))
         try:
             self.train = rg.create_dataset(dataset, seed=seed, size=TRAIN_SIZE, **params)
             self.held = rg.create_dataset(dataset, seed=EVAL_SEED, size=eval_size, **params)

@@ -19,6 +19,7 @@ from gridrl.trainer.primitives.service import PrimitivesService, SampleTarget
 from gridrl.trainer.primitives.types import (
     DEFAULT_CLIP_HIGH,
     DEFAULT_CLIP_LOW,
+    DEFAULT_DRO_BETA,
     AdamSettings,
     Datum,
     LoraRequest,
@@ -55,7 +56,8 @@ def loss_spec(function: int, config: primitives_pb2.LossConfig) -> LossSpec:
     return LossSpec(name, config.clip_low_threshold if config.HasField("clip_low_threshold")
                     else DEFAULT_CLIP_LOW,
                     config.clip_high_threshold if config.HasField("clip_high_threshold")
-                    else DEFAULT_CLIP_HIGH)
+                    else DEFAULT_CLIP_HIGH,
+                    config.beta if config.HasField("beta") else DEFAULT_DRO_BETA)
 
 
 def datums(data: Any) -> list[Datum]:

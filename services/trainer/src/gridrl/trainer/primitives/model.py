@@ -72,6 +72,12 @@ class TrainableModel(Protocol):
         """Restore :meth:`state_files`; without ``with_optimizer`` the optimizer starts afresh.
         Drops any accumulated gradient."""
 
+    def prompt_topk(self, prompt: Sequence[int], k: int) -> tuple[Any, Any]:
+        """Per prompt position after the first, the ``k`` most likely next tokens and their
+        logprobs (temperature 1): ``(ids, logprobs)`` numpy arrays, both
+        ``(len(prompt) - 1, k)``, int32 and float32, most likely first."""
+        ...
+
     def generate(self, prompts: Sequence[Sequence[int]], config: Any,
                  seeds: Sequence[int]) -> list[Any]:
         """The engine's sampling on the current weights

@@ -11,6 +11,8 @@ a training model and the files are plain directories under the server's root::
     <root>/<model id>/sampler_weights/<name>/peft/           the adapter, peft layout
     <root>/<model id>/sampler_weights/<name>/mlx/            the same, mlx-lm layout
     <root>/<model id>/sampler_weights/<name>/snapshot.json   policy version, base model
+    <root>/<model id>/external_weights/<name>/peft/, mlx/,   an export (save_weights_external)
+                                              external.json
 
 so what a run saves loads locally with ``PeftModel.from_pretrained`` or
 ``mlx_lm.load(..., adapter_path=...)``.
@@ -25,7 +27,8 @@ from pathlib import Path
 from gridrl.common.errors import invalid_argument
 
 SCHEME = "tinker://"
-STATE, SAMPLER = "weights", "sampler_weights"
+STATE, SAMPLER, EXTERNAL = "weights", "sampler_weights", "external_weights"
+KINDS = (STATE, SAMPLER, EXTERNAL)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
@@ -36,7 +39,7 @@ class WeightsPath:
 
     Attributes:
         model_id: the training model that saved it.
-        kind: :data:`STATE` or :data:`SAMPLER`.
+        kind: :data:`STATE`, :data:`SAMPLER` or :data:`EXTERNAL`.
         name: the checkpoint's name.
     """
 
@@ -79,9 +82,9 @@ def parse(uri: str, field: str = "path", kind: str | None = None) -> WeightsPath
     if not uri.startswith(SCHEME):
         raise invalid_argument(field, f"{uri!r} is not a tinker:// path")
     parts = uri[len(SCHEME):].split("/")
-    if len(parts) != 3 or parts[1] not in (STATE, SAMPLER) or not _MODEL_ID.fullmatch(parts[0]):
-        raise invalid_argument(field, f"{uri!r}: expected tinker://<model id>/{STATE}/<name> "
-                               f"or tinker://<model id>/{SAMPLER}/<name>")
+    if len(parts) != 3 or parts[1] not in KINDS or not _MODEL_ID.fullmatch(parts[0]):
+        raise invalid_argument(field, f"{uri!r}: expected tinker://<model id>/<kind>/<name> "
+                               f"with kind {', '.join(KINDS)}")
     if kind is not None and parts[1] != kind:
         raise invalid_argument(field, f"{uri!r} is a {parts[1]} path; {kind} is needed here")
     return WeightsPath(parts[0], parts[1], check_name(parts[2], field))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("gridrl.trainer")
+SWEEP_S = 5.0  # seconds between deletions of checkpoints whose TTL passed
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ApiSettings:
     lora_alpha: float
     seed: int
     max_models: int
+    backend: str
     device: str
     dtype: str
     threads: int
@@ -49,6 +51,16 @@ def torch_loader(device: str, dtype: str) -> Any:
 
     def load(base_model: str, lora: Any, seed: int) -> Any:
         return TorchTrainableModel.load(base_model, lora, seed=seed, device=device, dtype=dtype)
+
+    return load
+
+
+def mlx_loader(device: str, dtype: str) -> Any:
+    """The :data:`~gridrl.trainer.primitives.service.ModelLoader` of the MLX backend."""
+    from gridrl.trainer.primitives.mlx_model import MlxTrainableModel
+
+    def load(base_model: str, lora: Any, seed: int) -> Any:
+        return MlxTrainableModel.load(base_model, lora, seed=seed, device=device, dtype=dtype)
 
     return load
 
@@ -74,7 +86,8 @@ def build_service(settings: ApiSettings, security: Any) -> Any:
         fleet = FleetRoute(pool, model_path=str(path), identity=identity,
                            deadline_s=settings.sync_deadline_s)
     return PrimitivesService(root=Path(settings.api_dir),
-                             load_model=torch_loader(settings.device, settings.dtype),
+                             load_model=(mlx_loader if settings.backend == "mlx" else
+                                         torch_loader)(settings.device, settings.dtype),
                              lora_alpha=settings.lora_alpha, seed=settings.seed, fleet=fleet,
                              max_models=settings.max_models)
 
@@ -117,7 +130,9 @@ def serve(settings: ApiSettings, *, listen: str, metrics_port: int, security: An
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        while not stop.wait(SWEEP_S):  # checkpoints whose TTL passed are deleted
+            for uri in facade.checkpoints.sweep():
+                log.info("checkpoint %s expired: deleted", uri)
     finally:
         if http is not None:
             http.stop()

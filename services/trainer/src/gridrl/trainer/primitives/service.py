@@ -11,8 +11,11 @@ one thread, ``primitives-model``, in the order it was submitted (so a caller tha
 its order gets that order; the HTTP facade releases a client's requests in its ``seq_id``
 order first, :mod:`gridrl.trainer.primitives.ordering`). Samples the nodes serve run on the
 ``primitives-sample`` threads and never wait for the model thread; the samples the trainer
-serves itself queue for the model thread, and the requests queued at once for the same
-weights and settings share one batched decode (as a node batches concurrent requests). Errors are
+serves itself queue for the model thread
+(:class:`~gridrl.trainer.primitives.local_sampling.TrainerSampler`: requests queued at once
+for the same weights and settings share one batched decode). The saved checkpoints as
+Tinker's RestClient sees them (listings, TTLs, deletion) are
+:mod:`gridrl.trainer.primitives.checkpoints`. Errors are
 :class:`gridrl.common.errors.StatusError` s set on the future (NOT_FOUND for an unknown model,
 INVALID_ARGUMENT naming the field, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
 
@@ -23,15 +26,13 @@ weights, its optimizer and the snapshot directories.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
 import shutil
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +48,24 @@ from gridrl.common.errors import (
 from gridrl.trainer.backends.base import LoraSettings
 from gridrl.trainer.primitives import paths
 from gridrl.trainer.primitives.fleet import FleetRoute
+from gridrl.trainer.primitives.local_sampling import (
+    LocalSample,
+    SampleTarget,
+    TrainerSampler,
+    apply_stops,
+)
 from gridrl.trainer.primitives.model import TrainableModel
-from gridrl.trainer.primitives.stops import cut_at_stop
+from gridrl.trainer.primitives.snapshots import (
+    EXTERNAL_FILE,
+    KEEP_UNNAMED,
+    SNAPSHOT_FILE,
+    Snapshot,
+    lora_targets,
+    read_state,
+    write_dir,
+    write_mlx,
+)
 from gridrl.trainer.primitives.types import (
-    CROSS_ENTROPY,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -70,63 +85,6 @@ T = TypeVar("T")
 ModelLoader = Callable[[str, LoraSettings, int], TrainableModel]
 ATTENTION_MODULES = "q_proj,k_proj,v_proj,o_proj"
 MLP_MODULES = "gate_proj,up_proj,down_proj"
-TRAINER = "trainer"  # SampleResult.sampled_by when the trainer sampled
-# Unnamed snapshots (Tinker's save_weights_and_get_sampling_client) kept on disk per model;
-# older ones are deleted as new ones are saved (an RL loop saves one a step).
-KEEP_UNNAMED = 4
-SNAPSHOT_FILE = "snapshot.json"
-# Seconds the trainer's sampler waits for more requests before a decode, so that requests a
-# client sent together (one per prompt of a step) decode as one batch.
-COALESCE_S = 0.02
-
-
-@dataclass(frozen=True)
-class SampleTarget:
-    """Which weights to sample.
-
-    Attributes:
-        base_model: the base model string.
-        model_id: the training model, or None for the base model alone.
-        version: the model's policy version (0: its base model).
-        adapter_dir: a peft adapter directory to sample when the model is gone (a snapshot
-            from disk), else None.
-    """
-
-    base_model: str
-    model_id: str | None = None
-    version: int = 0
-    adapter_dir: Path | None = None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A policy version saved for sampling.
-
-    Attributes:
-        version: its policy version.
-        uri: ``tinker://<model>/sampler_weights/<name>``.
-        peft_dir: the adapter in peft layout.
-        mlx_dir: in mlx-lm layout (None: not written, unnamed snapshots; or not convertible).
-        nodes_synced: rollout nodes serving it now.
-    """
-
-    version: int
-    uri: str
-    peft_dir: Path
-    mlx_dir: Path | None
-    nodes_synced: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _LocalSample:
-    """A sample request waiting for the trainer's sampler."""
-
-    target: SampleTarget
-    prompt: list[int]
-    spec: SamplingSpec
-    seed: int
-    prompt_logprobs: bool
-    result: futures.Future
 
 
 @dataclass
@@ -166,7 +124,7 @@ class PrimitivesService:
         self._models: dict[str, _Entry] = {}
         self._snapshots: dict[str, tuple[str, int]] = {}  # sampler uri -> (model id, version)
         self._samplers: dict[tuple[str, Any], TrainableModel] = {}  # models of closed ones
-        self._local_queue: list[_LocalSample] = []  # samples for the trainer's sampler
+        self._trainer_sampler = TrainerSampler(self._sampler_for)
         self._model_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="primitives-model")
         self._sample_threads = futures.ThreadPoolExecutor(16, thread_name_prefix="primitives-sample")
         self._closed = False
@@ -192,7 +150,7 @@ class PrimitivesService:
             mid = model_id or f"ts-{uuid.uuid4().hex[:12]}"
             saved, settings, base = None, self._lora_settings(lora), base_model
             if state is not None:
-                saved, settings, saved_base = self._read_state(state)
+                saved, settings, saved_base = read_state(self.root, state)
                 base = base or saved_base
             if not base:
                 raise invalid_argument("base_model", "is empty")
@@ -268,7 +226,7 @@ class PrimitivesService:
             where = paths.WeightsPath(model_id, paths.STATE, paths.check_name(name))
             files = entry.model.state_files()
             files["state.json"] = json.dumps(self._describe(entry), indent=2).encode()
-            _write_dir(files, where.directory(self.root))
+            write_dir(files, where.directory(self.root))
             return where.uri
 
         return self._on_model_thread(job)
@@ -278,9 +236,9 @@ class PrimitivesService:
         """Replace the model's adapter (and optimizer) by a saved state."""
         def job() -> None:
             entry = self._entry(model_id)
-            files, settings, _ = self._read_state(where)
+            files, settings, _ = read_state(self.root, where)
             if (settings.rank, settings.target_modules) != (
-                    entry.model.lora_rank, _targets(entry.model.target_modules)):
+                    entry.model.lora_rank, lora_targets(entry.model.target_modules)):
                 raise failed_precondition(f"{where.uri}: saved with LoRA rank {settings.rank} "
                                           f"on {settings.target_modules}; {model_id} has rank "
                                           f"{entry.model.lora_rank}")
@@ -288,19 +246,6 @@ class PrimitivesService:
             entry.live = None
 
         return self._on_model_thread(job)
-
-    def _read_state(self, where: paths.WeightsPath
-                    ) -> tuple[dict[str, bytes], LoraSettings, str]:
-        """The files of a saved state, its LoRA settings and its base model."""
-        directory = where.directory(self.root)
-        meta_file = directory / "state.json"
-        if not meta_file.is_file():
-            raise not_found(f"{where.uri}: no saved state (looked in {directory})")
-        meta = json.loads(meta_file.read_text())
-        files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
-        settings = LoraSettings(rank=int(meta["lora_rank"]), alpha=float(meta["lora_alpha"]),
-                                target_modules=_targets(meta["target_modules"]))
-        return files, settings, meta["base_model"]
 
     # ---------------------------------------------------------------- sampling
 
@@ -316,8 +261,9 @@ class PrimitivesService:
                                       paths.check_name(name) if name else f"v{version}")
             directory = where.directory(self.root)
             files = entry.model.adapter_files()
-            peft_dir = _write_dir(files, directory / "peft")
-            mlx_dir = self._write_mlx(files, directory / "mlx", entry) if name else None
+            peft_dir = write_dir(files, directory / "peft")
+            layers = entry.model.identity.num_layers
+            mlx_dir = write_mlx(files, directory / "mlx", entry.model_id, layers) if name else None
             (directory / SNAPSHOT_FILE).write_text(json.dumps(
                 {**self._describe(entry), "policy_version": version}, indent=2))
             synced = None
@@ -334,6 +280,24 @@ class PrimitivesService:
 
         return self._on_model_thread(job)
 
+    def save_external(self, model_id: str, name: str) -> futures.Future[str]:
+        """Export the adapter for use outside gridrl as ``external_weights/<name>``: the peft
+        layout (``peft/``, what HuggingFace peft and vLLM load) and the mlx-lm layout
+        (``mlx/``), with ``external.json`` (base model, LoRA settings). Not a policy version,
+        not pushed to the fleet. Resolves to its ``tinker://`` path."""
+        def job() -> str:
+            entry = self._entry(model_id)
+            where = paths.WeightsPath(model_id, paths.EXTERNAL, paths.check_name(name))
+            directory = where.directory(self.root)
+            files = entry.model.adapter_files()
+            write_dir(files, directory / "peft")
+            write_mlx(files, directory / "mlx", entry.model_id,
+                      entry.model.identity.num_layers)
+            (directory / EXTERNAL_FILE).write_text(json.dumps(self._describe(entry), indent=2))
+            return where.uri
+
+        return self._on_model_thread(job)
+
     def _drop_old_unnamed(self, entry: _Entry, version: int) -> list[Path]:
         entry.unnamed.append(version)
         dropped = []
@@ -344,16 +308,6 @@ class PrimitivesService:
                                                   directory.name).uri, None)
             dropped.append(directory)
         return dropped
-
-    def _write_mlx(self, files: Mapping[str, bytes], directory: Path, entry: _Entry) -> Path | None:
-        from gridrl.adapters import convert_files
-
-        try:
-            return _write_dir(convert_files(files, "mlx", entry.model.identity.num_layers),
-                              directory)
-        except Exception as e:  # the peft directory is there; MLX may not cover the model
-            log.warning("%s: no mlx-lm copy of the snapshot: %s", entry.model_id, e)
-            return None
 
     def sampler_target(self, uri: str) -> SampleTarget:
         """What a ``tinker://.../sampler_weights/<name>`` path samples.
@@ -366,10 +320,10 @@ class PrimitivesService:
         with self._lock:
             known = self._snapshots.get(where.uri)
             entry = self._models.get(where.model_id)
-            if known is not None and entry is not None:
-                return SampleTarget(entry.base_model, where.model_id, known[1])
         directory = where.directory(self.root)
         meta_file = directory / SNAPSHOT_FILE
+        if known is not None and entry is not None and meta_file.is_file():
+            return SampleTarget(entry.base_model, where.model_id, known[1])
         if not meta_file.is_file():
             raise not_found(f"{uri}: no sampler weights there (dropped, or never saved)")
         meta = json.loads(meta_file.read_text())
@@ -389,14 +343,19 @@ class PrimitivesService:
         return SampleTarget(entry.base_model, model_id, version)
 
     def sample(self, target: SampleTarget, prompt: Sequence[int], spec: SamplingSpec, *,
-               prompt_logprobs: bool = False) -> futures.Future[SampleResult]:
+               prompt_logprobs: bool = False, topk_prompt: int = 0
+               ) -> futures.Future[SampleResult]:
         """``spec.n`` samples of ``prompt`` on ``target``'s weights: on the rollout nodes when
-        they serve that version (and prompt logprobs are not asked), else on the trainer."""
+        they serve that version (and prompt logprobs are not asked), else on the trainer.
+        ``topk_prompt`` > 0: also the top-k logprobs of every prompt position
+        (:attr:`SampleResult.topk_prompt`)."""
         result: futures.Future[SampleResult] = futures.Future()
         try:
             spec.check()
             if not prompt:
                 raise invalid_argument("prompt", "is empty")
+            if topk_prompt < 0:
+                raise invalid_argument("topk_prompt_logprobs", f"must be >= 0, got {topk_prompt}")
         except StatusError as e:
             result.set_exception(e)
             return result
@@ -404,10 +363,9 @@ class PrimitivesService:
         prompt = list(prompt)
 
         def local() -> None:
-            with self._lock:
-                self._local_queue.append(_LocalSample(target, prompt, spec, seed,
-                                                      prompt_logprobs, result))
-            drained = self._on_model_thread(self._drain_local)
+            self._trainer_sampler.enqueue(LocalSample(target, prompt, spec, seed, result,
+                                                      prompt_logprobs, topk_prompt))
+            drained = self._on_model_thread(self._trainer_sampler.drain)
             if drained.done() and drained.exception() is not None:  # shutting down
                 result.set_exception(drained.exception())
 
@@ -423,11 +381,14 @@ class PrimitivesService:
             seqs = [SampledSequence(s.token_ids, s.logprobs, s.finish_reason, s.policy_version)
                     for s in samples]
             try:
-                result.set_result(SampleResult(self._apply_stops(target, seqs, spec), node))
+                if spec.stop_strings:
+                    seqs = apply_stops(seqs, spec, self.tokenizer(target.base_model))
+                result.set_result(SampleResult(seqs, node))
             except Exception as e:
                 result.set_exception(e)
 
-        if self.fleet is not None and not prompt_logprobs and self._fleet_serves(target):
+        if (self.fleet is not None and not prompt_logprobs and not topk_prompt
+                and self._fleet_serves(target)):
             self._sample_threads.submit(remote)
         else:
             local()
@@ -442,63 +403,6 @@ class PrimitivesService:
             return False
         return self.fleet is not None and self.fleet.serves(
             target.model_id, target.version, path)
-
-    def _drain_local(self) -> None:
-        """Sample every request queued for the trainer (on the model thread): requests for
-        the same weights and settings share one batched decode, as a node batches them."""
-        from gridrl.engine.contract import SamplingConfig
-
-        with self._lock:
-            if not self._local_queue:  # an earlier drain took them
-                return
-        time.sleep(COALESCE_S)  # requests sent together (a step's groups) arrive ms apart
-        with self._lock:
-            queued, self._local_queue = self._local_queue, []
-        batches: dict[tuple[SampleTarget, Any], list[_LocalSample]] = {}
-        for q in queued:
-            s = q.spec
-            config = SamplingConfig(max_tokens=s.max_tokens, temperature=s.temperature,
-                                    top_p=s.top_p, top_k=s.top_k, stop_token_ids=s.stop_token_ids)
-            batches.setdefault((q.target, config), []).append(q)
-        for (target, config), requests in batches.items():
-            try:
-                self._sample_batch(target, config, requests)
-            except Exception as e:
-                for q in requests:
-                    if not q.result.done():
-                        q.result.set_exception(e)
-
-    def _sample_batch(self, target: SampleTarget, config: Any,
-                      requests: list[_LocalSample]) -> None:
-        from gridrl.engine.rng import sequence_seed
-        from gridrl.trainer.rollouts import group_seed
-
-        model, files = self._sampler_for(target)
-        bound = model.identity.max_context
-        fitting = []
-        for q in requests:
-            if bound and len(q.prompt) + config.max_tokens > bound:
-                q.result.set_exception(invalid_argument(
-                    "sampling_params.max_tokens", f"prompt ({len(q.prompt)} tokens) + "
-                    f"max_tokens ({config.max_tokens}) exceeds the context ({bound})"))
-            else:
-                fitting.append(q)
-        prompts, seeds = [], []
-        for q in fitting:
-            g_seed = group_seed(q.seed, 0)  # as a node seeds group 0 of a request: same samples
-            prompts += [q.prompt] * q.spec.n
-            seeds += [sequence_seed(g_seed, j) for j in range(q.spec.n)]
-        with _swapped(model, files):
-            results = model.generate(prompts, config, seeds) if prompts else []
-            plps = [_prompt_logprobs(model, q.prompt) if q.prompt_logprobs else None
-                    for q in fitting]
-        at = 0
-        for q, plp in zip(fitting, plps, strict=True):
-            seqs = [SampledSequence(list(r.token_ids), list(r.logprobs), r.finish_reason,
-                                    target.version) for r in results[at:at + q.spec.n]]
-            at += q.spec.n
-            q.result.set_result(SampleResult(
-                self._apply_stops(target, seqs, q.spec, model.tokenizer), TRAINER, plp))
 
     def _sampler_for(self, target: SampleTarget
                      ) -> tuple[TrainableModel, Mapping[str, bytes] | None]:
@@ -528,7 +432,7 @@ class PrimitivesService:
         cfg = json.loads(files["adapter_config.json"])
         targets = cfg.get("target_modules") or []
         settings = LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                                target_modules=_targets(targets))
+                                target_modules=lora_targets(targets))
         return self._sampler_model(target.base_model, settings), files
 
     def _sampler_model(self, base_model: str, settings: LoraSettings) -> TrainableModel:
@@ -540,22 +444,6 @@ class PrimitivesService:
             with self._lock:
                 self._samplers[key] = model
         return model
-
-    def _apply_stops(self, target: SampleTarget, seqs: list[SampledSequence],
-                     spec: SamplingSpec, tokenizer: Any = None) -> list[SampledSequence]:
-        if not spec.stop_strings:
-            return seqs
-        if tokenizer is None:
-            tokenizer = self.tokenizer(target.base_model)
-        out = []
-        for s in seqs:
-            keep = cut_at_stop(s.token_ids, spec.stop_strings,
-                               lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-            if keep is not None:
-                s = SampledSequence(s.token_ids[:keep], s.logprobs[:keep], "stop",
-                                    s.policy_version)
-            out.append(s)
-        return out
 
     def tokenizer(self, base_model: str) -> Any:
         """The tokenizer of ``base_model`` (an open model's, else loaded from its directory)."""
@@ -622,40 +510,3 @@ class PrimitivesService:
         return {"model_id": entry.model_id, "base_model": entry.base_model,
                 "lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha,
                 "target_modules": list(m.target_modules), "optimizer_steps": m.steps}
-
-
-def _targets(modules: str | Sequence[str]) -> str:
-    """``LoraSettings.target_modules`` of a saved adapter's module list."""
-    return modules if isinstance(modules, str) else ",".join(sorted(modules))
-
-
-def _write_dir(files: Mapping[str, bytes], directory: Path) -> Path:
-    """Write ``files`` as ``directory``, replacing what was there (atomically)."""
-    from gridrl.adapters import write_dir
-
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    return write_dir(files, directory)
-
-
-@contextlib.contextmanager
-def _swapped(model: TrainableModel, files: Mapping[str, bytes] | None) -> Iterator[None]:
-    """Within the block, ``model`` holds the adapter ``files`` (None: unchanged); its own
-    weights are back afterwards (the accumulated gradient is not touched)."""
-    if files is None:
-        yield
-        return
-    own = model.adapter_files()
-    model.load_adapter_files(files)
-    try:
-        yield
-    finally:
-        model.load_adapter_files(own)
-
-
-def _prompt_logprobs(model: TrainableModel, prompt: list[int]) -> list[float | None]:
-    """Per prompt position, the logprob of its token given the ones before (None at 0)."""
-    if len(prompt) < 2:
-        return [None] * len(prompt)
-    datum = Datum.of(prompt[:-1], prompt[1:])
-    out = model.forward([datum], LossSpec(CROSS_ENTROPY), backward=False)
-    return [None, *(float(x) for x in out.logprobs[0])]

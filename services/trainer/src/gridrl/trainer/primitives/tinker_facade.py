@@ -21,6 +21,7 @@ from gridrl.common.errors import Kind, StatusError, invalid_argument, not_found
 from gridrl.common.security.access import authorize, check_bound_certificate
 from gridrl.common.security.tokens import AUTH_HEADER, AuthorizedTokens
 from gridrl.trainer.primitives import paths, tinker_wire
+from gridrl.trainer.primitives.checkpoints import CheckpointStore
 from gridrl.trainer.primitives.futures import Done, Failed, FutureStore, Pending
 from gridrl.trainer.primitives.ordering import SequenceGate
 from gridrl.trainer.primitives.service import PrimitivesService, SampleTarget
@@ -37,16 +38,10 @@ PROTO_KINDS = ("ForwardBackward", "Forward", "Sample")
 UNSUPPORTED = {
     "create_custom_loss": "server-side custom losses (forward_backward_custom runs them on the "
                           "client, on cross_entropy)",
-    "save_weights_external": "exporting merged weights (the sampler weights are peft and "
-                             "mlx-lm adapter directories on the trainer's disk)",
     "copy_weights": "copying weights between projects",
     "join_sampling_session": "joining sampling sessions",
     "retrieve_futures": "the session futures poller",
-    "auth/token": "JWT exchange (send a gridrl token as TINKER_API_KEY=tml-<token>)",
-    "weights_info": "weights info",
-    "checkpoints": "listing checkpoints (the files are under the trainer's --api-dir)",
-    "training_runs": "training-run listings (the files are under the trainer's --api-dir)",
-    "sessions": "session listings",
+    "auth/token": "JWT exchange and whoami (send a gridrl token as TINKER_API_KEY=tml-<token>)",
 }
 _HTTP_STATUS = {Kind.NOT_FOUND: 404, Kind.UNAUTHENTICATED: 401, Kind.PERMISSION_DENIED: 403,
                 Kind.UNAVAILABLE: 503, Kind.INTERNAL: 500, Kind.UNKNOWN: 500}
@@ -72,6 +67,7 @@ class HttpError(Exception):
 class _Session:
     heartbeat: float
     models: set[str] = field(default_factory=set)
+    samplers: list[str] = field(default_factory=list)
 
 
 class TinkerFacade:
@@ -102,8 +98,20 @@ class TinkerFacade:
         self._samplers: dict[str, tuple[SampleTarget, str | None]] = {}  # id -> target, uri
         self._sample_requests: dict[tuple[str, int], str] = {}
         self._counter = itertools.count(1)
+        self.checkpoints = CheckpointStore(service.root)
 
     # ------------------------------------------------------------------ sessions
+
+    def session_ids(self) -> list[str]:
+        """The live sessions, oldest first."""
+        with self._lock:
+            return list(self._sessions)
+
+    def session_contents(self, session_id: str) -> tuple[list[str], list[str]]:
+        """The training models and samplers of a session (NOT_FOUND naming it)."""
+        session = self._session(session_id)
+        with self._lock:
+            return sorted(session.models), list(session.samplers)
 
     def create_session(self, body: dict) -> dict:
         tinker_wire.parse(tinker_wire.tt.CreateSessionRequest, body, "request")
@@ -175,8 +183,15 @@ class TinkerFacade:
             request.base_model, LoraRequest(rank=lora.rank, seed=lora.seed,
                                             train_attn=lora.train_attn,
                                             train_mlp=lora.train_mlp), model_id=model_id)
-        rid = self._track("CreateModel", started,
-                          lambda info: {"model_id": info.model_id, "type": "create_model"},
+        run = {"base_model": request.base_model, "lora_rank": lora.rank,
+               "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+               "train_unembed": lora.train_unembed, "user_metadata": request.user_metadata}
+
+        def created(info: ModelInfo) -> dict:
+            self.checkpoints.record_run(info.model_id, run)
+            return {"model_id": info.model_id, "type": "create_model"}
+
+        rid = self._track("CreateModel", started, created,
                           on_error=lambda: self._forget_model(model_id))
         return {"request_id": rid, "model_id": model_id}
 
@@ -191,6 +206,7 @@ class TinkerFacade:
     def load_weights(self, body: dict) -> dict:
         request = tinker_wire.parse(tinker_wire.tt.LoadWeightsRequest, body, "request")
         where = paths.parse(request.path, "path", kind=paths.STATE)
+        saved = self.checkpoints.get(where)  # 404 at once, naming the path
         if request.session_id is not None:  # a new model from the state
             session = self._session(request.session_id)
             model_id = f"{request.session_id}:train:{request.model_seq_id}"
@@ -202,9 +218,16 @@ class TinkerFacade:
             started = self.service.create_model(request.base_model, LoraRequest(),
                                                 model_id=model_id, state=where,
                                                 with_optimizer=request.optimizer)
-            rid = self._track("LoadWeights", started, lambda info: {
-                "path": where.uri, "model_id": info.model_id, "type": "load_weights"},
-                on_error=lambda: self._forget_model(model_id))
+            run = {"base_model": request.base_model or saved.meta["base_model"],
+                   "lora_rank": saved.meta["lora_rank"], "loaded_from": where.uri,
+                   "user_metadata": request.user_metadata}
+
+            def loaded(info: ModelInfo) -> dict:
+                self.checkpoints.record_run(info.model_id, run)
+                return {"path": where.uri, "model_id": info.model_id, "type": "load_weights"}
+
+            rid = self._track("LoadWeights", started, loaded,
+                              on_error=lambda: self._forget_model(model_id))
             return {"request_id": rid, "model_id": model_id}
         if request.model_id is None:
             raise invalid_argument("model_id", "give model_id and seq_id, or session_id and "
@@ -217,8 +240,13 @@ class TinkerFacade:
     # ------------------------------------------------------------------ training
 
     def forward_backward(self, body: bytes, content_encoding: str | None) -> dict:
-        call = tinker_wire.forward_backward_request(body, content_encoding)
-        kind = "Forward" if call.forward_only else "ForwardBackward"
+        msg = tinker_wire.forward_backward_message(body, content_encoding)
+        kind = "Forward" if msg.forward_only else "ForwardBackward"
+        try:
+            call = tinker_wire.forward_backward_call(msg)
+        except StatusError as e:
+            self.release_refused(msg.model_id, msg.seq_id, kind, e.message)
+            raise
         return self._ordered(call.model_id, call.seq_id, kind, lambda: self.service.forward(
             call.model_id, call.data, call.loss, backward=not call.forward_only),
             tinker_wire.forward_output)
@@ -234,20 +262,52 @@ class TinkerFacade:
     def save_weights(self, body: dict) -> dict:
         request = tinker_wire.parse(tinker_wire.tt.SaveWeightsRequest, body, "request")
         name = paths.check_name(request.path or f"state-{next(self._counter)}", "path")
+        ttl = _ttl(request.ttl_seconds)
         return self._ordered(request.model_id, request.seq_id, "SaveWeights",
                              lambda: self.service.save_state(request.model_id, name),
-                             lambda uri: {"path": uri, "type": "save_weights"})
+                             lambda uri: {"path": self._with_ttl(uri, ttl),
+                                          "type": "save_weights"})
+
+    def save_weights_external(self, body: dict) -> dict:
+        """An export of the adapter (peft and mlx-lm layouts) as ``external_weights/<name>``
+        (see :meth:`PrimitivesService.save_external`); its files are listed with
+        ``get_external_weights_urls``."""
+        request = tinker_wire.parse(tinker_wire.tt.SaveWeightsExternalRequest, body, "request")
+        if request.age_encryption_recipients:
+            raise invalid_argument("age_encryption_recipients", "encrypting exports is not "
+                                   "supported by gridrl (the files stay on the trainer's disk)")
+        name = paths.check_name(request.path, "path")
+        ttl = _ttl(request.ttl_seconds)
+        return self._ordered(request.model_id, request.seq_id, "SaveWeightsExternal",
+                             lambda: self.service.save_external(request.model_id, name),
+                             lambda uri: {"path": self._with_ttl(uri, ttl),
+                                          "type": "save_weights_external"})
+
+    def _with_ttl(self, uri: str, ttl: float | None) -> str:
+        if ttl is not None:
+            self.checkpoints.set_ttl(paths.parse(uri), ttl)
+        return uri
+
+    def forget_checkpoint(self, where: paths.WeightsPath) -> None:
+        """A checkpoint was deleted: samplers of it answer NOT_FOUND from now on."""
+        with self._lock:
+            gone = [sid for sid, (_, uri) in self._samplers.items() if uri == where.uri]
+            for sid in gone:
+                del self._samplers[sid]
 
     def save_weights_for_sampler(self, body: dict) -> dict:
         request = tinker_wire.parse(tinker_wire.tt.SaveWeightsForSamplerRequest, body, "request")
         name = paths.check_name(request.path, "path") if request.path else None
         model_id = request.model_id
 
+        ttl = _ttl(request.ttl_seconds)
+
         def done(snap: Any) -> dict:
-            answer = {"path": snap.uri, "type": "save_weights_for_sampler"}
+            answer = {"path": self._with_ttl(snap.uri, ttl), "type": "save_weights_for_sampler"}
             if name is None:  # save_weights_and_get_sampling_client: a sampler for it
                 target = self.service.base_target(model_id, snap.version)
-                answer["sampling_session_id"] = self._new_sampler(target, snap.uri)
+                answer["sampling_session_id"] = self._new_sampler(
+                    target, snap.uri, model_id.split(":train:")[0])
             return answer
 
         return self._ordered(model_id, request.seq_id, "SaveWeightsForSampler",
@@ -259,13 +319,15 @@ class TinkerFacade:
         request = tinker_wire.parse(tinker_wire.tt.CreateSamplingSessionRequest, body, "request")
         self._session(request.session_id)
         if request.model_path:
+            self.checkpoints.get(paths.parse(request.model_path, "model_path",
+                                             kind=paths.SAMPLER))
             target, uri = self.service.sampler_target(request.model_path), request.model_path
         elif request.base_model:
             target, uri = SampleTarget(request.base_model), None
         else:
             raise invalid_argument("base_model", "give model_path or base_model")
         return {"type": "create_sampling_session",
-                "sampling_session_id": self._new_sampler(target, uri)}
+                "sampling_session_id": self._new_sampler(target, uri, request.session_id)}
 
     def get_sampler(self, sampler_id: str) -> dict:
         with self._lock:
@@ -275,10 +337,13 @@ class TinkerFacade:
         target, uri = known
         return {"sampler_id": sampler_id, "base_model": target.base_model, "model_path": uri}
 
-    def _new_sampler(self, target: SampleTarget, uri: str | None) -> str:
+    def _new_sampler(self, target: SampleTarget, uri: str | None, session_id: str) -> str:
         sid = f"sampler-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._samplers[sid] = (target, uri)
+            session = self._sessions.get(session_id)
+            if session is not None:
+                session.samplers.append(sid)
         return sid
 
     def asample(self, body: dict) -> dict:
@@ -297,6 +362,8 @@ class TinkerFacade:
                 return {"request_id": repeat, "sample_sequence_ids": _sequence_ids(repeat,
                                                                                    spec.n)}
         elif request.model_path:
+            self.checkpoints.get(paths.parse(request.model_path, "model_path",
+                                             kind=paths.SAMPLER))
             target = self.service.sampler_target(request.model_path)
         elif request.base_model:
             target = SampleTarget(request.base_model)
@@ -307,7 +374,8 @@ class TinkerFacade:
         if last_n is not None and not 1 <= last_n < len(prompt):
             raise invalid_argument("prompt_logprobs_last_n", f"must be in [1, {len(prompt) - 1}]")
         started = self.service.sample(target, prompt, spec,
-                                      prompt_logprobs=bool(request.prompt_logprobs))
+                                      prompt_logprobs=bool(request.prompt_logprobs),
+                                      topk_prompt=int(request.topk_prompt_logprobs or 0))
         rid = self._track("Sample", started,
                           lambda r: tinker_wire.sample_output(r, len(prompt), last_n))
         if key is not None and request.seq_id is not None:
@@ -336,18 +404,46 @@ class TinkerFacade:
                 self._start(ready_rid, ready_start, ready_encode)
         return {"request_id": rid, "model_id": model_id}
 
+    def release_refused(self, model_id: Any, seq_id: Any, kind: str, message: str) -> None:
+        """Give up the place of a refused request (answered 4xx before it could start):
+        request ``seq_id`` of ``model_id`` is taken as a failed one, so the requests numbered
+        after it start in their turn instead of waiting for it forever. A place already taken
+        (a repeat), an unknown model or a request without a number releases nothing.
+
+        The SDK numbers a training client's requests before it sends them and moves on to the
+        next number whatever the answer, so a refusal must consume its number here too.
+        """
+        if not isinstance(model_id, str) or isinstance(seq_id, bool) or not isinstance(seq_id,
+                                                                                     int):
+            return
+        with self._lock:
+            gate = self._gates.get(model_id)
+            if gate is None or gate.repeat_of(seq_id) is not None or seq_id < gate.next_seq:
+                return
+            rid = self.futures.create(kind)
+            self.futures.fail(rid, message, user=True)
+            for ready_rid, ready_start, ready_encode in gate.offer(seq_id, (rid, None, None),
+                                                                    rid):
+                self._start(ready_rid, ready_start, ready_encode)
+
     def _track(self, kind: str, started: futures.Future, encode: Callable[[Any], Any],
                on_error: Callable[[], None] | None = None) -> str:
         rid = self.futures.create(kind)
         self._settle(rid, started, encode, on_error)
         return rid
 
-    def _start(self, rid: str, start: Callable[[], futures.Future],
-               encode: Callable[[Any], Any]) -> None:
+    def _start(self, rid: str, start: Callable[[], futures.Future] | None,
+               encode: Callable[[Any], Any] | None) -> None:
+        if start is None or encode is None:  # a refused request's place: already failed
+            return
         try:
             started = start()
         except StatusError as e:
             self.futures.fail(rid, e.message, user=True)
+            return
+        except Exception as e:  # a bug of ours: the request fails, the order goes on
+            log.error("request %s failed to start", rid, exc_info=e)
+            self.futures.fail(rid, f"{type(e).__name__}: {e}", user=False)
             return
         self._settle(rid, started, encode)
 
@@ -428,6 +524,13 @@ class TinkerFacade:
                 "send 'authorization: Bearer <token>' (clients: --auth-token-file)",
                 "set TINKER_API_KEY=tml-<a gridrl token of scope trainer>")
             raise HttpError.of(StatusError(decision.code, message))
+
+
+def _ttl(seconds: int | None) -> float | None:
+    """A checkpoint's ``ttl_seconds`` (None: it never expires); INVALID_ARGUMENT unless > 0."""
+    if seconds is not None and seconds <= 0:
+        raise invalid_argument("ttl_seconds", f"must be > 0, got {seconds}")
+    return seconds
 
 
 def _sequence_ids(rid: str, n: int) -> list[str]:

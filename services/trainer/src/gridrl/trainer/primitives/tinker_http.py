@@ -1,7 +1,7 @@
 """The Tinker-compatible REST facade on HTTP: the Starlette routes under ``/api/v1`` that the
 official SDK (``tinker`` 0.38, read in its ``tinker/resources/*.py``) calls, each mapped onto
 :class:`~gridrl.trainer.primitives.tinker_facade.TinkerFacade` (what the endpoints mean), and
-:class:`HttpServer`, uvicorn on a thread of its own.
+:class:`HttpServer`, on the services' HTTP stack (:mod:`gridrl.common.http`).
 
 Point the SDK at it with ``TINKER_BASE_URL=http://127.0.0.1:8100`` (https with TLS) and
 ``TINKER_API_KEY=tml-<a gridrl token of scope trainer>`` (the SDK insists on the ``tml-``
@@ -26,13 +26,10 @@ Endpoints gridrl does not serve answer 400 (a known Tinker feature: the message 
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from gridrl.common import http
 from gridrl.common.errors import StatusError
 from gridrl.trainer.primitives import tinker_wire
 from gridrl.trainer.primitives.tinker_facade import (
@@ -41,6 +38,7 @@ from gridrl.trainer.primitives.tinker_facade import (
     HttpError,
     TinkerFacade,
 )
+from gridrl.trainer.primitives.tinker_rest import TinkerRest, refused_feature
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +64,23 @@ def app(facade: TinkerFacade) -> Any:
 
     def endpoint(fn: Callable[..., Any], *, raw: bool = False, auth: bool = True) -> Callable:
         async def handle(request: Request) -> Response:
+            body = None
             try:
                 if auth:
                     facade.check_key(request.headers.get(KEY_HEADER))
                 if raw:
                     return await fn(request)
-                args = [await json_body(request)] if request.method == "POST" else []
+                args = [body := await json_body(request)] if request.method == "POST" else []
                 args += list(request.path_params.values())
                 return JSONResponse(fn(*args))
             except HttpError as e:
-                return JSONResponse({"error": e.message}, status_code=e.status)
+                error = e
             except StatusError as e:
                 error = HttpError.of(e)
-                return JSONResponse({"error": error.message}, status_code=error.status)
+            if body is not None:  # a numbered request refused: the ones after it go on
+                facade.release_refused(body.get("model_id"), body.get("seq_id"),
+                                       request.url.path.rsplit("/", 1)[-1], error.message)
+            return JSONResponse({"error": error.message}, status_code=error.status)
         return handle
 
     async def forward_backward(request: Request) -> Response:
@@ -91,14 +93,41 @@ def app(facade: TinkerFacade) -> Any:
             return Response(payload, media_type=tinker_wire.PROTOBUF)
         return JSONResponse(payload, status_code=408 if kind == "pending" else 200)
 
-    async def unsupported(request: Request) -> Response:
+    rest_api = TinkerRest(facade)
+
+    async def rest_or_refused(request: Request) -> Response:
+        """The RestClient's paths (:mod:`~gridrl.trainer.primitives.tinker_rest`), else a
+        refusal: 400 naming a Tinker feature gridrl does not serve, 404 for anything else."""
         path = request.url.path.removeprefix(API + "/")
-        feature = next((f for key, f in UNSUPPORTED.items() if path.startswith(key)), None)
-        if feature is None:
-            return JSONResponse({"error": f"gridrl's Tinker facade has no {request.method} "
-                                          f"{request.url.path}"}, status_code=404)
-        return JSONResponse({"error": f"{request.method} {request.url.path}: {feature} is not "
-                                      "supported by gridrl"}, status_code=400)
+        body = None
+        if request.method in ("POST", "PUT", "PATCH"):
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+        try:
+            facade.check_key(request.headers.get(KEY_HEADER))
+            try:
+                answer = rest_api.route(request.method, path, dict(request.query_params), body)
+                return JSONResponse(answer)
+            except KeyError:
+                pass
+            feature = refused_feature(path) or next(
+                (f for key, f in UNSUPPORTED.items() if path.startswith(key)), None)
+            if feature is None:
+                error = HttpError(404, f"gridrl's Tinker facade has no {request.method} "
+                                       f"{request.url.path}")
+            else:
+                error = HttpError(400, f"{request.method} {request.url.path}: {feature} is not "
+                                       "supported by gridrl")
+        except HttpError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+        except StatusError as e:
+            error = HttpError.of(e)
+        if isinstance(body, dict):  # e.g. copy_weights may take a place in the order
+            facade.release_refused(body.get("model_id"), body.get("seq_id"), path,
+                                   error.message)
+        return JSONResponse({"error": error.message}, status_code=error.status)
 
     routes = [
         Route(f"{API}/healthz", endpoint(lambda: {"status": "ok"}, auth=False), methods=["GET"]),
@@ -117,6 +146,8 @@ def app(facade: TinkerFacade) -> Any:
         Route(f"{API}/optim_step", endpoint(facade.optim_step), methods=["POST"]),
         Route(f"{API}/save_weights", endpoint(facade.save_weights), methods=["POST"]),
         Route(f"{API}/load_weights", endpoint(facade.load_weights), methods=["POST"]),
+        Route(f"{API}/save_weights_external", endpoint(facade.save_weights_external),
+              methods=["POST"]),
         Route(f"{API}/save_weights_for_sampler", endpoint(facade.save_weights_for_sampler),
               methods=["POST"]),
         Route(f"{API}/create_sampling_session", endpoint(facade.create_sampling_session),
@@ -125,14 +156,15 @@ def app(facade: TinkerFacade) -> Any:
         Route(f"{API}/asample", endpoint(facade.asample), methods=["POST"]),
         Route(f"{API}/retrieve_future", endpoint(retrieve, raw=True), methods=["POST"]),
         Route(f"{API}/cancel_future", endpoint(lambda body: {}), methods=["POST"]),
-        Route(f"{API}/{{rest:path}}", endpoint(unsupported, raw=True),
+        Route(f"{API}/{{rest:path}}", rest_or_refused,
               methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
     return Starlette(routes=routes)
 
 
 class HttpServer:
-    """The facade on uvicorn, on a thread of its own.
+    """The facade on the services' HTTP stack (:class:`gridrl.common.http.HttpServer`:
+    uvicorn on a thread of its own).
 
     Args:
         facade: what it serves.
@@ -150,8 +182,7 @@ class HttpServer:
         self.port = port
         self.tls = tls
         self.grace_s = grace_s
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: http.HttpServer | None = None
 
     @property
     def base_url(self) -> str:
@@ -166,35 +197,18 @@ class HttpServer:
         Raises:
             OSError: the address cannot be bound. RuntimeError: it did not start.
         """
-        import uvicorn
-
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.create_server((self.host or "0.0.0.0", self.port), family=family)
-        self.port = sock.getsockname()[1]
-        kwargs: dict[str, Any] = {}
-        if self.tls:
-            kwargs = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1],
-                      "ssl_cert_reqs": ssl.CERT_NONE}
-        config = uvicorn.Config(app(self.facade), log_config=None, access_log=False,
-                                lifespan="off", http="h11", loop="asyncio", server_header=False,
-                                timeout_graceful_shutdown=self.grace_s, **kwargs)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="tinker-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                sock.close()
-                raise RuntimeError(f"the Tinker facade on {self.base_url} did not start")
-            time.sleep(0.01)
+        tls = http.HttpTls(*self.tls) if self.tls else None
+        server = http.HttpServer(app(self.facade), self.host, self.port, tls=tls,
+                                 name="tinker-http", grace_s=self.grace_s)
+        self._server = server.start()
+        self.port = server.port
         return self
 
     def stop(self) -> None:
         """Stop serving (long polls answer at once). Idempotent."""
-        if self._server is None or self._thread is None:
+        if self._server is None:
             return
-        self._server.should_exit = True
+        server, self._server = self._server, None
+        server.begin_stop()
         self.facade.futures.wake()
-        self._thread.join(self.grace_s + LONG_POLL_S + 5)
-        self._server = None
+        server.stop(extra_s=LONG_POLL_S)

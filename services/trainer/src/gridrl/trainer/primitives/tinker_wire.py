@@ -23,7 +23,9 @@ from gridrl.common.errors import invalid_argument
 from gridrl.trainer.primitives.types import (
     DEFAULT_CLIP_HIGH,
     DEFAULT_CLIP_LOW,
+    DEFAULT_DRO_BETA,
     LOSS_FUNCTIONS,
+    LOSS_SETTINGS,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -32,8 +34,8 @@ from gridrl.trainer.primitives.types import (
     SamplingSpec,
 )
 
-SDK_VERSIONS = ">=0.38,<0.39"  # the SDK releases whose wire this module speaks
 PROTOBUF = "application/x-protobuf"
+TOPK_MASK_LOGPROB = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB: a row not scored
 DEFAULT_MAX_TOKENS = 256  # SamplingParams.max_tokens left unset
 # loss_fn_inputs key -> Datum field
 _INPUTS = {"target_tokens": "target_ids", "weights": "weights", "advantages": "advantages",
@@ -66,9 +68,11 @@ class ForwardBackwardCall:
     forward_only: bool
 
 
-def forward_backward_request(body: bytes, content_encoding: str | None) -> ForwardBackwardCall:
-    """Decode the SDK's protobuf ``ForwardBackwardRequest`` (zstd when
-    ``Content-Encoding: zstd``)."""
+def forward_backward_message(body: bytes, content_encoding: str | None
+                             ) -> pb.ForwardBackwardRequest:
+    """The protobuf ``ForwardBackwardRequest`` of a body (zstd when ``Content-Encoding:
+    zstd``), not yet checked: its ``model_id`` and ``seq_id`` are known even when the rest is
+    refused by :func:`forward_backward_call`."""
     if content_encoding and content_encoding.lower() == "zstd":
         import zstandard
 
@@ -78,6 +82,11 @@ def forward_backward_request(body: bytes, content_encoding: str | None) -> Forwa
         msg.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
         raise invalid_argument("body", f"not a tinker_public.ForwardBackwardRequest: {e}") from e
+    return msg
+
+
+def forward_backward_call(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
+    """The checked call of a ``ForwardBackwardRequest``; INVALID_ARGUMENT naming the field."""
     return ForwardBackwardCall(model_id=msg.model_id, seq_id=msg.seq_id,
                                data=[_datum(d, i) for i, d in enumerate(msg.data)],
                                loss=_loss(msg), forward_only=msg.forward_only)
@@ -93,14 +102,15 @@ def _loss(msg: pb.ForwardBackwardRequest) -> LossSpec:
         if value.WhichOneof("value") == "text":
             raise invalid_argument(f"loss_fn_config['{key}']", "text values are not supported")
         config[key] = value.number
-    known = ("clip_low_threshold", "clip_high_threshold")
+    known = LOSS_SETTINGS[msg.loss_fn]
     for key in config:
-        if key not in known or msg.loss_fn != "ppo":
+        if key not in known:
+            reads = ", ".join(known) if known else "no settings"
             raise invalid_argument(f"loss_fn_config['{key}']",
-                                   f"not a setting of {msg.loss_fn} here (gridrl reads "
-                                   "clip_low_threshold and clip_high_threshold for ppo)")
+                                   f"not a setting of {msg.loss_fn} (it reads {reads})")
     return LossSpec(msg.loss_fn, config.get("clip_low_threshold", DEFAULT_CLIP_LOW),
-                    config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
+                    config.get("clip_high_threshold", DEFAULT_CLIP_HIGH),
+                    config.get("beta", DEFAULT_DRO_BETA))
 
 
 def _datum(d: pb.Datum, i: int) -> Datum:
@@ -185,10 +195,9 @@ def adam_settings(request: Any) -> AdamSettings:
 
 def sampling_spec(request: Any) -> tuple[list[int], SamplingSpec]:
     """The prompt and :class:`SamplingSpec` of a ``SampleRequest``; INVALID_ARGUMENT naming a
-    feature gridrl does not serve (top-k logprobs, target or alternative prompt tokens,
-    stability records)."""
-    unsupported = (("topk_prompt_logprobs", request.topk_prompt_logprobs),
-                   ("topk_sample_logprobs", request.topk_sample_logprobs),
+    feature gridrl does not serve (top-k logprobs of sampled tokens, target or alternative
+    prompt tokens, stability records)."""
+    unsupported = (("topk_sample_logprobs", request.topk_sample_logprobs),
                    ("target_prompt_logprobs", request.target_prompt_logprobs is not None),
                    ("prompt_alt_tokens_k", request.prompt_alt_tokens_k),
                    ("record_stability_info", request.record_stability_info))
@@ -238,4 +247,16 @@ def sample_output(result: SampleResult, prompt_length: int, last_n: int | None) 
         if last_n is not None:
             values[:max(prompt_length - last_n, 0)] = np.nan
         out.prompt_logprobs = values.tobytes()
+    if result.topk_prompt is not None:
+        ids, logprobs = result.topk_prompt
+        k = ids.shape[1]
+        # position 0 (and positions before the last ``last_n``) carry the SDK's sentinel
+        all_ids = np.zeros((prompt_length, k), dtype=np.int32)
+        all_lps = np.full((prompt_length, k), TOPK_MASK_LOGPROB, dtype=np.float32)
+        all_ids[1:], all_lps[1:] = ids, logprobs
+        if last_n is not None:
+            cut = max(prompt_length - last_n, 0)
+            all_ids[:cut], all_lps[:cut] = 0, TOPK_MASK_LOGPROB
+        out.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(
+            token_ids=all_ids.tobytes(), logprobs=all_lps.tobytes(), k=k, length=prompt_length))
     return out.SerializeToString()

@@ -16,7 +16,16 @@ is the logprob of ``target_ids[t]`` under ``softmax(logits[t])`` (temperature 1)
 * ``cross_entropy``: ``-weights[t] * logp[t]``;
 * ``importance_sampling``: ``-exp(logp[t] - q[t]) * A[t]`` with ``q`` the sampling logprobs;
 * ``ppo``: ``-min(r[t] A[t], clip(r[t], clip_low, clip_high) A[t])``, ``r = exp(logp - q)``
-  (Schulman et al. 2017, arXiv:1707.06347, eq. 7, token-wise).
+  (Schulman et al. 2017, arXiv:1707.06347, eq. 7, token-wise);
+* ``cispo``: ``-sg(clip(r[t], clip_low, clip_high)) * logp[t] * A[t]``, ``sg`` a stop-gradient:
+  the clipped ratio weighs the log-likelihood gradient instead of clipping the objective
+  (MiniMax-M1, arXiv:2506.13585; as Tinker implements it,
+  tinker-docs.thinkingmachines.ai/tinker/losses/cispo);
+* ``dro``: ``-(logp[t] * A[t] - beta / 2 * (logp[t] - q[t])^2)``, a quadratic penalty on the
+  log-ratio instead of a clip (Richemond et al. 2024, "Offline Regularised Reinforcement
+  Learning for Large Language Models Alignment", arXiv:2405.19107; Kimi k1.5,
+  arXiv:2501.12599; as Tinker implements it, tinker-docs.thinkingmachines.ai/tinker/
+  losses/dro). The advantages are the client's (Tinker: a soft advantage estimate).
 
 Gradients add up over forward-backward calls until :meth:`TorchTrainableModel.optim_step`
 (``torch.optim.AdamW`` with the step's settings, Tinker's ``AdamParams``).
@@ -38,7 +47,9 @@ from gridrl.trainer.backends.base import LoraSettings, UpdateConfig
 from gridrl.trainer.backends.torch import losses
 from gridrl.trainer.backends.torch.backend import TorchTrainerBackend, load_state_bytes
 from gridrl.trainer.primitives.types import (
+    CISPO,
     CROSS_ENTROPY,
+    DRO,
     IMPORTANCE_SAMPLING,
     AdamSettings,
     Datum,
@@ -230,6 +241,15 @@ class TorchTrainableModel:
             self.backend.optimizer = _adamw(self.policy.trainable_parameters())
             self.steps = 0
 
+    def prompt_topk(self, prompt: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """See :meth:`TrainableModel.prompt_topk`: one forward of ``prompt[:-1]``, a
+        ``log_softmax`` over the whole vocabulary per position, its ``k`` largest."""
+        ids = torch.tensor([list(prompt[:-1])], dtype=torch.long, device=self.policy.device)
+        with torch.no_grad():
+            logits = self.policy.model(input_ids=ids).logits[0].float()
+            values, top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), -1)
+        return top.cpu().numpy().astype(np.int32), values.cpu().numpy().astype(np.float32)
+
     def generate(self, prompts: Sequence[Sequence[int]], config: Any,
                  seeds: Sequence[int]) -> list[Any]:
         return self.backend.generate(prompts, config, seeds)
@@ -317,6 +337,11 @@ def _token_loss(loss: LossSpec, d: Datum, logp: torch.Tensor) -> torch.Tensor:
     q, adv = tensor(d.sampling_logprobs), tensor(d.advantages)
     if loss.name == IMPORTANCE_SAMPLING:
         return -(torch.exp(logp - q) * adv).sum()
+    if loss.name == CISPO:
+        ratio = torch.exp(logp - q).clamp(loss.clip_low, loss.clip_high).detach()
+        return -(ratio * logp * adv).sum()
+    if loss.name == DRO:
+        return -(logp * adv - 0.5 * loss.beta * (logp - q) ** 2).sum()
     token_loss, _ = losses.clipped_surrogate(logp.unsqueeze(0), q.unsqueeze(0), adv.unsqueeze(0),
                                              eps_low=1.0 - loss.clip_low,
                                              eps_high=loss.clip_high - 1.0)

@@ -2,7 +2,7 @@
 
 A :class:`Datum` is one training example as Tinker defines it (``tinker.Datum``: a
 ``model_input`` of N tokens and ``loss_fn_inputs``): per position ``t`` the model reads
-``input_ids[: t + 1]`` and the loss scores ``target_ids[t]``. The three losses
+``input_ids[: t + 1]`` and the loss scores ``target_ids[t]``. The losses
 (:data:`LOSS_FUNCTIONS`) and what each needs are documented in
 ``protos/gridrl/v1/primitives.proto`` (``LossFunction``) and computed in
 :mod:`gridrl.trainer.primitives.torch_model`; sums, never means (Tinker's convention).
@@ -22,14 +22,27 @@ import numpy as np
 from gridrl.common.errors import invalid_argument
 
 CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO = "cross_entropy", "importance_sampling", "ppo"
-LOSS_FUNCTIONS = (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO)
+CISPO, DRO = "cispo", "dro"
+LOSS_FUNCTIONS = (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO)
 # Per-position inputs each loss reads besides the targets; `weights` is optional (all 1).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     CROSS_ENTROPY: (),
     IMPORTANCE_SAMPLING: ("advantages", "sampling_logprobs"),
     PPO: ("advantages", "sampling_logprobs"),
+    CISPO: ("advantages", "sampling_logprobs"),
+    DRO: ("advantages", "sampling_logprobs"),
+}
+# Settings each loss reads from Tinker's loss_fn_config
+LOSS_SETTINGS: dict[str, tuple[str, ...]] = {
+    CROSS_ENTROPY: (), IMPORTANCE_SAMPLING: (),
+    PPO: ("clip_low_threshold", "clip_high_threshold"),
+    CISPO: ("clip_low_threshold", "clip_high_threshold"),
+    DRO: ("beta",),
 }
 DEFAULT_CLIP_LOW, DEFAULT_CLIP_HIGH = 0.8, 1.2  # Tinker's PPO: epsilon 0.2 both sides
+# DRO's beta when loss_fn_config gives none: Tinker's documentation gives no default (its
+# example sets 0.05), so gridrl takes that value.
+DEFAULT_DRO_BETA = 0.05
 
 
 @dataclass(frozen=True)
@@ -74,12 +87,15 @@ class LossSpec:
 
     Attributes:
         name: one of :data:`LOSS_FUNCTIONS`.
-        clip_low, clip_high: PPO's clip of the ratio ``exp(logp - sampling_logprobs)``.
+        clip_low, clip_high: PPO's and CISPO's clip of the ratio
+            ``exp(logp - sampling_logprobs)``.
+        beta: DRO's weight of the quadratic penalty ``(logp - sampling_logprobs)^2 / 2``.
     """
 
     name: str
     clip_low: float = DEFAULT_CLIP_LOW
     clip_high: float = DEFAULT_CLIP_HIGH
+    beta: float = DEFAULT_DRO_BETA
 
     def check(self, field_name: str = "loss_fn") -> None:
         """Raises INVALID_ARGUMENT for an unknown name or a clip range that is not
@@ -93,6 +109,9 @@ class LossSpec:
         if not math.isfinite(self.clip_high) or self.clip_high < 1:
             raise invalid_argument("loss_fn_config.clip_high_threshold",
                                    f"must be a finite number >= 1, got {self.clip_high}")
+        if not math.isfinite(self.beta) or self.beta < 0:
+            raise invalid_argument("loss_fn_config.beta",
+                                   f"must be a finite number >= 0, got {self.beta}")
 
 
 def check_datums(data: Sequence[Datum], loss: LossSpec, vocab_size: int) -> None:
@@ -287,11 +306,15 @@ class SampleResult:
         prompt_logprobs: with prompt logprobs asked: per prompt position, the logprob of that
             token given the ones before (temperature 1, the sampled weights); None at
             position 0.
+        topk_prompt: with top-k prompt logprobs asked: ``(token_ids, logprobs)``, both
+            ``(len(prompt) - 1, k)`` (int32, float32), row ``i`` the k most likely tokens
+            after ``prompt[: i + 1]``, most likely first (temperature 1).
     """
 
     sequences: list[SampledSequence]
     sampled_by: str
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass

@@ -37,10 +37,42 @@ from gridrl.trainer.report.events import (
 )
 from gridrl.trainer.report.records import StepRecord
 
-LEGEND = ("[dim]reward: mean±std of the step's samples; eval: held-out score±stderr"
-          "@policy version, exact: its completions with full marks; stale: mean versions behind; kl: behaviour vs trainer "
-          "logprobs; loss: the GRPO surrogate, ≈0 on-policy (advantages are centred in "
-          "each group), gnorm: the update's size; v: policy version[/]")
+#: what each field of the step line means, in the line's order (printed before the first step)
+LEGEND_FIELDS = (
+    ("step n/N", "the step and --steps"),
+    ("reward", "mean±std of the step's samples (with several reward functions: each one's "
+               "mean in brackets)"),
+    ("eval", "held-out score±stderr@policy version, exact: its completions with full marks "
+             "(then the environment's eval figures)"),
+    ("reward errors", "groups left out because a reward function failed"),
+    ("stale", "mean policy versions the samples were behind; dropped: samples too stale"),
+    ("kl", "behaviour vs trainer logprobs"),
+    ("loss", "the GRPO surrogate, ≈0 on-policy (advantages are centred in each group); "
+             "gnorm: the update's size"),
+    ("is", "importance weights: mean/max and the fraction capped"),
+    ("v", "policy version after the step"),
+    ("sync", "seconds to push the adapter, nodes that took it/all"),
+    ("roll", "seconds sampling; train: seconds updating; tok/s: sampled tokens per second"),
+    ("FLAGGED", "nodes whose samples are kept out"),
+)
+#: the fields of the step line's episode part (printed before the first step that has one)
+EPISODE_LEGEND_FIELDS = (
+    ("turns", "model turns per episode, mean"),
+    ("env a/b tok", "tokens the environment's turns added (a, not trained on) of all tokens "
+                    "after the prompts (b)"),
+    ("trunc", "episodes cut by --max-turns or --max-episode-tokens"),
+    ("drop", "episodes not trained on, by reason (env_error: the environment raised; "
+             "template, sampler, mixed_version, mixed_node)"),
+    ("tools", "tool calls, errors (err) and timeouts; then the environment's own counters"),
+)
+
+
+def _legend(fields: tuple[tuple[str, str], ...]) -> str:
+    return "[dim]" + "; ".join(f"{name}: {meaning}" for name, meaning in fields) + "[/]"
+
+
+LEGEND = _legend(LEGEND_FIELDS)
+EPISODE_LEGEND = _legend(EPISODE_LEGEND_FIELDS)
 
 
 class Printer(Protocol):
@@ -68,6 +100,7 @@ class ConsoleLines:
         self.wait_every_s = wait_every_s
         self._clock = clock
         self._legend_printed = False
+        self._episode_legend_printed = False
         self._wait_printed_at: float | None = None
         self._last_wait: NodeWait | None = None
         self._expected_printed = False
@@ -89,6 +122,9 @@ class ConsoleLines:
         if r.reward_error_groups:
             parts.append(f"[red]reward errors: {r.reward_error_groups} group(s) left out[/]")
         if episodes := _episodes(r):
+            if not self._episode_legend_printed:
+                self._episode_legend_printed = True
+                self.console.print(EPISODE_LEGEND)
             parts.append(episodes)
         stale = f"stale {r.staleness_mean:.1f}"
         if r.dropped_samples:

@@ -94,7 +94,8 @@ class StepRecord:
     ``second_attempt_success``, ``turns_mean``); ``eval_exact`` the fraction of eval completions
     with full marks (score >= 1: for reverse-words the exact reversal) and ``eval_scorer`` what
     scored the eval. ``reward_error_groups``: groups left out because a reward function failed
-    on them (``--on-reward-error drop``).
+    on them (``--on-reward-error drop``). ``reward_min`` / ``reward_max``: the range of the
+    admitted samples' rewards (None when none was admitted).
     """
 
     step: int
@@ -137,6 +138,8 @@ class StepRecord:
     dropped_episodes: dict[str, int] = field(default_factory=dict)  # reason -> episodes
     env_counts: dict[str, int] = field(default_factory=dict)  # tool_calls, tool_errors...
     reward_error_groups: int = 0
+    reward_min: float | None = None  # the lowest and highest reward of the admitted samples
+    reward_max: float | None = None
     # after an update
     clip_fraction: float | None = None
     grad_norm: float | None = None
@@ -227,6 +230,9 @@ class StepRecord:
             env_counts=dict(sorted(episodes.counts.items())),
             reward_error_groups=batch.reward_error_groups,
             mismatch_kl_bound=mismatch_kl_bound)
+        rewards = [a.reward for a in batch.samples]
+        if rewards:
+            record.reward_min, record.reward_max = float(min(rewards)), float(max(rewards))
         if stats is not None:
             record.clip_fraction, record.grad_norm, record.lr = (stats.clip_fraction,
                                                                  stats.grad_norm, stats.lr)
@@ -359,7 +365,9 @@ class RunSummary:
     episode; ``*_eval_metrics`` the environment's own eval figures; ``reward_error_groups``:
     groups left out for a reward function's failure; ``reward_funcs_first10`` /
     ``reward_funcs_last10`` each reward function's mean over the first / last 10 steps, before
-    weighting)."""
+    weighting); ``baseline_eval_examples`` / ``final_eval_examples`` the first episodes of the
+    baseline's and the last eval, whole (:func:`gridrl.trainer.evaluation.eval_example`: the
+    prompt, every model and environment turn with its role, the score)."""
 
     run_name: str | None
     model: str
@@ -403,6 +411,8 @@ class RunSummary:
     plot: str
     reward_funcs_first10: dict[str, float] = field(default_factory=dict)
     reward_funcs_last10: dict[str, float] = field(default_factory=dict)
+    baseline_eval_examples: list[dict[str, Any]] = field(default_factory=list)
+    final_eval_examples: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The ``summary.json`` object (its keys are the field names)."""

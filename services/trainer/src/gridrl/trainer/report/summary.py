@@ -138,7 +138,10 @@ class RunHistory:
             adapter=str(adapter), adapter_mlx=str(adapter_mlx) if adapter_mlx else None,
             adapter_mlx_error=adapter_mlx_error, plot=str(self.plot_path),
             reward_funcs_first10=_function_means(self.records[:10]),
-            reward_funcs_last10=_function_means(self.records[-10:]))
+            reward_funcs_last10=_function_means(self.records[-10:]),
+            baseline_eval_examples=list(self.baseline.eval_examples) if self.baseline else [],
+            final_eval_examples=next((list(r.eval_examples) for r in reversed(self.records)
+                                      if r.eval_score is not None and r.eval_examples), []))
 
 
 def _function_means(records: list[StepRecord]) -> dict[str, float]:

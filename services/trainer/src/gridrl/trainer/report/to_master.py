@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -98,6 +99,33 @@ def run_id_for(run_dir: str | Path) -> str:
     return "r" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+#: the bounds of ``runs.proto``'s EvalExample (what the master accepts)
+MAX_EXAMPLES, MAX_MESSAGES, MAX_TEXT, MAX_ROLE = 8, 64, 16_384, 256
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters (a cut one ends with ``…``)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def eval_example_message(example: dict[str, Any]) -> runs_pb2.EvalExample:
+    """An eval example (:func:`gridrl.trainer.evaluation.eval_example`) as an ``EvalExample``,
+    within its bounds: strings cut to 16,384 characters, the transcript to its first 63
+    messages and its last (the reply the score is of)."""
+    transcript = list(example.get("transcript") or [])
+    if len(transcript) > MAX_MESSAGES:
+        transcript = transcript[:MAX_MESSAGES - 1] + transcript[-1:]
+    return runs_pb2.EvalExample(
+        prompt=_clip(str(example.get("prompt", "")), MAX_TEXT),
+        transcript=[runs_pb2.TranscriptMessage(role=_clip(str(m.get("role", "")), MAX_ROLE),
+                                               content=_clip(str(m.get("content", "")),
+                                                             MAX_TEXT))
+                    for m in transcript],
+        score=float(example.get("score") or 0.0), turns=int(example.get("turns") or 0),
+        dropped=_clip(str(example.get("dropped") or ""), MAX_ROLE),
+        error=_clip(str(example.get("error") or ""), MAX_TEXT))
+
+
 def step_message(record: StepRecord) -> runs_pb2.RunStep:
     """A step record as a ``RunStep`` (the StepReport and what the dashboard adds)."""
     step = runs_pb2.RunStep(report=step_report(record),
@@ -109,10 +137,15 @@ def step_message(record: StepRecord) -> runs_pb2.RunStep:
         step.eval_exact = record.eval_exact
     if record.lr is not None:
         step.lr = record.lr
+    if record.reward_min is not None and record.reward_max is not None:
+        step.reward_min, step.reward_max = record.reward_min, record.reward_max
     if record.is_weight_mean is not None:
         step.importance_weights.mean = record.is_weight_mean
         step.importance_weights.max = record.is_weight_max or 0.0
         step.importance_weights.limited_fraction = record.is_limited_fraction or 0.0
+    if record.eval_score is not None:
+        step.eval_examples.extend(eval_example_message(e)
+                                  for e in (record.eval_examples or [])[:MAX_EXAMPLES])
     for address, node in sorted(record.nodes.items()):
         share = step.nodes.add(address=address, samples=node.samples, dropped=node.dropped,
                                tokens_per_s=node.tokens_per_s or 0.0)
