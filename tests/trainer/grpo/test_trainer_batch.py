@@ -95,7 +95,8 @@ def test_step_record_json_keeps_the_log_keys():
               "samples_used", "sampled_tokens", "solved_fraction", "groups_with_signal",
               "reward_funcs", "nodes", "flagged_nodes", "excluded_samples", "updated",
               "data_position", "episodes", "turns_mean", "model_tokens", "env_tokens",
-              "truncated_episodes", "dropped_episodes", "env_counts", "reward_error_groups"}
+              "truncated_episodes", "dropped_episodes", "env_counts", "reward_error_groups",
+              "reward_min", "reward_max"}  # the admitted samples' reward range
     bare = StepRecord.of_step(batch, None, SyncOutcome(), None, {}, **base).to_json()
     assert set(bare) == always
     assert (bare["loss"], bare["mismatch_kl"], bare["updated"], bare["eval_score"]) == (
