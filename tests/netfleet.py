@@ -9,6 +9,7 @@ to one switch by a rate-limited link, running the real CLIs with TLS and credent
         trainer = fleet.trainer(model_dir, ["--steps", "4"])     # gridrl-trainer run
         fleet.cut("node-1")                         # packets to and from it vanish (no RST)
         fleet.restore("node-1")
+        fleet.cut_between("trainer", "master")      # only these two lose each other
         fleet.set_profile("node-1", "slow")         # 10 Mbit/s from now on
         node.pause(); node.resume()                 # SIGSTOP / SIGCONT: a sleeping laptop
         fleet.cli("gridrl-master", "nodes", "--master", master.address, "--json")
@@ -70,6 +71,7 @@ PROFILES: dict[str, str] = {
 }
 _RATE_BITS = {"kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
 _PREFIX = "gnf"
+_NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered; no interface of a fleet has it
 _PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy")
 
 
@@ -362,6 +364,21 @@ class Fleet:
     def restore(self, name: str) -> None:
         """Bring host ``name``'s link back."""
         _sh("ip", "-n", self.switch, "link", "set", self.hosts[name].port, "up")
+
+    def cut_between(self, a: str, b: str) -> None:
+        """Cut hosts ``a`` and ``b`` from each other only, silently: each holds a permanent
+        neighbour entry for the other with a MAC no interface has, so their frames reach no
+        one (no RST, no ICMP) while both still reach every other host."""
+        for here, there in ((a, b), (b, a)):
+            _sh("ip", "-n", self.hosts[here].netns, "neigh", "replace",
+                self.hosts[there].address, "lladdr", _NOWHERE_MAC, "dev", "eth0", "nud",
+                "permanent")
+
+    def restore_between(self, a: str, b: str) -> None:
+        """Undo :meth:`cut_between` (the hosts find each other again by ARP)."""
+        for here, there in ((a, b), (b, a)):
+            _sh("ip", "-n", self.hosts[here].netns, "neigh", "del", self.hosts[there].address,
+                "dev", "eth0", check=False)
 
     def host(self, name: str) -> Host:
         return self.hosts[name]

@@ -71,3 +71,151 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
         check_versions(records, max_staleness=0)
         assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
         print(f"\nMEASURED cut-mid-generate stall: {stall:.2f}s (first step after the cut)")
+
+
+def test_a_node_cut_mid_push_does_not_hold_the_others_past_the_sync_deadline(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Node 1's link is cut while it receives a push (its first chunk read): the push to
+    node 2 completes, the step's sync ends within --sync-deadline-s, the run goes on with
+    node 2, and node 1 is caught up to the current adapter once the cut ends."""
+    sync_deadline_s = 10.0
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master,
+                        env=pause_env(fleet, "node-1", "rollout.push", 2))
+        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master)
+        run_dir = tmp_path / "run"
+        steps = 10
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            steps, min_nodes=2, request_timeout_s=120, sync_deadline_s=sync_deadline_s),
+            master=master, run_dir=run_dir)
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(pause_file(fleet, "node-1").exists, 180, "node 1 to be mid-push",
+                     alive=trainer)
+            fleet.cut("node-1")
+            cut_at, cut_step = time.monotonic(), watch.last()
+            wait_for(lambda: len(watch.steps_after(cut_at)) >= 3, 90,
+                     "three steps during the cut", alive=trainer)
+            fleet.restore("node-1")
+            restored_at = time.monotonic()
+            assert trainer.wait(240) == 0, trainer.log()[-4000:]
+        finally:
+            watch.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        pushed = records[cut_step]  # the step whose push was cut (the next record)
+        assert pushed["sync_s"] <= sync_deadline_s + 1, pushed
+        assert n2.address in pushed["synced_nodes"], pushed
+        assert n1.address in pushed["skipped_nodes"] or n1.address in pushed["lagging_nodes"] \
+            or n1.address not in pushed["synced_nodes"], pushed
+        during = [r for r in records[cut_step:] if watch.seen[r["step"]] < restored_at]
+        assert all(r["sync_s"] <= sync_deadline_s + 1 for r in during), during
+        back = [r for r in records if watch.seen[r["step"]] > restored_at
+                and node_samples(r, n1)]
+        assert back, "node 1 never sampled again after the cut"
+        for r in back:
+            assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
+        check_versions(records, max_staleness=0)
+        print(f"\nMEASURED cut-mid-push sync: {pushed['sync_s']:.2f}s (deadline "
+              f"{sync_deadline_s:.0f}s)")
+
+
+def _trainer_at_master(fleet, master) -> list[dict]:
+    listing = fleet.cli_json("gridrl-master", "nodes", "--master", master.address,
+                             "--role", "trainer", "--timeout-s", "5")
+    return listing["nodes"] if listing else []
+
+
+def test_the_trainer_cut_from_the_master_trains_on_and_the_master_sees_it_come_back(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Only the trainer and the master lose each other, for longer than the master's expiry:
+    the trainer trains on the nodes it knows; the master drops the run's trainer (unhealthy,
+    then expired), then lists it healthy again once the link is back."""
+    expire = ("--heartbeat-interval", "0.5", "--unhealthy-after", "2", "--expire-after", "4")
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*expire)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master)
+        run_dir = tmp_path / "run"
+        steps = 5000  # stopped by the test once the master saw it come back
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(steps, request_timeout_s=120),
+                                master=master, run_dir=run_dir)
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            listed = wait_for(lambda: _trainer_at_master(fleet, master), 30,
+                              "the master to list the trainer")
+            assert listed[0]["status"] == "NODE_STATUS_HEALTHY", listed
+            fleet.cut_between("trainer", "master")
+            cut_at = time.monotonic()
+            # the master lets the trainer expire (4 s without a heartbeat)...
+            wait_for(lambda: not _trainer_at_master(fleet, master), 30,
+                     "the master to drop the cut trainer", alive=trainer)
+            expired_at = time.monotonic()
+            # ...while the trainer steps on the node it knows
+            wait_for(lambda: len(watch.steps_after(expired_at)) >= 2, 60,
+                     "two steps after the master dropped the trainer", alive=trainer)
+            assert all(node_samples(watch.records[s], n1) for s in watch.steps_after(cut_at))
+            fleet.restore_between("trainer", "master")
+            restored_at = time.monotonic()
+            back = wait_for(lambda: [n for n in _trainer_at_master(fleet, master)
+                                     if n["status"] == "NODE_STATUS_HEALTHY"], 60,
+                            "the master to list the trainer healthy again", alive=trainer)
+            rejoin_s = time.monotonic() - restored_at
+            assert back[0]["info"]["address"] == trainer.address, back
+            wait_for(lambda: watch.steps_after(restored_at), 60, "a step after the restore",
+                     alive=trainer)
+        finally:
+            watch.stop()
+            trainer.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        check_versions(records, max_staleness=0)
+        print(f"\nMEASURED trainer cut from master: expired after {expired_at - cut_at:.2f}s, "
+              f"listed healthy {rejoin_s:.2f}s after the restore")
+
+
+def test_the_only_node_asleep_past_the_generate_deadline_makes_the_run_wait_then_go_on(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The only node is SIGSTOPped (a sleeping Mac) past --request-timeout-s: the run waits,
+    saying for what (console and GetRunStatus); after SIGCONT it goes on, and the node's late
+    answers to the abandoned calls never reach an update."""
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master)
+        run_dir = tmp_path / "run"
+        steps = 8
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            steps, request_timeout_s=3, outage_wait_s=120), master=master, run_dir=run_dir)
+        watch = StepWatch(run_dir)
+
+        def waiting() -> dict | None:
+            status = fleet.cli_json("gridrl-trainer", "status", "--address", trainer.address)
+            return status.get("nodeWait") or status.get("node_wait") if status else None
+
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            node.pause()
+            paused_at, paused_step = time.monotonic(), watch.last()
+            wait = wait_for(waiting, 60, "GetRunStatus to say the run waits", alive=trainer,
+                            every_s=0.5)
+            # past the Generate deadline: a call timed out, or the master's verdict came first
+            wait_for(lambda: time.monotonic() - paused_at > 3 + 1, 10, "the deadline")
+            assert watch.last() <= paused_step + 1
+            node.resume()
+            resumed_at = time.monotonic()
+            assert trainer.wait(240) == 0, trainer.log()[-4000:]
+        finally:
+            watch.stop()
+        waiting_for = wait.get("waitingFor") or wait.get("waiting_for")
+        assert node.address in waiting_for, wait
+        assert "no rollout node in rotation" in trainer.log()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for r in records:  # every sample drawn with the version pushed just before
+            for stats in r["nodes"].values():
+                assert stats["versions"] == [r["policy_version"] - 1], r
+        after = watch.steps_after(resumed_at)
+        assert after and watch.seen[after[0]] - resumed_at < 60
+        print(f"\nMEASURED sleeping node: first step {watch.seen[after[0]] - resumed_at:.2f}s "
+              "after SIGCONT")
