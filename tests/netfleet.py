@@ -179,13 +179,38 @@ class Proc:
     so ``proc.pid`` is the service's own pid)."""
 
     def __init__(self, name: str, host: Host, proc: subprocess.Popen, log_path: Path,
-                 info: dict | None) -> None:
+                 ready_path: Path | None = None) -> None:
         self.name = name
         self.host = host
         self.proc = proc
         self.log_path = log_path
-        self.info = info or {}
-        self.address: str = self.info.get("address", "")
+        self.ready_path = ready_path
+        self.info: dict = {}
+        self.address: str = ""
+
+    def wait_ready(self, timeout_s: float = 300) -> Proc:
+        """Wait until the server is bound (its ``--ready-file``); sets ``info`` and
+        ``address``; returns self.
+
+        Raises:
+            AssertionError: it exited first, or was not ready in ``timeout_s`` (then it is
+                stopped), with its log's tail.
+        """
+        if self.address or self.ready_path is None:
+            return self
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_path.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode} before it "
+                                     f"was ready:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"{self.name} not ready after {timeout_s}s:\n"
+                                     f"{self.log()[-4000:]}")
+            time.sleep(0.1)
+        self.info = json.loads(self.ready_path.read_text())
+        self.address = self.info["address"]
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -440,10 +465,11 @@ class Fleet:
         return {**base, **(env or {})}
 
     def spawn(self, host: str, argv: Sequence[str], name: str | None = None, *,
-              ready: bool = True, timeout_s: float = 300,
+              ready: bool = True, wait: bool = True, timeout_s: float = 300,
               env: dict[str, str] | None = None) -> Proc:
         """Start ``argv`` (a gridrl console script and its arguments) in ``host``'s
-        namespace; with ``ready``, add ``--ready-file`` and wait until the server is bound.
+        namespace; with ``ready``, add ``--ready-file`` and (with ``wait``) wait until the
+        server is bound (else call :meth:`Proc.wait_ready`: start several, then wait).
 
         Raises:
             AssertionError: it exited first, or was not ready in ``timeout_s`` (log's tail).
@@ -458,21 +484,10 @@ class Fleet:
             cmd += ["--ready-file", str(ready_path)]
         proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                 env=self._env(env), start_new_session=True)
-        p = Proc(name, self.hosts[host], proc, log_path, None)
+        p = Proc(name, self.hosts[host], proc, log_path, ready_path if ready else None)
         self.procs.append(p)
-        if ready:
-            deadline = time.monotonic() + timeout_s
-            while not ready_path.exists():
-                if proc.poll() is not None:
-                    raise AssertionError(f"{name} exited {proc.returncode} before it was "
-                                         f"ready:\n{p.log()[-4000:]}")
-                if time.monotonic() > deadline:
-                    p.stop()
-                    raise AssertionError(f"{name} not ready after {timeout_s}s:\n"
-                                         f"{p.log()[-4000:]}")
-                time.sleep(0.1)
-            p.info = json.loads(ready_path.read_text())
-            p.address = p.info["address"]
+        if ready and wait:
+            p.wait_ready(timeout_s)
         return p
 
     def cli(self, *argv: str, scope: str = "read", timeout_s: float = 30) -> (
@@ -503,9 +518,10 @@ class Fleet:
         return self.spawn(name, argv, env=env)
 
     def node(self, name: str, model_dir: Path, *extra: str, master: Proc | None = None,
-             profile: str = "lan", env: dict[str, str] | None = None) -> Proc:
+             profile: str = "lan", env: dict[str, str] | None = None,
+             wait: bool = True) -> Proc:
         """``gridrl-rollout serve --backend torch`` on its own host (one thread), registered
-        with ``master`` when given."""
+        with ``master`` when given; ``wait=False``: returns at once (:meth:`Proc.wait_ready`)."""
         host = self.add_host(name, profile)
         argv = ["gridrl-rollout", "serve", "--backend", "torch", "--model", str(model_dir),
                 "--listen", f"{host.address}:0", "--metrics-port", "-1", "--threads", "1",
@@ -513,7 +529,7 @@ class Fleet:
                 *self.server_flags(name, "node")]
         if master is not None:
             argv += ["--master", master.address]
-        return self.spawn(name, [*argv, *extra], env=env)
+        return self.spawn(name, [*argv, *extra], env=env, wait=wait)
 
     def trainer(self, model_dir: Path, *extra: str, name: str = "trainer",
                 master: Proc | None = None, run_dir: Path | None = None, profile: str = "lan",
