@@ -155,11 +155,11 @@ def fleet_namespaces(tag: str | None = None) -> list[str]:
 
 
 def _burst_bytes(rate: str) -> int:
-    """A tbf bucket that holds about 10 ms at ``rate`` (at least 32 KiB, so a 1 Gbit/s link
-    is not capped by the timer tick)."""
+    """A tbf bucket that holds about 10 ms at ``rate`` (at least 8 KiB, a few MTUs), so a
+    1 Gbit/s link is not capped by the timer tick and a 10 Mbit/s one passes no large burst."""
     for unit, bits in _RATE_BITS.items():
         if rate.endswith(unit):
-            return max(32 * 1024, int(float(rate[:-len(unit)]) * bits / 8 / 100))
+            return max(8 * 1024, int(float(rate[:-len(unit)]) * bits / 8 / 100))
     raise ValueError(f"rate: {rate!r} is not <number>kbit|mbit|gbit")
 
 

@@ -234,3 +234,42 @@ def test_the_only_node_asleep_past_the_generate_deadline_makes_the_run_wait_then
         assert after and watch.seen[after[0]] - resumed_at < 60
         print(f"\nMEASURED sleeping node: first step {watch.seen[after[0]] - resumed_at:.2f}s "
               "after SIGCONT")
+
+
+def test_a_node_behind_a_10_mbit_link_gets_fewer_groups_and_never_holds_the_step_back(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Node 2 sits behind the ``slow`` profile (10 Mbit/s) and the adapter is large (rank
+    512 on the tiny llama, 4.5 MB: ~3.6 s at 10 Mbit/s, ~40 ms at 1 Gbit/s): every step's
+    push ends within --sync-deadline-s with node 1 synced, whatever node 2's push does; node 2
+    samples only on the current adapter, so it gets fewer groups than node 1."""
+    sync_deadline_s = 2.0
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master,
+                        profile="slow", wait=False)
+        run_dir = tmp_path / "run"
+        steps = 8
+        flags = trainer_flags(steps, min_nodes=2, request_timeout_s=120,
+                              sync_deadline_s=sync_deadline_s)
+        flags[flags.index("--lora-rank") + 1] = "512"
+        flags[flags.index("--lora-alpha") + 1] = "1024"
+        trainer = fleet.trainer(tiny_llama_dir, *flags, master=master, run_dir=run_dir)
+        for node in (n1, n2):
+            node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            assert trainer.wait(300) == 0, trainer.log()[-4000:]
+        finally:
+            watch.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for r in records:
+            assert r["sync_s"] <= sync_deadline_s + 1, r
+            assert n1.address in r["synced_nodes"], r
+        check_versions(records, max_staleness=0)
+        samples = {n.name: sum(s["samples"] for r in records if (s := node_samples(r, n)))
+                   for n in (n1, n2)}
+        assert samples["node-2"] < samples["node-1"], samples
+        print(f"\nMEASURED slow node: sync_s max {max(r['sync_s'] for r in records):.2f}s "
+              f"(deadline {sync_deadline_s:.0f}s), samples {samples}")
