@@ -42,10 +42,8 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -55,6 +53,7 @@ from gridrl.common.security.policy import Security
 from gridrl.models import ModelIdentity
 from gridrl.trainer.envs.episode import TurnRequest
 from gridrl.trainer.fleet import hedging, metrics, scheduling
+from gridrl.trainer.fleet.batch import Batch, Call, NodeWait
 from gridrl.trainer.fleet.channels import Channels
 from gridrl.trainer.fleet.membership import MAX_PROBE_BACKOFF_S, ORPHAN_GRACE_S, Membership
 from gridrl.trainer.fleet.nodes import NodeState
@@ -73,106 +72,6 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.1
 # Seconds between on_wait reports while a batch waits for a node.
 _WAIT_REPORT_S = 0.5
-
-
-@dataclass(frozen=True)
-class NodeWait:
-    """The run waits for rollout nodes: a batch for one in rotation (none is), or the start
-    for ``--min-nodes`` of them.
-
-    Attributes:
-        waited_s: seconds waited so far.
-        left_s: seconds left before the wait fails (``wait_for_nodes_s`` or ``node_wait_s``
-            minus waited).
-        waiting_for: every known node and why it is out of rotation (and the master's
-            connection), e.g. ``"127.0.0.1:5001 (benched: 3 consecutive Generate failures,
-            last UNAVAILABLE: ...)"``.
-        starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
-        in_rotation: nodes in rotation now (the start's wait).
-        needed: nodes the start waits for (``--min-nodes``).
-        gave_up: the wait ended without the nodes it waited for (its time ran out; the run
-            fails): the last report of a failed wait (a wait that got its nodes ends with
-            None).
-    """
-
-    waited_s: float
-    left_s: float
-    waiting_for: str
-    starting: bool = False
-    in_rotation: int = 0
-    needed: int = 1
-    gave_up: bool = False
-
-
-@dataclass
-class _Batch:
-    """The bookkeeping of one ``generate_groups`` / ``sample_turns`` call (owned by its
-    calling thread): one Generate per request, ``results[i]`` its samples or, for a pinned
-    request that cannot be served, the exception that failed it."""
-
-    requests: list[TurnRequest]
-    sampling: common_pb2.SamplingParams  # n, max_tokens and seed set per request
-    results: list[list[RolloutSample] | BaseException | None] = field(default_factory=list)
-    tried: list[list[str]] = field(default_factory=list)  # nodes each request failed on
-    rejected: list[dict[str, str]] = field(default_factory=list)  # INVALID_ARGUMENT per node
-    pending: deque[int] = field(default_factory=deque)
-    in_flight: dict[futures.Future, tuple[int, str]] = field(default_factory=dict)
-    calls: dict[futures.Future, _Call] = field(default_factory=dict)
-    started: dict[futures.Future, float] = field(default_factory=dict)  # clock seconds
-    abandoned: set[futures.Future] = field(default_factory=set)  # cancelled; answers ignored
-    hedges: dict[int, str] = field(default_factory=dict)  # pending backup -> node to avoid
-    hedged: set[int] = field(default_factory=set)  # groups given a backup copy
-
-    def __post_init__(self) -> None:
-        self.results = [None] * len(self.requests)
-        self.tried = [[] for _ in self.requests]
-        self.rejected = [{} for _ in self.requests]
-        self.pending = deque(range(len(self.requests)))
-
-    def group(self, i: int) -> scheduling.PendingGroup:
-        r = self.requests[i]
-        return scheduling.PendingGroup(i, len(r.prompt_ids), tuple(self.tried[i]),
-                                       self.rejected[i], n=r.n, max_tokens=r.max_tokens,
-                                       pinned=r.node)
-
-    def fail(self, i: int, problem: str) -> None:
-        """A pinned request that can never be served: its result is the error."""
-        self.results[i] = RuntimeError(problem)
-        self.pending.remove(i)
-
-    def live_copies(self, i: int) -> list[futures.Future]:
-        """Calls of request ``i`` in flight and not abandoned."""
-        return [f for f, (j, _) in self.in_flight.items() if j == i and f not in self.abandoned]
-
-    def abandon(self, future: futures.Future) -> None:
-        """Cancel a call; its answer, should one still come, is ignored."""
-        self.abandoned.add(future)
-        future.cancel()
-        self.calls[future].cancel()
-
-
-class _Call:
-    """A Generate call that the batch's thread can cancel while a ``rollout`` thread
-    waits on it (before the RPC starts, or while it runs)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._rpc: grpc.Future | None = None
-        self.cancelled = False
-
-    def attach(self, rpc: grpc.Future) -> None:
-        with self._lock:
-            self._rpc = rpc
-            cancelled = self.cancelled
-        if cancelled:
-            rpc.cancel()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            rpc = self._rpc
-        if rpc is not None:
-            rpc.cancel()
 
 
 class NodePool:
@@ -408,7 +307,7 @@ class NodePool:
             raise RuntimeError("the node pool is closed")
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                              stop_token_ids=list(stop_token_ids))
-        batch = _Batch(list(requests), sampling)
+        batch = Batch(list(requests), sampling)
         try:
             self._run_batch(batch)
         finally:  # on an error or once done, every call still in flight is cancelled
@@ -438,7 +337,7 @@ class NodePool:
         return Group(prompt_index=0, prompt_ids=list(prompt), samples=samples, node=address,
                      seconds=seconds)
 
-    def _run_batch(self, batch: _Batch) -> None:
+    def _run_batch(self, batch: Batch) -> None:
         """The loop of :meth:`sample_turns` (fills ``batch.results``)."""
         pending, in_flight = batch.pending, batch.in_flight
         while pending or in_flight:
@@ -491,7 +390,7 @@ class NodePool:
                 pending.appendleft(i)
             self._rebalance(batch)
 
-    def _rebalance(self, batch: _Batch) -> None:
+    def _rebalance(self, batch: Batch) -> None:
         """Abandon the calls on nodes that left rotation (their groups are queued again at
         once) and queue backups of slow groups (:func:`gridrl.trainer.fleet.hedging.moves`)."""
         attempts = [hedging.Attempt(f, i, a, batch.started.get(f, 0.0))
@@ -540,7 +439,7 @@ class NodePool:
             return f"is unhealthy ({s.last_error or 'the master says so'})"
         return ""
 
-    def _start_groups(self, batch: _Batch) -> None:
+    def _start_groups(self, batch: Batch) -> None:
         """Fail the pinned requests whose node can no longer serve them, ask the scheduler
         for this round's assignments and start their calls."""
         if not batch.pending:
@@ -571,14 +470,14 @@ class NodePool:
                 sampling=batch.sampling, keep_cache=r.keep_cache)
             request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
             request.sampling.seed = r.seed
-            call = _Call()
+            call = Call()
             future = self._executor.submit(self._call_generate, a.address, request, call)
             future.add_done_callback(functools.partial(self._call_done, a.address))
             batch.in_flight[future] = (a.index, a.address)
             batch.calls[future] = call
             batch.started[future] = now
 
-    def _wait_for_a_node(self, batch: _Batch) -> None:
+    def _wait_for_a_node(self, batch: Batch) -> None:
         """Nothing of the batch could start and none of it is in flight: wait for a node
         busy with another batch's calls, raise when the first pending group can never be
         served by the nodes in rotation, or wait up to ``wait_for_nodes_s`` for a node to
@@ -647,7 +546,7 @@ class NodePool:
                 log.exception("on_wait failed")
 
     def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest,
-                       call: _Call | None = None):
+                       call: Call | None = None):
         channel = self.channel(address, lease=True)
         try:
             started, t0 = self._clock(), time.monotonic()
