@@ -24,6 +24,15 @@ from waiting import wait_for
 pytestmark = pytest.mark.slow
 
 
+def _longest_gap(watch: StepWatch, since: float, steps: int) -> float:
+    """The longest wait for a step record from ``since`` over the next ``steps`` records."""
+    gaps, previous = [], since
+    for s in watch.steps_after(since)[:steps]:
+        gaps.append(watch.seen[s] - previous)
+        previous = watch.seen[s]
+    return max(gaps)
+
+
 def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current(
         tmp_path: Path, tiny_llama_dir: Path) -> None:
     """Node 1's link is cut while it holds a group (paused in Generate, so the cut is
@@ -48,10 +57,10 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
                      alive=trainer)
             fleet.cut("node-1")
             cut_at, cut_step = time.monotonic(), watch.last()
-            # the run goes on without node 1: two steps complete while the link is still cut
-            wait_for(lambda: len(watch.steps_after(cut_at)) >= 2, 90,
-                     "two steps during the cut", alive=trainer)
-            stall = watch.seen[watch.steps_after(cut_at)[0]] - cut_at
+            # the run goes on without node 1: three steps complete while the link is still cut
+            wait_for(lambda: len(watch.steps_after(cut_at)) >= 3, 90,
+                     "three steps during the cut", alive=trainer)
+            stall = _longest_gap(watch, cut_at, 2)
             fleet.restore("node-1")
             restored_at = time.monotonic()
             wait_for(lambda: [s for s in watch.steps_after(restored_at)
@@ -64,9 +73,12 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
         records = watch.ordered()
         assert [r["step"] for r in records] == list(range(1, len(records) + 1))
         during = [r for r in records if cut_step < r["step"] and watch.seen[r["step"]] < restored_at]
-        assert len(during) >= 2
-        later = [r for r in during if r["step"] > cut_step + 1]  # after the cut step itself
-        assert all(node_samples(r, n1) is None for r in later), later
+        assert len(during) >= 3
+        # node 1's samples may reach the step in progress at the cut (groups it finished
+        # before), which is cut_step + 1, or + 2 when the last record was still being
+        # written; none reach a later step
+        later = [r for r in during if r["step"] > cut_step + 2]
+        assert later and all(node_samples(r, n1) is None for r in later), later
         assert all(node_samples(r, n2) for r in during)
         # node 1 came back and sampled on the current adapter (pushed before it sampled)
         back = [r for r in records if watch.seen[r["step"]] > restored_at
@@ -76,7 +88,8 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
             assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
         check_versions(records, max_staleness=0)
         assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
-        print(f"\nMEASURED cut-mid-generate stall: {stall:.2f}s (first step after the cut); "
+        print(f"\nMEASURED cut-mid-generate stall: {stall:.2f}s (longest wait for a step "
+              "record, over the cut and the two steps after it); "
               f"node 1 sampled again {rejoin_s:.2f}s after the restore")
 
 
