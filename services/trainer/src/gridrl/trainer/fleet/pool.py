@@ -368,8 +368,11 @@ class NodePool:
                         batch.pending.remove(i)
                         batch.hedges.pop(i, None)
                     continue
-                if batch.live_copies(i) or i in batch.pending:
-                    continue  # another copy of the group runs, or is about to
+                if batch.live_copies(i):
+                    continue  # another copy of the group runs
+                if i in batch.pending:  # its backup, not started yet, is now its only copy:
+                    batch.hedges.pop(i, None)  # any node may take it
+                    continue
                 if request.node:  # the episode's node failed it: the episode ends here
                     batch.results[i] = RuntimeError(
                         f"request {i} on its episode's node {address}: {outcome.label}: "
