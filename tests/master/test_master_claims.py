@@ -164,3 +164,24 @@ def test_a_trainer_credential_lists_its_own_trainer_entry_only(cluster) -> None:
             assert "may" in _code.details and "only the trainer entry it registered" in \
                 _code.details
     assert _code(_deregister(trainer, T)) == ok
+
+
+def test_a_trainer_whose_entry_expired_is_told_to_register_again(cluster) -> None:
+    """A trainer cut off from the master past its expiry heartbeats an entry the master
+    removed: NOT_FOUND (register again), not PERMISSION_DENIED, since it holds the address;
+    another trainer credential still learns nothing about it."""
+    from waiting import wait_for
+
+    start, tokens, authorized = cluster
+    mint(authorized, authorized.parent / "other", "trainer", "other")
+    master = start()
+    trainer = _stub(master, tokens["trainer"])
+    other = _stub(master, read_token_file(authorized.parent / "other"))
+    T = "10.0.0.9:7000"
+    assert _code(_register(trainer, T, common_pb2.NODE_ROLE_TRAINER)) == grpc.StatusCode.OK
+    wait_for(lambda: master.registry.expired_address(node_id_for(T)) == T, 30,
+             "the entry to expire (1.2 s without a heartbeat)")
+    assert _code(_heartbeat(trainer, T)) == grpc.StatusCode.NOT_FOUND
+    assert _code(_heartbeat(other, T)) == grpc.StatusCode.PERMISSION_DENIED
+    assert _code(_register(trainer, T, common_pb2.NODE_ROLE_TRAINER)) == grpc.StatusCode.OK
+    assert _code(_heartbeat(trainer, T)) == grpc.StatusCode.OK

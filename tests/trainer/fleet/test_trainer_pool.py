@@ -384,3 +384,34 @@ def test_every_node_gone_fails_after_the_wait(farm, make_pool) -> None:
         pool.generate_groups(prompts(4), **SAMPLING)
     assert "(0 in rotation) after waiting" in str(e.value) and "--outage-wait-s" in str(e.value)
     assert a.address in str(e.value) and b.address in str(e.value)
+
+
+def test_a_stuck_group_is_hedged_on_another_node_and_the_first_answer_wins(
+        farm, make_pool) -> None:
+    """With --hedge-after, a group running k times its node's latency (here: unmeasured, so
+    --hedge-min-s) on the injected clock is started again on a free node; its answer is the
+    group's, the stuck call is cancelled and counted as a hedge."""
+    from gridrl.trainer.fleet import metrics
+    from gridrl.trainer.fleet.hedging import HedgePolicy
+
+    stuck = farm.start(capacity=1, generate_s=60.0)
+    fast = farm.start(capacity=1)
+    now = [1000.0]
+    pool = make_pool([stuck.address, fast.address], clock=lambda: now[0],
+                     hedge=HedgePolicy(3.0, 5.0))
+    pool.wait_for_nodes(2, timeout_s=30)
+    hedges = metrics.REDISPATCHED.labels(stuck.address, "hedge")
+    before = hedges._value.get()
+    with concurrent_call(lambda: pool.generate_groups(prompts(2), group_size=2, max_tokens=4,
+                                                      temperature=1.0)) as result:
+        wait_for(lambda: len(stuck.generates) == 1 and len(fast.generates) == 1, 30,
+                 "one group on each node")
+        assert not result.done()
+        now[0] += 4.0  # under --hedge-min-s: nothing happens
+        wait_for(lambda: pool.node(fast.address).in_flight == 0, 30, "the fast group done")
+        assert len(fast.generates) == 1 and not result.done()
+        now[0] += 2.0  # 6 s > 5 s: hedged on the free node
+        groups = result.result(timeout=30)
+    assert {g.node for g in groups} == {fast.address}
+    assert len(fast.generates) == 2 and len(stuck.generates) == 1
+    assert hedges._value.get() == before + 1

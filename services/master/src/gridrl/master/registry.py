@@ -27,6 +27,7 @@ Decisions (also documented for users in the docstrings below):
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import threading
@@ -51,6 +52,7 @@ CHANGED = registry_pb2.NODE_EVENT_TYPE_CHANGED
 REMOVED = registry_pb2.NODE_EVENT_TYPE_REMOVED
 
 HEALTHY = common_pb2.NODE_STATUS_HEALTHY
+EXPIRED_MEMORY = 10_000  # expired node ids remembered (Registry.expired_address)
 UNHEALTHY = common_pb2.NODE_STATUS_UNHEALTHY
 DRAINING = common_pb2.NODE_STATUS_DRAINING
 
@@ -120,6 +122,9 @@ class Registry:
         self._max_pending = max_pending_events
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        # node ids the sweep expired -> their address (the newest EXPIRED_MEMORY): a trainer
+        # credential's heartbeat for its own expired entry is told NOT_FOUND (register again)
+        self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._subs: set[Subscription] = set()
         self._dirty: set[str] = set()
         self._sequence = 0
@@ -151,6 +156,12 @@ class Registry:
         """
         with self._lock:
             return _copy(self._entry(node_id).record)
+
+    def expired_address(self, node_id: str) -> str | None:
+        """The address of ``node_id`` when the sweep expired it (it has not registered since),
+        else None."""
+        with self._lock:
+            return None if node_id in self._entries else self._expired.get(node_id)
 
     def counts(self) -> dict[tuple[int, int, int], int]:
         """Number of nodes by ``(role, backend, status)`` enum values."""
@@ -251,6 +262,9 @@ class Registry:
                 silent_s = now - entry.seen
                 if silent_s >= self.expire_after_s:
                     self._remove(node_id, entry)
+                    self._expired[node_id] = entry.record.info.address
+                    while len(self._expired) > EXPIRED_MEMORY:
+                        self._expired.popitem(last=False)
                     result.expired.append(_copy(entry.record))
                 elif silent_s >= self.unhealthy_after_s and entry.record.status != UNHEALTHY:
                     entry.record.status = UNHEALTHY

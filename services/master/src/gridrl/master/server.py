@@ -177,7 +177,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         try:
             address = self._registry.get(node_id).info.address
         except StatusError:  # unknown: NOT_FOUND from the registry, unless the scope forbids
-            address = None
+            # an entry the master expired (its trainer was cut off for a while) is its
+            # holder's to register again: NOT_FOUND, which tells it to
+            address = self._registry.expired_address(node_id)
         if credential.scope == TRAINER and (
                 address is None or self._claims.holder(address) != credential.id):
             raise StatusError(Kind.PERMISSION_DENIED,

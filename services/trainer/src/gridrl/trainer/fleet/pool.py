@@ -42,19 +42,18 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from gridrl.common.rpc.channel import dial
+from gridrl.common.rpc.channel import Keepalive, dial
 from gridrl.common.security.policy import Security
 from gridrl.models import ModelIdentity
 from gridrl.trainer.envs.episode import TurnRequest
-from gridrl.trainer.fleet import metrics, scheduling
+from gridrl.trainer.fleet import hedging, metrics, scheduling
+from gridrl.trainer.fleet.batch import Batch, Call, NodeWait
 from gridrl.trainer.fleet.channels import Channels
 from gridrl.trainer.fleet.membership import MAX_PROBE_BACKOFF_S, ORPHAN_GRACE_S, Membership
 from gridrl.trainer.fleet.nodes import NodeState
@@ -73,67 +72,6 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.1
 # Seconds between on_wait reports while a batch waits for a node.
 _WAIT_REPORT_S = 0.5
-
-
-@dataclass(frozen=True)
-class NodeWait:
-    """The run waits for rollout nodes: a batch for one in rotation (none is), or the start
-    for ``--min-nodes`` of them.
-
-    Attributes:
-        waited_s: seconds waited so far.
-        left_s: seconds left before the wait fails (``wait_for_nodes_s`` or ``node_wait_s``
-            minus waited).
-        waiting_for: every known node and why it is out of rotation (and the master's
-            connection), e.g. ``"127.0.0.1:5001 (benched: 3 consecutive Generate failures,
-            last UNAVAILABLE: ...)"``.
-        starting: the start's wait (:meth:`NodePool.wait_for_nodes`), not a batch's.
-        in_rotation: nodes in rotation now (the start's wait).
-        needed: nodes the start waits for (``--min-nodes``).
-        gave_up: the wait ended without the nodes it waited for (its time ran out; the run
-            fails): the last report of a failed wait (a wait that got its nodes ends with
-            None).
-    """
-
-    waited_s: float
-    left_s: float
-    waiting_for: str
-    starting: bool = False
-    in_rotation: int = 0
-    needed: int = 1
-    gave_up: bool = False
-
-
-@dataclass
-class _Batch:
-    """The bookkeeping of one ``generate_groups`` / ``sample_turns`` call (owned by its
-    calling thread): one Generate per request, ``results[i]`` its samples or, for a pinned
-    request that cannot be served, the exception that failed it."""
-
-    requests: list[TurnRequest]
-    sampling: common_pb2.SamplingParams  # n, max_tokens and seed set per request
-    results: list[list[RolloutSample] | BaseException | None] = field(default_factory=list)
-    tried: list[list[str]] = field(default_factory=list)  # nodes each request failed on
-    rejected: list[dict[str, str]] = field(default_factory=list)  # INVALID_ARGUMENT per node
-    pending: deque[int] = field(default_factory=deque)
-    in_flight: dict[futures.Future, tuple[int, str]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.results = [None] * len(self.requests)
-        self.tried = [[] for _ in self.requests]
-        self.rejected = [{} for _ in self.requests]
-        self.pending = deque(range(len(self.requests)))
-
-    def group(self, i: int) -> scheduling.PendingGroup:
-        r = self.requests[i]
-        return scheduling.PendingGroup(i, len(r.prompt_ids), tuple(self.tried[i]),
-                                       self.rejected[i], n=r.n, max_tokens=r.max_tokens,
-                                       pinned=r.node)
-
-    def fail(self, i: int, problem: str) -> None:
-        """A pinned request that can never be served: its result is the error."""
-        self.results[i] = RuntimeError(problem)
-        self.pending.remove(i)
 
 
 class NodePool:
@@ -157,6 +95,13 @@ class NodePool:
         clock: monotonic seconds of the events the pool feeds its membership and scheduler
             (when a call started, a push answered, a probe was sent; tests advance a fake
             one); waits and latencies are measured in real time.
+        hedge: when a slow group gets a backup copy on another node
+            (:class:`~gridrl.trainer.fleet.hedging.HedgePolicy`; default: never). Groups on a
+            node that leaves rotation (unhealthy, benched, gone) are re-dispatched at once
+            whatever this says.
+        keepalive: HTTP/2 keepalive of the pool's channels (None: the project's default,
+            :class:`gridrl.common.rpc.channel.Keepalive`): a call to a node whose link
+            vanished fails after about ``time_s + timeout_s``.
 
     Raises:
         ValueError: naming the argument, when neither a master nor addresses are given, a
@@ -169,7 +114,9 @@ class NodePool:
                  probe_interval_s: float = 5.0, max_workers: int = 64,
                  wait_for_nodes_s: float = 0.0,
                  on_wait: Callable[[NodeWait | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hedge: hedging.HedgePolicy | None = None,
+                 keepalive: Keepalive | None = None) -> None:
         if not master and not addresses:
             raise ValueError("master / addresses: give a master or at least one rollout address")
         if request_timeout_s <= 0:
@@ -188,9 +135,11 @@ class NodePool:
         self.wait_for_nodes_s = wait_for_nodes_s
         self._on_wait = on_wait
         self._clock = clock
+        self.hedge = hedge or hedging.HedgePolicy()
+        self.keepalive = keepalive
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._channels = Channels(security)
+        self._channels = Channels(security, keepalive)
         self._listeners: list[Callable[[NodeState], None]] = []
         self._tick = 0
         self._closed = threading.Event()
@@ -199,7 +148,8 @@ class NodePool:
         self._probe_thread = threading.Thread(target=self._probe_loop, name="node-prober",
                                               daemon=True)
         self._watch = (MasterWatch(master, on_event=self._on_master_event,
-                                   on_connect=self._on_master_connect, security=security)
+                                   on_connect=self._on_master_connect, security=security,
+                                   keepalive=keepalive)
                        if master else None)
         for address in dict.fromkeys(addresses):
             self._members.add_static(address)
@@ -357,12 +307,13 @@ class NodePool:
             raise RuntimeError("the node pool is closed")
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                              stop_token_ids=list(stop_token_ids))
-        batch = _Batch(list(requests), sampling)
+        batch = Batch(list(requests), sampling)
         try:
             self._run_batch(batch)
-        finally:  # on an error, requests not started yet are dropped; running ones drain
+        finally:  # on an error or once done, every call still in flight is cancelled
             for future in batch.in_flight:
-                future.cancel()
+                if future not in batch.abandoned:
+                    batch.abandon(future)
         return [r for r in batch.results if r is not None]
 
     def check_group(self, address: str, prompt: Sequence[int], *, group_size: int,
@@ -386,7 +337,7 @@ class NodePool:
         return Group(prompt_index=0, prompt_ids=list(prompt), samples=samples, node=address,
                      seconds=seconds)
 
-    def _run_batch(self, batch: _Batch) -> None:
+    def _run_batch(self, batch: Batch) -> None:
         """The loop of :meth:`sample_turns` (fills ``batch.results``)."""
         pending, in_flight = batch.pending, batch.in_flight
         while pending or in_flight:
@@ -398,10 +349,29 @@ class NodePool:
                                    return_when=futures.FIRST_COMPLETED)
             for future in done:
                 i, address = in_flight.pop(future)
+                batch.calls.pop(future, None)
+                batch.started.pop(future, None)
+                if future in batch.abandoned:  # a late answer of an abandoned call
+                    batch.abandoned.discard(future)
+                    log.info("ignored the late end of an abandoned call for group %d on %s",
+                             i, address)
+                    continue
+                if batch.results[i] is not None:  # another copy answered first
+                    continue
                 request = batch.requests[i]
                 outcome = self._finish(future, address, i, list(request.prompt_ids), request.n)
                 if isinstance(outcome, list):
                     batch.results[i] = outcome
+                    for other in batch.live_copies(i):  # the hedge's loser
+                        batch.abandon(other)
+                    if i in batch.pending:  # a backup not started yet
+                        batch.pending.remove(i)
+                        batch.hedges.pop(i, None)
+                    continue
+                if batch.live_copies(i):
+                    continue  # another copy of the group runs
+                if i in batch.pending:  # its backup, not started yet, is now its only copy:
+                    batch.hedges.pop(i, None)  # any node may take it
                     continue
                 if request.node:  # the episode's node failed it: the episode ends here
                     batch.results[i] = RuntimeError(
@@ -421,8 +391,58 @@ class NodePool:
                             f"{', '.join(sorted(set(batch.tried[i])))}; last ({address}): "
                             f"{outcome.label}: {outcome.detail}")
                 pending.appendleft(i)
+            self._rebalance(batch)
 
-    def _start_groups(self, batch: _Batch) -> None:
+    def _rebalance(self, batch: Batch) -> None:
+        """Abandon the calls on nodes that left rotation (their groups are queued again at
+        once) and queue backups of slow groups (:func:`gridrl.trainer.fleet.hedging.moves`)."""
+        attempts = [hedging.Attempt(f, i, a, batch.started.get(f, 0.0))
+                    for f, (i, a) in batch.in_flight.items()
+                    if f not in batch.abandoned and not batch.requests[i].node]
+        if not attempts:
+            return
+        with self._lock:
+            now = self._clock()
+            gone = {a.address: why for a in attempts if (why := self._gone(a.address))}
+            group_s = {a.address: s.group_s for a in attempts
+                       if (s := self._members.state(a.address)) is not None}
+            free = {c.address for c in self._members.candidates()
+                    if c.in_flight < max(1, c.capacity)}
+        moves = hedging.moves(attempts, now=now, gone=gone, group_s=group_s,
+                              policy=self.hedge,
+                              elsewhere=lambda address: bool(free - {address}))
+        for move in moves:
+            a = move.attempt
+            if move.kind is hedging.MoveKind.REDISPATCH:
+                requeue = hedging.needs_queue(move, attempts, gone)
+                batch.abandon(a.key)
+                log.warning("group %d re-dispatched: %s", a.index, move.reason)
+                metrics.REDISPATCHED.labels(a.address, "node gone").inc()
+                if requeue and a.index not in batch.pending:
+                    batch.tried[a.index].append(a.address)
+                    batch.pending.appendleft(a.index)
+            elif a.index not in batch.hedged and a.index not in batch.pending:
+                batch.hedged.add(a.index)
+                batch.hedges[a.index] = a.address
+                batch.pending.append(a.index)
+                log.warning("group %d hedged: %s", a.index, move.reason)
+                metrics.REDISPATCHED.labels(a.address, "hedge").inc()
+
+    def _gone(self, address: str) -> str:
+        """Why a call on ``address`` cannot be answered any more ("" when it may). Lock
+        held."""
+        s = self._members.state(address)
+        if s is None:
+            return "left the pool"
+        if s.excluded:
+            return f"is excluded: {s.excluded}"
+        if s.benched:
+            return f"is benched: {s.benched}"
+        if not s.healthy:
+            return f"is unhealthy ({s.last_error or 'the master says so'})"
+        return ""
+
+    def _start_groups(self, batch: Batch) -> None:
         """Fail the pinned requests whose node can no longer serve them, ask the scheduler
         for this round's assignments and start their calls."""
         if not batch.pending:
@@ -435,6 +455,8 @@ class NodePool:
                 live, g, group_size=g.n, max_tokens=g.max_tokens))}
             plan = scheduling.schedule(live, [g for g in groups if g.index not in stranded],
                                        group_size=1, max_tokens=1, now=now, tick=self._tick)
+            # a backup goes elsewhere or not at all
+            plan = [a for a in plan if batch.hedges.get(a.index) != a.address]
             self._tick += len(plan)
             for a in plan:
                 self._members.assign(a.address, now)
@@ -443,6 +465,7 @@ class NodePool:
             batch.fail(i, problem)
         for a in plan:
             batch.pending.remove(a.index)
+            batch.hedges.pop(a.index, None)
             r = batch.requests[a.index]
             request = rollout_pb2.GenerateRequest(
                 prompt_token_ids=list(r.prompt_ids),
@@ -450,11 +473,14 @@ class NodePool:
                 sampling=batch.sampling, keep_cache=r.keep_cache)
             request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
             request.sampling.seed = r.seed
-            future = self._executor.submit(self._call_generate, a.address, request)
+            call = Call()
+            future = self._executor.submit(self._call_generate, a.address, request, call)
             future.add_done_callback(functools.partial(self._call_done, a.address))
             batch.in_flight[future] = (a.index, a.address)
+            batch.calls[future] = call
+            batch.started[future] = now
 
-    def _wait_for_a_node(self, batch: _Batch) -> None:
+    def _wait_for_a_node(self, batch: Batch) -> None:
         """Nothing of the batch could start and none of it is in flight: wait for a node
         busy with another batch's calls, raise when the first pending group can never be
         served by the nodes in rotation, or wait up to ``wait_for_nodes_s`` for a node to
@@ -522,12 +548,16 @@ class NodePool:
             except Exception:
                 log.exception("on_wait failed")
 
-    def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest):
+    def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest,
+                       call: Call | None = None):
         channel = self.channel(address, lease=True)
         try:
             started, t0 = self._clock(), time.monotonic()
-            response = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+            rpc = rollout_pb2_grpc.RolloutServiceStub(channel).Generate.future(
                 request, timeout=self.request_timeout_s)
+            if call is not None:
+                call.attach(rpc)
+            response = rpc.result()
             return response, started, time.monotonic() - t0
         finally:
             self._channels.release(channel)
@@ -545,6 +575,8 @@ class NodePool:
             samples = samples_of(response, prompt, group_size, address, seconds)
         except grpc.RpcError as e:
             failure = GenerateFailure.of_rpc(e.code(), e.details() or "")
+        except (grpc.FutureCancelledError, futures.CancelledError):
+            failure = GenerateFailure.of_rpc(grpc.StatusCode.CANCELLED, "cancelled")
         except ValueError as e:
             failure = GenerateFailure(FailureKind.MALFORMED_RESPONSE, str(e))
         except KeyError:
@@ -679,7 +711,7 @@ class NodePool:
     def _probe(self, address: str) -> None:
         """GetNodeInfo on a fresh channel (no reconnect backoff); feed the answer."""
         started = self._clock()
-        channel = dial(address, self.security)
+        channel = dial(address, self.security, keepalive=self.keepalive)
         try:
             info = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
                 rollout_pb2.GetNodeInfoRequest(), timeout=min(5.0, self.request_timeout_s)).info

@@ -1,0 +1,288 @@
+"""Partitions survived, with bounds (issue 44): the real master, rollout nodes and trainer,
+each in its own network namespace (tests/netfleet.py), with mutual TLS and credentials; links
+cut silently (packets vanish), slowed, processes paused. Each test asserts what the run did.
+The deadlines and keepalives they run under are the settings docs/reliability.md lists."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from netfleet import fleet_or_skip
+from partitions import (
+    MASTER_FLAGS,
+    StepWatch,
+    check_versions,
+    node_samples,
+    pause_env,
+    pause_file,
+    trainer_flags,
+)
+from waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _longest_gap(watch: StepWatch, since: float, steps: int) -> float:
+    """The longest wait for a step record from ``since`` over the next ``steps`` records."""
+    gaps, previous = [], since
+    for s in watch.steps_after(since)[:steps]:
+        gaps.append(watch.seen[s] - previous)
+        previous = watch.seen[s]
+    return max(gaps)
+
+
+def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Node 1's link is cut while it holds a group (paused in Generate, so the cut is
+    mid-call); the trainer's keepalive or the master's verdict ends the call, the group goes
+    to node 2, and the run steps on node 2 for as long as the cut lasts. After the cut node 1
+    is caught up to the current adapter before it samples again."""
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False,
+                        env=pause_env(fleet, "node-1", "rollout.generate", 6))
+        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        run_dir = tmp_path / "run"
+        steps = 5000  # stopped by the test once node 1 sampled again after the cut
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            steps, min_nodes=2, request_timeout_s=120, sync_deadline_s=10), master=master,
+            run_dir=run_dir)
+        for node in (n1, n2):
+            node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(pause_file(fleet, "node-1").exists, 180, "node 1 to hold a group",
+                     alive=trainer)
+            fleet.cut("node-1")
+            cut_at, cut_step = time.monotonic(), watch.last()
+            # the run goes on without node 1: three steps complete while the link is still cut
+            wait_for(lambda: len(watch.steps_after(cut_at)) >= 3, 90,
+                     "three steps during the cut", alive=trainer)
+            stall = _longest_gap(watch, cut_at, 2)
+            fleet.restore("node-1")
+            restored_at = time.monotonic()
+            wait_for(lambda: [s for s in watch.steps_after(restored_at)
+                              if node_samples(watch.records[s], n1)], 90,
+                     "node 1 to sample again after the cut", alive=trainer)
+            rejoin_s = time.monotonic() - restored_at
+        finally:
+            watch.stop()
+            trainer.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        during = [r for r in records if cut_step < r["step"] and watch.seen[r["step"]] < restored_at]
+        assert len(during) >= 3
+        # node 1's samples may reach the step in progress at the cut (groups it finished
+        # before), which is cut_step + 1, or + 2 when the last record was still being
+        # written; none reach a later step
+        later = [r for r in during if r["step"] > cut_step + 2]
+        assert later and all(node_samples(r, n1) is None for r in later), later
+        assert all(node_samples(r, n2) for r in during)
+        # node 1 came back and sampled on the current adapter (pushed before it sampled)
+        back = [r for r in records if watch.seen[r["step"]] > restored_at
+                and node_samples(r, n1)]
+        assert back, "node 1 never sampled again after the cut"
+        for r in back:
+            assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
+        check_versions(records, max_staleness=0)
+        assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
+        print(f"\nMEASURED cut-mid-generate stall: {stall:.2f}s (longest wait for a step "
+              "record, over the cut and the two steps after it); "
+              f"node 1 sampled again {rejoin_s:.2f}s after the restore")
+
+
+def test_a_node_cut_mid_push_does_not_hold_the_others_past_the_sync_deadline(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Node 1's link is cut while it receives a push (its first chunk read): the push to
+    node 2 completes, the step's sync ends within --sync-deadline-s, the run goes on with
+    node 2, and node 1 is caught up to the current adapter once the cut ends."""
+    sync_deadline_s = 10.0
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False,
+                        env=pause_env(fleet, "node-1", "rollout.push", 2))
+        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        run_dir = tmp_path / "run"
+        steps = 5000  # stopped by the test once node 1 sampled again after the cut
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            steps, min_nodes=2, request_timeout_s=120, sync_deadline_s=sync_deadline_s),
+            master=master, run_dir=run_dir)
+        for node in (n1, n2):
+            node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(pause_file(fleet, "node-1").exists, 180, "node 1 to be mid-push",
+                     alive=trainer)
+            fleet.cut("node-1")
+            cut_at, cut_step = time.monotonic(), watch.last()
+            wait_for(lambda: len(watch.steps_after(cut_at)) >= 3, 90,
+                     "three steps during the cut", alive=trainer)
+            fleet.restore("node-1")
+            restored_at = time.monotonic()
+            wait_for(lambda: [s for s in watch.steps_after(restored_at)
+                              if node_samples(watch.records[s], n1)], 90,
+                     "node 1 to sample again after the cut", alive=trainer)
+            rejoin_s = time.monotonic() - restored_at
+        finally:
+            watch.stop()
+            trainer.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        pushed = records[cut_step]  # the step whose push was cut (the next record)
+        assert pushed["sync_s"] <= sync_deadline_s + 1, pushed
+        assert n2.address in pushed["synced_nodes"], pushed
+        assert n1.address in pushed["skipped_nodes"] or n1.address in pushed["lagging_nodes"] \
+            or n1.address not in pushed["synced_nodes"], pushed
+        during = [r for r in records[cut_step:] if watch.seen[r["step"]] < restored_at]
+        assert all(r["sync_s"] <= sync_deadline_s + 1 for r in during), during
+        back = [r for r in records if watch.seen[r["step"]] > restored_at
+                and node_samples(r, n1)]
+        assert back, "node 1 never sampled again after the cut"
+        for r in back:
+            assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
+        check_versions(records, max_staleness=0)
+        print(f"\nMEASURED cut-mid-push sync: {pushed['sync_s']:.2f}s (deadline "
+              f"{sync_deadline_s:.0f}s); node 1 sampled again {rejoin_s:.2f}s after the restore")
+
+
+def _trainer_at_master(fleet, master) -> list[dict]:
+    listing = fleet.cli_json("gridrl-master", "nodes", "--master", master.address,
+                             "--role", "trainer", "--timeout-s", "5")
+    return listing["nodes"] if listing else []
+
+
+def test_the_trainer_cut_from_the_master_trains_on_and_the_master_sees_it_come_back(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Only the trainer and the master lose each other, for longer than the master's expiry:
+    the trainer trains on the nodes it knows; the master drops the run's trainer (unhealthy,
+    then expired), then lists it healthy again once the link is back."""
+    expire = ("--heartbeat-interval", "0.5", "--unhealthy-after", "2", "--expire-after", "4")
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*expire)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        run_dir = tmp_path / "run"
+        steps = 5000  # stopped by the test once the master saw it come back
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(steps, request_timeout_s=120),
+                                master=master, run_dir=run_dir)
+        n1.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            listed = wait_for(lambda: _trainer_at_master(fleet, master), 30,
+                              "the master to list the trainer")
+            assert listed[0]["status"] == "NODE_STATUS_HEALTHY", listed
+            fleet.cut_between("trainer", "master")
+            cut_at = time.monotonic()
+            # the master lets the trainer expire (4 s without a heartbeat)...
+            wait_for(lambda: not _trainer_at_master(fleet, master), 30,
+                     "the master to drop the cut trainer", alive=trainer)
+            expired_at = time.monotonic()
+            # ...while the trainer steps on the node it knows
+            wait_for(lambda: len(watch.steps_after(expired_at)) >= 2, 60,
+                     "two steps after the master dropped the trainer", alive=trainer)
+            assert all(node_samples(watch.records[s], n1) for s in watch.steps_after(cut_at))
+            fleet.restore_between("trainer", "master")
+            restored_at = time.monotonic()
+            back = wait_for(lambda: [n for n in _trainer_at_master(fleet, master)
+                                     if n["status"] == "NODE_STATUS_HEALTHY"], 60,
+                            "the master to list the trainer healthy again", alive=trainer)
+            rejoin_s = time.monotonic() - restored_at
+            assert back[0]["info"]["address"] == trainer.address, back
+            wait_for(lambda: watch.steps_after(restored_at), 60, "a step after the restore",
+                     alive=trainer)
+        finally:
+            watch.stop()
+            trainer.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        check_versions(records, max_staleness=0)
+        print(f"\nMEASURED trainer cut from master: expired after {expired_at - cut_at:.2f}s, "
+              f"listed healthy {rejoin_s:.2f}s after the restore")
+
+
+def test_the_only_node_asleep_past_the_generate_deadline_makes_the_run_wait_then_go_on(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The only node is SIGSTOPped (a sleeping Mac) past --request-timeout-s: the run waits,
+    saying for what (console and GetRunStatus); after SIGCONT it goes on, and the node's late
+    answers to the abandoned calls never reach an update."""
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        run_dir = tmp_path / "run"
+        steps = 8
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            steps, request_timeout_s=3, outage_wait_s=120), master=master, run_dir=run_dir)
+        node.wait_ready()
+        watch = StepWatch(run_dir)
+
+        def waiting() -> dict | None:
+            status = fleet.cli_json("gridrl-trainer", "status", "--address", trainer.address)
+            return status.get("nodeWait") or status.get("node_wait") if status else None
+
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            node.pause()
+            paused_at, paused_step = time.monotonic(), watch.last()
+            wait = wait_for(waiting, 60, "GetRunStatus to say the run waits", alive=trainer,
+                            every_s=0.5)
+            # past the Generate deadline: a call timed out, or the master's verdict came first
+            wait_for(lambda: time.monotonic() - paused_at > 3 + 1, 10, "the deadline")
+            assert watch.last() <= paused_step + 1
+            node.resume()
+            resumed_at = time.monotonic()
+            assert trainer.wait(240) == 0, trainer.log()[-4000:]
+        finally:
+            watch.stop()
+        waiting_for = wait.get("waitingFor") or wait.get("waiting_for")
+        assert node.address in waiting_for, wait
+        assert "no rollout node in rotation" in trainer.log()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for r in records:  # every sample drawn with the version pushed just before
+            for stats in r["nodes"].values():
+                assert stats["versions"] == [r["policy_version"] - 1], r
+        after = watch.steps_after(resumed_at)
+        assert after and watch.seen[after[0]] - resumed_at < 60
+        print(f"\nMEASURED sleeping node: first step {watch.seen[after[0]] - resumed_at:.2f}s "
+              "after SIGCONT")
+
+
+def test_a_node_behind_a_10_mbit_link_gets_fewer_groups_and_never_holds_the_step_back(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Node 2 sits behind the ``slow`` profile (10 Mbit/s) and the adapter is large (rank
+    512 on the tiny llama, 4.5 MB: ~3.6 s at 10 Mbit/s, ~40 ms at 1 Gbit/s): every step's
+    push ends within --sync-deadline-s with node 1 synced, whatever node 2's push does; node 2
+    samples only on the current adapter, so it gets fewer groups than node 1."""
+    sync_deadline_s = 2.0
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master,
+                        profile="slow", wait=False)
+        run_dir = tmp_path / "run"
+        steps = 8
+        flags = trainer_flags(steps, min_nodes=2, request_timeout_s=120,
+                              sync_deadline_s=sync_deadline_s)
+        flags[flags.index("--lora-rank") + 1] = "512"
+        flags[flags.index("--lora-alpha") + 1] = "1024"
+        trainer = fleet.trainer(tiny_llama_dir, *flags, master=master, run_dir=run_dir)
+        for node in (n1, n2):
+            node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            assert trainer.wait(300) == 0, trainer.log()[-4000:]
+        finally:
+            watch.stop()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        for r in records:
+            assert r["sync_s"] <= sync_deadline_s + 1, r
+            assert n1.address in r["synced_nodes"], r
+        check_versions(records, max_staleness=0)
+        samples = {n.name: sum(s["samples"] for r in records if (s := node_samples(r, n)))
+                   for n in (n1, n2)}
+        assert samples["node-2"] < samples["node-1"], samples
+        print(f"\nMEASURED slow node: sync_s max {max(r['sync_s'] for r in records):.2f}s "
+              f"(deadline {sync_deadline_s:.0f}s), samples {samples}")
