@@ -1,0 +1,335 @@
+"""Relay fan-out on the node: hold an adapter's verified pieces, serve them to the peers the
+trainer listed, and fetch a version from peers that hold it.
+
+    buffer = relays.open(manifest, plan)          # a push with a relay plan, or a fetch
+    buffer.write(offset, data)                     # the writer: checks each piece's sha256
+    for offset, piece in buffer.pieces(0, ...):    # ReadAdapter: verified pieces, as they come
+    fetch_pieces(buffer, sources, read, deadline)  # FetchAdapter: from peers, in order
+
+The trainer uploads an adapter once (to the chain's head, ``PushAdapter`` with a ``RelayPlan``)
+and tells every other node to fetch it from the node before it (``FetchAdapter``). A node keeps
+a piece only once its sha256 matches the trainer's plan and serves only kept pieces, so a relay
+cannot alter what it forwards; pieces flow on as soon as they are kept, so a chain of n nodes
+takes about the time of one transfer plus n piece times (a pipeline, as in chain replication),
+while the trainer's egress stays one adapter. A reader whose source fails mid-stream resumes at
+its first missing piece from the next source the trainer gave (earlier holders in the chain);
+when none can deliver, FetchAdapter fails and the trainer pushes to that node itself.
+
+Buffers live in memory: the newest :data:`KEEP_VERSIONS` versions per node (a restarted node
+holds none and serves none: its readers fall back to other sources).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from gridrl.common.errors import Kind, StatusError, invalid_argument
+from gridrl.common.transport import check_relay_plan
+from gridrl.v1 import common_pb2, rollout_pb2
+
+# Versions whose pieces a node keeps in memory to serve (each as large as the adapter).
+KEEP_VERSIONS = 2
+# Longest a ReadAdapter waits for a version to start arriving at this node (the trainer's
+# FetchAdapter to it may land after its reader's call): then NOT_FOUND, and the reader tries
+# its next source.
+ARRIVAL_WAIT_S = 10.0
+
+
+class RelayBuffer:
+    """One adapter version's bytes (its files concatenated in manifest order) as they arrive,
+    with how much of them is verified against the trainer's piece digests.
+
+    One writer (the push or fetch receiving it) calls :meth:`write`; any number of readers
+    call :meth:`pieces`. A piece becomes readable only once its sha256 matches.
+
+    Args:
+        manifest: the adapter's manifest, every file's sha256 given.
+        plan: its relay plan (piece size, piece digests, readers).
+    Raises:
+        StatusError: INVALID_ARGUMENT when the plan does not fit the manifest.
+    """
+
+    def __init__(self, manifest: common_pb2.AdapterManifest, plan: rollout_pb2.RelayPlan) -> None:
+        self.total = check_relay_plan(manifest, plan)
+        self.manifest = manifest
+        self.piece_bytes = plan.piece_bytes
+        self.digests = list(plan.piece_sha256)
+        self.readers = tuple(plan.readers)
+        self.data = bytearray(self.total)
+        self.verify_s = 0.0
+        self._verified = 0  # bytes from 0 whose pieces all matched
+        self._pending = 0  # bytes from 0 written (>= _verified; < next piece end)
+        self._failed: str | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def verified(self) -> int:
+        """Bytes from the start that are verified (a piece boundary, or the total)."""
+        with self._cond:
+            return self._verified
+
+    @property
+    def complete(self) -> bool:
+        with self._cond:
+            return self._verified == self.total
+
+    def same_plan(self, manifest: common_pb2.AdapterManifest,
+                  plan: rollout_pb2.RelayPlan) -> bool:
+        """Whether ``manifest`` and ``plan`` describe the bytes this buffer holds."""
+        return (plan.piece_bytes == self.piece_bytes and list(plan.piece_sha256) == self.digests
+                and [(f.path, f.sha256) for f in manifest.files]
+                == [(f.path, f.sha256) for f in self.manifest.files])
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Append ``data`` at ``offset`` (the end of what was written), checking every piece it
+        completes against the plan; a piece that does not match is dropped (what was verified
+        before stays, so another source can resume at :attr:`verified`).
+
+        Raises:
+            StatusError: INVALID_ARGUMENT (not contiguous, or past the end), DATA_LOSS (a
+                piece's sha256 does not match the plan).
+        """
+        if offset != self._pending:
+            raise invalid_argument("offset", f"expected byte {self._pending}, got {offset}")
+        end = offset + len(data)
+        if end > self.total:
+            raise invalid_argument("data", f"past the adapter's {self.total} bytes")
+        self.data[offset:end] = data
+        self._pending = end
+        verified = self._verified
+        t = time.perf_counter()
+        while True:
+            piece_end = min(verified + self.piece_bytes, self.total)
+            if piece_end > self._pending or piece_end == verified:
+                break
+            index = verified // self.piece_bytes
+            digest = hashlib.sha256(memoryview(self.data)[verified:piece_end]).hexdigest()
+            if digest != self.digests[index]:
+                self._pending = verified
+                self.verify_s += time.perf_counter() - t
+                raise StatusError(Kind.DATA_LOSS,
+                                  f"piece {index} (bytes {verified}-{piece_end}) of "
+                                  f"{self.name} v{self.version}: sha256 {digest} does not "
+                                  f"match the trainer's {self.digests[index]}")
+            verified = piece_end
+        self.verify_s += time.perf_counter() - t
+        if verified != self._verified:
+            with self._cond:
+                self._verified = verified
+                self._cond.notify_all()
+
+    def rewind(self) -> None:
+        """Drop written bytes past :attr:`verified` (a source failed mid-piece)."""
+        self._pending = self._verified
+
+    def fail(self, reason: str) -> None:
+        """The writer gave up: readers waiting for more get ABORTED (they try another
+        source). A complete buffer cannot fail."""
+        with self._cond:
+            if self._verified < self.total:
+                self._failed = reason
+                self._cond.notify_all()
+
+    def pieces(self, offset: int, until: float | None,
+               active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, bytes]]:
+        """Yield ``(offset, piece)`` from ``offset`` on, each once verified, waiting for more
+        until ``until`` (``time.monotonic()`` seconds; None: no limit) while ``active()``.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT (``offset`` not on a piece boundary or past the
+                end), ABORTED (the writer failed before the end), DEADLINE_EXCEEDED (no new
+                piece before ``until``).
+        """
+        if offset % self.piece_bytes or offset > self.total:
+            raise invalid_argument("offset", f"{offset} is not a piece boundary (pieces of "
+                                             f"{self.piece_bytes} bytes) within the adapter's "
+                                             f"{self.total} bytes")
+        while offset < self.total:
+            with self._cond:
+                while self._verified <= offset and self._failed is None and active():
+                    left = None if until is None else until - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise StatusError(Kind.DEADLINE_EXCEEDED,
+                                          f"{self.name} v{self.version}: no piece past byte "
+                                          f"{offset} arrived in time")
+                    self._cond.wait(timeout=1.0 if left is None else min(left, 1.0))
+                if self._verified <= offset:
+                    if self._failed is not None:
+                        raise StatusError(Kind.ABORTED, f"{self.name} v{self.version}: this "
+                                                        f"node's transfer failed: {self._failed}")
+                    return  # the reader left
+                end = self._verified
+            while offset < end:  # verified bytes never change: read without the lock
+                piece_end = min(offset + self.piece_bytes, self.total)
+                yield offset, bytes(self.data[offset:piece_end])
+                offset = piece_end
+
+    def files(self) -> dict[str, bytearray]:
+        """path -> contents of every manifest file (copies; call once complete)."""
+        out, start = {}, 0
+        for f in self.manifest.files:
+            out[f.path] = bytearray(self.data[start:start + f.size_bytes])
+            start += f.size_bytes
+        return out
+
+    def check_files(self) -> None:
+        """Check each complete file's sha256 against the manifest.
+
+        Raises:
+            StatusError: DATA_LOSS naming the file.
+        """
+        start = 0
+        t = time.perf_counter()
+        view = memoryview(self.data)
+        for f in self.manifest.files:
+            digest = hashlib.sha256(view[start:start + f.size_bytes]).hexdigest()
+            if digest != f.sha256:
+                raise StatusError(Kind.DATA_LOSS, f"{f.path}: sha256 {digest} does not match "
+                                                  f"the manifest's {f.sha256}")
+            start += f.size_bytes
+        self.verify_s += time.perf_counter() - t
+
+
+class RelayTable:
+    """The versions this node holds or receives for relaying, newest :data:`KEEP_VERSIONS`
+    kept; readers wait (bounded) for a version that is about to arrive."""
+
+    def __init__(self, keep: int = KEEP_VERSIONS) -> None:
+        self.keep = keep
+        self._buffers: OrderedDict[tuple[str, int], RelayBuffer] = OrderedDict()
+        self._cond = threading.Condition()
+
+    def open(self, manifest: common_pb2.AdapterManifest,
+             plan: rollout_pb2.RelayPlan) -> RelayBuffer:
+        """A new buffer for the manifest's version, replacing an earlier one (its readers
+        keep the old object); older versions beyond ``keep`` are dropped.
+
+        Raises:
+            StatusError: INVALID_ARGUMENT when the plan does not fit the manifest.
+        """
+        buffer = RelayBuffer(manifest, plan)
+        key = (manifest.name, manifest.version)
+        with self._cond:
+            self._buffers.pop(key, None)
+            self._buffers[key] = buffer
+            while len(self._buffers) > self.keep:
+                self._buffers.popitem(last=False)
+            self._cond.notify_all()
+        return buffer
+
+    def held(self, name: str, version: int) -> RelayBuffer | None:
+        """The buffer of ``name`` v``version`` if it is here and complete."""
+        with self._cond:
+            buffer = self._buffers.get((name, version))
+        return buffer if buffer is not None and buffer.complete else None
+
+    def wait_for(self, name: str, version: int, timeout: float) -> RelayBuffer | None:
+        """The buffer of ``name`` v``version``, waiting up to ``timeout`` seconds for it to be
+        opened; None if it was not."""
+        until = time.monotonic() + timeout
+        with self._cond:
+            while (name, version) not in self._buffers:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._buffers[(name, version)]
+
+    def drop(self, buffer: RelayBuffer) -> None:
+        """Forget ``buffer`` (its transfer failed) if it is still the one held."""
+        with self._cond:
+            key = (buffer.name, buffer.version)
+            if self._buffers.get(key) is buffer:
+                del self._buffers[key]
+
+
+@dataclass
+class FetchOutcome:
+    """How a fetch went: the source that sent the last piece and the sources that failed
+    (address -> why)."""
+
+    source: str = ""
+    failures: dict[str, str] = field(default_factory=dict)
+    receive_s: float = 0.0
+
+
+ReadFn = Callable[[str, rollout_pb2.ReadAdapterRequest, float],
+                  Iterator[rollout_pb2.ReadAdapterResponse]]
+
+
+def fetch_pieces(buffer: RelayBuffer, sources: Sequence[str], read: ReadFn,
+                 until: float | None, active: Callable[[], bool] = lambda: True
+                 ) -> FetchOutcome:
+    """Fill ``buffer`` from ``sources`` in order: each is asked for the pieces from the first
+    one missing (``read(address, request, timeout_s)``: a ReadAdapter stream); a source that
+    fails, ends early or sends a piece that does not match moves on to the next.
+
+    Returns:
+        the outcome, once the buffer is complete.
+    Raises:
+        StatusError: DATA_LOSS when a source sent a piece that does not match and no later
+            source completed it; UNAVAILABLE when no source could deliver the rest (the
+            message names each failure); DEADLINE_EXCEEDED past ``until``; CANCELLED when
+            ``active()`` turned False. The buffer is then failed (its readers get ABORTED).
+    """
+    outcome = FetchOutcome()
+    start = time.perf_counter()
+    tampered = False
+    try:
+        for address in sources:
+            if buffer.complete:
+                break
+            if not active():
+                raise StatusError(Kind.CANCELLED, "the caller left before the fetch ended")
+            left = None if until is None else until - time.monotonic()
+            if left is not None and left <= 0:
+                raise StatusError(Kind.DEADLINE_EXCEEDED,
+                                  f"fetch of {buffer.name} v{buffer.version}: deadline passed "
+                                  f"at byte {buffer.verified} of {buffer.total}; sources "
+                                  f"failed: {_said(outcome.failures)}")
+            request = rollout_pb2.ReadAdapterRequest(name=buffer.name, version=buffer.version,
+                                                     offset=buffer.verified)
+            try:
+                for message in read(address, request, left if left is not None else 3600.0):
+                    buffer.write(message.offset, message.data)
+                if not buffer.complete:
+                    raise StatusError(Kind.UNAVAILABLE,
+                                      f"stream ended at byte {buffer.verified} of {buffer.total}")
+            except grpc.RpcError as e:
+                buffer.rewind()
+                outcome.failures[address] = f"ReadAdapter {e.code().name}: {e.details()}"
+            except StatusError as e:
+                buffer.rewind()
+                tampered |= e.kind is Kind.DATA_LOSS
+                outcome.failures[address] = f"{e.kind.name}: {e.message}"
+            else:
+                outcome.source = address
+        if not buffer.complete:
+            raise StatusError(Kind.DATA_LOSS if tampered else Kind.UNAVAILABLE,
+                              f"fetch of {buffer.name} v{buffer.version}: no source delivered "
+                              f"it (byte {buffer.verified} of {buffer.total}): "
+                              f"{_said(outcome.failures)}")
+    except StatusError as e:
+        buffer.fail(e.message)
+        raise
+    outcome.receive_s = time.perf_counter() - start
+    return outcome
+
+
+def _said(failures: dict[str, str]) -> str:
+    return "; ".join(f"{a}: {why}" for a, why in failures.items()) or "none tried"
