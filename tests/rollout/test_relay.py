@@ -218,8 +218,8 @@ def test_a_relay_stopped_mid_stream_is_replaced_by_an_earlier_holder(fleet: Flee
     _wait(lambda: (b := fleet.nodes[2].node.adapters.relays.wait_for("run", 3, 0)) is not None
           and b.verified > 0, "the third node got no piece from the relay")
     fleet.nodes[1].node.stop(0)  # the relay dies mid-stream
-    second.join(WAIT)
     gate.open()
+    second.join(WAIT)
     head.join(WAIT)
     third.join(WAIT)
     assert "error" not in head_out and "error" not in third_out, (head_out, third_out)
@@ -305,3 +305,56 @@ def test_bad_fetch_requests_name_the_field(fleet: Fleet, adapter) -> None:
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.details().startswith("relay.piece_sha256:")
     assert fleet.nodes[1].serving() == ("", 0)
+
+
+# -- the trainer's side: AdapterSync over the same nodes --------------------------------------
+
+
+@pytest.fixture
+def trainer_sync(fleet: Fleet, tiny_llama_dir: Path):
+    from gridrl.models import model_identity
+    from gridrl.trainer.fleet.pool import NodePool
+    from gridrl.trainer.fleet.sync import AdapterSync
+
+    identity = model_identity(tiny_llama_dir)
+    pool = NodePool(master=None, addresses=[n.address for n in fleet.nodes],
+                    model_identity=identity, security=fleet.security("trainer"),
+                    probe_interval_s=0.2)
+    sync = AdapterSync(pool, name="run", base_model=identity, deadline_s=WAIT,
+                       piece_bytes=PIECE)
+    pool.start()
+    pool.wait_for_nodes(3, timeout_s=WAIT)
+    yield sync
+    sync.close()
+    pool.close()
+
+
+def test_the_trainer_uploads_each_push_once_and_the_chain_relays_it(
+        fleet: Fleet, trainer_sync, tiny_adapters: dict[str, Path]) -> None:
+    files = read_dir(tiny_adapters["a"])
+    size = sum(len(b) for b in files.values())
+    chain = sorted(n.address for n in fleet.nodes)
+    for version in (1, 2):
+        report = trainer_sync.push(version, files)
+        assert report.synced == chain and report.skipped == {}
+        assert report.relayed == chain[1:]  # every node but the head fetched it from a peer
+        assert report.sent_bytes == size  # the trainer uploaded the adapter once
+        for n in fleet.nodes:
+            assert n.serving() == ("run", version)
+
+
+def test_a_node_no_peer_will_serve_gets_the_push_from_the_trainer(
+        fleet: Fleet, trainer_sync, tiny_adapters: dict[str, Path]) -> None:
+    import dataclasses
+
+    files = read_dir(tiny_adapters["a"])
+    size = sum(len(b) for b in files.values())
+    chain = sorted(fleet.nodes, key=lambda n: n.address)
+    last = chain[-1].node  # reads from its peers with a credential bound to no address
+    last.config = dataclasses.replace(last.config, security=dataclasses.replace(
+        last.config.security, token=fleet.tokens["loose"]))
+    report = trainer_sync.push(1, files)
+    assert report.synced == [n.address for n in chain] and report.skipped == {}
+    assert report.relayed == [chain[1].address]
+    assert report.sent_bytes == 2 * size  # the head's push and the fallback push
+    assert chain[-1].serving() == ("run", 1)

@@ -62,7 +62,8 @@ def _message(manifest: Any) -> common_pb2.AdapterManifest:
 
 def push_requests(manifest: Any,
                   files: Mapping[str, bytes], *, stage_only: bool = False,
-                  chunk_size: int = CHUNK_SIZE) -> Iterator[rollout_pb2.PushAdapterRequest]:
+                  chunk_size: int = CHUNK_SIZE, relay: rollout_pb2.RelayPlan | None = None
+                  ) -> Iterator[rollout_pb2.PushAdapterRequest]:
     """Yield the PushAdapter stream: the header, then every file of ``manifest.files`` in
     order, then, when the manifest gives no digests, the trailer with the sha256 of each file
     computed while its chunks were yielded.
@@ -74,6 +75,8 @@ def push_requests(manifest: Any,
             none (``build_manifest(..., hash_files=False)``).
         files: file path -> bytes (any bytes-like object), as listed in the manifest.
         chunk_size: bytes per chunk message (> 0).
+        relay: a relay plan for the header (:func:`relay_plan`; the manifest must then give
+            every sha256): the receiver serves the pieces to the plan's readers as they come.
     Raises:
         KeyError: a manifest file is missing from ``files``.
         ValueError: the manifest gives the sha256 of some files but not of others.
@@ -83,7 +86,7 @@ def push_requests(manifest: Any,
     if deferred is None:
         raise ValueError("manifest.files: give the sha256 of every file or of none")
     yield rollout_pb2.PushAdapterRequest(
-        header=rollout_pb2.PushAdapterHeader(manifest=msg, stage_only=stage_only))
+        header=rollout_pb2.PushAdapterHeader(manifest=msg, stage_only=stage_only, relay=relay))
     digests = []
     for entry in msg.files:
         data = memoryview(files[entry.path]).cast("B")

@@ -40,6 +40,10 @@ KEEP_VERSIONS = 2
 # FetchAdapter to it may land after its reader's call): then NOT_FOUND, and the reader tries
 # its next source.
 ARRIVAL_WAIT_S = 10.0
+# A source that sends no piece for this long (or a quarter of the fetch's time left, if less,
+# but at least 1 s) is abandoned for the next one: a relay whose link was cut silently
+# would otherwise hold the fetch until its deadline.
+STALL_S = 5.0
 
 
 class RelayBuffer:
@@ -272,12 +276,19 @@ ReadFn = Callable[[str, rollout_pb2.ReadAdapterRequest, float],
                   Iterator[rollout_pb2.ReadAdapterResponse]]
 
 
+def stall_limit(left_s: float | None) -> float:
+    """Seconds without a piece after which a source is abandoned (:data:`STALL_S`, a quarter
+    of the time left if less, at least 1 s)."""
+    return STALL_S if left_s is None else max(1.0, min(STALL_S, left_s / 4))
+
+
 def fetch_pieces(buffer: RelayBuffer, sources: Sequence[str], read: ReadFn,
                  until: float | None, active: Callable[[], bool] = lambda: True
                  ) -> FetchOutcome:
     """Fill ``buffer`` from ``sources`` in order: each is asked for the pieces from the first
-    one missing (``read(address, request, timeout_s)``: a ReadAdapter stream); a source that
-    fails, ends early or sends a piece that does not match moves on to the next.
+    one missing (``read(address, request, timeout_s)``: a ReadAdapter stream, a gRPC call
+    that can be cancelled); a source that fails, ends early, sends a piece that does not
+    match or sends nothing for :func:`stall_limit` seconds moves on to the next.
 
     Returns:
         the outcome, once the buffer is complete.
@@ -289,6 +300,7 @@ def fetch_pieces(buffer: RelayBuffer, sources: Sequence[str], read: ReadFn,
     """
     outcome = FetchOutcome()
     start = time.perf_counter()
+    stall_s = stall_limit(None if until is None else until - time.monotonic())
     tampered = False
     try:
         for address in sources:
@@ -304,21 +316,29 @@ def fetch_pieces(buffer: RelayBuffer, sources: Sequence[str], read: ReadFn,
                                   f"failed: {_said(outcome.failures)}")
             request = rollout_pb2.ReadAdapterRequest(name=buffer.name, version=buffer.version,
                                                      offset=buffer.verified)
+            watch = _Watchdog(stall_s)
             try:
-                for message in read(address, request, left if left is not None else 3600.0):
+                call = read(address, request, left if left is not None else 3600.0)
+                watch.start(call)
+                for message in call:
                     buffer.write(message.offset, message.data)
+                    watch.progress()
                 if not buffer.complete:
                     raise StatusError(Kind.UNAVAILABLE,
                                       f"stream ended at byte {buffer.verified} of {buffer.total}")
             except grpc.RpcError as e:
                 buffer.rewind()
-                outcome.failures[address] = f"ReadAdapter {e.code().name}: {e.details()}"
+                outcome.failures[address] = (
+                    f"no piece for {stall_s:.1f}s (stalled)" if watch.fired
+                    else f"ReadAdapter {e.code().name}: {e.details()}")
             except StatusError as e:
                 buffer.rewind()
                 tampered |= e.kind is Kind.DATA_LOSS
                 outcome.failures[address] = f"{e.kind.name}: {e.message}"
             else:
                 outcome.source = address
+            finally:
+                watch.stop()
         if not buffer.complete:
             raise StatusError(Kind.DATA_LOSS if tampered else Kind.UNAVAILABLE,
                               f"fetch of {buffer.name} v{buffer.version}: no source delivered "
@@ -329,6 +349,32 @@ def fetch_pieces(buffer: RelayBuffer, sources: Sequence[str], read: ReadFn,
         raise
     outcome.receive_s = time.perf_counter() - start
     return outcome
+
+
+class _Watchdog:
+    """Cancels a ReadAdapter call that delivers no piece for ``stall_s`` seconds."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.fired = False
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+
+    def start(self, call) -> None:
+        def watch() -> None:
+            while not self._stopped.wait(min(0.25, self.stall_s / 4)):
+                if time.monotonic() - self._last > self.stall_s:
+                    self.fired = True
+                    call.cancel()
+                    return
+
+        threading.Thread(target=watch, name="relay-watchdog", daemon=True).start()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def _said(failures: dict[str, str]) -> str:
