@@ -37,7 +37,9 @@ NOT_SETTINGS = {"resume", "ready_file", "tls_cert", "tls_key", "tls_ca", "author
 RESUME_OVERRIDABLE_BEFORE = {
     "steps", "master", "rollout", "report_to", "listen", "metrics_port", "request_timeout_s",
     "sync_deadline_s", "min_nodes", "node_wait_s", "wait_for_nodes_s", "eval_every",
-    "checkpoint_every", "keep_checkpoints", "device", "threads", "log_level"}
+    "checkpoint_every", "keep_checkpoints", "device", "threads", "log_level",
+    # the network's deadlines, like request_timeout_s (issue 44)
+    "keepalive_s", "keepalive_timeout_s", "hedge_after", "hedge_min_s"}
 
 
 def test_every_recorded_flag_is_still_there_unchanged():

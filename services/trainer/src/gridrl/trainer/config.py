@@ -219,6 +219,23 @@ class TrainConfig:
         "(every node dead, restarting or benched) before it fails; 0: fail at once.",
         flag="--outage-wait-s", check=NON_NEGATIVE, on_resume=True)
     request_timeout_s: float = setting(120.0, "Deadline of one Generate.", on_resume=True)
+    keepalive_s: float = setting(
+        10.0, "Seconds between HTTP/2 keepalive pings on the trainer's channels to nodes and "
+        "the master; a node or master whose link vanished (Wi-Fi down, lid closed) is noticed "
+        "after about --keepalive-s + --keepalive-timeout-s and its calls fail (their groups go "
+        "to other nodes).", check=at_least(1), on_resume=True)
+    keepalive_timeout_s: float = setting(
+        5.0, "Seconds a keepalive ping may go unanswered before the connection is dropped.",
+        check=above(0), on_resume=True)
+    hedge_after: float = setting(
+        0.0, "Start a backup copy of a group on another node once it has run this many times "
+        "its node's measured group latency (and at least --hedge-min-s); the first answer "
+        "wins, the other call is cancelled. 0: never hedge (groups on a node that leaves "
+        "rotation are re-dispatched at once either way).", check=NON_NEGATIVE,
+        on_resume=True)
+    hedge_min_s: float = setting(
+        10.0, "Seconds a group runs at least before it may be hedged (--hedge-after).",
+        check=NON_NEGATIVE, on_resume=True)
     sync_deadline_s: float = setting(30.0, "Deadline of one node's push.", on_resume=True)
     relay: bool = setting(
         True, "Relay fan-out: upload each adapter push once (to one node) and let the nodes "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,26 +26,51 @@ NODE_REQUEST_BYTES = 16 * 1024 * 1024
 _warned_plaintext: set[str] = set()
 
 
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 keepalive of a channel: a ping every ``time_s`` seconds (with or without calls
+    in flight), the connection closed when one is not answered in ``timeout_s``. A peer whose
+    packets vanish (a cut Wi-Fi link, a closed laptop lid: no RST) is noticed after about
+    ``time_s + timeout_s`` seconds, and every call on the connection fails UNAVAILABLE; without
+    keepalive only the call's deadline would end it. Servers accept pings as often as every
+    second (``gridrl.common.rpc.server.SERVER_KEEPALIVE_OPTIONS``)."""
+
+    time_s: float = 30.0
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.time_s < 1:
+            raise ValueError(f"keepalive_s: must be >= 1 (servers refuse faster pings), got "
+                             f"{self.time_s}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"keepalive_timeout_s: must be > 0, got {self.timeout_s}")
+
+
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES,
-                    max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+                    max_receive_bytes: int | None = None,
+                    keepalive: Keepalive | None = None) -> list[tuple[str, int]]:
     """Options shared by clients and servers: explicit size limits (``max_receive_bytes``: a
-    lower limit on what is received, None: ``max_message_bytes``) and keepalive."""
+    lower limit on what is received, None: ``max_message_bytes``) and keepalive
+    (:class:`Keepalive`; None: its defaults)."""
+    keepalive = keepalive or Keepalive()
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length",
          max_message_bytes if max_receive_bytes is None else max_receive_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", int(keepalive.time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(keepalive.timeout_s * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
 
 
 def dial(address: str, security: Security | str | None = None,
-         max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+         max_message_bytes: int = MAX_MESSAGE_BYTES,
+         keepalive: Keepalive | None = None) -> grpc.Channel:
     """A channel to ``address`` (host:port): TLS when ``security.tls`` has a CA (mutual TLS
     when it also has a certificate), sending ``security.token`` on every call. A bare string is
-    a token over plaintext (tests, loopback tools).
+    a token over plaintext (tests, loopback tools). ``keepalive``: how soon a silent peer is
+    noticed (:class:`Keepalive`; None: its defaults).
 
     The channel is lazy: nothing connects until the first call. A token sent over plaintext
     to a non-loopback address is logged once as a warning (anyone on the path can read it).
@@ -55,7 +81,7 @@ def dial(address: str, security: Security | str | None = None,
     if isinstance(security, str):
         security = Security(token=security)
     security = security or Security()
-    options = channel_options(max_message_bytes)
+    options = channel_options(max_message_bytes, keepalive=keepalive)
     if security.tls.dials_tls:
         credentials = security.tls.channel_credentials()
         if security.token:

@@ -35,11 +35,12 @@ from gridrl.common.security.policy import Security, check_exposure, exposure_war
 
 log = logging.getLogger(__name__)
 
-# Clients ping every 30 s (channel_options) so long streams (WatchNodes, WatchRun) notice dead
-# peers; grpc's server default (one ping per 5 min) would answer that with GOAWAY
-# "too_many_pings" and drop the stream. Accept pings every 10 s or slower.
+# Clients ping every 30 s by default (channel.Keepalive; a trainer on Wi-Fi may ping every
+# second: --keepalive-s) so calls and long streams (WatchNodes, WatchRun) notice dead peers;
+# grpc's server default (one ping per 5 min) would answer that with GOAWAY "too_many_pings" and
+# drop the stream. Accept pings every second or slower.
 SERVER_KEEPALIVE_OPTIONS = [
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]

@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from gridrl.common.rpc.channel import dial
+from gridrl.common.rpc.channel import Keepalive, dial
 from gridrl.common.security.policy import Security
 
 
@@ -16,8 +16,9 @@ class Channels:
     """One channel per node, dialled on first use and shared by every caller. A replaced
     (retired) channel is closed once the Generate calls leased on it have ended."""
 
-    def __init__(self, security: Security | None) -> None:
+    def __init__(self, security: Security | None, keepalive: Keepalive | None = None) -> None:
         self._security = security
+        self._keepalive = keepalive
         self._lock = threading.Lock()
         self._current: dict[str, grpc.Channel] = {}
         self._leases: dict[int, int] = {}  # id(channel) -> calls in flight on it
@@ -27,7 +28,8 @@ class Channels:
         with self._lock:
             channel = self._current.get(address)
             if channel is None:
-                channel = self._current[address] = dial(address, self._security)
+                channel = self._current[address] = dial(address, self._security,
+                                                                keepalive=self._keepalive)
             return channel
 
     def lease(self, address: str) -> grpc.Channel:

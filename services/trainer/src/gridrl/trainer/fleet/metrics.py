@@ -24,6 +24,11 @@ NODE_GROUP_SECONDS = Gauge("gridrl_trainer_node_group_seconds",
 GENERATE_FAILURES = Counter("gridrl_trainer_generate_failures_total",
                             "Generate calls that failed or timed out, by node and status code.",
                             ["node", "code"])
+REDISPATCHED = Counter("gridrl_trainer_groups_redispatched_total",
+                       "Groups started again on another node while their call ran: its node "
+                       "left rotation (reason 'node gone': the call is abandoned) or the group "
+                       "ran --hedge-after times its node's latency (reason 'hedge': a backup "
+                       "copy, first answer wins).", ["node", "reason"])
 NODE_FLAGGED = Gauge("gridrl_trainer_node_flagged",
                      "1 while the node is benched for stale or mismatched samples (no groups, "
                      "its samples kept out of the update) until it passes a fresh mismatch "

@@ -50,11 +50,11 @@ from typing import Any
 
 import grpc
 
-from gridrl.common.rpc.channel import dial
+from gridrl.common.rpc.channel import Keepalive, dial
 from gridrl.common.security.policy import Security
 from gridrl.models import ModelIdentity
 from gridrl.trainer.envs.episode import TurnRequest
-from gridrl.trainer.fleet import metrics, scheduling
+from gridrl.trainer.fleet import hedging, metrics, scheduling
 from gridrl.trainer.fleet.channels import Channels
 from gridrl.trainer.fleet.membership import MAX_PROBE_BACKOFF_S, ORPHAN_GRACE_S, Membership
 from gridrl.trainer.fleet.nodes import NodeState
@@ -117,6 +117,11 @@ class _Batch:
     rejected: list[dict[str, str]] = field(default_factory=list)  # INVALID_ARGUMENT per node
     pending: deque[int] = field(default_factory=deque)
     in_flight: dict[futures.Future, tuple[int, str]] = field(default_factory=dict)
+    calls: dict[futures.Future, _Call] = field(default_factory=dict)
+    started: dict[futures.Future, float] = field(default_factory=dict)  # clock seconds
+    abandoned: set[futures.Future] = field(default_factory=set)  # cancelled; answers ignored
+    hedges: dict[int, str] = field(default_factory=dict)  # pending backup -> node to avoid
+    hedged: set[int] = field(default_factory=set)  # groups given a backup copy
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.requests)
@@ -134,6 +139,40 @@ class _Batch:
         """A pinned request that can never be served: its result is the error."""
         self.results[i] = RuntimeError(problem)
         self.pending.remove(i)
+
+    def live_copies(self, i: int) -> list[futures.Future]:
+        """Calls of request ``i`` in flight and not abandoned."""
+        return [f for f, (j, _) in self.in_flight.items() if j == i and f not in self.abandoned]
+
+    def abandon(self, future: futures.Future) -> None:
+        """Cancel a call; its answer, should one still come, is ignored."""
+        self.abandoned.add(future)
+        future.cancel()
+        self.calls[future].cancel()
+
+
+class _Call:
+    """A Generate call that the batch's thread can cancel while a ``rollout`` thread
+    waits on it (before the RPC starts, or while it runs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rpc: grpc.Future | None = None
+        self.cancelled = False
+
+    def attach(self, rpc: grpc.Future) -> None:
+        with self._lock:
+            self._rpc = rpc
+            cancelled = self.cancelled
+        if cancelled:
+            rpc.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            rpc = self._rpc
+        if rpc is not None:
+            rpc.cancel()
 
 
 class NodePool:
@@ -157,6 +196,13 @@ class NodePool:
         clock: monotonic seconds of the events the pool feeds its membership and scheduler
             (when a call started, a push answered, a probe was sent; tests advance a fake
             one); waits and latencies are measured in real time.
+        hedge: when a slow group gets a backup copy on another node
+            (:class:`~gridrl.trainer.fleet.hedging.HedgePolicy`; default: never). Groups on a
+            node that leaves rotation (unhealthy, benched, gone) are re-dispatched at once
+            whatever this says.
+        keepalive: HTTP/2 keepalive of the pool's channels (None: the project's default,
+            :class:`gridrl.common.rpc.channel.Keepalive`): a call to a node whose link
+            vanished fails after about ``time_s + timeout_s``.
 
     Raises:
         ValueError: naming the argument, when neither a master nor addresses are given, a
@@ -169,7 +215,9 @@ class NodePool:
                  probe_interval_s: float = 5.0, max_workers: int = 64,
                  wait_for_nodes_s: float = 0.0,
                  on_wait: Callable[[NodeWait | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hedge: hedging.HedgePolicy | None = None,
+                 keepalive: Keepalive | None = None) -> None:
         if not master and not addresses:
             raise ValueError("master / addresses: give a master or at least one rollout address")
         if request_timeout_s <= 0:
@@ -188,9 +236,11 @@ class NodePool:
         self.wait_for_nodes_s = wait_for_nodes_s
         self._on_wait = on_wait
         self._clock = clock
+        self.hedge = hedge or hedging.HedgePolicy()
+        self.keepalive = keepalive
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._channels = Channels(security)
+        self._channels = Channels(security, keepalive)
         self._listeners: list[Callable[[NodeState], None]] = []
         self._tick = 0
         self._closed = threading.Event()
@@ -199,7 +249,8 @@ class NodePool:
         self._probe_thread = threading.Thread(target=self._probe_loop, name="node-prober",
                                               daemon=True)
         self._watch = (MasterWatch(master, on_event=self._on_master_event,
-                                   on_connect=self._on_master_connect, security=security)
+                                   on_connect=self._on_master_connect, security=security,
+                                   keepalive=keepalive)
                        if master else None)
         for address in dict.fromkeys(addresses):
             self._members.add_static(address)
@@ -360,9 +411,10 @@ class NodePool:
         batch = _Batch(list(requests), sampling)
         try:
             self._run_batch(batch)
-        finally:  # on an error, requests not started yet are dropped; running ones drain
+        finally:  # on an error or once done, every call still in flight is cancelled
             for future in batch.in_flight:
-                future.cancel()
+                if future not in batch.abandoned:
+                    batch.abandon(future)
         return [r for r in batch.results if r is not None]
 
     def check_group(self, address: str, prompt: Sequence[int], *, group_size: int,
@@ -398,11 +450,27 @@ class NodePool:
                                    return_when=futures.FIRST_COMPLETED)
             for future in done:
                 i, address = in_flight.pop(future)
+                batch.calls.pop(future, None)
+                batch.started.pop(future, None)
+                if future in batch.abandoned:  # a late answer of an abandoned call
+                    batch.abandoned.discard(future)
+                    log.info("ignored the late end of an abandoned call for group %d on %s",
+                             i, address)
+                    continue
+                if batch.results[i] is not None:  # another copy answered first
+                    continue
                 request = batch.requests[i]
                 outcome = self._finish(future, address, i, list(request.prompt_ids), request.n)
                 if isinstance(outcome, list):
                     batch.results[i] = outcome
+                    for other in batch.live_copies(i):  # the hedge's loser
+                        batch.abandon(other)
+                    if i in batch.pending:  # a backup not started yet
+                        batch.pending.remove(i)
+                        batch.hedges.pop(i, None)
                     continue
+                if batch.live_copies(i) or i in batch.pending:
+                    continue  # another copy of the group runs, or is about to
                 if request.node:  # the episode's node failed it: the episode ends here
                     batch.results[i] = RuntimeError(
                         f"request {i} on its episode's node {address}: {outcome.label}: "
@@ -421,6 +489,56 @@ class NodePool:
                             f"{', '.join(sorted(set(batch.tried[i])))}; last ({address}): "
                             f"{outcome.label}: {outcome.detail}")
                 pending.appendleft(i)
+            self._rebalance(batch)
+
+    def _rebalance(self, batch: _Batch) -> None:
+        """Abandon the calls on nodes that left rotation (their groups are queued again at
+        once) and queue backups of slow groups (:func:`gridrl.trainer.fleet.hedging.moves`)."""
+        attempts = [hedging.Attempt(f, i, a, batch.started.get(f, 0.0))
+                    for f, (i, a) in batch.in_flight.items()
+                    if f not in batch.abandoned and not batch.requests[i].node]
+        if not attempts:
+            return
+        with self._lock:
+            now = self._clock()
+            gone = {a.address: why for a in attempts if (why := self._gone(a.address))}
+            group_s = {a.address: s.group_s for a in attempts
+                       if (s := self._members.state(a.address)) is not None}
+            free = {c.address for c in self._members.candidates()
+                    if c.in_flight < max(1, c.capacity)}
+        moves = hedging.moves(attempts, now=now, gone=gone, group_s=group_s,
+                              policy=self.hedge,
+                              elsewhere=lambda address: bool(free - {address}))
+        for move in moves:
+            a = move.attempt
+            if move.kind is hedging.MoveKind.REDISPATCH:
+                requeue = hedging.needs_queue(move, attempts, gone)
+                batch.abandon(a.key)
+                log.warning("group %d re-dispatched: %s", a.index, move.reason)
+                metrics.REDISPATCHED.labels(a.address, "node gone").inc()
+                if requeue and a.index not in batch.pending:
+                    batch.tried[a.index].append(a.address)
+                    batch.pending.appendleft(a.index)
+            elif a.index not in batch.hedged and a.index not in batch.pending:
+                batch.hedged.add(a.index)
+                batch.hedges[a.index] = a.address
+                batch.pending.append(a.index)
+                log.warning("group %d hedged: %s", a.index, move.reason)
+                metrics.REDISPATCHED.labels(a.address, "hedge").inc()
+
+    def _gone(self, address: str) -> str:
+        """Why a call on ``address`` cannot be answered any more ("" when it may). Lock
+        held."""
+        s = self._members.state(address)
+        if s is None:
+            return "left the pool"
+        if s.excluded:
+            return f"is excluded: {s.excluded}"
+        if s.benched:
+            return f"is benched: {s.benched}"
+        if not s.healthy:
+            return f"is unhealthy ({s.last_error or 'the master says so'})"
+        return ""
 
     def _start_groups(self, batch: _Batch) -> None:
         """Fail the pinned requests whose node can no longer serve them, ask the scheduler
@@ -435,6 +553,8 @@ class NodePool:
                 live, g, group_size=g.n, max_tokens=g.max_tokens))}
             plan = scheduling.schedule(live, [g for g in groups if g.index not in stranded],
                                        group_size=1, max_tokens=1, now=now, tick=self._tick)
+            # a backup goes elsewhere or not at all
+            plan = [a for a in plan if batch.hedges.get(a.index) != a.address]
             self._tick += len(plan)
             for a in plan:
                 self._members.assign(a.address, now)
@@ -443,6 +563,7 @@ class NodePool:
             batch.fail(i, problem)
         for a in plan:
             batch.pending.remove(a.index)
+            batch.hedges.pop(a.index, None)
             r = batch.requests[a.index]
             request = rollout_pb2.GenerateRequest(
                 prompt_token_ids=list(r.prompt_ids),
@@ -450,9 +571,12 @@ class NodePool:
                 sampling=batch.sampling, keep_cache=r.keep_cache)
             request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
             request.sampling.seed = r.seed
-            future = self._executor.submit(self._call_generate, a.address, request)
+            call = _Call()
+            future = self._executor.submit(self._call_generate, a.address, request, call)
             future.add_done_callback(functools.partial(self._call_done, a.address))
             batch.in_flight[future] = (a.index, a.address)
+            batch.calls[future] = call
+            batch.started[future] = now
 
     def _wait_for_a_node(self, batch: _Batch) -> None:
         """Nothing of the batch could start and none of it is in flight: wait for a node
@@ -522,12 +646,16 @@ class NodePool:
             except Exception:
                 log.exception("on_wait failed")
 
-    def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest):
+    def _call_generate(self, address: str, request: rollout_pb2.GenerateRequest,
+                       call: _Call | None = None):
         channel = self.channel(address, lease=True)
         try:
             started, t0 = self._clock(), time.monotonic()
-            response = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(
+            rpc = rollout_pb2_grpc.RolloutServiceStub(channel).Generate.future(
                 request, timeout=self.request_timeout_s)
+            if call is not None:
+                call.attach(rpc)
+            response = rpc.result()
             return response, started, time.monotonic() - t0
         finally:
             self._channels.release(channel)
@@ -545,6 +673,8 @@ class NodePool:
             samples = samples_of(response, prompt, group_size, address, seconds)
         except grpc.RpcError as e:
             failure = GenerateFailure.of_rpc(e.code(), e.details() or "")
+        except (grpc.FutureCancelledError, futures.CancelledError):
+            failure = GenerateFailure.of_rpc(grpc.StatusCode.CANCELLED, "cancelled")
         except ValueError as e:
             failure = GenerateFailure(FailureKind.MALFORMED_RESPONSE, str(e))
         except KeyError:
@@ -679,7 +809,7 @@ class NodePool:
     def _probe(self, address: str) -> None:
         """GetNodeInfo on a fresh channel (no reconnect backoff); feed the answer."""
         started = self._clock()
-        channel = dial(address, self.security)
+        channel = dial(address, self.security, keepalive=self.keepalive)
         try:
             info = rollout_pb2_grpc.RolloutServiceStub(channel).GetNodeInfo(
                 rollout_pb2.GetNodeInfoRequest(), timeout=min(5.0, self.request_timeout_s)).info

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from gridrl.common.rpc.channel import dial
+from gridrl.common.rpc.channel import Keepalive, dial
 from gridrl.common.security.policy import Security
 from gridrl.trainer.fleet.backoff import Backoff
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -39,12 +39,15 @@ class MasterWatch:
         security: TLS files and token for the master (:class:`gridrl.common.security.policy.Security`),
             if any.
         retry_s: most seconds between reconnection attempts (backoff starts at a tenth).
+        keepalive: the stream's keepalive (a master whose link vanished is noticed after
+            about ``time_s + timeout_s``); None: the default.
     """
 
     def __init__(self, address: str, on_event: Callable[[registry_pb2.WatchNodesResponse], None],
                  on_connect: Callable[[], None], security: Security | None = None,
-                 retry_s: float = 2.0) -> None:
+                 retry_s: float = 2.0, keepalive: Keepalive | None = None) -> None:
         self.address = address
+        self._keepalive = keepalive
         self._on_event = on_event
         self._on_connect = on_connect
         self._security = security
@@ -76,7 +79,7 @@ class MasterWatch:
         failures = 0  # attempts since the last stream that answered
         outage_since: float | None = None
         while not self._stop.is_set():
-            channel = dial(self.address, self._security)
+            channel = dial(self.address, self._security, keepalive=self._keepalive)
             try:
                 call = registry_pb2_grpc.RegistryServiceStub(channel).WatchNodes(
                     registry_pb2.WatchNodesRequest(role=common_pb2.NODE_ROLE_ROLLOUT))

@@ -40,12 +40,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gridrl.common.errors import invalid_argument
+from gridrl.common.rpc.channel import Keepalive
 from gridrl.common.rpc.server import freeze_long_lived
 from gridrl.trainer.backends.base import TrainerBackend, create_backend
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.envs.base import Environment
 from gridrl.trainer.envs.source import EpisodeSource, TurnSampler
 from gridrl.trainer.evaluation import Evaluator
+from gridrl.trainer.fleet.hedging import HedgePolicy
 from gridrl.trainer.fleet.membership import Membership
 from gridrl.trainer.fleet.monitor import NodeMonitor
 from gridrl.trainer.fleet.nodes import NodeFlags
@@ -315,7 +317,9 @@ def _build_pool(run: Run) -> tuple[NodePool, AdapterSync]:
     pool = NodePool(master=cfg.master, addresses=list(cfg.rollout),
                     model_identity=backend.identity, security=cfg.security,
                     request_timeout_s=cfg.request_timeout_s,
-                    wait_for_nodes_s=cfg.wait_for_nodes_s, on_wait=on_wait)
+                    wait_for_nodes_s=cfg.wait_for_nodes_s, on_wait=on_wait,
+                    hedge=HedgePolicy(cfg.hedge_after, cfg.hedge_min_s),
+                    keepalive=Keepalive(cfg.keepalive_s, cfg.keepalive_timeout_s))
     run.closing.callback(pool.close)
     pool.start()
     sync = AdapterSync(pool, name=cfg.run_name or "gridrl", base_model=backend.identity,
