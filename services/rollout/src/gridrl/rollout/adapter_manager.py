@@ -266,17 +266,18 @@ class AdapterManager:
         held = self.relays.held(manifest.name, manifest.version)
         if held is not None and held.same_plan(manifest, request.relay):
             buffer, outcome = held, FetchOutcome(source="(held)")  # a retry: already here
+            files = buffer.files()
         else:
             buffer = self.relays.open(manifest, request.relay)
             try:
                 outcome = fetch_pieces(buffer, list(request.sources), read, deadline.at,
                                        deadline.caller_active)
-                buffer.check_files()
+                files = buffer.files()  # each file's sha256 checked against the manifest
             except StatusError as e:
                 buffer.fail(e.message)
                 self.relays.drop(buffer)
                 raise
-        received = ReceivedAdapter(manifest=manifest, stage_only=False, files=buffer.files(),
+        received = ReceivedAdapter(manifest=manifest, stage_only=False, files=files,
                                    bytes_received=buffer.total, receive_s=outcome.receive_s,
                                    verify_s=buffer.verify_s)
         pushed = self._apply_received(received, start, deadline)

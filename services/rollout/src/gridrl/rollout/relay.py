@@ -66,10 +66,11 @@ class RelayBuffer:
         self.piece_bytes = plan.piece_bytes
         self.digests = list(plan.piece_sha256)
         self.readers = tuple(plan.readers)
-        self.data = bytearray(self.total)
         self.verify_s = 0.0
+        # verified pieces, in order, as received (bytes: served to readers without a copy)
+        self._pieces: list[bytes] = []
+        self._partial = bytearray()  # the bytes of the piece being assembled
         self._verified = 0  # bytes from 0 whose pieces all matched
-        self._pending = 0  # bytes from 0 written (>= _verified; < next piece end)
         self._failed: str | None = None
         self._cond = threading.Condition()
 
@@ -99,47 +100,57 @@ class RelayBuffer:
                 and [(f.path, f.sha256) for f in manifest.files]
                 == [(f.path, f.sha256) for f in self.manifest.files])
 
+    def _piece_end(self, start: int) -> int:
+        return min(start + self.piece_bytes, self.total)
+
     def write(self, offset: int, data: bytes) -> None:
         """Append ``data`` at ``offset`` (the end of what was written), checking every piece it
         completes against the plan; a piece that does not match is dropped (what was verified
-        before stays, so another source can resume at :attr:`verified`).
+        before stays, so another source can resume at :attr:`verified`). A whole piece passed
+        as ``bytes`` is kept as it is, without a copy.
 
         Raises:
             StatusError: INVALID_ARGUMENT (not contiguous, or past the end), DATA_LOSS (a
                 piece's sha256 does not match the plan).
         """
-        if offset != self._pending:
-            raise invalid_argument("offset", f"expected byte {self._pending}, got {offset}")
-        end = offset + len(data)
-        if end > self.total:
+        written = self._verified + len(self._partial)
+        if offset != written:
+            raise invalid_argument("offset", f"expected byte {written}, got {offset}")
+        if offset + len(data) > self.total:
             raise invalid_argument("data", f"past the adapter's {self.total} bytes")
-        self.data[offset:end] = data
-        self._pending = end
-        verified = self._verified
         t = time.perf_counter()
-        while True:
-            piece_end = min(verified + self.piece_bytes, self.total)
-            if piece_end > self._pending or piece_end == verified:
-                break
-            index = verified // self.piece_bytes
-            digest = hashlib.sha256(memoryview(self.data)[verified:piece_end]).hexdigest()
-            if digest != self.digests[index]:
-                self._pending = verified
-                self.verify_s += time.perf_counter() - t
-                raise StatusError(Kind.DATA_LOSS,
-                                  f"piece {index} (bytes {verified}-{piece_end}) of "
-                                  f"{self.name} v{self.version}: sha256 {digest} does not "
-                                  f"match the trainer's {self.digests[index]}")
-            verified = piece_end
-        self.verify_s += time.perf_counter() - t
-        if verified != self._verified:
-            with self._cond:
-                self._verified = verified
-                self._cond.notify_all()
+        try:
+            view = memoryview(data).cast("B")
+            while len(view):
+                start = self._verified
+                need = self._piece_end(start) - start - len(self._partial)
+                if not self._partial and len(view) == need and isinstance(data, bytes) \
+                        and len(view) == len(data):
+                    piece = data  # one whole piece: keep the object
+                else:
+                    self._partial += view[:need]
+                    if len(view) < need:
+                        return
+                    piece = bytes(self._partial)
+                view = view[need:]
+                self._partial = bytearray()
+                index = start // self.piece_bytes
+                digest = hashlib.sha256(piece).hexdigest()
+                if digest != self.digests[index]:
+                    raise StatusError(Kind.DATA_LOSS,
+                                      f"piece {index} (bytes {start}-{start + len(piece)}) of "
+                                      f"{self.name} v{self.version}: sha256 {digest} does not "
+                                      f"match the trainer's {self.digests[index]}")
+                with self._cond:
+                    self._pieces.append(piece)
+                    self._verified = start + len(piece)
+                    self._cond.notify_all()
+        finally:
+            self.verify_s += time.perf_counter() - t
 
     def rewind(self) -> None:
         """Drop written bytes past :attr:`verified` (a source failed mid-piece)."""
-        self._pending = self._verified
+        self._partial = bytearray()
 
     def fail(self, reason: str) -> None:
         """The writer gave up: readers waiting for more get ABORTED (they try another
@@ -163,6 +174,7 @@ class RelayBuffer:
             raise invalid_argument("offset", f"{offset} is not a piece boundary (pieces of "
                                              f"{self.piece_bytes} bytes) within the adapter's "
                                              f"{self.total} bytes")
+        index = offset // self.piece_bytes
         while offset < self.total:
             with self._cond:
                 while self._verified <= offset and self._failed is None and active():
@@ -177,36 +189,40 @@ class RelayBuffer:
                         raise StatusError(Kind.ABORTED, f"{self.name} v{self.version}: this "
                                                         f"node's transfer failed: {self._failed}")
                     return  # the reader left
-                end = self._verified
-            while offset < end:  # verified bytes never change: read without the lock
-                piece_end = min(offset + self.piece_bytes, self.total)
-                yield offset, bytes(self.data[offset:piece_end])
-                offset = piece_end
+                ready = self._pieces[index:]  # verified pieces never change
+            for piece in ready:
+                yield offset, piece
+                offset += len(piece)
+                index += 1
 
     def files(self) -> dict[str, bytearray]:
-        """path -> contents of every manifest file (copies; call once complete)."""
-        out, start = {}, 0
-        for f in self.manifest.files:
-            out[f.path] = bytearray(self.data[start:start + f.size_bytes])
-            start += f.size_bytes
-        return out
-
-    def check_files(self) -> None:
-        """Check each complete file's sha256 against the manifest.
+        """path -> contents of every manifest file, each file's sha256 checked against the
+        manifest (call once complete).
 
         Raises:
-            StatusError: DATA_LOSS naming the file.
+            StatusError: DATA_LOSS naming the file whose sha256 does not match.
         """
-        start = 0
         t = time.perf_counter()
-        view = memoryview(self.data)
+        out: dict[str, bytearray] = {}
+        pieces = iter(self._pieces)
+        rest = memoryview(b"")
         for f in self.manifest.files:
-            digest = hashlib.sha256(view[start:start + f.size_bytes]).hexdigest()
+            buf = bytearray(f.size_bytes)
+            filled = 0
+            while filled < f.size_bytes:
+                if not len(rest):
+                    rest = memoryview(next(pieces))
+                take = min(len(rest), f.size_bytes - filled)
+                buf[filled:filled + take] = rest[:take]
+                rest = rest[take:]
+                filled += take
+            digest = hashlib.sha256(buf).hexdigest()
             if digest != f.sha256:
                 raise StatusError(Kind.DATA_LOSS, f"{f.path}: sha256 {digest} does not match "
                                                   f"the manifest's {f.sha256}")
-            start += f.size_bytes
+            out[f.path] = buf
         self.verify_s += time.perf_counter() - t
+        return out
 
 
 class RelayTable:
