@@ -187,6 +187,21 @@ def push(args: argparse.Namespace) -> None:
     pool.close()
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` used so far."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / tick
+
+
 def run(args: argparse.Namespace) -> None:
     from _common import cpu_flags, machine, table
     from netfleet import Fleet, unavailable_reason
@@ -233,7 +248,10 @@ def run(args: argparse.Namespace) -> None:
                                 "--pushes", str(args.pushes),
                                 "--relay" if relay else "--no-relay",
                                 *fleet.client_flags(trainer, "trainer")]
+                        pids = [p.proc.pid for p in fleet.procs if p.name in names[:n]]
+                        cpu = _cpu_s(pids)
                         out = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+                        cpu = (_cpu_s(pids) - cpu) / args.pushes
                         if out.returncode != 0:
                             raise RuntimeError(f"{run_name}: pusher exited {out.returncode}:\n"
                                                f"{out.stderr[-3000:]}")
@@ -244,7 +262,7 @@ def run(args: argparse.Namespace) -> None:
                                "seconds": statistics.median(p["seconds"] for p in measured),
                                "sent_bytes": statistics.median(p["sent_bytes"] for p in measured),
                                "tx_bytes": statistics.median(p["tx_bytes"] for p in measured),
-                               "size": sizes[shape],
+                               "size": sizes[shape], "node_cpu_s": cpu,
                                "skipped": sum(len(p["skipped"]) for p in pushes)}
                         results.append(row)
                         print(json.dumps(row), flush=True)
@@ -258,9 +276,10 @@ def run(args: argparse.Namespace) -> None:
         rows.append([r["shape"], r["profile"], "relay" if r["relay"] else "push to each",
                      str(r["nodes"]), f"{r['seconds']:.2f}", f"{r['seconds'] / one['seconds']:.2f}x",
                      f"{r['sent_bytes'] / r['size']:.2f}", f"{r['tx_bytes'] / r['size']:.2f}",
-                     str(r["skipped"])])
+                     f"{r['node_cpu_s']:.1f}", str(r["skipped"])])
     print(table(rows, ["adapter", "link", "fan-out", "nodes", "s until all serve",
-                       "vs 1 node", "sent / size", "eth0 tx / size", "skipped"]))
+                       "vs 1 node", "sent / size", "eth0 tx / size", "nodes' CPU s / push",
+                       "skipped"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
