@@ -176,18 +176,18 @@ def calibrate(model: str, work: Path) -> float:
             apply_chat_template=True, sampling=common_pb2.SamplingParams(
                 n=GROUP, max_tokens=MAX_TOKENS, temperature=1.0, seed=1))
         times = []
-        for _ in range(6):
+        for _ in range(4):
             t = time.perf_counter()
             out = stub.Generate(request, timeout=300)
             steps = max(len(s.token_ids) for s in out.samples)
             times.append((time.perf_counter() - t) / steps)
-        return statistics.median(times[1:])
+        return statistics.median(times[1:])  # the first warms up
     finally:
         _stop(proc)
 
 
 def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float, work: Path,
-            seed: int) -> list[dict]:
+            seed: int, eval_every: int) -> list[dict]:
     """One training run; its log.jsonl records."""
     procs = []
     try:
@@ -200,7 +200,7 @@ def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float,
         argv = ["taskset", "-c", "0", str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--task", "reverse-words", "--steps", str(steps), "--async-steps",
                 str(async_steps), "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP),
-                "--eval-every", "5", "--eval-tasks", "32", "--threads", "1", "--seed", str(seed),
+                "--eval-every", str(eval_every), "--eval-tasks", "16", "--threads", "1", "--seed", str(seed),
                 "--min-nodes", str(nodes), "--run-dir", str(run_dir), "--listen", "127.0.0.1:0",
                 "--metrics-port", "-1", "--no-relay"]
         for a in addresses:
@@ -259,7 +259,10 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,2,4")
     parser.add_argument("--async", dest="async_", default="0,1")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.4, help="held-out eval to reach")
+    parser.add_argument("--slowdown", type=float, default=SLOWDOWN,
+                        help="padded step = this x the step measured alone (> node count)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-s", type=float, help="skip the calibration: padded step (s)")
     parser.add_argument("--plot", help="write a PNG of time per step vs nodes here")
@@ -273,17 +276,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pooling-") as tmp:
         work = Path(tmp)
         if args.step_s:
-            real, step_s = args.step_s / SLOWDOWN, args.step_s
+            real, step_s = args.step_s / args.slowdown, args.step_s
         else:
             real = calibrate(args.model, work)
-            step_s = SLOWDOWN * real
+            step_s = args.slowdown * real
         print(f"calibration: a node alone on core 1 decodes a group of {GROUP} at "
               f"{real * 1e3:.1f} ms a step; simulated nodes: {step_s * 1e3:.1f} ms a step "
-              f"({SLOWDOWN:g}x)", flush=True)
+              f"({args.slowdown:g}x)", flush=True)
         results = {}
         for a in [int(x) for x in args.async_.split(",")]:
             for n in [int(x) for x in args.nodes.split(",")]:
-                records = run_one(args.model, n, a, args.steps, step_s, work, args.seed)
+                records = run_one(args.model, n, a, args.steps, step_s, work, args.seed,
+                                  args.eval_every)
                 results[(n, a)] = summarize(records, args.target)
                 print(json.dumps({"nodes": n, "async_steps": a, **results[(n, a)]}),
                       flush=True)

@@ -358,3 +358,34 @@ def test_a_node_no_peer_will_serve_gets_the_push_from_the_trainer(
     assert report.relayed == [chain[1].address]
     assert report.sent_bytes == 2 * size  # the head's push and the fallback push
     assert chain[-1].serving() == ("run", 1)
+
+
+# -- the relay buffer alone (no servers) -------------------------------------------------------
+
+
+def test_the_buffer_keeps_only_verified_pieces_and_resumes_after_a_bad_one(adapter) -> None:
+    from gridrl.common.errors import Kind, StatusError
+    from gridrl.rollout.relay import RelayBuffer
+
+    manifest, files = adapter
+    plan = relay_plan(manifest, files, [], piece_bytes=PIECE)
+    blob = b"".join(files[f.path] for f in manifest.to_proto().files)
+    buffer = RelayBuffer(manifest.to_proto(), plan)
+    buffer.write(0, blob[:PIECE + 10])  # a piece and a bit: only the piece is readable
+    assert buffer.verified == PIECE
+    bad = bytearray(blob[PIECE + 10:2 * PIECE])
+    bad[-1] ^= 1
+    with pytest.raises(StatusError) as e:
+        buffer.write(PIECE + 10, bytes(bad))
+    assert e.value.kind is Kind.DATA_LOSS and "piece 1" in e.value.message
+    assert buffer.verified == PIECE  # the bad piece is not kept
+    buffer.rewind()  # another source resumes at the first missing piece
+    for offset in range(PIECE, len(blob), PIECE):
+        buffer.write(offset, blob[offset:offset + PIECE])
+    assert buffer.complete
+    assert b"".join(p for _, p in buffer.pieces(0, None)) == blob
+    assert {k: bytes(v) for k, v in buffer.files().items()} == {k: bytes(v) for k, v in
+                                                                files.items()}
+    with pytest.raises(StatusError) as e:
+        list(buffer.pieces(3, None))
+    assert e.value.kind is Kind.INVALID_ARGUMENT and e.value.field == "offset"
