@@ -1,7 +1,8 @@
 """Pooling: what does one more rollout node buy?
 
-Runs ``gridrl-trainer run`` (reverse-words, the bundled SmolLM2-135M, LoRA rank 16, 4 prompts
-of 8 completions a step) against 1, 2 and 4 rollout nodes, with ``--async-steps 0`` and ``1``,
+Runs ``gridrl-trainer run`` (reverse-words, the bundled SmolLM2-135M, LoRA rank 16, its
+default 2 prompts of 8 completions a step; ``--prompts-per-step`` changes it) against 1, 2 and
+4 rollout nodes, with ``--async-steps 0`` and ``1``,
 and reports the time per step and the time to a target held-out eval, next to what a model
 of the step predicts.
 
@@ -55,7 +56,7 @@ BIN = Path(sys.executable).parent
 
 SLOWDOWN = 5.0
 GROUP = 8
-PROMPTS = 4
+PROMPTS = 2  # gridrl-trainer run's default (--prompts-per-step)
 MAX_TOKENS = 24  # reverse-words' own
 
 
@@ -200,7 +201,8 @@ def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float,
         argv = ["taskset", "-c", "0", str(BIN / "gridrl-trainer"), "run", "--model", model,
                 "--task", "reverse-words", "--steps", str(steps), "--async-steps",
                 str(async_steps), "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP),
-                "--eval-every", str(eval_every), "--eval-tasks", "16", "--threads", "1", "--seed", str(seed),
+                "--eval-every", str(eval_every), "--eval-tasks", "16", "--threads", "1",
+                "--seed", str(seed),
                 "--min-nodes", str(nodes), "--run-dir", str(run_dir), "--listen", "127.0.0.1:0",
                 "--metrics-port", "-1", "--no-relay"]
         for a in addresses:
@@ -243,7 +245,7 @@ def summarize(records: list[dict], target: float) -> dict[str, Any]:
 
 def predict(n: int, async_steps: int, g: float, u: float, p: float, o: float) -> float:
     """The model's time per step (module docstring)."""
-    roll = math.ceil(PROMPTS / n) * g
+    roll = math.ceil(PROMPTS / n) * g  # B groups, one at a time per node
     return (max(roll, u + p) if async_steps else roll + u + p) + o
 
 
@@ -264,6 +266,7 @@ def main() -> None:
     parser.add_argument("--slowdown", type=float, default=SLOWDOWN,
                         help="padded step = this x the step measured alone (> node count)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-per-step", type=int, default=PROMPTS, help="B")
     parser.add_argument("--step-s", type=float, help="skip the calibration: padded step (s)")
     parser.add_argument("--plot", help="write a PNG of time per step vs nodes here")
     parser.add_argument("--json", help="write the results here")
@@ -271,6 +274,8 @@ def main() -> None:
     if args.command == "node":
         serve_node(args)
         return
+    global PROMPTS
+    PROMPTS = args.prompts_per_step
     from _common import cpu_flags, load_average, machine, table
 
     with tempfile.TemporaryDirectory(prefix="pooling-") as tmp:
