@@ -250,6 +250,7 @@ def predict(n: int, async_steps: int, g: float, u: float, p: float, o: float) ->
 
 
 def main() -> None:
+    global PROMPTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     node = sub.add_parser("node", help="(internal) a padded node")
@@ -274,7 +275,6 @@ def main() -> None:
     if args.command == "node":
         serve_node(args)
         return
-    global PROMPTS
     PROMPTS = args.prompts_per_step
     from _common import cpu_flags, load_average, machine, table
 
