@@ -353,11 +353,13 @@ def test_a_node_no_peer_will_serve_gets_the_push_from_the_trainer(
     last = chain[-1].node  # reads from its peers with a credential bound to no address
     last.config = dataclasses.replace(last.config, security=dataclasses.replace(
         last.config.security, token=fleet.tokens["loose"]))
-    report = trainer_sync.push(1, files)
-    assert report.synced == [n.address for n in chain] and report.skipped == {}
-    assert report.relayed == [chain[1].address]
-    assert report.sent_bytes == 2 * size  # the head's push and the fallback push
-    assert chain[-1].serving() == ("run", 1)
+    for version in (1, 2):  # after the first refusal, the trainer pushes to it directly
+        report = trainer_sync.push(version, files)
+        assert report.synced == [n.address for n in chain] and report.skipped == {}
+        assert report.relayed == [chain[1].address]
+        assert report.sent_bytes == 2 * size  # the head's push and the direct push
+        assert chain[-1].serving() == ("run", version)
+    assert trainer_sync._no_relay == {chain[-1].address}
 
 
 # -- the relay buffer alone (no servers) -------------------------------------------------------

@@ -70,6 +70,9 @@ class SyncReport:
         relayed: addresses (among ``synced``) that fetched it from a peer, sorted.
         sent_bytes: adapter bytes the trainer uploaded for this push (every format, direct
             fallbacks included): the adapter's size once per format when relaying works.
+            A node whose fetch was refused for good (UNIMPLEMENTED: an older node;
+            PERMISSION_DENIED: its credential may not read from peers, e.g. minted without
+            ``--address``) is pushed to directly at every later push.
     """
 
     seconds: float
@@ -134,6 +137,7 @@ class AdapterSync:
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
         self._newest: _Adapter | None = None
+        self._no_relay: set[str] = set()  # nodes a relay was refused to (pushed directly)
         self._convert_lock = threading.Lock()
         # One thread per node pushed to at once (threads are started lazily, as needed).
         self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
@@ -192,9 +196,15 @@ class AdapterSync:
                 chains.setdefault(node.adapter_format, []).append(node)
         for fmt, chain in sorted(chains.items()):
             chain.sort(key=lambda n: n.address)
-            if not self.relay or len(chain) < 2:
-                for node in chain:
-                    jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
+            with self._lock:  # nodes that cannot relay (old nodes, unbound credentials)
+                direct = [n for n in chain if n.address in self._no_relay] \
+                    if self.relay and len(chain) >= 2 else chain
+            chain = [n for n in chain if n not in direct]
+            if len(chain) < 2:
+                direct, chain = direct + chain, []
+            for node in direct:
+                jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
+            if not chain:
                 continue
             plan = self._relay_plan(adapter, fmt, [n.address for n in chain[1:]])
             jobs[self._executor.submit(self._push_node, chain[0], adapter, plan)] = \
@@ -336,6 +346,11 @@ class AdapterSync:
                 response = stub.FetchAdapter(request, timeout=self.deadline_s)
             except grpc.RpcError as e:
                 why = f"FetchAdapter {e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED) \
+                        or "PERMISSION_DENIED" in (e.details() or ""):
+                    with self._lock:  # it never will: push to it directly from now on
+                        self._no_relay.add(node.address)
+                    why += "; pushing to it directly from now on"
             except KeyError as e:
                 return PushResult(PushStatus.NOT_PUSHED, f"left the pool: {e}")
             else:
