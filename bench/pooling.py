@@ -259,8 +259,10 @@ def main() -> None:
     node.add_argument("--adapter-root", required=True)
     node.add_argument("--ready-file", required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--nodes", default="1,2,4")
-    parser.add_argument("--async", dest="async_", default="0,1")
+    parser.add_argument("--runs", default="1:0,2:0,4:0,1:1,2:1,4:1",
+                        help="NODES:ASYNC_STEPS pairs, run in this order")
+    parser.add_argument("--rows", help="no runs: report the JSON rows this bench printed "
+                                       "(one a line) in FILE")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.4, help="held-out eval to reach")
@@ -278,24 +280,32 @@ def main() -> None:
     PROMPTS = args.prompts_per_step
     from _common import cpu_flags, load_average, machine, table
 
+    results: dict[tuple[int, int], dict] = {}
+    if args.rows:
+        for line in Path(args.rows).read_text().splitlines():
+            if line.startswith('{"nodes"'):
+                row = json.loads(line)
+                results[(row.pop("nodes"), row.pop("async_steps"))] = row
+        step_s = args.step_s or 0.0
+        real = step_s / args.slowdown
     with tempfile.TemporaryDirectory(prefix="pooling-") as tmp:
         work = Path(tmp)
-        if args.step_s:
+        if args.rows:
+            pass
+        elif args.step_s:
             real, step_s = args.step_s / args.slowdown, args.step_s
         else:
             real = calibrate(args.model, work)
             step_s = args.slowdown * real
-        print(f"calibration: a node alone on core 1 decodes a group of {GROUP} at "
+        print(f"{'(rows read back) ' if args.rows else ''}calibration: a node alone on core 1 decodes a group of {GROUP} at "
               f"{real * 1e3:.1f} ms a step; simulated nodes: {step_s * 1e3:.1f} ms a step "
               f"({args.slowdown:g}x)", flush=True)
-        results = {}
-        for a in [int(x) for x in args.async_.split(",")]:
-            for n in [int(x) for x in args.nodes.split(",")]:
-                records = run_one(args.model, n, a, args.steps, step_s, work, args.seed,
-                                  args.eval_every)
-                results[(n, a)] = summarize(records, args.target)
-                print(json.dumps({"nodes": n, "async_steps": a, **results[(n, a)]}),
-                      flush=True)
+        for pair in [] if args.rows else args.runs.split(","):
+            n, a = (int(x) for x in pair.split(":"))
+            records = run_one(args.model, n, a, args.steps, step_s, work, args.seed,
+                              args.eval_every)
+            results[(n, a)] = summarize(records, args.target)
+            print(json.dumps({"nodes": n, "async_steps": a, **results[(n, a)]}), flush=True)
     base = results.get((1, 0)) or next(iter(results.values()))
     g = base["rollout_s"] / PROMPTS
     o = base["step_s"] - (base["rollout_s"] + base["train_s"] + base["sync_s"])
