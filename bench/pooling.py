@@ -138,6 +138,7 @@ def serve_node(args: argparse.Namespace) -> None:
 def _pinned_node(model: str, step_s: float, work: Path, i: int):
     """A node process pinned to core 1 (``taskset``), started like bench/_common.Proc."""
     ready = work / f"node{i}.ready.json"
+    ready.unlink(missing_ok=True)  # a node of an earlier run left its own
     log = work / f"node{i}.log"
     proc = subprocess.Popen(["taskset", "-c", "1", sys.executable, str(Path(__file__)), "node",
                              "--model", model, "--step-s", str(step_s), "--adapter-root",
