@@ -92,6 +92,12 @@ def _calls() -> dict[str, tuple[str, Callable[[grpc.Channel], None], grpc.Status
             iter([rollout_pb2.PushAdapterRequest()]), timeout=30), INVALID, {"trainer"}),
         "ReloadAdapter": ("rollout", lambda ch: rollout(ch).ReloadAdapter(
             rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=30), OK, {"trainer"}),
+        "FetchAdapter": ("rollout", lambda ch: rollout(ch).FetchAdapter(
+            rollout_pb2.FetchAdapterRequest(), timeout=10), INVALID, {"trainer"}),
+        # the relay capability of node credentials; node-1 has no address, so the holder
+        # refuses it (tests/rollout/test_relay.py covers the readers a holder accepts)
+        "ReadAdapter": ("rollout", lambda ch: list(rollout(ch).ReadAdapter(
+            rollout_pb2.ReadAdapterRequest(name="x", version=1), timeout=10)), DENIED, node),
         "GetNodeInfo": ("rollout", lambda ch: rollout(ch).GetNodeInfo(
             rollout_pb2.GetNodeInfoRequest(), timeout=10), OK, read_scope),
         "GetRunStatus": ("trainer", lambda ch: trainer(ch).GetRunStatus(

@@ -119,25 +119,74 @@ class PushAdapterHeader(_message.Message):
 
     MANIFEST_FIELD_NUMBER: _builtins.int
     STAGE_ONLY_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
     stage_only: _builtins.bool
     """If true, store and verify the adapter but keep serving the current one."""
     @_builtins.property
     def manifest(self) -> _common_pb2.AdapterManifest:
         """Manifest of the adapter; files lists every file in streaming order."""
 
+    @_builtins.property
+    def relay(self) -> Global___RelayPlan:
+        """Relay fan-out: serve this adapter's verified pieces to `relay.readers` while it arrives
+        (ReadAdapter). With a plan, the manifest must give every file's sha256 (no trailer).
+        """
+
     def __init__(
         self,
         *,
         manifest: _common_pb2.AdapterManifest | None = ...,
         stage_only: _builtins.bool = ...,
+        relay: Global___RelayPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "relay", b"relay"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "stage_only", b"stage_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "relay", b"relay", "stage_only", b"stage_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushAdapterHeader: _TypeAlias = PushAdapterHeader  # noqa: Y015
+
+@_typing.final
+class RelayPlan(_message.Message):
+    """How an adapter is cut into pieces for relaying, the trusted digest of each piece, and who
+    may read it. The trainer makes it; every hop checks each piece against it before keeping
+    (and so before serving) it, the way BitTorrent checks pieces against the torrent's hashes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIECE_BYTES_FIELD_NUMBER: _builtins.int
+    PIECE_SHA256_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
+    piece_bytes: _builtins.int
+    """Bytes per piece (> 0); pieces cut the manifest's files concatenated in manifest order,
+    the last piece possibly shorter.
+    """
+    @_builtins.property
+    def piece_sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Lower-case hex sha256 of every piece, in order: ceil(total size / piece_bytes) of them."""
+
+    @_builtins.property
+    def readers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port of the nodes (as the master lists them) that may read this version from the
+        receiver with ReadAdapter; empty: none.
+        """
+
+    def __init__(
+        self,
+        *,
+        piece_bytes: _builtins.int = ...,
+        piece_sha256: _abc.Iterable[_builtins.str] | None = ...,
+        readers: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["piece_bytes", b"piece_bytes", "piece_sha256", b"piece_sha256", "readers", b"readers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RelayPlan: _TypeAlias = RelayPlan  # noqa: Y015
 
 @_typing.final
 class AdapterChunk(_message.Message):
@@ -372,6 +421,146 @@ class ReloadAdapterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReloadAdapterResponse: _TypeAlias = ReloadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class FetchAdapterRequest(_message.Message):
+    """Fetch an adapter from peers instead of receiving it from the caller."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    RELAY_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def manifest(self) -> _common_pb2.AdapterManifest:
+        """The adapter's manifest, every file's sha256 given (the trusted digests)."""
+
+    @_builtins.property
+    def relay(self) -> Global___RelayPlan:
+        """Its pieces' digests and the nodes this node may serve it to."""
+
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port of nodes that hold or are receiving it, tried in order (at least one)."""
+
+    def __init__(
+        self,
+        *,
+        manifest: _common_pb2.AdapterManifest | None = ...,
+        relay: Global___RelayPlan | None = ...,
+        sources: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "relay", b"relay"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "relay", b"relay", "sources", b"sources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchAdapterRequest: _TypeAlias = FetchAdapterRequest  # noqa: Y015
+
+@_typing.final
+class FetchAdapterResponse(_message.Message):
+    """What the node serves after a fetch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVING_FIELD_NUMBER: _builtins.int
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    TIMINGS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    SOURCE_FAILURES_FIELD_NUMBER: _builtins.int
+    bytes_received: _builtins.int
+    """Bytes received from peers (every piece once: equal to the adapter's size)."""
+    sequence: _builtins.int
+    """Order of this answer among the node's reports (NodeInfo.sequence); 0: not reported."""
+    source: _builtins.str
+    """The source that sent the last piece."""
+    source_failures: _builtins.int
+    """How many sources failed before the adapter was complete (0: the first one delivered)."""
+    @_builtins.property
+    def serving(self) -> _common_pb2.AdapterRef:
+        """Adapter serving now."""
+
+    @_builtins.property
+    def timings(self) -> Global___PushTimings:
+        """Phase timings (receive_s: from the first ReadAdapter call to the last piece)."""
+
+    def __init__(
+        self,
+        *,
+        serving: _common_pb2.AdapterRef | None = ...,
+        bytes_received: _builtins.int = ...,
+        timings: Global___PushTimings | None = ...,
+        sequence: _builtins.int = ...,
+        source: _builtins.str = ...,
+        source_failures: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["serving", b"serving", "timings", b"timings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "sequence", b"sequence", "serving", b"serving", "source", b"source", "source_failures", b"source_failures", "timings", b"timings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchAdapterResponse: _TypeAlias = FetchAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ReadAdapterRequest(_message.Message):
+    """Which adapter's pieces to stream, and from where."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Adapter name (the run name)."""
+    version: _builtins.int
+    """Policy version (>= 1)."""
+    offset: _builtins.int
+    """First byte wanted, in the files concatenated in manifest order; a multiple of the plan's
+    piece_bytes (a reader resuming after another source failed).
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.int = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "offset", b"offset", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadAdapterRequest: _TypeAlias = ReadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class ReadAdapterResponse(_message.Message):
+    """One verified piece."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """Byte offset of `data` in the files concatenated in manifest order."""
+    data: _builtins.bytes
+    """One piece (piece_bytes long, the last possibly shorter)."""
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadAdapterResponse: _TypeAlias = ReadAdapterResponse  # noqa: Y015
 
 @_typing.final
 class GetNodeInfoRequest(_message.Message):

@@ -56,6 +56,16 @@ class RolloutServiceStub:
                 request_serializer=gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoRequest.SerializeToString,
                 response_deserializer=gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoResponse.FromString,
                 _registered_method=True)
+        self.FetchAdapter = channel.unary_unary(
+                '/gridrl.v1.RolloutService/FetchAdapter',
+                request_serializer=gridrl_dot_v1_dot_rollout__pb2.FetchAdapterRequest.SerializeToString,
+                response_deserializer=gridrl_dot_v1_dot_rollout__pb2.FetchAdapterResponse.FromString,
+                _registered_method=True)
+        self.ReadAdapter = channel.unary_stream(
+                '/gridrl.v1.RolloutService/ReadAdapter',
+                request_serializer=gridrl_dot_v1_dot_rollout__pb2.ReadAdapterRequest.SerializeToString,
+                response_deserializer=gridrl_dot_v1_dot_rollout__pb2.ReadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -110,6 +120,32 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchAdapter(self, request, context):
+        """Relay fan-out, trainer -> node: fetch an adapter whose manifest and piece digests the
+        trainer gives from the peers that hold it (ReadAdapter on `sources`, in order, resuming
+        at the first missing piece when one fails), verify every piece and every file's sha256
+        against what the trainer gave, then apply it like a push (same checks, same atomic swap).
+        The node serves the verified pieces to the request's `relay.readers` while it fetches.
+        Errors: as PushAdapter, plus INVALID_ARGUMENT (no sources, a relay plan that does not
+        match the manifest) and UNAVAILABLE (no source could deliver the whole adapter; the
+        message names each source's failure). Nothing changes on any error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadAdapter(self, request, context):
+        """Relay fan-out, node -> node: stream the pieces of an adapter version this node holds or is
+        receiving, from `offset` on, each piece sent once it is verified here. Callable only with
+        a node credential minted with an address (--address) that the trainer listed among the
+        version's readers: PERMISSION_DENIED otherwise. Errors: NOT_FOUND (the version is neither
+        held nor arriving within the call's deadline), INVALID_ARGUMENT (offset not on a piece
+        boundary or past the end), ABORTED (this node's own transfer of it failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +168,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetNodeInfo,
                     request_deserializer=gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoRequest.FromString,
                     response_serializer=gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoResponse.SerializeToString,
+            ),
+            'FetchAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchAdapter,
+                    request_deserializer=gridrl_dot_v1_dot_rollout__pb2.FetchAdapterRequest.FromString,
+                    response_serializer=gridrl_dot_v1_dot_rollout__pb2.FetchAdapterResponse.SerializeToString,
+            ),
+            'ReadAdapter': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadAdapter,
+                    request_deserializer=gridrl_dot_v1_dot_rollout__pb2.ReadAdapterRequest.FromString,
+                    response_serializer=gridrl_dot_v1_dot_rollout__pb2.ReadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +290,60 @@ class RolloutService:
             '/gridrl.v1.RolloutService/GetNodeInfo',
             gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoRequest.SerializeToString,
             gridrl_dot_v1_dot_rollout__pb2.GetNodeInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gridrl.v1.RolloutService/FetchAdapter',
+            gridrl_dot_v1_dot_rollout__pb2.FetchAdapterRequest.SerializeToString,
+            gridrl_dot_v1_dot_rollout__pb2.FetchAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gridrl.v1.RolloutService/ReadAdapter',
+            gridrl_dot_v1_dot_rollout__pb2.ReadAdapterRequest.SerializeToString,
+            gridrl_dot_v1_dot_rollout__pb2.ReadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,24 @@ class RolloutServiceStub:
     """
     GetNodeInfo: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetNodeInfoRequest, _rollout_pb2.GetNodeInfoResponse]
     """What the node serves and how loaded it is."""
+    FetchAdapter: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.FetchAdapterRequest, _rollout_pb2.FetchAdapterResponse]
+    """Relay fan-out, trainer -> node: fetch an adapter whose manifest and piece digests the
+    trainer gives from the peers that hold it (ReadAdapter on `sources`, in order, resuming
+    at the first missing piece when one fails), verify every piece and every file's sha256
+    against what the trainer gave, then apply it like a push (same checks, same atomic swap).
+    The node serves the verified pieces to the request's `relay.readers` while it fetches.
+    Errors: as PushAdapter, plus INVALID_ARGUMENT (no sources, a relay plan that does not
+    match the manifest) and UNAVAILABLE (no source could deliver the whole adapter; the
+    message names each source's failure). Nothing changes on any error.
+    """
+    ReadAdapter: _grpc.UnaryStreamMultiCallable[_rollout_pb2.ReadAdapterRequest, _rollout_pb2.ReadAdapterResponse]
+    """Relay fan-out, node -> node: stream the pieces of an adapter version this node holds or is
+    receiving, from `offset` on, each piece sent once it is verified here. Callable only with
+    a node credential minted with an address (--address) that the trainer listed among the
+    version's readers: PERMISSION_DENIED otherwise. Errors: NOT_FOUND (the version is neither
+    held nor arriving within the call's deadline), INVALID_ARGUMENT (offset not on a piece
+    boundary or past the end), ABORTED (this node's own transfer of it failed).
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
@@ -103,6 +121,24 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """
     GetNodeInfo: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetNodeInfoRequest, _rollout_pb2.GetNodeInfoResponse]  # type: ignore[assignment]
     """What the node serves and how loaded it is."""
+    FetchAdapter: _aio.UnaryUnaryMultiCallable[_rollout_pb2.FetchAdapterRequest, _rollout_pb2.FetchAdapterResponse]  # type: ignore[assignment]
+    """Relay fan-out, trainer -> node: fetch an adapter whose manifest and piece digests the
+    trainer gives from the peers that hold it (ReadAdapter on `sources`, in order, resuming
+    at the first missing piece when one fails), verify every piece and every file's sha256
+    against what the trainer gave, then apply it like a push (same checks, same atomic swap).
+    The node serves the verified pieces to the request's `relay.readers` while it fetches.
+    Errors: as PushAdapter, plus INVALID_ARGUMENT (no sources, a relay plan that does not
+    match the manifest) and UNAVAILABLE (no source could deliver the whole adapter; the
+    message names each source's failure). Nothing changes on any error.
+    """
+    ReadAdapter: _aio.UnaryStreamMultiCallable[_rollout_pb2.ReadAdapterRequest, _rollout_pb2.ReadAdapterResponse]  # type: ignore[assignment]
+    """Relay fan-out, node -> node: stream the pieces of an adapter version this node holds or is
+    receiving, from `offset` on, each piece sent once it is verified here. Callable only with
+    a node credential minted with an address (--address) that the trainer listed among the
+    version's readers: PERMISSION_DENIED otherwise. Errors: NOT_FOUND (the version is neither
+    held nor arriving within the call's deadline), INVALID_ARGUMENT (offset not on a piece
+    boundary or past the end), ABORTED (this node's own transfer of it failed).
+    """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     """The inference half of training: samples completions with their behaviour logprobs, and takes
@@ -162,5 +198,35 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.GetNodeInfoResponse, _abc.Awaitable[_rollout_pb2.GetNodeInfoResponse]]:
         """What the node serves and how loaded it is."""
+
+    @_abc_1.abstractmethod
+    def FetchAdapter(
+        self,
+        request: _rollout_pb2.FetchAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_rollout_pb2.FetchAdapterResponse, _abc.Awaitable[_rollout_pb2.FetchAdapterResponse]]:
+        """Relay fan-out, trainer -> node: fetch an adapter whose manifest and piece digests the
+        trainer gives from the peers that hold it (ReadAdapter on `sources`, in order, resuming
+        at the first missing piece when one fails), verify every piece and every file's sha256
+        against what the trainer gave, then apply it like a push (same checks, same atomic swap).
+        The node serves the verified pieces to the request's `relay.readers` while it fetches.
+        Errors: as PushAdapter, plus INVALID_ARGUMENT (no sources, a relay plan that does not
+        match the manifest) and UNAVAILABLE (no source could deliver the whole adapter; the
+        message names each source's failure). Nothing changes on any error.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadAdapter(
+        self,
+        request: _rollout_pb2.ReadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_rollout_pb2.ReadAdapterResponse], _abc.AsyncIterator[_rollout_pb2.ReadAdapterResponse]]:
+        """Relay fan-out, node -> node: stream the pieces of an adapter version this node holds or is
+        receiving, from `offset` on, each piece sent once it is verified here. Callable only with
+        a node credential minted with an address (--address) that the trainer listed among the
+        version's readers: PERMISSION_DENIED otherwise. Errors: NOT_FOUND (the version is neither
+        held nor arriving within the call's deadline), INVALID_ARGUMENT (offset not on a piece
+        boundary or past the end), ABORTED (this node's own transfer of it failed).
+        """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

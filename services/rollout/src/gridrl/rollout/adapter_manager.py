@@ -50,12 +50,19 @@ from gridrl.adapters import (
 )
 from gridrl.common.errors import Kind, StatusError, failed_precondition, invalid_argument
 from gridrl.common.sequence import ReportSequence
-from gridrl.common.transport import receive_push
+from gridrl.common.transport import ReceivedAdapter, receive_push, validate_manifest
 from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
 from gridrl.rollout import metrics
 from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
 from gridrl.rollout.jobs import BASE_MODEL, ServingAdapter
+from gridrl.rollout.relay import (
+    FetchOutcome,
+    ReadFn,
+    RelayBuffer,
+    RelayTable,
+    fetch_pieces,
+)
 from gridrl.rollout.scheduler import Engine
 from gridrl.v1 import common_pb2, rollout_pb2
 
@@ -148,6 +155,7 @@ class AdapterManager:
         self._lock = threading.Lock()  # one push / reload applies at a time
         self._keys = itertools.count(1)
         self._stored = self._listing()  # replaced under the lock, read without it
+        self.relays = RelayTable()  # versions held for relaying to peers (relay.py)
 
     def stored_refs(self) -> list[common_pb2.AdapterRef]:
         """Every stored push as an AdapterRef, by name then version, as the store holds them
@@ -210,15 +218,81 @@ class AdapterManager:
         """
         start = time.perf_counter()
         stream = iter(requests)
+        buffer: RelayBuffer | None = None
         try:
             first = next(stream, None)
             if first is not None and first.WhichOneof("payload") == "header":
                 self._check_header(first.header.manifest)
+                if first.header.HasField("relay"):  # relay fan-out: serve pieces as they come
+                    validate_manifest(first.header.manifest, self.max_bytes)
+                    buffer = self.relays.open(first.header.manifest, first.header.relay)
+                    stream = _tee(stream, buffer)
             received = receive_push(_chain(first, stream), self.max_bytes)
         except grpc.RpcError as e:
+            if buffer is not None:
+                buffer.fail("the push stream ended early")
             raise StatusError(Kind.CANCELLED,
                               "push stream ended by the client before it was complete; "
                               "nothing changed") from e
+        except StatusError as e:
+            if buffer is not None:
+                buffer.fail(e.message)
+            raise
+        return self._apply_received(received, start, deadline)
+
+    def fetch(self, request: rollout_pb2.FetchAdapterRequest, read: ReadFn,
+              deadline: ApplyDeadline = NO_DEADLINE) -> rollout_pb2.FetchAdapterResponse:
+        """Fetch an adapter from the peers in ``request.sources`` (relay fan-out), checking
+        every piece and file against the trainer's digests, then apply it as :meth:`push`
+        does. Its verified pieces are served to ``request.relay.readers`` meanwhile.
+
+        Args:
+            request: the manifest (every sha256 given), the relay plan and the sources.
+            read: ``read(address, ReadAdapterRequest, timeout_s)`` -> the ReadAdapter stream
+                of that peer.
+            deadline: by when it must be applied (also bounds the fetch).
+        Raises:
+            StatusError: as :meth:`push`; INVALID_ARGUMENT (no sources, a plan that does not
+                fit the manifest); UNAVAILABLE (no source delivered the whole adapter);
+                DATA_LOSS (a source sent a piece whose sha256 does not match and none
+                completed it). Nothing changes on any error.
+        """
+        start = time.perf_counter()
+        manifest = request.manifest
+        validate_manifest(manifest, self.max_bytes)
+        self._check_header(manifest)
+        if not request.sources:
+            raise invalid_argument("sources", "give at least one node that holds the adapter")
+        held = self.relays.held(manifest.name, manifest.version)
+        if held is not None and held.same_plan(manifest, request.relay):
+            buffer, outcome = held, FetchOutcome(source="(held)")  # a retry: already here
+            files = buffer.files()
+        else:
+            buffer = self.relays.open(manifest, request.relay)
+            try:
+                outcome = fetch_pieces(buffer, list(request.sources), read, deadline.at,
+                                       deadline.caller_active)
+                files = buffer.files()  # each file's sha256 checked against the manifest
+            except StatusError as e:
+                buffer.fail(e.message)
+                self.relays.drop(buffer)
+                raise
+        received = ReceivedAdapter(manifest=manifest, stage_only=False, files=files,
+                                   bytes_received=buffer.total, receive_s=outcome.receive_s,
+                                   verify_s=buffer.verify_s)
+        pushed = self._apply_received(received, start, deadline)
+        log.info("fetched %s v%d from %s (%d source(s) failed: %s)", manifest.name,
+                 manifest.version, outcome.source, len(outcome.failures),
+                 "; ".join(f"{a}: {w}" for a, w in outcome.failures.items()) or "-")
+        return rollout_pb2.FetchAdapterResponse(
+            serving=pushed.serving, bytes_received=received.bytes_received,
+            timings=pushed.timings, sequence=pushed.sequence, source=outcome.source,
+            source_failures=len(outcome.failures))
+
+    def _apply_received(self, received: ReceivedAdapter, start: float,
+                        deadline: ApplyDeadline) -> rollout_pb2.PushAdapterResponse:
+        """Check a received adapter's files against the base model, convert, store and swap
+        (the rest of :meth:`push` and :meth:`fetch`)."""
         metrics.PUSH_BYTES.inc(received.bytes_received)
         manifest = AdapterManifest.from_proto(received.manifest)
         name, version = manifest.name, manifest.version
@@ -505,6 +579,21 @@ def _chain(first: rollout_pb2.PushAdapterRequest | None,
     if first is not None:
         yield first
         yield from rest
+
+
+def _tee(stream: Iterator[rollout_pb2.PushAdapterRequest], buffer: RelayBuffer
+         ) -> Iterator[rollout_pb2.PushAdapterRequest]:
+    """Pass the push stream on, copying each chunk into ``buffer`` once the receiver took it
+    (its pieces become readable by peers as they are verified)."""
+    starts, at = {}, 0
+    for f in buffer.manifest.files:
+        starts[f.path] = at
+        at += f.size_bytes
+    for message in stream:
+        yield message
+        if message.WhichOneof("payload") == "chunk":
+            chunk = message.chunk
+            buffer.write(starts[chunk.path] + chunk.offset, chunk.data)
 
 
 def _ref(adapter: ServingAdapter) -> common_pb2.AdapterRef:

@@ -22,8 +22,9 @@ import grpc
 from gridrl.adapters.wire import adapter_format_to_proto, base_model_to_proto
 from gridrl.common.errors import Kind, StatusError
 from gridrl.common.faults import pause_in_stream, pause_point
-from gridrl.common.rpc.channel import NODE_REQUEST_BYTES
+from gridrl.common.rpc.channel import NODE_REQUEST_BYTES, dial
 from gridrl.common.rpc.server import GrpcServer
+from gridrl.common.security.access import caller, relay_reader_refusal
 from gridrl.common.sequence import ReportSequence
 from gridrl.engine.contract import Backend
 from gridrl.engine.threads import release_thread_state
@@ -33,6 +34,7 @@ from gridrl.rollout.cache import ephemeral_dir
 from gridrl.rollout.config import NodeConfig, adapter_root, node_name
 from gridrl.rollout.jobs import GenerateOutcome
 from gridrl.rollout.kv_budget import KvBudget
+from gridrl.rollout.relay import ARRIVAL_WAIT_S
 from gridrl.rollout.scheduler import Engine
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
@@ -99,6 +101,47 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return self._node.adapters.push(pause_in_stream(request_iterator, "rollout.push"),
                                         ApplyDeadline.of_rpc(context))
 
+    def FetchAdapter(self, request: rollout_pb2.FetchAdapterRequest,
+                     context: grpc.ServicerContext) -> rollout_pb2.FetchAdapterResponse:
+        """Fetch an adapter from the peers the trainer names (relay fan-out), verify every
+        piece and file against the trainer's digests, then apply it like a push. See
+        :meth:`gridrl.rollout.adapter_manager.AdapterManager.fetch` for the errors."""
+        return self._node.adapters.fetch(request, self._node.read_from_peer,
+                                         ApplyDeadline.of_rpc(context))
+
+    def ReadAdapter(self, request: rollout_pb2.ReadAdapterRequest,
+                    context: grpc.ServicerContext):
+        """Stream the verified pieces of an adapter version this node holds or is receiving,
+        from ``request.offset`` on, to a node the trainer listed as one of its readers.
+
+        Yields:
+            ``ReadAdapterResponse`` (offset in the concatenated files, one piece of bytes).
+        Raises:
+            StatusError: PERMISSION_DENIED (the caller's credential has no address, or its
+                address is not among the version's readers), NOT_FOUND (the version neither
+                held nor arriving within ``relay.ARRIVAL_WAIT_S`` or the call's deadline),
+                INVALID_ARGUMENT (name empty, offset not a piece boundary), ABORTED (this
+                node's own transfer of it failed), DEADLINE_EXCEEDED.
+        """
+        credential = caller()
+        if credential is not None and not credential.address:
+            raise StatusError(Kind.PERMISSION_DENIED,
+                              relay_reader_refusal(credential, ()) or "no address")
+        if not request.name:
+            raise StatusError(Kind.INVALID_ARGUMENT, "name: is empty")
+        left = context.time_remaining()
+        until = None if left is None else time.monotonic() + left
+        wait = ARRIVAL_WAIT_S if left is None else min(ARRIVAL_WAIT_S, left)
+        buffer = self._node.adapters.relays.wait_for(request.name, request.version, wait)
+        if buffer is None:
+            raise StatusError(Kind.NOT_FOUND, f"{request.name} v{request.version}: not held "
+                                              f"or arriving on this node")
+        refusal = relay_reader_refusal(credential, buffer.readers)
+        if refusal is not None:
+            raise StatusError(Kind.PERMISSION_DENIED, refusal)
+        for offset, piece in buffer.pieces(request.offset, until, context.is_active):
+            yield rollout_pb2.ReadAdapterResponse(offset=offset, data=piece)
+
     def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
                       context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
         """Serve a stored version, a directory under the adapter root, or the base model.
@@ -163,10 +206,30 @@ class RolloutNode:
                                        grace_s=config.grace_s)
             self.server.on_stopping(self.openai.stop)
         self.server.on_stop(self._close_engine)
+        self._peers: dict[str, grpc.Channel] = {}  # relay sources (read_from_peer)
+        self._peer_lock = threading.Lock()
+        self.server.on_stop(self._close_peers)
         self.server.on_stop(self._flush_adapters)
         self._ephemeral_dir = ephemeral_dir(config.listen, config.name, config.adapter_root)
         if self._ephemeral_dir is not None:  # a port-0 node's directory is never reused
             self.server.on_stop(self._remove_ephemeral_dir)
+
+    def read_from_peer(self, address: str, request: rollout_pb2.ReadAdapterRequest,
+                       timeout_s: float):
+        """ReadAdapter on the peer at ``address`` with this node's own TLS identity and token
+        (its ``--auth-token-file``: a node credential), over a channel kept per peer."""
+        with self._peer_lock:
+            channel = self._peers.get(address)
+            if channel is None:
+                channel = self._peers[address] = dial(address, self.config.security)
+        return rollout_pb2_grpc.RolloutServiceStub(channel).ReadAdapter(request,
+                                                                       timeout=timeout_s)
+
+    def _close_peers(self) -> None:
+        with self._peer_lock:
+            for channel in self._peers.values():
+                channel.close()
+            self._peers.clear()
 
     @property
     def address(self) -> str:

@@ -245,6 +245,10 @@ class TrainConfig:
         10.0, "Seconds a group runs at least before it may be hedged (--hedge-after).",
         check=NON_NEGATIVE, on_resume=True)
     sync_deadline_s: float = setting(30.0, "Deadline of one node's push.", on_resume=True)
+    relay: bool = setting(
+        True, "Relay fan-out: upload each adapter push once (to one node) and let the nodes "
+        "pass it on, each checking it against the trainer's digests (node credentials need "
+        "--address); --no-relay: push to every node.", flag="--relay/--no-relay")
     # eval, checkpoints, run directory
     eval_every: int = setting(10, "Held-out greedy eval every N steps.", check=POSITIVE,
                               on_resume=True)

@@ -10,6 +10,12 @@
 * ``read`` — ListNodes, WatchNodes, GetNodeInfo, GetRunStatus, WatchRun, and the master's
   dashboard (its HTTP port: :mod:`gridrl.master.dashboard`).
 
+* ``relay`` — not a credential's scope but what a ``node`` credential may do besides
+  registering: ReadAdapter, a peer reading an adapter version from the node that holds it
+  (relay fan-out). The holder also checks that the credential was minted with an address and
+  that the trainer listed that address among the version's readers
+  (:func:`relay_reader_refusal`), so a node forwards only to the nodes the master lists.
+
 ``trainer`` alone may also call ReportRun (a run's steps and events for the master's
 dashboard) and the TrainingService primitives (``gridrl-trainer serve-api``, whose
 Tinker-compatible HTTP facade takes the same credential as its API key).
@@ -27,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from gridrl.common.address import canonical_address
 from gridrl.common.errors import Kind
 from gridrl.common.security.tokens import (
     AUTH_HEADER,
@@ -42,9 +49,12 @@ from gridrl.common.security.tokens import (
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
 
+# The capability of ReadAdapter (relay fan-out between nodes): granted to node credentials only.
+RELAY = "relay"
+
 # What a credential of each scope may call: the scopes its RPCs may require.
 GRANTS: dict[str, frozenset[str]] = {
-    NODE: frozenset({NODE}),
+    NODE: frozenset({NODE, RELAY}),
     TRAINER: frozenset({TRAINER, READ, NODE}),  # NODE: its own entry (role trainer) only
     READ: frozenset({READ}),
 }
@@ -60,6 +70,8 @@ METHOD_SCOPES: dict[str, str] = {
     "/gridrl.v1.RolloutService/PushAdapter": TRAINER,
     "/gridrl.v1.RolloutService/ReloadAdapter": TRAINER,
     "/gridrl.v1.RolloutService/GetNodeInfo": READ,
+    "/gridrl.v1.RolloutService/FetchAdapter": TRAINER,
+    "/gridrl.v1.RolloutService/ReadAdapter": RELAY,
     "/gridrl.v1.TrainerService/GetRunStatus": READ,
     "/gridrl.v1.TrainerService/WatchRun": READ,
     "/gridrl.v1.RunReportService/ReportRun": TRAINER,
@@ -150,6 +162,34 @@ def check_bound_certificate(decision: Decision, method: str, peer_pem: bytes | N
                         f"{name}: credential {credential.id!r} is bound to another client "
                         "certificate than the one this connection presented")
     return decision
+
+
+def relay_reader_refusal(credential: Credential | None, readers: Sequence[str]) -> str | None:
+    """Why a ReadAdapter caller may not read a version whose readers are ``readers``
+    (host:port, as the trainer listed them from the master), None when it may.
+
+    A server without credentials (loopback tests, ``--insecure``) lets every caller read.
+    Otherwise the caller's credential must be bound to an address (``gridrl-auth mint
+    --address``) that is one of ``readers``; spellings of one address are that address
+    (:func:`gridrl.common.address.canonical_address`).
+    """
+    if credential is None:
+        return None
+    if not credential.address:
+        return (f"credential {credential.id!r} has no address (mint it with --address): a node "
+                "relays adapters only to the nodes the trainer lists, by address")
+    mine = _canonical(credential.address)
+    if not any(_canonical(r) == mine for r in readers):
+        return (f"credential {credential.id!r} is for {credential.address}, which is not among "
+                "the nodes the trainer listed as this version's readers")
+    return None
+
+
+def _canonical(address: str) -> str:
+    try:
+        return canonical_address(address)
+    except Exception:  # not host:port: compared as written
+        return address
 
 
 _CALLER: contextvars.ContextVar[Credential | None] = contextvars.ContextVar("gridrl_caller",

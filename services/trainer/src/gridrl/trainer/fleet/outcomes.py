@@ -75,10 +75,15 @@ class PushResult:
     Attributes:
         status: how it ended.
         reason: why it did not sync, in words ("" when it did).
+        sent_bytes: adapter bytes the trainer itself streamed to the node (0 when a peer
+            relayed it: :mod:`gridrl.trainer.fleet.sync`).
+        relayed: the node fetched it from a peer (relay fan-out).
     """
 
     status: PushStatus
     reason: str = ""
+    sent_bytes: int = 0
+    relayed: bool = False
 
     @property
     def synced(self) -> bool:

@@ -18,6 +18,18 @@ skipped without a call. The newest (version, files) is remembered and made the p
 version than it was pushed (restarted), waits out of rotation (*syncing*) and gets it in the
 background first thing; once it serves it, the pool lets it in. :meth:`AdapterSync.repush`
 pushes it again to one node on demand (a flagged node's way back, ``probation.py``).
+
+Relay fan-out (``relay=True``, the default): the trainer's upload per push does not grow with
+the fleet. The nodes of one adapter format form a chain (sorted by address): the trainer
+pushes to the first only, with a relay plan (the sha256 of every 256 KiB piece and the nodes
+allowed to read it: the other nodes of the chain, as the pool lists them from the master),
+and tells each other node to fetch it (``FetchAdapter``) from the node before it, then from
+the ones before that. Pieces flow on as soon as each hop has checked them, so the chain
+takes about one transfer plus a piece time per node; each node checks every piece and every
+file against the trainer's digests, then swaps atomically as a push does. A node whose fetch
+fails (its sources died, a piece did not match, an old node without FetchAdapter, a
+credential without the relay capability) is pushed to by the trainer directly, within a
+fresh ``deadline_s``. :attr:`SyncReport.sent_bytes` is what the trainer uploaded.
 """
 
 from __future__ import annotations
@@ -33,10 +45,10 @@ import grpc
 
 from gridrl.adapters import AdapterManifest, build_manifest, convert_files
 from gridrl.common.faults import pause_in_stream
-from gridrl.common.transport import push_requests
+from gridrl.common.transport import PIECE_BYTES, push_requests, relay_plan
 from gridrl.models import ModelIdentity
 from gridrl.trainer.fleet import metrics
-from gridrl.trainer.fleet.outcomes import SYNCED, PushResult, PushStatus
+from gridrl.trainer.fleet.outcomes import PushResult, PushStatus
 from gridrl.trainer.fleet.pool import NodePool, NodeState
 from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -55,11 +67,19 @@ class SyncReport:
         synced: addresses that now serve the pushed version, sorted.
         skipped: address -> why it did not take the adapter (failed call, deadline, out of
             rotation, conversion unavailable).
+        relayed: addresses (among ``synced``) that fetched it from a peer, sorted.
+        sent_bytes: adapter bytes the trainer uploaded for this push (every format, direct
+            fallbacks included): the adapter's size once per format when relaying works.
+            A node whose fetch was refused for good (UNIMPLEMENTED: an older node;
+            PERMISSION_DENIED: its credential may not read from peers, e.g. minted without
+            ``--address``) is pushed to directly at every later push.
     """
 
     seconds: float
     synced: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    relayed: list[str] = field(default_factory=list)
+    sent_bytes: int = 0
 
 
 @dataclass
@@ -68,6 +88,17 @@ class _Adapter:
 
     version: int
     payloads: dict[str, tuple[AdapterManifest, Mapping[str, bytes]]]  # format -> its push
+    # format -> (manifest with every sha256, relay plan without readers): relay fan-out
+    relays: dict[str, tuple[AdapterManifest, rollout_pb2.RelayPlan]] = field(
+        default_factory=dict)
+
+
+def _counted(requests, sent: list[int]):
+    """``requests`` (a PushAdapter stream), adding each chunk's bytes to ``sent[0]``."""
+    for message in requests:
+        if message.WhichOneof("payload") == "chunk":
+            sent[0] += len(message.chunk.data)
+        yield message
 
 
 class AdapterSync:
@@ -83,21 +114,30 @@ class AdapterSync:
             the base model). Before the first push, a node serving ``name`` at a version
             outside them (an earlier run under the same name) is reset like another run's
             adapter. Default: only version 0.
+        relay: relay fan-out (module docstring): the trainer uploads each push once per
+            adapter format and the nodes pass it on; False: it pushes to every node.
+        piece_bytes: relay piece size in bytes (> 0).
     """
 
     def __init__(self, pool: NodePool, *, name: str, base_model: ModelIdentity,
                  deadline_s: float = 30.0,
-                 known_versions: Callable[[], Container[int]] | None = None) -> None:
+                 known_versions: Callable[[], Container[int]] | None = None,
+                 relay: bool = True, piece_bytes: int = PIECE_BYTES) -> None:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s: must be > 0, got {deadline_s}")
         self.pool = pool
         self.name = name
         self.base_model = base_model
         self.deadline_s = deadline_s
+        self.relay = relay
+        if piece_bytes <= 0:
+            raise ValueError(f"piece_bytes: must be > 0, got {piece_bytes}")
+        self.piece_bytes = piece_bytes
         self._known_versions = known_versions or (lambda: (0,))
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
         self._newest: _Adapter | None = None
+        self._no_relay: set[str] = set()  # nodes a relay was refused to (pushed directly)
         self._convert_lock = threading.Lock()
         # One thread per node pushed to at once (threads are started lazily, as needed).
         self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
@@ -147,29 +187,58 @@ class AdapterSync:
                 log.exception("could not convert policy version %d to %s", version, fmt)
                 unconvertible[fmt] = f"conversion to {fmt} failed: {e!r}"
         jobs: dict[futures.Future, str] = {}
+        chains: dict[str, list[NodeState]] = {}
         for node in targets:
             if node.adapter_format in unconvertible:
                 report.skipped[node.address] = self._failed(
                     node.address, version, unconvertible[node.adapter_format]).reason
             else:
+                chains.setdefault(node.adapter_format, []).append(node)
+        for fmt, chain in sorted(chains.items()):
+            chain.sort(key=lambda n: n.address)
+            with self._lock:  # nodes that cannot relay (old nodes, unbound credentials)
+                direct = [n for n in chain if n.address in self._no_relay] \
+                    if self.relay and len(chain) >= 2 else chain
+            chain = [n for n in chain if n not in direct]
+            if len(chain) < 2:
+                direct, chain = direct + chain, []
+            for node in direct:
                 jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
+            if not chain:
+                continue
+            plan = self._relay_plan(adapter, fmt, [n.address for n in chain[1:]])
+            jobs[self._executor.submit(self._push_node, chain[0], adapter, plan)] = \
+                chain[0].address
+            for i, node in enumerate(chain[1:], start=1):
+                sources = [n.address for n in reversed(chain[max(0, i - 3):i])]
+                if chain[0].address not in sources:
+                    sources.append(chain[0].address)
+                jobs[self._executor.submit(self._fetch_node, node, adapter, plan,
+                                           sources)] = node.address
         waves = -(-len(jobs) // MAX_CONCURRENT_PUSHES) if jobs else 1
-        done, late = futures.wait(jobs, timeout=waves * self.deadline_s + 5.0)
+        # a relayed node that falls back to a direct push gets a second deadline
+        budget = waves * self.deadline_s * (2 if self.relay else 1) + 5.0
+        done, late = futures.wait(jobs, timeout=budget)
         for future in done:
             result = future.result()
+            report.sent_bytes += result.sent_bytes
             if result.synced:
                 report.synced.append(jobs[future])
+                if result.relayed:
+                    report.relayed.append(jobs[future])
             else:
                 report.skipped[jobs[future]] = result.reason
         for future in late:  # a call outliving its own deadline: should not happen
             report.skipped[jobs[future]] = f"no answer within {self.deadline_s:.1f}s"
             self.pool.note_sync_failed(jobs[future], version, report.skipped[jobs[future]])
         report.synced.sort()
+        report.relayed.sort()
         report.seconds = time.perf_counter() - start
         for address, why in sorted(report.skipped.items()):
             log.warning("sync of policy version %d: SKIPPED node %s: %s", version, address, why)
-        log.debug("synced policy version %d to %d node(s) in %.2fs (%d skipped)", version,
-                 len(report.synced), report.seconds, len(report.skipped))
+        log.debug("synced policy version %d to %d node(s) in %.2fs (%d relayed, %d skipped, "
+                  "%d bytes uploaded)", version, len(report.synced), report.seconds,
+                  len(report.relayed), len(report.skipped), report.sent_bytes)
         return report
 
     def lagging_nodes(self, current_version: int) -> list[str]:
@@ -205,8 +274,10 @@ class AdapterSync:
 
     # -------------------------------------------------------------------- per node
 
-    def _push_node(self, node: NodeState, adapter: _Adapter) -> PushResult:
-        """Push ``adapter`` to one node (a failure benches it)."""
+    def _push_node(self, node: NodeState, adapter: _Adapter,
+                   relay: rollout_pb2.RelayPlan | None = None) -> PushResult:
+        """Push ``adapter`` to one node (a failure benches it); with ``relay``, as the head
+        of a relay chain (its manifest then gives every sha256)."""
         deadline = time.monotonic() + self.deadline_s
         lock = self._node_lock(node.address)
         if not lock.acquire(timeout=self.deadline_s):
@@ -221,6 +292,8 @@ class AdapterSync:
             fmt = node.adapter_format
             try:
                 manifest, files = self._payload(adapter, fmt)
+                if relay is not None:
+                    manifest = adapter.relays[fmt][0]
             except Exception as e:
                 return self._failed(node.address, adapter.version,
                                     f"conversion to {fmt} failed: {e}")
@@ -229,24 +302,89 @@ class AdapterSync:
                 return self._failed(node.address, adapter.version,
                                     f"deadline of {self.deadline_s:.1f}s spent converting")
             stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
+            sent = [0]
             try:  # the manifest becomes the wire's message in the stream's header
-                requests = pause_in_stream(push_requests(manifest, files), "trainer.push")
+                requests = pause_in_stream(_counted(push_requests(manifest, files, relay=relay),
+                                                    sent), "trainer.push")
                 response = stub.PushAdapter(requests, timeout=left)
             except grpc.RpcError as e:
-                return self._failed(node.address, adapter.version,
-                                    f"PushAdapter {e.code().name}: {e.details()}")
+                result = self._failed(node.address, adapter.version,
+                                      f"PushAdapter {e.code().name}: {e.details()}")
+                return PushResult(result.status, result.reason, sent_bytes=sent[0])
             except KeyError as e:  # the node left the pool meanwhile
-                return PushResult(PushStatus.NOT_PUSHED, f"left the pool: {e}")
+                return PushResult(PushStatus.NOT_PUSHED, f"left the pool: {e}",
+                                  sent_bytes=sent[0])
             serving = response.serving
             if serving.name != self.name or serving.version != adapter.version:
-                return self._failed(node.address, adapter.version,
-                                    f"node serves {serving.name!r} v{serving.version} after the "
-                                    f"push of v{adapter.version}")
+                result = self._failed(node.address, adapter.version,
+                                      f"node serves {serving.name!r} v{serving.version} after "
+                                      f"the push of v{adapter.version}")
+                return PushResult(result.status, result.reason, sent_bytes=sent[0])
             self.pool.note_synced(node.address, adapter.version, serving, response.sequence)
             log.debug("pushed policy version %d (%s) to %s", adapter.version, fmt, node.address)
-            return SYNCED
+            return PushResult(PushStatus.SYNCED, sent_bytes=sent[0])
         finally:
             lock.release()
+
+    def _fetch_node(self, node: NodeState, adapter: _Adapter, plan: rollout_pb2.RelayPlan,
+                    sources: list[str]) -> PushResult:
+        """Have one node fetch ``adapter`` from ``sources`` (relay fan-out); if it cannot,
+        push it to the node directly (whose failure benches it)."""
+        lock = self._node_lock(node.address)
+        if not lock.acquire(timeout=self.deadline_s):
+            return self._failed(node.address, adapter.version,
+                                f"an earlier push was still running after {self.deadline_s:.1f}s")
+        try:
+            if (newest := self.newest_version) > adapter.version:
+                return PushResult(PushStatus.SUPERSEDED,
+                                  f"superseded by policy version {newest}")
+            manifest = adapter.relays[node.adapter_format][0]
+            request = rollout_pb2.FetchAdapterRequest(manifest=manifest.to_proto(), relay=plan,
+                                                      sources=sources)
+            try:
+                stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
+                response = stub.FetchAdapter(request, timeout=self.deadline_s)
+            except grpc.RpcError as e:
+                why = f"FetchAdapter {e.code().name}: {e.details()}"
+                if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED) \
+                        or "PERMISSION_DENIED" in (e.details() or ""):
+                    with self._lock:  # it never will: push to it directly from now on
+                        self._no_relay.add(node.address)
+                    why += "; pushing to it directly from now on"
+            except KeyError as e:
+                return PushResult(PushStatus.NOT_PUSHED, f"left the pool: {e}")
+            else:
+                serving = response.serving
+                if serving.name == self.name and serving.version == adapter.version:
+                    self.pool.note_synced(node.address, adapter.version, serving,
+                                          response.sequence)
+                    log.debug("node %s fetched policy version %d from %s", node.address,
+                              adapter.version, response.source)
+                    return PushResult(PushStatus.SYNCED, relayed=True)
+                why = (f"node serves {serving.name!r} v{serving.version} after fetching "
+                       f"v{adapter.version}")
+        finally:
+            lock.release()
+        metrics.SYNC_FAILURES.labels(node.address).inc()
+        log.warning("relay of policy version %d to node %s failed (%s); pushing it directly",
+                    adapter.version, node.address, why)
+        return self._push_node(node, adapter)
+
+    def _relay_plan(self, adapter: _Adapter, fmt: str,
+                    readers: list[str]) -> rollout_pb2.RelayPlan:
+        """The relay plan of ``adapter`` in ``fmt`` with ``readers``, hashing its files once
+        per version and format (the manifest with digests is kept for the fetches)."""
+        with self._convert_lock:
+            if fmt not in adapter.relays:
+                files = adapter.payloads[fmt][1]
+                hashed = build_manifest(files, name=self.name, version=adapter.version,
+                                        base_model=self.base_model, hash_files=True)
+                adapter.relays[fmt] = (hashed, relay_plan(hashed, files,
+                                                          piece_bytes=self.piece_bytes))
+            plan = rollout_pb2.RelayPlan()
+            plan.CopyFrom(adapter.relays[fmt][1])
+        plan.readers[:] = readers
+        return plan
 
     def _failed(self, address: str, version: int, reason: str) -> PushResult:
         metrics.SYNC_FAILURES.labels(address).inc()

@@ -323,7 +323,8 @@ def _build_pool(run: Run) -> tuple[NodePool, AdapterSync]:
     run.closing.callback(pool.close)
     pool.start()
     sync = AdapterSync(pool, name=cfg.run_name or "gridrl", base_model=backend.identity,
-                       deadline_s=cfg.sync_deadline_s, known_versions=lambda: run.state.lineage)
+                       deadline_s=cfg.sync_deadline_s, known_versions=lambda: run.state.lineage,
+                       relay=cfg.relay)
     run.closing.callback(sync.close)
     nodes = pool.wait_for_nodes(cfg.min_nodes, cfg.node_wait_s,
                                 stop=lambda: control.stop_requested)
