@@ -70,6 +70,7 @@ PROFILES: dict[str, str] = {
     "slow": "10mbit",   # a weak Wi-Fi / VPN link
 }
 _RATE_BITS = {"kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
+NODE_PORT = 50051  # every node host listens here (hosts are namespaces of their own)
 _PREFIX = "gnf"
 _NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered; no interface of a fleet has it
 _PROXY_VARS = ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy", "no_proxy")
@@ -434,9 +435,10 @@ class Fleet:
                 "--tls-key", str(self.pki_dir / f"{name}.key"),
                 "--tls-ca", str(self.pki_dir / "ca.crt")]
 
-    def token_file(self, name: str, scope: str) -> Path:
+    def token_file(self, name: str, scope: str, address: str | None = None) -> Path:
         """A token of ``scope`` for ``name`` (minted on first use; a trainer's is bound to
-        its certificate, as ``gridrl-auth mint --cert`` does)."""
+        its certificate, as ``gridrl-auth mint --cert`` does, a node's to ``address`` when
+        given, as ``--address`` does)."""
         from gridrl.common.security.minting import mint
         from gridrl.common.security.tokens import cert_fingerprint
 
@@ -446,15 +448,17 @@ class Fleet:
             if scope == "trainer":
                 self._cert(name, self.hosts[name])
                 cert = cert_fingerprint((self.pki_dir / f"{name}.crt").read_bytes())
-            mint(self.authorized, path, scope, name, cert=cert)
+            mint(self.authorized, path, scope, name, address=address, cert=cert)
         return path
 
-    def client_flags(self, name: str, scope: str) -> list[str]:
-        return [*self.tls_flags(name), "--auth-token-file", str(self.token_file(name, scope))]
+    def client_flags(self, name: str, scope: str, address: str | None = None) -> list[str]:
+        return [*self.tls_flags(name), "--auth-token-file",
+                str(self.token_file(name, scope, address))]
 
-    def server_flags(self, name: str, scope: str) -> list[str]:
+    def server_flags(self, name: str, scope: str, address: str | None = None) -> list[str]:
         """TLS, the authorized tokens and ``name``'s own client token."""
-        return [*self.client_flags(name, scope), "--authorized-tokens", str(self.authorized)]
+        return [*self.client_flags(name, scope, address), "--authorized-tokens",
+                str(self.authorized)]
 
     # ------------------------------------------------------------------ processes
 
@@ -523,10 +527,14 @@ class Fleet:
         """``gridrl-rollout serve --backend torch`` on its own host (one thread), registered
         with ``master`` when given; ``wait=False``: returns at once (:meth:`Proc.wait_ready`)."""
         host = self.add_host(name, profile)
+        # Each host is a namespace of its own, so every node listens on the default node port,
+        # and its credential is bound to that address (README: a LAN's node credentials), which
+        # also lets it read relayed adapters from the nodes before it (--relay).
+        address = f"{host.address}:{NODE_PORT}"
         argv = ["gridrl-rollout", "serve", "--backend", "torch", "--model", str(model_dir),
-                "--listen", f"{host.address}:0", "--metrics-port", "-1", "--threads", "1",
+                "--listen", address, "--metrics-port", "-1", "--threads", "1",
                 "--adapter-root", str(self.workdir / f"{name}-adapters"),
-                *self.server_flags(name, "node")]
+                *self.server_flags(name, "node", address=address)]
         if master is not None:
             argv += ["--master", master.address]
         return self.spawn(name, [*argv, *extra], env=env, wait=wait)

@@ -20,7 +20,8 @@ background first thing; once it serves it, the pool lets it in. :meth:`AdapterSy
 pushes it again to one node on demand (a flagged node's way back, ``probation.py``).
 
 Relay fan-out (``relay=True``, the default): the trainer's upload per push does not grow with
-the fleet. The nodes of one adapter format form a chain (sorted by address): the trainer
+the fleet. The nodes of one adapter format form a chain (fastest last sync first, then by
+address, so a node behind a slow link sits at the end and feeds no one): the trainer
 pushes to the first only, with a relay plan (the sha256 of every 256 KiB piece and the nodes
 allowed to read it: the other nodes of the chain, as the pool lists them from the master),
 and tells each other node to fetch it (``FetchAdapter``) from the node before it, then from
@@ -28,8 +29,8 @@ the ones before that. Pieces flow on as soon as each hop has checked them, so th
 takes about one transfer plus a piece time per node; each node checks every piece and every
 file against the trainer's digests, then swaps atomically as a push does. A node whose fetch
 fails (its sources died, a piece did not match, an old node without FetchAdapter, a
-credential without the relay capability) is pushed to by the trainer directly, within a
-fresh ``deadline_s``. :attr:`SyncReport.sent_bytes` is what the trainer uploaded.
+credential without the relay capability) or has not finished within half of ``deadline_s``
+is pushed to by the trainer directly, within what is left of its one ``deadline_s``. :attr:`SyncReport.sent_bytes` is what the trainer uploaded.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class AdapterSync:
         self._node_locks: dict[str, threading.Lock] = {}
         self._newest: _Adapter | None = None
         self._no_relay: set[str] = set()  # nodes a relay was refused to (pushed directly)
+        # seconds each node's last successful push or fetch took: a chain starts with the
+        # fastest, so a node behind a slow link never feeds the others (unknown nodes last)
+        self._sync_s: dict[str, float] = {}
         self._convert_lock = threading.Lock()
         # One thread per node pushed to at once (threads are started lazily, as needed).
         self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
@@ -195,7 +199,8 @@ class AdapterSync:
             else:
                 chains.setdefault(node.adapter_format, []).append(node)
         for fmt, chain in sorted(chains.items()):
-            chain.sort(key=lambda n: n.address)
+            with self._lock:
+                chain.sort(key=lambda n: (self._sync_s.get(n.address, float("inf")), n.address))
             with self._lock:  # nodes that cannot relay (old nodes, unbound credentials)
                 direct = [n for n in chain if n.address in self._no_relay] \
                     if self.relay and len(chain) >= 2 else chain
@@ -216,8 +221,8 @@ class AdapterSync:
                 jobs[self._executor.submit(self._fetch_node, node, adapter, plan,
                                            sources)] = node.address
         waves = -(-len(jobs) // MAX_CONCURRENT_PUSHES) if jobs else 1
-        # a relayed node that falls back to a direct push gets a second deadline
-        budget = waves * self.deadline_s * (2 if self.relay else 1) + 5.0
+        # a relayed node's fetch and fallback push share its one deadline
+        budget = waves * self.deadline_s + 5.0
         done, late = futures.wait(jobs, timeout=budget)
         for future in done:
             result = future.result()
@@ -275,12 +280,15 @@ class AdapterSync:
     # -------------------------------------------------------------------- per node
 
     def _push_node(self, node: NodeState, adapter: _Adapter,
-                   relay: rollout_pb2.RelayPlan | None = None) -> PushResult:
+                   relay: rollout_pb2.RelayPlan | None = None,
+                   deadline: float | None = None) -> PushResult:
         """Push ``adapter`` to one node (a failure benches it); with ``relay``, as the head
-        of a relay chain (its manifest then gives every sha256)."""
-        deadline = time.monotonic() + self.deadline_s
+        of a relay chain (its manifest then gives every sha256). ``deadline`` (a
+        ``time.monotonic()`` instant) defaults to ``deadline_s`` from now."""
+        start = time.monotonic()
+        deadline = start + self.deadline_s if deadline is None else deadline
         lock = self._node_lock(node.address)
-        if not lock.acquire(timeout=self.deadline_s):
+        if not lock.acquire(timeout=max(0.0, deadline - start)):
             return self._failed(node.address, adapter.version,
                                 f"an earlier push was still running after {self.deadline_s:.1f}s")
         try:
@@ -321,6 +329,8 @@ class AdapterSync:
                                       f"the push of v{adapter.version}")
                 return PushResult(result.status, result.reason, sent_bytes=sent[0])
             self.pool.note_synced(node.address, adapter.version, serving, response.sequence)
+            with self._lock:
+                self._sync_s[node.address] = time.monotonic() - start
             log.debug("pushed policy version %d (%s) to %s", adapter.version, fmt, node.address)
             return PushResult(PushStatus.SYNCED, sent_bytes=sent[0])
         finally:
@@ -328,10 +338,14 @@ class AdapterSync:
 
     def _fetch_node(self, node: NodeState, adapter: _Adapter, plan: rollout_pb2.RelayPlan,
                     sources: list[str]) -> PushResult:
-        """Have one node fetch ``adapter`` from ``sources`` (relay fan-out); if it cannot,
-        push it to the node directly (whose failure benches it)."""
+        """Have one node fetch ``adapter`` from ``sources`` (relay fan-out); if it cannot
+        within half of ``deadline_s`` (its sources may sit behind a slow link), push it to the
+        node directly within what is left (whose failure benches it): the node's whole sync
+        stays within one ``deadline_s``."""
+        start = time.monotonic()
+        deadline = start + self.deadline_s
         lock = self._node_lock(node.address)
-        if not lock.acquire(timeout=self.deadline_s):
+        if not lock.acquire(timeout=self.deadline_s / 2):
             return self._failed(node.address, adapter.version,
                                 f"an earlier push was still running after {self.deadline_s:.1f}s")
         try:
@@ -343,7 +357,8 @@ class AdapterSync:
                                                       sources=sources)
             try:
                 stub = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(node.address))
-                response = stub.FetchAdapter(request, timeout=self.deadline_s)
+                response = stub.FetchAdapter(
+                    request, timeout=max(0.01, start + self.deadline_s / 2 - time.monotonic()))
             except grpc.RpcError as e:
                 why = f"FetchAdapter {e.code().name}: {e.details()}"
                 if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED) \
@@ -358,6 +373,8 @@ class AdapterSync:
                 if serving.name == self.name and serving.version == adapter.version:
                     self.pool.note_synced(node.address, adapter.version, serving,
                                           response.sequence)
+                    with self._lock:
+                        self._sync_s[node.address] = time.monotonic() - start
                     log.debug("node %s fetched policy version %d from %s", node.address,
                               adapter.version, response.source)
                     return PushResult(PushStatus.SYNCED, relayed=True)
@@ -368,7 +385,7 @@ class AdapterSync:
         metrics.SYNC_FAILURES.labels(node.address).inc()
         log.warning("relay of policy version %d to node %s failed (%s); pushing it directly",
                     adapter.version, node.address, why)
-        return self._push_node(node, adapter)
+        return self._push_node(node, adapter, deadline=deadline)
 
     def _relay_plan(self, adapter: _Adapter, fmt: str,
                     readers: list[str]) -> rollout_pb2.RelayPlan:
