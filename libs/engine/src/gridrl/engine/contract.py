@@ -285,6 +285,12 @@ class Backend(abc.ABC):
     #: Whether :meth:`generate_mixed` decodes rows of different adapters in one batch (True),
     #: or one adapter group after the other (the default implementation).
     mixes_adapters: bool = False
+    #: Whether :meth:`generate` stops single rows between two decode steps when its observer
+    #: has a ``rows_to_stop()`` method (called right after ``interrupted()`` returned False;
+    #: the batch indices it returns end there, their results are cut short and meaningless),
+    #: and loads adapters between two decode steps without disturbing the batch in progress.
+    #: The rollout node then replaces one run's adapter without stopping other runs' rows.
+    stops_rows: bool = False
 
     def generate_mixed(self, batch: list[SequenceRequest], adapters: Sequence[Any | None],
                        observer: DecodeObserver | None = None) -> list[SequenceResult]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gridrl.v1 import common_pb2 as gridrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/rollout.proto\x12\tgridrl.v1\x1a\x16gridrl/v1/common.proto\"\xc9\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.gridrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rsystem_prompt\x18\x06 \x01(\t\x12\x12\n\nkeep_cache\x18\x07 \x01(\x08\"d\n\x10GenerateResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.gridrl.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"U\n\x11PushAdapterHeader\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12\x12\n\nstage_only\x18\x02 \x01(\x08\":\n\x0c\x41\x64\x61pterChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x12PushAdapterTrailer\x12\x13\n\x0b\x66ile_sha256\x18\x01 \x03(\t\"\xab\x01\n\x12PushAdapterRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.gridrl.v1.PushAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gridrl.v1.AdapterChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.gridrl.v1.PushAdapterTrailerH\x00\x42\t\n\x07payload\"V\n\x0bPushTimings\x12\x11\n\treceive_s\x18\x01 \x01(\x01\x12\x10\n\x08verify_s\x18\x02 \x01(\x01\x12\x11\n\tconvert_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x04 \x01(\x01\"\xa3\x01\n\x13PushAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x11\n\tconverted\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x05 \x01(\x04\"Y\n\x14ReloadAdapterRequest\x12\x11\n\x07version\x18\x01 \x01(\x04H\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x14\n\nbase_model\x18\x03 \x01(\x08H\x00\x42\x08\n\x06target\"P\n\x15ReloadAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\"\x14\n\x12GetNodeInfoRequest\"8\n\x13GetNodeInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo2\xc7\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.gridrl.v1.GenerateRequest\x1a\x1b.gridrl.v1.GenerateResponse\x12N\n\x0bPushAdapter\x12\x1d.gridrl.v1.PushAdapterRequest\x1a\x1e.gridrl.v1.PushAdapterResponse(\x01\x12R\n\rReloadAdapter\x12\x1f.gridrl.v1.ReloadAdapterRequest\x1a .gridrl.v1.ReloadAdapterResponse\x12L\n\x0bGetNodeInfo\x12\x1d.gridrl.v1.GetNodeInfoRequest\x1a\x1e.gridrl.v1.GetNodeInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/rollout.proto\x12\tgridrl.v1\x1a\x16gridrl/v1/common.proto\"\xf5\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.gridrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rsystem_prompt\x18\x06 \x01(\t\x12\x12\n\nkeep_cache\x18\x07 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x08 \x01(\t\x12\x14\n\x0cshare_weight\x18\t \x01(\x01\"d\n\x10GenerateResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.gridrl.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"U\n\x11PushAdapterHeader\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12\x12\n\nstage_only\x18\x02 \x01(\x08\":\n\x0c\x41\x64\x61pterChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x12PushAdapterTrailer\x12\x13\n\x0b\x66ile_sha256\x18\x01 \x03(\t\"\xab\x01\n\x12PushAdapterRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.gridrl.v1.PushAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gridrl.v1.AdapterChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.gridrl.v1.PushAdapterTrailerH\x00\x42\t\n\x07payload\"V\n\x0bPushTimings\x12\x11\n\treceive_s\x18\x01 \x01(\x01\x12\x10\n\x08verify_s\x18\x02 \x01(\x01\x12\x11\n\tconvert_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x04 \x01(\x01\"\xa3\x01\n\x13PushAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x11\n\tconverted\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x05 \x01(\x04\"Y\n\x14ReloadAdapterRequest\x12\x11\n\x07version\x18\x01 \x01(\x04H\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x14\n\nbase_model\x18\x03 \x01(\x08H\x00\x42\x08\n\x06target\"P\n\x15ReloadAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\"\x14\n\x12GetNodeInfoRequest\"8\n\x13GetNodeInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo2\xc7\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.gridrl.v1.GenerateRequest\x1a\x1b.gridrl.v1.GenerateResponse\x12N\n\x0bPushAdapter\x12\x1d.gridrl.v1.PushAdapterRequest\x1a\x1e.gridrl.v1.PushAdapterResponse(\x01\x12R\n\rReloadAdapter\x12\x1f.gridrl.v1.ReloadAdapterRequest\x1a .gridrl.v1.ReloadAdapterResponse\x12L\n\x0bGetNodeInfo\x12\x1d.gridrl.v1.GetNodeInfoRequest\x1a\x1e.gridrl.v1.GetNodeInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gridrl.v1.rollout_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=264
-  _globals['_GENERATERESPONSE']._serialized_start=266
-  _globals['_GENERATERESPONSE']._serialized_end=366
-  _globals['_PUSHADAPTERHEADER']._serialized_start=368
-  _globals['_PUSHADAPTERHEADER']._serialized_end=453
-  _globals['_ADAPTERCHUNK']._serialized_start=455
-  _globals['_ADAPTERCHUNK']._serialized_end=513
-  _globals['_PUSHADAPTERTRAILER']._serialized_start=515
-  _globals['_PUSHADAPTERTRAILER']._serialized_end=556
-  _globals['_PUSHADAPTERREQUEST']._serialized_start=559
-  _globals['_PUSHADAPTERREQUEST']._serialized_end=730
-  _globals['_PUSHTIMINGS']._serialized_start=732
-  _globals['_PUSHTIMINGS']._serialized_end=818
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=821
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=984
-  _globals['_RELOADADAPTERREQUEST']._serialized_start=986
-  _globals['_RELOADADAPTERREQUEST']._serialized_end=1075
-  _globals['_RELOADADAPTERRESPONSE']._serialized_start=1077
-  _globals['_RELOADADAPTERRESPONSE']._serialized_end=1157
-  _globals['_GETNODEINFOREQUEST']._serialized_start=1159
-  _globals['_GETNODEINFOREQUEST']._serialized_end=1179
-  _globals['_GETNODEINFORESPONSE']._serialized_start=1181
-  _globals['_GETNODEINFORESPONSE']._serialized_end=1237
-  _globals['_ROLLOUTSERVICE']._serialized_start=1240
-  _globals['_ROLLOUTSERVICE']._serialized_end=1567
+  _globals['_GENERATEREQUEST']._serialized_end=308
+  _globals['_GENERATERESPONSE']._serialized_start=310
+  _globals['_GENERATERESPONSE']._serialized_end=410
+  _globals['_PUSHADAPTERHEADER']._serialized_start=412
+  _globals['_PUSHADAPTERHEADER']._serialized_end=497
+  _globals['_ADAPTERCHUNK']._serialized_start=499
+  _globals['_ADAPTERCHUNK']._serialized_end=557
+  _globals['_PUSHADAPTERTRAILER']._serialized_start=559
+  _globals['_PUSHADAPTERTRAILER']._serialized_end=600
+  _globals['_PUSHADAPTERREQUEST']._serialized_start=603
+  _globals['_PUSHADAPTERREQUEST']._serialized_end=774
+  _globals['_PUSHTIMINGS']._serialized_start=776
+  _globals['_PUSHTIMINGS']._serialized_end=862
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=865
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1028
+  _globals['_RELOADADAPTERREQUEST']._serialized_start=1030
+  _globals['_RELOADADAPTERREQUEST']._serialized_end=1119
+  _globals['_RELOADADAPTERRESPONSE']._serialized_start=1121
+  _globals['_RELOADADAPTERRESPONSE']._serialized_end=1201
+  _globals['_GETNODEINFOREQUEST']._serialized_start=1203
+  _globals['_GETNODEINFOREQUEST']._serialized_end=1223
+  _globals['_GETNODEINFORESPONSE']._serialized_start=1225
+  _globals['_GETNODEINFORESPONSE']._serialized_end=1281
+  _globals['_ROLLOUTSERVICE']._serialized_start=1284
+  _globals['_ROLLOUTSERVICE']._serialized_end=1611
 # @@protoc_insertion_point(module_scope)

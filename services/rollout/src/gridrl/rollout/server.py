@@ -33,7 +33,7 @@ from gridrl.rollout.cache import ephemeral_dir
 from gridrl.rollout.config import NodeConfig, adapter_root, node_name
 from gridrl.rollout.jobs import GenerateOutcome
 from gridrl.rollout.kv_budget import KvBudget
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -137,8 +137,11 @@ class RolloutNode:
             log.info("KV cache: %d tokens (%s), %d more a sequence for sampling",
                      self.kv_budget.tokens, self.kv_budget.limit,
                      self.kv_budget.overhead_tokens)
-        self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
-                             batch_window_s=config.batch_window_s, kv_budget=self.kv_budget)
+        self.engine = BatchScheduler(
+            backend, capacity=config.capacity, max_queue=config.max_queue,
+            batch_window_s=config.batch_window_s, kv_budget=self.kv_budget,
+            max_resident=config.max_resident_adapters,
+            max_adapter_bytes=int(config.adapter_memory_mb * 1e6))
         self.name = node_name(config)
         self.reports = ReportSequence()  # orders info, heartbeats and push answers
         self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
@@ -315,7 +318,7 @@ def _loopback(address: str) -> bool:
 
 def run_on_engine_thread(load: Callable[[], RolloutNode]) -> RolloutNode:
     """Call ``load`` (which builds the backend and the node) on a new thread that then runs
-    the node engine's scheduler loop (:meth:`Engine.run`) until the engine closes.
+    the node engine's scheduler loop (:meth:`BatchScheduler.run`) until the engine closes.
 
     Model loading and decoding then happen on the same thread. With libgomp, every thread
     that starts torch parallel work keeps an OpenMP thread team; a second team (the main

@@ -406,6 +406,13 @@ class TorchBackend(Backend):
                                   "" if adapter is None else adapter.key)
 
     @property
+    def stops_rows(self) -> bool:  # type: ignore[override]
+        """On the lean forward with adapters held as factors: single rows stop between two
+        decode steps (``observer.rows_to_stop``), and adapters load between two decode steps
+        without disturbing the batch in progress (they never touch the weights it reads)."""
+        return self.mixes_adapters
+
+    @property
     def mixes_adapters(self) -> bool:  # type: ignore[override]
         """True on the lean forward with adapters held as factors: :meth:`generate_mixed`
         then decodes rows of different adapters in one batch."""
@@ -570,6 +577,21 @@ class TorchBackend(Backend):
             step += 1
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(step)
+            stop = _rows_to_stop(observer, active_list)
+            if stop:  # rows the caller no longer wants (contract: "Stopping rows")
+                for row in stop:
+                    length[active_list[row]] = step
+                keep = [row for row in range(len(active_list)) if row not in stop]
+                if not keep:
+                    break
+                keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
+                steps.keep(keep_t)
+                if mixed:
+                    forward.keep_rows(keep_t)
+                active = active.index_select(0, keep_t)
+                active_list = [active_list[row] for row in keep]
+                tokens = tokens.index_select(0, keep_t)
+                rows = rows.select(keep_t)
             logits = steps.step(tokens)
             if governor is not None:
                 governor.step()
@@ -674,3 +696,14 @@ def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
         if s:
             table[i, :len(s)] = torch.tensor(sorted(s), dtype=torch.int64)
     return table.to(device)
+
+
+def _rows_to_stop(observer: DecodeObserver | None, active_list: list[int]) -> set[int]:
+    """Positions in ``active_list`` (the live rows' batch indices) of the rows the observer
+    asks to stop (``rows_to_stop``, an optional observer method; see
+    :attr:`gridrl.engine.contract.Backend.stops_rows`)."""
+    ask = getattr(observer, "rows_to_stop", None)
+    if ask is None:
+        return set()
+    wanted = set(ask())
+    return {row for row, i in enumerate(active_list) if i in wanted}
