@@ -175,6 +175,18 @@ def test_node_serves_runs_by_name_and_refuses_what_does_not_fit(live_node, tiny_
             prompt_token_ids=PROMPT, adapter_name=run, share_weight=2.0,
             sampling=common_pb2.SamplingParams(max_tokens=4, n=2, seed=3)), timeout=60)
         assert {s.adapter_name for s in reply.samples} == {run or "run-b"}
+    info = node.stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=30).info
+    assert [(a.name, a.version) for a in info.resident_adapters] == [("run-a", 1),
+                                                                      ("run-b", 1)]
+    shares = {s.run: s.share for s in info.run_shares}
+    assert set(shares) == {"run-a", "run-b"} and sum(shares.values()) == pytest.approx(1.0)
+    # the master's dashboard row shows them (fleet_view, from the node's heartbeat/info)
+    from gridrl.master.fleet_view import fleet_rows
+    from gridrl.v1 import registry_pb2
+
+    record = registry_pb2.NodeRecord(node_id="n1", info=info)
+    row = fleet_rows([record], [], {}, 0.0)[0]
+    assert row["run_shares"] == shares and row["resident"] == ["run-a v1", "run-b v1"]
     err = rpc_error(lambda: node.stub.Generate(rollout_pb2.GenerateRequest(
         prompt_token_ids=PROMPT, adapter_name="run-c",
         sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=60))

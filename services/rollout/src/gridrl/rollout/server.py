@@ -308,7 +308,11 @@ class RolloutNode:
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
             software_version=software_version(), sequence=sequence,
             kv_cache_tokens=self.kv_budget.tokens,
-            sequence_overhead_tokens=self.kv_budget.overhead_tokens)
+            sequence_overhead_tokens=self.kv_budget.overhead_tokens,
+            resident_adapters=[common_pb2.AdapterRef(name=a.name, version=a.version)
+                               for a in self.engine.resident()],
+            run_shares=[common_pb2.RunShare(run=run, share=share)
+                        for run, share in sorted(self.engine.shares().items())])
 
 
 def _loopback(address: str) -> bool:

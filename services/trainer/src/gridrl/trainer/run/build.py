@@ -316,6 +316,7 @@ def _build_pool(run: Run) -> tuple[NodePool, AdapterSync]:
                     model_identity=backend.identity, security=cfg.security,
                     request_timeout_s=cfg.request_timeout_s,
                     wait_for_nodes_s=cfg.wait_for_nodes_s, on_wait=on_wait)
+    pool.share_weight = cfg.share_weight
     run.closing.callback(pool.close)
     pool.start()
     sync = AdapterSync(pool, name=cfg.run_name or "gridrl", base_model=backend.identity,
