@@ -108,6 +108,7 @@ from gridrl.rollout.jobs import (
     TokenSink,
 )
 from gridrl.rollout.kv_budget import KvBudget
+from gridrl.rollout.residency import ResidentAdapters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,9 +173,8 @@ class BatchScheduler:
                  kv_budget: KvBudget | None = None,
                  max_resident: int = default_of("max_resident_adapters"),
                  max_adapter_bytes: int = 0) -> None:
-        if capacity < 1 or max_queue < 1 or max_resident < 1:
-            raise ValueError(f"capacity ({capacity}), max_queue ({max_queue}) and "
-                             f"max_resident ({max_resident}) must be >= 1")
+        if capacity < 1 or max_queue < 1:
+            raise ValueError(f"capacity ({capacity}) and max_queue ({max_queue}) must be >= 1")
         self.backend = backend
         self.capacity = capacity
         self.max_queue = max_queue
@@ -185,11 +185,7 @@ class BatchScheduler:
         self._partial: collections.deque[_Request] = collections.deque()
         self._commands: collections.deque[_Command] = collections.deque()
         self._serving = BASE_MODEL
-        self.max_resident = max_resident
-        self.max_adapter_bytes = max_adapter_bytes
-        #: name -> newest version loaded, least recently used first
-        self._resident: collections.OrderedDict[str, ServingAdapter] = \
-            collections.OrderedDict()
+        self._resident = ResidentAdapters(max_resident, max_adapter_bytes)
         self._retired: list[Any] = []  # handles to unload once no batch uses them
         self._in_batch = False
         self._fair = FairShare()
@@ -300,7 +296,7 @@ class BatchScheduler:
     def resident(self) -> list[ServingAdapter]:
         """The adapters loaded, least recently used first."""
         with self._cond:
-            return list(self._resident.values())
+            return self._resident.listing()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -335,7 +331,7 @@ class BatchScheduler:
                 run = BASE_RUN
             elif job.adapter:
                 if job.adapter not in self._resident:
-                    raise self._not_resident(job.adapter)
+                    raise self._resident.not_resident(job.adapter)
                 run = job.adapter
             else:
                 run = self._serving.name
@@ -363,12 +359,6 @@ class BatchScheduler:
     def generate(self, job: GenerateJob, timeout: float | None = None) -> GenerateOutcome:
         """:meth:`submit` and wait for the outcome (re-raises the job's error)."""
         return self.submit(job).result(timeout)
-
-    def _not_resident(self, name: str) -> StatusError:
-        resident = ", ".join(self._resident) or "none"
-        return StatusError(Kind.NOT_FOUND, f"adapter: {name!r} is not loaded on this node "
-                           f"(resident: {resident}; --max-resident-adapters "
-                           f"{self.max_resident}); push it, or ReloadAdapter it, first")
 
     def call_between_batches(self, fn: Callable[[], T], timeout: float | None = None,
                              preempt: bool = False, scope: str | None = None) -> T:
@@ -462,45 +452,16 @@ class BatchScheduler:
                          and previous.name == adapter.name):
                 self._serving = adapter  # a newer version of the serving name serves too
             if adapter.handle is not None:
-                old = self._resident.pop(adapter.name, None)
-                self._resident[adapter.name] = adapter
-                if old is not None and old.handle is not adapter.handle:
-                    self._retire(old.handle)
-                self._evict(keep=adapter.name)
+                for handle in self._resident.put(adapter, protect=self._serving.name):
+                    self._retire(handle)
         if serve:
             metrics.ADAPTER_VERSION.set(adapter.version)
         self._unload_retired()
         return previous
 
     def check_fits(self, name: str, nbytes: int) -> None:
-        """Refuse an adapter that cannot be resident here even alone.
-
-        Raises:
-            StatusError: RESOURCE_EXHAUSTED naming the limit when ``nbytes`` exceeds
-                ``max_adapter_bytes``.
-        """
-        if self.max_adapter_bytes and nbytes > self.max_adapter_bytes:
-            raise resource_exhausted(
-                f"adapter {name!r}: {nbytes / 2**20:.1f} MiB does not fit the node's adapter "
-                f"memory (--adapter-memory-mb {self.max_adapter_bytes / 2**20:g})")
-
-    def _evict(self, keep: str) -> None:
-        """With the lock held: unload least recently used names (never ``keep``, never the
-        serving one) past ``max_resident`` or ``max_adapter_bytes``."""
-        def over() -> bool:
-            used = sum(a.nbytes for a in self._resident.values())
-            return len(self._resident) > self.max_resident or bool(
-                self.max_adapter_bytes and used > self.max_adapter_bytes)
-
-        for name in list(self._resident):
-            if not over():
-                break
-            if name in (keep, self._serving.name):
-                continue
-            gone = self._resident.pop(name)
-            log.info("adapter %s v%d unloaded (least recently used; --max-resident-adapters "
-                     "%d)", name, gone.version, self.max_resident)
-            self._retire(gone.handle)
+        """:meth:`ResidentAdapters.check_fits` (RESOURCE_EXHAUSTED naming the limit)."""
+        self._resident.check_fits(name, nbytes)
 
     def _retire(self, handle: Any) -> None:
         """With the lock held: unload ``handle`` once no batch uses it."""
@@ -593,7 +554,7 @@ class BatchScheduler:
                     wanted = self._adapter_for(req)
                     if wanted is None:
                         source.remove(req)
-                        req.future.set_exception(self._not_resident(req.job.adapter))
+                        req.future.set_exception(self._resident.not_resident(req.job.adapter))
                         continue
                     req.adapter = wanted
                     req.started = req.started or now
@@ -626,17 +587,10 @@ class BatchScheduler:
         names is no longer resident); marks that adapter used (LRU)."""
         if req.base_model:
             return BASE_MODEL
-        name = req.job.adapter or self._serving.name
         if not req.job.adapter:
-            adapter = self._serving
-        else:
-            found = self._resident.get(name)
-            if found is None:
-                return None
-            adapter = found
-        if name in self._resident:
-            self._resident.move_to_end(name)
-        return adapter
+            self._resident.use(self._serving.name)
+            return self._serving
+        return self._resident.use(req.job.adapter)
 
     def _run_batch(self, items: list[tuple[_Request, int]]) -> None:
         adapter = items[0][0].adapter or self._serving
