@@ -122,6 +122,7 @@ class BatchObserver:
                 self._stop.update(r for r, (q, _) in enumerate(self._rows) if q is req)
                 if req.sink is not None:  # its caller holds tokens of the old adapter
                     self._broken.add(req.id)
+            scheduler._restart_split(command.scope, {req.id for req in self._requests})
             scheduler._run_command(command)
 
     def rows_to_stop(self) -> list[int]:

@@ -424,6 +424,14 @@ class BatchScheduler:
             self._commands.remove(command)
             return True
 
+    def _restart_split(self, scope: str | None, decoding: set[int]) -> None:
+        """Between two decode steps, before a scoped command runs: restart the split requests
+        in its scope that wait for their next batch and are not in the batch decoding
+        (``decoding``: its request ids; those are stopped by the batch's observer)."""
+        with self._cond:
+            self._restart([r for r in self._partial
+                           if r.id not in decoding and self._in_scope(r, scope)])
+
     def _in_scope(self, req: _Request, scope: str | None) -> bool:
         """Whether a preempting command of ``scope`` restarts ``req``: every request without
         a scope; else those of that adapter name and those following the serving adapter
