@@ -30,18 +30,22 @@ from pathlib import Path
 from _common import cpu_flags, load_average, machine, table
 
 
-def make_adapter(model_dir: str, out: Path, seed: int) -> Path:
+def make_adapters(model_dir: str, root: Path, count: int) -> list[Path]:
+    """``count`` random rank-16 LoRAs on every linear layer (peft's layout), one model load."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    for name, p in peft.named_parameters():
-        if "lora_" in name:
-            torch.nn.init.normal_(p, std=0.02)
-    peft.save_pretrained(str(out))
+    out = []
+    for i in range(count):
+        torch.manual_seed(i)
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        peft.save_pretrained(str(root / f"a{i}"))
+        out.append(root / f"a{i}")
     return out
 
 
@@ -65,8 +69,8 @@ def main() -> None:
     backend = TorchBackend.from_pretrained(model_dir)
     lean, _ = backend.adapters.lean_factors([])
     with tempfile.TemporaryDirectory() as tmp:
-        handles = [backend.load_adapter(make_adapter(model_dir, Path(tmp) / f"a{i}", i), f"a{i}")
-                   for i in range(4)]
+        handles = [backend.load_adapter(path, f"a{i}")
+                   for i, path in enumerate(make_adapters(model_dir, Path(tmp), 4))]
     tokenizer = backend.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Write a short story about the number {i}."}],
