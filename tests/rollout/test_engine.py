@@ -15,7 +15,7 @@ from waiting import wait_for
 from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import SamplingConfig
 from gridrl.rollout.jobs import GenerateJob, ServingAdapter
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 
 T1 = SamplingConfig(max_tokens=6, temperature=1.0)
 
@@ -28,7 +28,7 @@ def _job(n: int = 2, seed: int = 1, prompt: list[int] | None = None, **kw) -> Ge
 @pytest.fixture
 def gated(tiny_backend):
     backend = GatedBackend(tiny_backend)
-    engine = Engine(backend, capacity=16, max_queue=3, batch_window_s=0.0).start()
+    engine = BatchScheduler(backend, capacity=16, max_queue=3, batch_window_s=0.0).start()
     yield backend, engine
     backend.gate.set()
     engine.close()
@@ -70,8 +70,8 @@ def test_queue_bound_is_resource_exhausted(gated) -> None:
 
 
 def test_large_n_is_split_across_batches_with_the_same_samples(tiny_backend) -> None:
-    small = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
-    big = Engine(tiny_backend, capacity=64, batch_window_s=0.0).start()
+    small = BatchScheduler(tiny_backend, capacity=4, batch_window_s=0.0).start()
+    big = BatchScheduler(tiny_backend, capacity=64, batch_window_s=0.0).start()
     try:
         split = small.generate(_job(n=10, seed=5), timeout=30)
         whole = big.generate(_job(n=10, seed=5), timeout=30)
@@ -108,7 +108,7 @@ def test_swap_waits_for_requests_in_flight(gated) -> None:
 
 def test_split_request_keeps_its_adapter(tiny_backend) -> None:
     backend = GatedBackend(tiny_backend)
-    engine = Engine(backend, capacity=2, batch_window_s=0.0).start()
+    engine = BatchScheduler(backend, capacity=2, batch_window_s=0.0).start()
     try:
         request = engine.submit(_job(n=5))
         wait_for(lambda: backend.entered == 1)
@@ -140,7 +140,7 @@ def test_cancelled_while_queued_is_dropped(gated) -> None:
 
 def test_close_fails_waiting_requests(tiny_backend) -> None:
     backend = GatedBackend(tiny_backend)
-    engine = Engine(backend, capacity=1, batch_window_s=0.0).start()
+    engine = BatchScheduler(backend, capacity=1, batch_window_s=0.0).start()
     running = engine.submit(_job(n=1))
     wait_for(lambda: backend.entered == 1)
     waiting = engine.submit(_job(n=1))
@@ -160,7 +160,7 @@ def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
     """A node stopping: the batch in flight ends at its next decode step with UNAVAILABLE,
     the scheduler thread is joined, and the backend decodes again for a later engine."""
     backend = GatedBackend(tiny_backend)
-    engine = Engine(backend, capacity=4, batch_window_s=0.0).start()
+    engine = BatchScheduler(backend, capacity=4, batch_window_s=0.0).start()
     running = engine.submit(_job(n=2))
     wait_for(lambda: backend.entered == 1)  # held at the gate: in flight
     assert engine.scheduler_alive
@@ -170,7 +170,7 @@ def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
     assert e.value.kind is Kind.UNAVAILABLE and "shutting down" in e.value.message
     assert not engine.scheduler_alive
     assert engine.recent_batches() == []  # no batch completed
-    again = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
+    again = BatchScheduler(tiny_backend, capacity=4, batch_window_s=0.0).start()
     try:
         assert len(again.generate(_job(n=2), timeout=30).samples) == 2
     finally:
@@ -178,7 +178,7 @@ def test_close_with_interrupt_stops_the_batch_in_flight(tiny_backend) -> None:
 
 
 def test_backend_failure_fails_only_its_batch(tiny_backend) -> None:
-    engine = Engine(tiny_backend, capacity=8, batch_window_s=0.0).start()
+    engine = BatchScheduler(tiny_backend, capacity=8, batch_window_s=0.0).start()
     try:
         bad = GenerateJob(prompt_ids=[10**6], sampling=T1, n=1, seed=0)  # beyond the embedding
         with pytest.raises(StatusError) as e:
@@ -203,7 +203,7 @@ def test_the_scheduler_thread_releases_its_framework_state_on_every_way_out(
 
     monkeypatch.setattr(engine_module, "release_thread_state", record)
     monkeypatch.setattr(server_module, "release_thread_state", record)
-    engine = Engine(tiny_backend, capacity=4, batch_window_s=0.0).start()
+    engine = BatchScheduler(tiny_backend, capacity=4, batch_window_s=0.0).start()
     assert len(engine.generate(_job(n=2), timeout=30).samples) == 2
     assert released == []
     engine.close(timeout=30)

@@ -16,7 +16,7 @@ from gridrl.common.rpc.channel import dial
 from gridrl.engine.contract import SamplingConfig
 from gridrl.rollout.jobs import GenerateJob
 from gridrl.rollout.kv_budget import KvBudget, available_memory_bytes
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -66,8 +66,8 @@ def test_the_engine_batches_within_the_budget(tiny_backend) -> None:
     assert kv == 2 * 2 * 2 * 16 * 4 and seq == 24 * 512  # 2 layers, 2 kv heads of 16, fp32
     per_row = len(PROMPT) + 6 + seq // kv
     budget = KvBudget(tokens=3 * per_row + 1, overhead_tokens=seq // kv, limit="test")
-    small = Engine(tiny_backend, capacity=64, batch_window_s=0.0, kv_budget=budget).start()
-    big = Engine(tiny_backend, capacity=64, batch_window_s=0.0).start()
+    small = BatchScheduler(tiny_backend, capacity=64, batch_window_s=0.0, kv_budget=budget).start()
+    big = BatchScheduler(tiny_backend, capacity=64, batch_window_s=0.0).start()
     job = GenerateJob(prompt_ids=PROMPT, sampling=SamplingConfig(max_tokens=6), n=8, seed=4)
     try:
         split = small.generate(job, timeout=60)

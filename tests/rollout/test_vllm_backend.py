@@ -447,3 +447,28 @@ def test_alternatives_and_prompt_scores_come_from_vllm(standin, connect, referen
         [[t for t, _ in pairs] for pairs in theirs[1]]
     with pytest.raises(NotImplementedError, match="without alternatives"):
         backend.score_top(list(PROMPT), [30], SamplingConfig(1, 0.6, top_k=5), None, 2)
+
+
+def test_a_mixed_batch_sends_each_request_with_its_own_adapter(standin, connect, reference,
+                                                               tiny_adapters) -> None:
+    """Multi-adapter batches (issue 46 item 1): vLLM batches LoRAs itself, so each request of a
+    mixed batch goes with its own ``model`` (the LoRA's served name, or the base model's), and
+    each row's logprobs are the contract's score under its own adapter."""
+    server = standin()
+    backend = connect(server)
+    assert backend.mixes_adapters
+    a = backend.load_adapter_files(read_dir(tiny_adapters["a"]), "run-a-v1-1")
+    b = backend.load_adapter_files(read_dir(tiny_adapters["b"]), "run-b-v1-2")
+    refs = {id(a): reference.load_adapter(tiny_adapters["a"], "a"),
+            id(b): reference.load_adapter(tiny_adapters["b"], "b")}
+    batch = _batch()
+    adapters = [a, None, b, a, b, None][:len(batch)]
+    results = backend.generate_mixed(batch, adapters)
+    sent = server.completions[-len(batch):]
+    assert sorted(body["model"] for body in sent) == sorted(
+        backend.served_model if h is None else h.served_name for h in adapters)
+    for req, res, h in zip(batch, results, adapters, strict=True):
+        _assert_behaviour_logprobs(reference, [req], [res],
+                                   None if h is None else refs[id(h)])
+    with pytest.raises(ValueError, match="adapters for"):
+        backend.generate_mixed(batch, adapters[:-1])

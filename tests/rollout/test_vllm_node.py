@@ -119,7 +119,14 @@ def test_generate_and_push_through_vllm(standin, vllm_node, reference, tiny_adap
     reloaded = node.stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(version=1), timeout=30)
     assert reloaded.serving.version == 1 and len(server.loras) == 1
     node.stub.ReloadAdapter(rollout_pb2.ReloadAdapterRequest(base_model=True), timeout=30)
-    assert not server.loras and _landed(node) == []
+    # the base model serves by default; "run" stays resident for requests that name it
+    # (issue 46: several runs' adapters on one node, --max-resident-adapters)
+    assert node.info().adapter.version == 0
+    assert len(server.loras) == 1 and _landed(node) == sorted(server.loras)
+    named = node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=[5, 6, 7], adapter_name="run",
+        sampling=common_pb2.SamplingParams(max_tokens=3)), timeout=30)
+    assert {(s.adapter_name, s.adapter_version) for s in named.samples} == {("run", 1)}
     assert len(server.loads) == len(set(server.loads))  # no name ever loaded twice
 
     for t in (3.0, 0.005):  # vLLM samples at 0 or in [0.01, 2]

@@ -263,7 +263,9 @@ class NodeRegistrar:
         request = registry_pb2.HeartbeatRequest(node_id=self._node_id or "", adapter=info.adapter,
                                                 queue_depth=info.queue_depth, load=self._load(),
                                                 sequence=info.sequence, uptime_s=info.uptime_s,
-                                                stored_adapters=info.stored_adapters)
+                                                stored_adapters=info.stored_adapters,
+                                                resident_adapters=info.resident_adapters,
+                                                run_shares=info.run_shares)
         try:
             response = self._stub().Heartbeat(request, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as e:

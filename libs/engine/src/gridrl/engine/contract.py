@@ -141,6 +141,22 @@ class DecodeObserver(Protocol):
         next decode step."""
 
 
+class _RowMap:
+    """An observer of one adapter group of :meth:`Backend.generate_mixed`'s default: tells the
+    batch's observer the batch's own row indices."""
+
+    def __init__(self, observer: DecodeObserver, rows: list[int]) -> None:
+        self._observer, self._rows = observer, rows
+
+    def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
+                  logprobs: Sequence[float], top: Sequence[TopLogprobs] | None = None) -> None:
+        extra = {} if top is None else {"top": top}
+        self._observer.on_tokens([self._rows[r] for r in rows], token_ids, logprobs, **extra)
+
+    def interrupted(self) -> bool:
+        return self._observer.interrupted()
+
+
 class DecodeInterrupted(Exception):
     """:meth:`Backend.generate` stopped because its observer's ``interrupted()`` returned True.
 
@@ -265,6 +281,50 @@ class Backend(abc.ABC):
             ValueError: an empty prompt, ``max_tokens < 1`` (:func:`check_batch`), or an
                 adapter handle that is not loaded.
         """
+
+    #: Whether :meth:`generate_mixed` decodes rows of different adapters in one batch (True),
+    #: or one adapter group after the other (the default implementation).
+    mixes_adapters: bool = False
+    #: Whether :meth:`generate` stops single rows between two decode steps when its observer
+    #: has a ``rows_to_stop()`` method (called right after ``interrupted()`` returned False;
+    #: the batch indices it returns end there, their results are cut short and meaningless),
+    #: and loads adapters between two decode steps without disturbing the batch in progress.
+    #: The rollout node then replaces one run's adapter without stopping other runs' rows.
+    stops_rows: bool = False
+
+    def generate_mixed(self, batch: list[SequenceRequest], adapters: Sequence[Any | None],
+                       observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` where row ``i`` uses ``adapters[i]`` (a handle from
+        :meth:`load_adapter`, or None: the base model); each row's tokens and logprobs are
+        those it gets in a :meth:`generate` call with its adapter alone (up to float32
+        rounding). Backends that batch adapters together (:attr:`mixes_adapters`: the torch
+        lean forward's stacked factors, vLLM's per-request LoRA) override this; this default
+        runs one :meth:`generate` per adapter group, in order of first appearance, with the
+        observer told the batch's own row indices.
+
+        Raises:
+            as :meth:`generate`; ValueError when ``adapters`` and ``batch`` differ in length.
+        """
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(adapters)} adapters for {len(batch)} sequences")
+        groups: list[tuple[Any, list[int]]] = []
+        for i, adapter in enumerate(adapters):
+            group = next((g for g in groups if g[0] is adapter), None)
+            if group is None:
+                groups.append((adapter, [i]))
+            else:
+                group[1].append(i)
+        results: list[SequenceResult | None] = [None] * len(batch)
+        first: float | None = None
+        for adapter, rows in groups:
+            mapped = None if observer is None else _RowMap(observer, rows)
+            out = self.generate([batch[i] for i in rows], adapter, mapped)
+            if first is None and isinstance(self.last_first_token_s, float):
+                first = self.last_first_token_s  # the first group's prefill
+            for i, result in zip(rows, out, strict=True):
+                results[i] = result
+        self.last_first_token_s = first
+        return [r if r is not None else SequenceResult() for r in results]
 
     @abc.abstractmethod
     def load_adapter(self, directory: Path, key: str) -> Any:

@@ -438,6 +438,8 @@ class NodeInfo(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
     SEQUENCE_OVERHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _builtins.int
+    RUN_SHARES_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """Address other processes dial, host:port."""
     role: Global___NodeRole.ValueType
@@ -495,6 +497,17 @@ class NodeInfo(_message.Message):
     def stored_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterRef]:
         """Adapters stored on the node that ReloadAdapter can switch to."""
 
+    @_builtins.property
+    def resident_adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterRef]:
+        """Adapters loaded now, one per name (a run's newest version), least recently used first;
+        a Generate naming one decodes with it (GenerateRequest.adapter_name), rows of several
+        of them in one batch. Bounded by gridrl-rollout serve --max-resident-adapters.
+        """
+
+    @_builtins.property
+    def run_shares(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunShare]:
+        """Each run's share of the work the node started so far (fair share between runs)."""
+
     def __init__(
         self,
         *,
@@ -517,11 +530,41 @@ class NodeInfo(_message.Message):
         sequence: _builtins.int = ...,
         kv_cache_tokens: _builtins.int = ...,
         sequence_overhead_tokens: _builtins.int = ...,
+        resident_adapters: _abc.Iterable[Global___AdapterRef] | None = ...,
+        run_shares: _abc.Iterable[Global___RunShare] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "base_model", b"base_model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "kv_cache_tokens", b"kv_cache_tokens", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "role", b"role", "sequence", b"sequence", "sequence_overhead_tokens", b"sequence_overhead_tokens", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_format", b"adapter_format", "address", b"address", "backend", b"backend", "base_model", b"base_model", "capacity", b"capacity", "device", b"device", "dtype", b"dtype", "kv_cache_tokens", b"kv_cache_tokens", "max_context", b"max_context", "max_n", b"max_n", "max_tokens", b"max_tokens", "queue_depth", b"queue_depth", "resident_adapters", b"resident_adapters", "role", b"role", "run_shares", b"run_shares", "sequence", b"sequence", "sequence_overhead_tokens", b"sequence_overhead_tokens", "software_version", b"software_version", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeInfo: _TypeAlias = NodeInfo  # noqa: Y015
+
+@_typing.final
+class RunShare(_message.Message):
+    """One run's share of a rollout node's work."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    SHARE_FIELD_NUMBER: _builtins.int
+    run: _builtins.str
+    """The run: the adapter name its requests decode with ("" the base model)."""
+    share: _builtins.float
+    """Fraction of the sequences x token budget the node started that were this run's, in
+    [0, 1]; the shares of a node sum to 1.
+    """
+    def __init__(
+        self,
+        *,
+        run: _builtins.str = ...,
+        share: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "share", b"share"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunShare: _TypeAlias = RunShare  # noqa: Y015

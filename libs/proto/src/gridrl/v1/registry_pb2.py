@@ -27,15 +27,15 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from gridrl.v1 import common_pb2 as gridrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gridrl/v1/registry.proto\x12\tgridrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16gridrl/v1/common.proto\"\xd7\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04info\x18\x02 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04load\x18\x06 \x01(\x01\"8\n\x13RegisterNodeRequest\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo\"^\n\x14RegisterNodeResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe9\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12%\n\x06status\x18\x05 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12.\n\x0fstored_adapters\x18\x08 \x03(\x0b\x32\x15.gridrl.v1.AdapterRef\"J\n\x11HeartbeatResponse\x12\x35\n\x12heartbeat_interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x93\x01\n\x10ListNodesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.gridrl.v1.NodeRole\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.gridrl.v1.Backend\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12%\n\x06status\x18\x04 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\"9\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.gridrl.v1.NodeRecord\"m\n\x11WatchNodesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.gridrl.v1.NodeRole\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.gridrl.v1.Backend\x12\x10\n\x08model_id\x18\x03 \x01(\t\"s\n\x12WatchNodesResponse\x12&\n\x04type\x18\x01 \x01(\x0e\x32\x18.gridrl.v1.NodeEventType\x12#\n\x04node\x18\x02 \x01(\x0b\x32\x15.gridrl.v1.NodeRecord\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"(\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65registerNodeResponse*\xc6\x01\n\rNodeEventType\x12\x1f\n\x1bNODE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18NODE_EVENT_TYPE_SNAPSHOT\x10\x01\x12 \n\x1cNODE_EVENT_TYPE_SNAPSHOT_END\x10\x02\x12\x1a\n\x16NODE_EVENT_TYPE_JOINED\x10\x03\x12\x1b\n\x17NODE_EVENT_TYPE_CHANGED\x10\x04\x12\x1b\n\x17NODE_EVENT_TYPE_REMOVED\x10\x05\x32\x96\x03\n\x0fRegistryService\x12O\n\x0cRegisterNode\x12\x1e.gridrl.v1.RegisterNodeRequest\x1a\x1f.gridrl.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.gridrl.v1.HeartbeatRequest\x1a\x1c.gridrl.v1.HeartbeatResponse\x12\x46\n\tListNodes\x12\x1b.gridrl.v1.ListNodesRequest\x1a\x1c.gridrl.v1.ListNodesResponse\x12K\n\nWatchNodes\x12\x1c.gridrl.v1.WatchNodesRequest\x1a\x1d.gridrl.v1.WatchNodesResponse0\x01\x12U\n\x0e\x44\x65registerNode\x12 .gridrl.v1.DeregisterNodeRequest\x1a!.gridrl.v1.DeregisterNodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gridrl/v1/registry.proto\x12\tgridrl.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16gridrl/v1/common.proto\"\xd7\x01\n\nNodeRecord\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04info\x18\x02 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo\x12%\n\x06status\x18\x03 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\x12-\n\tlast_seen\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04load\x18\x06 \x01(\x01\"8\n\x13RegisterNodeRequest\x12!\n\x04node\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo\"^\n\x14RegisterNodeResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xc4\x02\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12%\n\x06status\x18\x05 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\x12\x10\n\x08sequence\x18\x06 \x01(\x04\x12\x10\n\x08uptime_s\x18\x07 \x01(\x01\x12.\n\x0fstored_adapters\x18\x08 \x03(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x30\n\x11resident_adapters\x18\t \x03(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\'\n\nrun_shares\x18\n \x03(\x0b\x32\x13.gridrl.v1.RunShare\"J\n\x11HeartbeatResponse\x12\x35\n\x12heartbeat_interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x93\x01\n\x10ListNodesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.gridrl.v1.NodeRole\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.gridrl.v1.Backend\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12%\n\x06status\x18\x04 \x01(\x0e\x32\x15.gridrl.v1.NodeStatus\"9\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.gridrl.v1.NodeRecord\"m\n\x11WatchNodesRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.gridrl.v1.NodeRole\x12#\n\x07\x62\x61\x63kend\x18\x02 \x01(\x0e\x32\x12.gridrl.v1.Backend\x12\x10\n\x08model_id\x18\x03 \x01(\t\"s\n\x12WatchNodesResponse\x12&\n\x04type\x18\x01 \x01(\x0e\x32\x18.gridrl.v1.NodeEventType\x12#\n\x04node\x18\x02 \x01(\x0b\x32\x15.gridrl.v1.NodeRecord\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"(\n\x15\x44\x65registerNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x18\n\x16\x44\x65registerNodeResponse*\xc6\x01\n\rNodeEventType\x12\x1f\n\x1bNODE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n\x18NODE_EVENT_TYPE_SNAPSHOT\x10\x01\x12 \n\x1cNODE_EVENT_TYPE_SNAPSHOT_END\x10\x02\x12\x1a\n\x16NODE_EVENT_TYPE_JOINED\x10\x03\x12\x1b\n\x17NODE_EVENT_TYPE_CHANGED\x10\x04\x12\x1b\n\x17NODE_EVENT_TYPE_REMOVED\x10\x05\x32\x96\x03\n\x0fRegistryService\x12O\n\x0cRegisterNode\x12\x1e.gridrl.v1.RegisterNodeRequest\x1a\x1f.gridrl.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.gridrl.v1.HeartbeatRequest\x1a\x1c.gridrl.v1.HeartbeatResponse\x12\x46\n\tListNodes\x12\x1b.gridrl.v1.ListNodesRequest\x1a\x1c.gridrl.v1.ListNodesResponse\x12K\n\nWatchNodes\x12\x1c.gridrl.v1.WatchNodesRequest\x1a\x1d.gridrl.v1.WatchNodesResponse0\x01\x12U\n\x0e\x44\x65registerNode\x12 .gridrl.v1.DeregisterNodeRequest\x1a!.gridrl.v1.DeregisterNodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gridrl.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEEVENTTYPE']._serialized_start=1318
-  _globals['_NODEEVENTTYPE']._serialized_end=1516
+  _globals['_NODEEVENTTYPE']._serialized_start=1409
+  _globals['_NODEEVENTTYPE']._serialized_end=1607
   _globals['_NODERECORD']._serialized_start=129
   _globals['_NODERECORD']._serialized_end=344
   _globals['_REGISTERNODEREQUEST']._serialized_start=346
@@ -43,21 +43,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERNODERESPONSE']._serialized_start=404
   _globals['_REGISTERNODERESPONSE']._serialized_end=498
   _globals['_HEARTBEATREQUEST']._serialized_start=501
-  _globals['_HEARTBEATREQUEST']._serialized_end=734
-  _globals['_HEARTBEATRESPONSE']._serialized_start=736
-  _globals['_HEARTBEATRESPONSE']._serialized_end=810
-  _globals['_LISTNODESREQUEST']._serialized_start=813
-  _globals['_LISTNODESREQUEST']._serialized_end=960
-  _globals['_LISTNODESRESPONSE']._serialized_start=962
-  _globals['_LISTNODESRESPONSE']._serialized_end=1019
-  _globals['_WATCHNODESREQUEST']._serialized_start=1021
-  _globals['_WATCHNODESREQUEST']._serialized_end=1130
-  _globals['_WATCHNODESRESPONSE']._serialized_start=1132
-  _globals['_WATCHNODESRESPONSE']._serialized_end=1247
-  _globals['_DEREGISTERNODEREQUEST']._serialized_start=1249
-  _globals['_DEREGISTERNODEREQUEST']._serialized_end=1289
-  _globals['_DEREGISTERNODERESPONSE']._serialized_start=1291
-  _globals['_DEREGISTERNODERESPONSE']._serialized_end=1315
-  _globals['_REGISTRYSERVICE']._serialized_start=1519
-  _globals['_REGISTRYSERVICE']._serialized_end=1925
+  _globals['_HEARTBEATREQUEST']._serialized_end=825
+  _globals['_HEARTBEATRESPONSE']._serialized_start=827
+  _globals['_HEARTBEATRESPONSE']._serialized_end=901
+  _globals['_LISTNODESREQUEST']._serialized_start=904
+  _globals['_LISTNODESREQUEST']._serialized_end=1051
+  _globals['_LISTNODESRESPONSE']._serialized_start=1053
+  _globals['_LISTNODESRESPONSE']._serialized_end=1110
+  _globals['_WATCHNODESREQUEST']._serialized_start=1112
+  _globals['_WATCHNODESREQUEST']._serialized_end=1221
+  _globals['_WATCHNODESRESPONSE']._serialized_start=1223
+  _globals['_WATCHNODESRESPONSE']._serialized_end=1338
+  _globals['_DEREGISTERNODEREQUEST']._serialized_start=1340
+  _globals['_DEREGISTERNODEREQUEST']._serialized_end=1380
+  _globals['_DEREGISTERNODERESPONSE']._serialized_start=1382
+  _globals['_DEREGISTERNODERESPONSE']._serialized_end=1406
+  _globals['_REGISTRYSERVICE']._serialized_start=1610
+  _globals['_REGISTRYSERVICE']._serialized_end=2016
 # @@protoc_insertion_point(module_scope)

@@ -170,6 +170,8 @@ class HeartbeatRequest(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     UPTIME_S_FIELD_NUMBER: _builtins.int
     STORED_ADAPTERS_FIELD_NUMBER: _builtins.int
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _builtins.int
+    RUN_SHARES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Id from RegisterNode."""
     queue_depth: _builtins.int
@@ -190,6 +192,14 @@ class HeartbeatRequest(_message.Message):
     def stored_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]:
         """Adapters stored on the node now (NodeInfo.stored_adapters)."""
 
+    @_builtins.property
+    def resident_adapters(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AdapterRef]:
+        """Adapters loaded now (NodeInfo.resident_adapters)."""
+
+    @_builtins.property
+    def run_shares(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RunShare]:
+        """Each run's share of the node's work (NodeInfo.run_shares)."""
+
     def __init__(
         self,
         *,
@@ -201,10 +211,12 @@ class HeartbeatRequest(_message.Message):
         sequence: _builtins.int = ...,
         uptime_s: _builtins.float = ...,
         stored_adapters: _abc.Iterable[_common_pb2.AdapterRef] | None = ...,
+        resident_adapters: _abc.Iterable[_common_pb2.AdapterRef] | None = ...,
+        run_shares: _abc.Iterable[_common_pb2.RunShare] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "load", b"load", "node_id", b"node_id", "queue_depth", b"queue_depth", "sequence", b"sequence", "status", b"status", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "load", b"load", "node_id", b"node_id", "queue_depth", b"queue_depth", "resident_adapters", b"resident_adapters", "run_shares", b"run_shares", "sequence", b"sequence", "status", b"status", "stored_adapters", b"stored_adapters", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

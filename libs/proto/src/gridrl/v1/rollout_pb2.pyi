@@ -32,6 +32,8 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
     KEEP_CACHE_FIELD_NUMBER: _builtins.int
+    ADAPTER_NAME_FIELD_NUMBER: _builtins.int
+    SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
     prompt_text: _builtins.str
     """Prompt as text, tokenized by the node."""
     apply_chat_template: _builtins.bool
@@ -49,6 +51,17 @@ class GenerateRequest(_message.Message):
     transformers forward, --prefix-cache-mb 0) ignore it, and samples are the same either way
     up to float rounding. Kept entries are bounded by the node's --prefix-cache-mb, evicted
     least recently used first, and never used under another adapter.
+    """
+    adapter_name: _builtins.str
+    """Decode with this adapter (a run's name, as pushed), the newest version resident on the
+    node, whatever else serves: rows of several adapters share one batch. Empty: the adapter
+    serving (the last pushed or reloaded). NOT_FOUND when it is not resident (pushed, or
+    reloaded, and not since evicted: --max-resident-adapters).
+    """
+    share_weight: _builtins.float
+    """Weight of this request's run (adapter_name, else the serving adapter's) in the node's
+    fair share between runs: a run gets a share of the decoded work proportional to its
+    weight while others wait; 0 means 1. Negative: INVALID_ARGUMENT.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -68,10 +81,12 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         system_prompt: _builtins.str = ...,
         keep_cache: _builtins.bool = ...,
+        adapter_name: _builtins.str = ...,
+        share_weight: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["apply_chat_template", b"apply_chat_template", "keep_cache", b"keep_cache", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_name", b"adapter_name", "apply_chat_template", b"apply_chat_template", "keep_cache", b"keep_cache", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "share_weight", b"share_weight", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -56,6 +56,9 @@ def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, d
             "queue": info.queue_depth, "load": record.load, "capacity": info.capacity,
             "uptime_s": info.uptime_s + (max(0.0, now - seen) if healthy else 0.0),
             "device": info.device, "dtype": info.dtype, "model": info.base_model.model_id,
+            # several runs on one node (issue 46): what it holds, and each run's share
+            "resident": [f"{a.name} v{a.version}" for a in info.resident_adapters],
+            "run_shares": {s.run: s.share for s in info.run_shares},
         }
     for address, row in gone.items():
         rows.setdefault(address, dict(row))

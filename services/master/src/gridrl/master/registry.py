@@ -203,11 +203,14 @@ class Registry:
 
     def heartbeat(self, node_id: str, adapter: common_pb2.AdapterRef, queue_depth: int,
                   load: float, status: int = 0, *, sequence: int = 0, uptime_s: float = 0.0,
-                  stored_adapters: Sequence[common_pb2.AdapterRef] = ()) -> None:
+                  stored_adapters: Sequence[common_pb2.AdapterRef] = (),
+                  resident_adapters: Sequence[common_pb2.AdapterRef] = (),
+                  run_shares: Sequence[common_pb2.RunShare] = ()) -> None:
         """Mark the node alive and record its adapter, queue depth and load (in [0, 1]).
         ``status`` DRAINING announces a shutdown; unset or HEALTHY means HEALTHY. A heartbeat
         with a report ``sequence`` (newer nodes) also refreshes the node's ``uptime_s``,
-        ``stored_adapters`` and ``sequence`` in its info (older nodes' stay as registered).
+        ``stored_adapters``, ``resident_adapters``, ``run_shares`` and ``sequence`` in its info
+        (older nodes' stay as registered).
 
         Emits CHANGED only when the status or the adapter (name or version) changed.
 
@@ -230,6 +233,10 @@ class Registry:
                 record.info.uptime_s = uptime_s
                 del record.info.stored_adapters[:]
                 record.info.stored_adapters.extend(stored_adapters)
+                del record.info.resident_adapters[:]
+                record.info.resident_adapters.extend(resident_adapters)
+                del record.info.run_shares[:]
+                record.info.run_shares.extend(run_shares)
             record.load = load
             record.status = new_status
             if changed:

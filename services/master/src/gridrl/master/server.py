@@ -107,7 +107,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._registry.heartbeat(request.node_id, request.adapter, request.queue_depth,
                                  request.load, request.status, sequence=request.sequence,
                                  uptime_s=request.uptime_s,
-                                 stored_adapters=request.stored_adapters)
+                                 stored_adapters=request.stored_adapters,
+                                 resident_adapters=request.resident_adapters,
+                                 run_shares=request.run_shares)
         metrics.HEARTBEATS.inc()
         return registry_pb2.HeartbeatResponse(
             heartbeat_interval=_duration(self._registry.heartbeat_interval_s))

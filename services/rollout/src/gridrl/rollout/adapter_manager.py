@@ -12,7 +12,7 @@ waits for it and always sees a complete store; writing 20 MB costs ~50 ms on a V
 half the sync budget. A ``stage_only`` push is stored before its reply. Any failure before the
 swap changes nothing: the previous adapter keeps serving and nothing is written.
 
-Bounded time: loading and swapping preempt the batch in progress (``Engine.call_between_batches``
+Bounded time: loading and swapping preempt the batch in progress (``BatchScheduler.call_between_batches``
 with ``preempt=True``: it stops at its next decode step and its requests decode again on the new
 adapter), so a push takes effect within a decode step of a generation of any length. A push or
 reload carries its caller's deadline (:class:`ApplyDeadline`); when the adapter cannot be
@@ -63,7 +63,7 @@ from gridrl.rollout.relay import (
     RelayTable,
     fetch_pieces,
 )
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 from gridrl.v1 import common_pb2, rollout_pb2
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class AdapterManager:
             own.
     """
 
-    def __init__(self, engine: Engine, store: AdapterStore, identity: ModelIdentity,
+    def __init__(self, engine: BatchScheduler, store: AdapterStore, identity: ModelIdentity,
                  max_bytes: int, keep: int = 8, keep_names: int = 4,
                  reports: ReportSequence | None = None) -> None:
         self.engine = engine
@@ -175,17 +175,20 @@ class AdapterManager:
         if not self._lock.acquire(timeout=-1 if left is None else left):
             raise deadline.expired(what)
 
-    def _call(self, fn: Callable[[], object], deadline: ApplyDeadline, what: str):
+    def _call(self, fn: Callable[[], object], deadline: ApplyDeadline, what: str,
+              scope: str | None = None):
         """Run ``fn`` between two decode steps (preempting the batch in progress; between two
         batches on a backend whose interruption is not synchronous, vLLM's) if it can start
-        before the deadline.
+        before the deadline. ``scope``: the adapter name it replaces (only that name's rows,
+        and those following the serving adapter, restart; None: every row).
 
         Raises:
             StatusError: DEADLINE_EXCEEDED when it could not start in time (it never will).
         """
         try:
             return self.engine.call_between_batches(fn, timeout=deadline.left(),
-                                                    preempt=self.backend.interrupt_is_synchronous)
+                                                    preempt=self.backend.interrupt_is_synchronous,
+                                                    scope=scope)
         except TimeoutError:
             raise deadline.expired(what) from None
 
@@ -375,16 +378,19 @@ class AdapterManager:
                     return _Applied(self.engine.serving, 0.0)
                 return self._switch(existing, deadline)
             t = time.perf_counter()
+            nbytes = sum(len(data) for data in files.values())
+            self.engine.check_fits(name, nbytes)
             if stage_only:  # check that it loads, store it, keep serving what serves
                 self._call(lambda: self.backend.unload_adapter(
-                    self._load_files(files, name, version)), deadline, what)
+                    self._load_files(files, name, version)), deadline, what, scope=name)
                 self._store(files, meta)
                 serving = self.engine.serving
             else:
                 after = self.store.after_push(name, version, self.keep, self.keep_names)
                 serving = self._call(
-                    lambda: self._load_swap(files, name, version, deadline, what, after),
-                    deadline, what)
+                    lambda: self._load_swap(files, name, version, deadline, what, after,
+                                            nbytes),
+                    deadline, what, scope=name)
                 threading.Thread(target=self._store_in_background, args=(files, meta),
                                  name=f"store-{name}-v{version}", daemon=True).start()
                 storing = True
@@ -397,12 +403,12 @@ class AdapterManager:
 
     def _load_swap(self, files: dict[str, bytes], name: str, version: int,
                    deadline: ApplyDeadline, what: str,
-                   stored_after: list[tuple[str, int]]) -> ServingAdapter:
+                   stored_after: list[tuple[str, int]], nbytes: int = 0) -> ServingAdapter:
         """On the scheduler thread: load ``files`` from memory and, if still in time, serve
         them (the stored-adapters snapshot becomes ``stored_after``)."""
         handle = self._load_files(files, name, version)
-        self._swap_in_time(ServingAdapter(name=name, version=version, handle=handle), deadline,
-                           what, stored_after)
+        self._swap_in_time(ServingAdapter(name=name, version=version, handle=handle,
+                                          nbytes=nbytes), deadline, what, stored_after)
         return self.engine.serving
 
     def _swap_in_time(self, adapter: ServingAdapter, deadline: ApplyDeadline, what: str,
@@ -477,10 +483,10 @@ class AdapterManager:
             raise StatusError(Kind.UNAVAILABLE, f"adapter: {e}") from e
 
     def _swap(self, adapter: ServingAdapter) -> None:
-        """On the scheduler thread: serve ``adapter``, free the previous one."""
-        previous = self.engine.set_serving(adapter)
-        if previous.handle is not None and previous.handle is not adapter.handle:
-            self.backend.unload_adapter(previous.handle)
+        """On the scheduler thread: serve ``adapter``; the scheduler keeps it resident with
+        the other runs' adapters and unloads the version it replaces (and the least recently
+        used past its bounds) once no batch uses them."""
+        self.engine.set_serving(adapter)
         log.info("serving %s", f"{adapter.name} v{adapter.version}" if adapter.handle is not None
                  else "the base model")
 
@@ -510,7 +516,7 @@ class AdapterManager:
                 if not request.base_model:
                     raise invalid_argument("base_model", "must be true to select the base model")
                 self._call(lambda: self._swap_in_time(BASE_MODEL, deadline, what), deadline,
-                           what)
+                           what, scope="")
             elif target == "version":
                 if request.version < 1:
                     raise invalid_argument("version", "must be >= 1 (use base_model for the "
@@ -561,12 +567,15 @@ class AdapterManager:
         try:
             what = f"{stored.name} v{stored.version}"
 
+            nbytes = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+            self.engine.check_fits(stored.name, nbytes)
+
             def apply() -> None:
                 handle = self._load(directory, stored.name, stored.version)
                 self._swap_in_time(ServingAdapter(name=stored.name, version=stored.version,
-                                                  handle=handle), deadline, what)
+                                                  handle=handle, nbytes=nbytes), deadline, what)
 
-            self._call(apply, deadline, what)
+            self._call(apply, deadline, what, scope=stored.name)
         finally:
             if staged is not None:
                 self.store.discard(staged)

@@ -3,7 +3,7 @@
 Each setting is one field of :class:`NodeConfig`, declared with
 :func:`gridrl.common.settings.setting`: from it come the ``serve`` flag, its
 ``GRIDRL_ROLLOUT_<FLAG>`` environment variable, its help, its default (for the command line,
-:class:`gridrl.rollout.server.RolloutNode` and :class:`gridrl.rollout.scheduler.Engine` alike)
+:class:`gridrl.rollout.server.RolloutNode` and :class:`gridrl.rollout.scheduler.BatchScheduler` alike)
 and its check (:meth:`NodeConfig.validate`). ``--listen``, ``--metrics-port`` and the security
 flags come from :func:`gridrl.common.cli.server_options` (``cli=False`` here); ``security`` is
 no setting (the flags build it at each start).
@@ -91,6 +91,14 @@ class NodeConfig:
         "does not fit with RESOURCE_EXHAUSTED.", check=NON_NEGATIVE)
     max_adapter_bytes: int = setting(512 << 20, "Largest adapter push accepted, in bytes.",
                                      check=POSITIVE)
+    max_resident_adapters: int = setting(
+        4, "Adapters (runs) held loaded at once; a batch decodes rows of any of them and of "
+        "the base model together. Past it the least recently used is unloaded (a Generate "
+        "naming it then gets NOT_FOUND until it is pushed or reloaded again).", check=POSITIVE)
+    adapter_memory_mb: float = setting(
+        0.0, "MB (10^6 bytes) the loaded adapters may take in all (0: not limited beyond "
+        "--max-resident-adapters); least recently used unloaded past it; a push larger than "
+        "it alone is refused with RESOURCE_EXHAUSTED.", check=NON_NEGATIVE)
     # adapters on disk
     keep_adapters: int = setting(
         8, "Pushed versions kept on disk per adapter name, newest first (0: all).",

@@ -24,6 +24,8 @@ class ServingAdapter:
     name: str = ""
     version: int = 0
     handle: Any = None
+    #: bytes its weights take on the node (what was pushed); 0: not counted.
+    nbytes: int = 0
 
 
 BASE_MODEL = ServingAdapter()
@@ -67,6 +69,11 @@ class GenerateJob:
             (``SequenceRequest.keep_cache``).
         prompt_logprobs: None, or N >= 0: score the prompt with N alternatives per token
             (module docstring, "Prompt logprobs"); ``sampling.max_tokens`` may then be 0.
+        adapter: the name of an adapter resident on the node to decode with (a run's
+            adapter: its newest version pushed); "" follows the node's serving adapter (the
+            last pushed or reloaded).
+        share_weight: the weight of this request's run in the node's fair share (> 0;
+            :mod:`gridrl.rollout.fair_share`); a run's latest request sets it.
     """
 
     prompt_ids: list[int]
@@ -76,6 +83,8 @@ class GenerateJob:
     request_id: str = ""
     keep_cache: bool = False
     prompt_logprobs: int | None = None
+    adapter: str = ""
+    share_weight: float = 1.0
 
 
 @dataclass
@@ -109,7 +118,8 @@ class GenerateOutcome:
 class BatchRecord:
     """One backend call: its index, sequences decoded, the requests they came from (internal
     ids, in order), the adapter version, wall-clock seconds, and whether a preempting command
-    interrupted it (its requests were then decoded again in a later batch)."""
+    interrupted it (its requests were then decoded again in a later batch), and the runs whose
+    sequences it held."""
 
     index: int
     sequences: int
@@ -117,3 +127,8 @@ class BatchRecord:
     adapter_version: int
     seconds: float
     interrupted: bool = False
+    #: sequences per run in the batch, ``(run, sequences)``, in order of first row.
+    runs: tuple[tuple[str, int], ...] = ()
+    #: sequences stopped before their end because their run's adapter was replaced (they
+    #: decode again, whole, on the new version); the batch's other rows went on.
+    cut: int = 0

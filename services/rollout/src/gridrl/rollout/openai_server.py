@@ -56,7 +56,7 @@ from gridrl.rollout.openai_responses import (
     usage_chunk_body,
 )
 from gridrl.rollout.openai_run import RequestRun, drain
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits
 
@@ -115,7 +115,7 @@ class OpenAIServer:
             ``--insecure``), as for the gRPC ``--listen``.
     """
 
-    def __init__(self, engine: Engine, codec: TextCodec, limits: Limits, listen: str,
+    def __init__(self, engine: BatchScheduler, codec: TextCodec, limits: Limits, listen: str,
                  security: Security | None = None, grace_s: float = 10.0) -> None:
         self._host, self._requested_port = parse_listen(listen, "--openai-listen")
         security = security or Security()

@@ -1,16 +1,18 @@
-"""The engine of a rollout node: a bounded queue, one scheduler thread, dynamic batching across
-concurrent requests, and adapter swaps between batches or between two decode steps.
+"""The scheduler of a rollout node: a bounded queue with a fair share per run, one scheduler
+thread, dynamic batching across concurrent requests and runs, rows of several adapters in one
+batch, and adapter swaps between batches or between two decode steps.
 
-    engine = Engine(backend, capacity=64, max_queue=128).start()
-    outcome = engine.generate(GenerateJob(prompt_ids, sampling, n=8, seed=1))
-    engine.call_between_batches(lambda: engine.set_serving(new_adapter))
-    engine.call_between_batches(lambda: engine.set_serving(newer), preempt=True, timeout=5)
+    scheduler = BatchScheduler(backend, capacity=64, max_queue=128).start()
+    outcome = scheduler.generate(GenerateJob(prompt_ids, sampling, n=8, seed=1))
+    scheduler.call_between_batches(lambda: scheduler.set_serving(new_adapter))
+    scheduler.call_between_batches(lambda: scheduler.set_serving(newer), preempt=True,
+                                   timeout=5, scope=newer.name)
 
-Batching: the scheduler takes waiting requests in arrival order and decodes up to ``capacity``
+Batching: the scheduler takes waiting requests in fair-share order (below) and decodes up to ``capacity``
 sequences together in one backend call (the ``n`` samples of each request, across requests),
 and no more than its KV-cache budget holds (:class:`~gridrl.rollout.kv_budget.KvBudget`: rows x
 (longest prompt + largest max_tokens + overhead) tokens); a request one of whose samples alone
-does not fit is refused at :meth:`Engine.submit` (RESOURCE_EXHAUSTED).
+does not fit is refused at :meth:`BatchScheduler.submit` (RESOURCE_EXHAUSTED).
 A request whose samples do not all fit is split; its remaining samples go first into the next
 batch. When the scheduler was idle, it waits up to ``batch_window_s`` after the first arrival
 so that concurrent callers land in the same batch.
@@ -18,18 +20,36 @@ so that concurrent callers land in the same batch.
 Seeds: sample ``i`` of a request seeded ``s`` decodes with ``rng.sequence_seed(s, i)``, so its
 tokens do not depend on the batch it lands in (up to float rounding changing an argmax).
 
-Adapters: every backend call happens on the scheduler thread. Commands queued with
-:meth:`Engine.call_between_batches` run there too, between two batches and never while a
-request has samples both decoded and still waiting, so every sample of a request is produced by
-the same adapter: requests that started decoding finish on the adapter they started with, and
-requests started after a swap get the new one. A request submitted with ``base_model=True``
-decodes without any adapter whatever is serving; a batch holds requests of one adapter only.
+Runs and fair share: a request belongs to a run -- the adapter it names
+(``GenerateJob.adapter``), the base model's run ("" with ``base_model``), or, naming none, the
+serving adapter's. Waiting requests start in the order :class:`~gridrl.rollout.fair_share.FairShare`
+gives (start-time fair queueing over runs, weighted by ``GenerateJob.share_weight``; in arrival
+order within a run), so a run that queues many requests cannot starve another; past
+``max_queue`` a request is refused only when its run already holds its share of the queue
+(:func:`~gridrl.rollout.fair_share.within_share`). :meth:`BatchScheduler.shares` reports each
+run's share of the work started.
+
+Adapters: several stay resident (``max_resident`` names, ``max_adapter_bytes`` bytes in all,
+least recently used evicted first); a batch holds rows of any of them and of the base model,
+decoded together by ``Backend.generate_mixed`` (the torch lean forward: one base product, one
+small product per adapter group, S-LoRA / Punica). Every backend call happens on the scheduler
+thread. Commands queued with :meth:`BatchScheduler.call_between_batches` run there too,
+between two batches (or between two decode steps, below) and never while a request has samples
+both decoded and still waiting on the adapter they replace, so every sample of a request is
+produced by the same adapter version: requests that started decoding finish on the adapter
+they started with, and requests started after a swap get the new one. A request submitted with
+``base_model=True`` decodes without any adapter whatever is serving.
 
 Preemption (adapter pushes): a command queued with ``preempt=True`` does not wait for the batch
-in progress. The scheduler's :class:`~gridrl.engine.contract.DecodeObserver` answers
-``interrupted()`` with True at the backend's next decode step (or prefill), the backend raises
-``DecodeInterrupted``, and every request that had started (in that batch, or split and waiting
-for its next one) is reset and put back at the head of the queue, in arrival order; the command
+in progress. With a ``scope`` (the name of the adapter a push replaces) it concerns only the
+rows of that adapter and the rows following the serving adapter: the batch's other rows go on
+untouched, and where the backend stops single rows (the torch lean forward) the command runs
+between two decode steps and only the rows in scope restart
+(:mod:`gridrl.rollout.batch_observer`). Without a scope, or when every row is in scope, the
+batch's :class:`~gridrl.engine.contract.DecodeObserver` answers ``interrupted()`` with True at
+the backend's next decode step (or prefill), the backend raises ``DecodeInterrupted``, and
+every request in scope that had started (in that batch, or split and waiting for its next
+one) is reset and put back at the head of the queue, in arrival order; the command
 runs, then those requests decode again from their first token on what serves then. Their seeds
 fix every draw, so nothing of the interrupted work is visible but the time it cost; every sample
 of a request still comes from one adapter, now the new one. So a push takes effect within one
@@ -59,7 +79,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -76,7 +96,9 @@ from gridrl.engine.contract import (
 )
 from gridrl.engine.threads import release_thread_state
 from gridrl.rollout import metrics
+from gridrl.rollout.batch_observer import BatchObserver, abandoned, cancelled
 from gridrl.rollout.config import default_of
+from gridrl.rollout.fair_share import FairShare, check_weight, within_share
 from gridrl.rollout.jobs import (
     BASE_MODEL,
     BatchRecord,
@@ -86,6 +108,7 @@ from gridrl.rollout.jobs import (
     TokenSink,
 )
 from gridrl.rollout.kv_budget import KvBudget
+from gridrl.rollout.residency import ResidentAdapters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,11 +118,11 @@ T = TypeVar("T")
 _MODEL_DISTRIBUTION = SamplingConfig(max_tokens=1, temperature=0.0)
 
 
-def _same_adapter(a: ServingAdapter, b: ServingAdapter) -> bool:
-    return a.handle is b.handle and a.name == b.name and a.version == b.version
+#: The run of requests that decode with the base model.
+BASE_RUN = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     id: int
     job: GenerateJob
@@ -111,6 +134,7 @@ class _Request:
     adapter: ServingAdapter | None = None
     sink: TokenSink | None = None
     base_model: bool = False
+    run: str = BASE_RUN  # whose share it counts in (module docstring, "Runs")
     started: float = 0.0
     first_token: float | None = None
     batches: list[int] = field(default_factory=list)
@@ -121,10 +145,12 @@ class _Command:
     fn: Callable[[], Any]
     future: Future
     preempt: bool = False
+    scope: str | None = None  # preempt: rows of this adapter name (None: every row)
 
 
-class Engine:
-    """Batches Generate jobs over one backend and swaps adapters between batches.
+class BatchScheduler:
+    """Batches Generate jobs of several runs over one backend, rows of several adapters
+    together, and swaps adapter versions between batches or decode steps.
 
     Args:
         backend: the model (any :class:`~gridrl.engine.contract.Backend`).
@@ -135,12 +161,18 @@ class Engine:
         The defaults are the node's settings (:class:`gridrl.rollout.config.NodeConfig`).
         history: how many :class:`BatchRecord` to keep for :meth:`recent_batches`.
         kv_budget: KV-cache tokens a batch may take (default: not limited).
+        max_resident: adapter names held loaded at once (>= 1); past it the least recently
+            used is unloaded.
+        max_adapter_bytes: bytes the resident adapters may take in all (0: not limited);
+            past it the least recently used are unloaded.
     """
 
     def __init__(self, backend: Backend, capacity: int = default_of("capacity"),
                  max_queue: int = default_of("max_queue"),
                  batch_window_s: float = default_of("batch_window_s"), history: int = 256,
-                 kv_budget: KvBudget | None = None) -> None:
+                 kv_budget: KvBudget | None = None,
+                 max_resident: int = default_of("max_resident_adapters"),
+                 max_adapter_bytes: int = 0) -> None:
         if capacity < 1 or max_queue < 1:
             raise ValueError(f"capacity ({capacity}) and max_queue ({max_queue}) must be >= 1")
         self.backend = backend
@@ -153,6 +185,12 @@ class Engine:
         self._partial: collections.deque[_Request] = collections.deque()
         self._commands: collections.deque[_Command] = collections.deque()
         self._serving = BASE_MODEL
+        self._resident = ResidentAdapters(max_resident, max_adapter_bytes)
+        self._retired: list[Any] = []  # handles to unload once no batch uses them
+        self._in_batch = False
+        self._fair = FairShare()
+        self._weights: dict[str, float] = {}
+        self._stops_rows = bool(getattr(backend, "stops_rows", False))
         self._ids = itertools.count(1)
         self._batch_index = 0
         self._active_sequences = 0
@@ -160,13 +198,12 @@ class Engine:
         self._closing = False
         self._scheduler_done = False
         self._interrupting = False  # close(interrupt=True): stop the batch in progress
-        self._observer = _SchedulerObserver(self)
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> Engine:
+    def start(self) -> BatchScheduler:
         """Start the scheduler thread. Returns self."""
         with self._cond:
             if self._thread is None:
@@ -184,7 +221,7 @@ class Engine:
         """
         with self._cond:
             if self._thread is not None:
-                raise RuntimeError("the engine's scheduler thread is already running")
+                raise RuntimeError("the scheduler thread is already running")
             self._thread = threading.current_thread()
 
     def run(self) -> None:
@@ -250,6 +287,17 @@ class Engine:
         with self._cond:
             return list(self._history)
 
+    def shares(self) -> dict[str, float]:
+        """Each run's fraction of the work this node started so far (sequences x token
+        budget; :mod:`gridrl.rollout.fair_share`), by run name ("" the base model)."""
+        with self._cond:
+            return self._fair.shares()
+
+    def resident(self) -> list[ServingAdapter]:
+        """The adapters loaded, least recently used first."""
+        with self._cond:
+            return self._resident.listing()
+
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, job: GenerateJob, sink: TokenSink | None = None,
@@ -259,28 +307,50 @@ class Engine:
         Cancelling the future before the job starts decoding drops it from the queue.
 
         Args:
-            job: the validated request.
+            job: the validated request (``job.adapter``: a resident adapter's name, or "").
             sink: told the adapter and every decode step's tokens (module docstring, "Streams").
             base_model: decode without an adapter, whatever is serving.
 
         Raises:
-            StatusError: RESOURCE_EXHAUSTED when ``max_queue`` requests are already waiting,
-                or when one of its sequences alone exceeds the KV-cache budget; UNAVAILABLE
-                when the engine is closing.
+            StatusError: RESOURCE_EXHAUSTED when ``max_queue`` requests are already waiting
+                and the request's run holds its share of them, or when one of its sequences
+                alone exceeds the KV-cache budget; NOT_FOUND when ``job.adapter`` is not
+                resident; INVALID_ARGUMENT for a share weight that is not > 0; UNAVAILABLE
+                when the scheduler is closing.
         """
         self.kv_budget.check(len(job.prompt_ids), job.sampling.max_tokens)
+        try:
+            weight = check_weight(job.share_weight)
+        except ValueError as e:
+            raise StatusError(Kind.INVALID_ARGUMENT, f"share_weight: {e}") from e
         future: Future = Future()
         with self._cond:
             if self._closing:
                 raise StatusError(Kind.UNAVAILABLE, "rollout node is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if base_model:
+                run = BASE_RUN
+            elif job.adapter:
+                if job.adapter not in self._resident:
+                    raise self._resident.not_resident(job.adapter)
+                run = job.adapter
+            else:
+                run = self._serving.name
+            waiting = collections.Counter(r.run for r in self._waiting)
+            if len(self._waiting) >= self.max_queue and (
+                    len(self._waiting) >= 2 * self.max_queue
+                    or not within_share(run, waiting, {**self._weights, run: weight},
+                                        self.max_queue)):
                 metrics.REJECTED.inc()
                 raise resource_exhausted(
                     f"queue full: {len(self._waiting)} requests waiting (--max-queue "
-                    f"{self.max_queue}); retry later or on another node")
+                    f"{self.max_queue}), {waiting.get(run, 0)} of them of run {run!r}, its "
+                    "share or more; retry later or on another node")
+            self._weights[run] = weight
+            if not waiting.get(run) and not any(r.run == run for r in self._partial):
+                self._fair.wake(run, waiting)
             req = _Request(id=next(self._ids), job=job, future=future,
                            arrival=time.perf_counter(), results=[None] * job.n, sink=sink,
-                           base_model=base_model)
+                           base_model=base_model, run=run)
             self._waiting.append(req)
             metrics.QUEUE_DEPTH.set(len(self._waiting))
             self._cond.notify_all()
@@ -291,7 +361,7 @@ class Engine:
         return self.submit(job).result(timeout)
 
     def call_between_batches(self, fn: Callable[[], T], timeout: float | None = None,
-                             preempt: bool = False) -> T:
+                             preempt: bool = False, scope: str | None = None) -> T:
         """Run ``fn`` on the scheduler thread between two batches (no backend call overlaps
         it, and no request is half-decoded), and return its result or raise its exception.
         Commands run before any request that has not started yet.
@@ -303,6 +373,9 @@ class Engine:
             preempt: interrupt the batch in progress at its next decode step and restart the
                 requests it had started after ``fn`` (module docstring, "Preemption"),
                 instead of waiting for them to finish.
+            scope: with ``preempt``: only the requests of this adapter name (and those
+                following the serving adapter) restart; ``fn`` may then run between two
+                decode steps of a batch whose other rows go on.
         Raises:
             StatusError: UNAVAILABLE when the engine is closing.
             TimeoutError: ``fn`` had not started within ``timeout`` seconds; it never will.
@@ -313,7 +386,7 @@ class Engine:
         with self._cond:
             if self._closing:
                 raise StatusError(Kind.UNAVAILABLE, "rollout node is shutting down")
-            self._commands.append(_Command(fn, future, preempt))
+            self._commands.append(_Command(fn, future, preempt, scope))
             self._cond.notify_all()
         try:
             return future.result(timeout)
@@ -333,18 +406,87 @@ class Engine:
     def _preempt_waiting(self) -> bool:
         return any(c.preempt and not c.future.cancelled() for c in self._commands)
 
-    def set_serving(self, adapter: ServingAdapter) -> ServingAdapter:
-        """Make ``adapter`` the one new batches use; returns the previous one. Only from a
-        function run by :meth:`call_between_batches` (or before :meth:`start`).
+    def _next_preempting(self) -> _Command | None:
+        """The first preempting command waiting (not cancelled), or None."""
+        with self._cond:
+            return self._next_preempting_locked()
+
+    def _next_preempting_locked(self) -> _Command | None:
+        return next((c for c in self._commands if c.preempt and not c.future.cancelled()),
+                    None)
+
+    def _take_command(self, command: _Command) -> bool:
+        """Remove ``command`` from the queue to run it now (between two decode steps);
+        False if it was withdrawn meanwhile."""
+        with self._cond:
+            if command not in self._commands:
+                return False
+            self._commands.remove(command)
+            return True
+
+    def _restart_split(self, scope: str | None, decoding: set[int]) -> None:
+        """Between two decode steps, before a scoped command runs: restart the split requests
+        in its scope that wait for their next batch and are not in the batch decoding
+        (``decoding``: its request ids; those are stopped by the batch's observer)."""
+        with self._cond:
+            self._restart([r for r in self._partial
+                           if r.id not in decoding and self._in_scope(r, scope)])
+
+    def _in_scope(self, req: _Request, scope: str | None) -> bool:
+        """Whether a preempting command of ``scope`` restarts ``req``: every request without
+        a scope; else those of that adapter name and those following the serving adapter
+        (they named none)."""
+        if scope is None:
+            return True
+        if req.base_model:
+            return False
+        return not req.job.adapter or (req.adapter is not None and req.adapter.name == scope)
+
+    def set_serving(self, adapter: ServingAdapter, serve: bool = True) -> ServingAdapter:
+        """Make ``adapter`` resident under its name (replacing that name's older version) and,
+        with ``serve``, the one requests naming no adapter use; returns the previous serving
+        adapter. The replaced version, and the least recently used names past
+        ``max_resident`` / ``max_adapter_bytes``, are unloaded once no batch uses them. Only
+        from a function run by :meth:`call_between_batches` (or before :meth:`start`).
 
         Raises:
             RuntimeError: called from another thread while the scheduler runs.
         """
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("set_serving must run inside call_between_batches")
-        previous, self._serving = self._serving, adapter
-        metrics.ADAPTER_VERSION.set(adapter.version)
+        previous = self._serving
+        with self._cond:
+            if serve or (adapter.handle is not None and previous.handle is not None
+                         and previous.name == adapter.name):
+                self._serving = adapter  # a newer version of the serving name serves too
+            if adapter.handle is not None:
+                for handle in self._resident.put(adapter, protect=self._serving.name):
+                    self._retire(handle)
+        if serve:
+            metrics.ADAPTER_VERSION.set(adapter.version)
+        self._unload_retired()
         return previous
+
+    def check_fits(self, name: str, nbytes: int) -> None:
+        """:meth:`ResidentAdapters.check_fits` (RESOURCE_EXHAUSTED naming the limit)."""
+        self._resident.check_fits(name, nbytes)
+
+    def _retire(self, handle: Any) -> None:
+        """With the lock held: unload ``handle`` once no batch uses it."""
+        if handle is not None and handle is not self._serving.handle:
+            self._retired.append(handle)
+
+    def _unload_retired(self) -> None:
+        """On the scheduler thread, between batches: unload retired handles."""
+        if self._in_batch:
+            return
+        with self._cond:
+            retired, self._retired = self._retired, []
+        for handle in retired:
+            try:
+                self.backend.unload_adapter(handle)
+            except Exception:
+                log.exception("unloading a replaced adapter failed")
 
     # -- scheduler ---------------------------------------------------------------------------
 
@@ -362,7 +504,9 @@ class Engine:
                 if self._closing:
                     break
                 if self._partial and self._preempt_waiting():
-                    self._restart_started([])  # split requests restart after the command
+                    # split requests in the command's scope restart after it
+                    command = self._next_preempting_locked()
+                    self._restart_started([], None if command is None else command.scope)
                 command = self._commands.popleft() if (self._commands and not self._partial) \
                     else None
                 if command is None and not self._partial:
@@ -374,6 +518,7 @@ class Engine:
                 self._run_command(command)
             elif items:
                 self._run_batch(items)
+            self._unload_retired()
         with self._cond:
             self._scheduler_done = True
         self._shutdown()
@@ -391,19 +536,18 @@ class Engine:
 
     def _take_batch(self) -> list[tuple[_Request, int]]:
         """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
-        started requests first, then waiting ones in arrival order, all of one adapter (the
-        first waiting request of another adapter ends the batch) and within the KV-cache
-        budget (the first request that does not fit ends it; a batch holds at least one
-        sequence, which :meth:`submit` made sure fits). Abandoned requests are dropped with
-        CANCELLED."""
+        started requests first, then waiting ones in fair-share order (module docstring,
+        "Runs"), of any adapters, within the KV-cache budget (the first request that does not
+        fit ends it; a batch holds at least one sequence, which :meth:`submit` made sure
+        fits). Abandoned requests are dropped with CANCELLED, requests whose adapter was
+        unloaded meanwhile fail with NOT_FOUND."""
         room = self.capacity
         items: list[tuple[_Request, int]] = []
-        adapter: ServingAdapter | None = None
         longest = largest = 0  # the batch's longest prompt and largest max_tokens so far
         now = time.perf_counter()
         for source in (self._partial, self._waiting):
             while source and room > 0:
-                req = source[0]
+                req = source[0] if source is self._partial else self._next_waiting()
                 # rows of the batch with this request in it that the KV-cache budget holds
                 shape = (max(longest, len(req.job.prompt_ids)),
                          max(largest, req.job.sampling.max_tokens))
@@ -411,30 +555,50 @@ class Engine:
                 if fit < 1 and items:
                     break  # the next batch starts with it
                 if source is self._waiting:
-                    wanted = BASE_MODEL if req.base_model else self._serving
-                    if adapter is not None and not _same_adapter(adapter, wanted):
-                        break  # the next batch starts with it
                     if not req.future.running() and \
                             not req.future.set_running_or_notify_cancel():
-                        source.popleft()  # cancelled while queued
+                        source.remove(req)  # cancelled while queued
+                        continue
+                    wanted = self._adapter_for(req)
+                    if wanted is None:
+                        source.remove(req)
+                        req.future.set_exception(self._resident.not_resident(req.job.adapter))
                         continue
                     req.adapter = wanted
                     req.started = req.started or now
-                if _abandoned(req):
-                    source.popleft()
-                    req.future.set_exception(_cancelled())
+                if abandoned(req):
+                    source.remove(req)
+                    req.future.set_exception(cancelled())
                     continue
-                adapter = req.adapter
                 longest, largest = shape
                 take = min(room, max(1, fit), req.job.n - req.next_sample)
                 items.extend((req, i) for i in range(req.next_sample, req.next_sample + take))
                 req.next_sample += take
                 room -= take
-                source.popleft()
+                self._fair.charge(req.run, take * (req.job.sampling.max_tokens + 1),
+                                  self._weights.get(req.run, 1.0))
+                source.remove(req)
                 if req.next_sample < req.job.n:
                     self._partial.append(req)
         metrics.QUEUE_DEPTH.set(len(self._waiting))
         return items
+
+    def _next_waiting(self) -> _Request:
+        """With the lock held and requests waiting: the oldest request of the run whose turn
+        it is (:meth:`FairShare.next_run`, runs in order of their oldest request)."""
+        runs = list(dict.fromkeys(r.run for r in self._waiting))
+        run = self._fair.next_run(runs)
+        return next(r for r in self._waiting if r.run == run)
+
+    def _adapter_for(self, req: _Request) -> ServingAdapter | None:
+        """With the lock held: what a request starting now decodes with (None: the adapter it
+        names is no longer resident); marks that adapter used (LRU)."""
+        if req.base_model:
+            return BASE_MODEL
+        if not req.job.adapter:
+            self._resident.use(self._serving.name)
+            return self._serving
+        return self._resident.use(req.job.adapter)
 
     def _run_batch(self, items: list[tuple[_Request, int]]) -> None:
         adapter = items[0][0].adapter or self._serving
@@ -443,19 +607,26 @@ class Engine:
         batch = [SequenceRequest(prompt_ids=list(req.job.prompt_ids), sampling=req.job.sampling,
                                  seed=rng.sequence_seed(req.job.seed, i),
                                  keep_cache=req.job.keep_cache) for req, i in decoding]
+        handles = [(req.adapter or BASE_MODEL).handle for req, _ in decoding]
+        runs: dict[str, int] = {}
+        for req, _ in items:
+            runs[req.run] = runs.get(req.run, 0) + 1
         index = self._batch_index
         self._batch_index += 1
         self._active_sequences = len(batch)
         metrics.ACTIVE_SEQUENCES.set(len(batch))
         metrics.BATCH_SIZE.observe(len(batch))
-        observer = (_BatchObserver(items, decoding, self) if any(req.sink for req, _ in items)
-                    else self._observer)
+        observer = BatchObserver(items, decoding, self)
         start = time.perf_counter()
+        self._in_batch = True
         try:
-            if isinstance(observer, _BatchObserver):
-                observer.start()
-            decoded = iter(self.backend.generate(batch, adapter.handle, observer)
-                           if batch else [])
+            observer.start()
+            if not batch:
+                decoded = iter([])
+            elif all(h is handles[0] for h in handles):
+                decoded = iter(self.backend.generate(batch, handles[0], observer))
+            else:  # rows of several adapters in one batch (module docstring, "Adapters")
+                decoded = iter(self.backend.generate_mixed(batch, handles, observer))
             results = [next(decoded, None) if req.job.sampling.max_tokens > 0
                        else SequenceResult() for req, _ in items]
             if any(r is None for r in results) or next(decoded, None) is not None:
@@ -466,27 +637,39 @@ class Engine:
                 log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
                 self._fail_batch(items, StatusError(
                     Kind.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
-            elif all(_abandoned(req) for req, _ in items):
+            elif all(abandoned(req) for req, _ in items):
                 log.debug("batch %d of %d sequences stopped after %d steps: every request in "
                           "it was abandoned", index, len(batch), e.steps)
-                self._fail_batch(items, _cancelled())
+                self._fail_batch(items, cancelled())
             else:  # a preempting command (an adapter push) waits
+                command = self._next_preempting()
                 self._requeue_started(items, index, adapter, time.perf_counter() - start,
-                                      e.steps)
+                                      e.steps, None if command is None else command.scope,
+                                      tuple(runs.items()))
             return
         except Exception as e:
             log.exception("batch %d of %d sequences failed", index, len(batch))
             self._fail_batch(items, e)
             return
         finally:
+            self._in_batch = False
             self._active_sequences = 0
             metrics.ACTIVE_SEQUENCES.set(0)
         end = time.perf_counter()
         first = self.backend.last_first_token_s
         first_token = start + first if isinstance(first, float) else end
+        cut = observer.cut  # their adapter was replaced between two steps: they restart
+        if cut:
+            with self._cond:
+                self._restart(list(cut.values()))
+            log.info("batch %d: %d requests stopped between two decode steps for their "
+                     "adapter's new version and requeued; %d other sequences went on", index,
+                     len(cut), sum(1 for req, _ in items if req.id not in cut))
         requests: list[int] = []
         finished: list[_Request] = []
         for (req, i), result in zip(items, results, strict=True):
+            if req.id in cut:
+                continue
             if not requests or requests[-1] != req.id:
                 requests.append(req.id)
                 req.batches.append(index)
@@ -497,33 +680,55 @@ class Engine:
             if req.done_samples == req.job.n:
                 finished.append(req)
         with self._cond:
-            self._history.append(BatchRecord(index, len(batch), tuple(requests),
-                                             adapter.version, end - start))
+            self._history.append(BatchRecord(
+                index, len(batch), tuple(requests), adapter.version, end - start,
+                runs=tuple(runs.items()), cut=sum(1 for req, _ in items if req.id in cut)))
         metrics.BATCHES.inc()
         metrics.BATCH_DURATION.observe(end - start)
         for req in finished:
             self._finish(req, end)
 
     def _requeue_started(self, items: list[tuple[_Request, int]], index: int,
-                         adapter: ServingAdapter, seconds: float, steps: int) -> None:
+                         adapter: ServingAdapter, seconds: float, steps: int,
+                         scope: str | None, runs: tuple[tuple[str, int], ...]) -> None:
         """After an interrupted batch: restart its requests and the split ones waiting for
-        their next batch (:meth:`_restart_started`)."""
+        their next batch that are in the command's ``scope`` (:meth:`_restart_started`); the
+        batch's other requests go back to wait for their next batch as they were."""
         with self._cond:
-            restarted = self._restart_started([req for req, _ in items])
+            restarted = self._restart_started([req for req, _ in items], scope)
+            others = {req.id: req for req, _ in items if not req.future.done()
+                      and req not in restarted}
+            for req in sorted(others.values(), key=lambda r: r.id, reverse=True):
+                for _, i in [(q, i) for q, i in items if q is req]:
+                    req.next_sample = min(req.next_sample, i)  # its samples of this batch
+                if req not in self._partial:
+                    self._partial.appendleft(req)
             self._history.append(BatchRecord(index, len(items), tuple(r.id for r in restarted),
-                                             adapter.version, seconds, interrupted=True))
+                                             adapter.version, seconds, interrupted=True,
+                                             runs=runs))
         metrics.BATCHES_INTERRUPTED.inc()
         log.info("batch %d (%d sequences, %s) interrupted after %d steps for a preempting "
                  "command; %d requests requeued", index, len(items),
                  f"{adapter.name} v{adapter.version}" if adapter.handle is not None
                  else "the base model", steps, len(restarted))
 
-    def _restart_started(self, reqs: list[_Request]) -> list[_Request]:
-        """With the lock held: reset ``reqs`` and every split request waiting for its next
-        batch, and put them back at the head of the queue in arrival order, so that they
-        decode again, whole, on what serves after the preempting command. Returns them."""
-        started = {req.id: req for req in (*reqs, *self._partial) if not req.future.done()}
-        self._partial.clear()
+    def _restart_started(self, reqs: list[_Request], scope: str | None = None
+                         ) -> list[_Request]:
+        """With the lock held: reset those of ``reqs`` and of the split requests waiting for
+        their next batch that a command of ``scope`` concerns (:meth:`_in_scope`), and put
+        them back at the head of the queue in arrival order, so that they decode again,
+        whole, on what serves after the preempting command. Returns them."""
+        started = {req.id: req for req in (*reqs, *self._partial)
+                   if not req.future.done() and self._in_scope(req, scope)}
+        self._partial = collections.deque(r for r in self._partial if r.id not in started)
+        return self._restart(list(started.values()))
+
+    def _restart(self, reqs: list[_Request]) -> list[_Request]:
+        """With the lock held: reset ``reqs`` (started, not done) and put them back at the
+        head of the queue in arrival order; a streamed one fails with ABORTED instead (its
+        caller holds tokens of the old adapter). Returns those requeued."""
+        started = {req.id: req for req in reqs if not req.future.done()}
+        self._partial = collections.deque(r for r in self._partial if r.id not in started)
         for req in [r for r in started.values() if r.sink is not None]:
             del started[req.id]  # its caller holds tokens of the old adapter: it cannot restart
             req.future.set_exception(StatusError(
@@ -620,77 +825,3 @@ class Engine:
         metrics.QUEUE_DEPTH.set(0)
 
 
-class _SchedulerObserver:
-    """The :class:`~gridrl.engine.contract.DecodeObserver` of every batch: stops it between
-    decode steps once :meth:`Engine.close` was asked to interrupt (any thread), or once a
-    preempting command waits (module docstring, "Preemption")."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-
-    def on_tokens(self, rows: list[int], token_ids: list[int], logprobs: list[float],
-                  top: Sequence[TopLogprobs] | None = None) -> None:
-        pass
-
-    def interrupted(self) -> bool:
-        return self._engine._interrupting or self._engine.preempt_pending()
-
-
-def _cancelled() -> StatusError:
-    return StatusError(Kind.CANCELLED, "request abandoned by its caller")
-
-
-def _abandoned(req: _Request) -> bool:
-    if req.sink is None:
-        return False
-    try:
-        return bool(req.sink.abandoned())
-    except Exception:
-        log.exception("token sink of request %d failed; dropping the request", req.id)
-        return True
-
-
-class _BatchObserver(_SchedulerObserver):
-    """The observer of a batch with token sinks (OpenAI streaming): routes its decode steps to
-    the sinks of its requests, and also stops the batch once every request in it is abandoned.
-    A sink that raises is logged and dropped; the batch goes on."""
-
-    def __init__(self, items: list[tuple[_Request, int]], rows: list[tuple[_Request, int]],
-                 engine: Engine) -> None:
-        super().__init__(engine)
-        self._rows = rows  # the backend's rows: the items it decodes
-        self._requests = list({req.id: req for req, _ in items}.values())
-        self._broken: set[int] = set()
-
-    def start(self) -> None:
-        """Tell each request decoding for the first time which adapter it got."""
-        for req in self._requests:
-            if req.sink is not None and not req.batches:
-                self._call(req, "started", req.adapter or BASE_MODEL)
-
-    def on_tokens(self, rows: Sequence[int], token_ids: Sequence[int],
-                  logprobs: Sequence[float], top: Sequence[TopLogprobs] | None = None) -> None:
-        steps: dict[int, tuple[_Request, list[int], list[int], list[float],
-                               list[TopLogprobs]]] = {}
-        for j, (row, token, logprob) in enumerate(zip(rows, token_ids, logprobs, strict=True)):
-            req, i = self._rows[row]
-            if req.sink is None or req.id in self._broken:
-                continue
-            step = steps.setdefault(req.id, (req, [], [], [], []))
-            step[1].append(i)
-            step[2].append(int(token))
-            step[3].append(float(logprob))
-            step[4].append(top[j] if top is not None else [])
-        for req, samples, tokens, lps, alternatives in steps.values():
-            extra = {"top": alternatives} if req.job.sampling.top_logprobs else {}
-            self._call(req, "on_tokens", samples, tokens, lps, **extra)
-
-    def interrupted(self) -> bool:
-        return super().interrupted() or all(_abandoned(req) for req in self._requests)
-
-    def _call(self, req: _Request, method: str, *args: Any, **kwargs: Any) -> None:
-        try:
-            getattr(req.sink, method)(*args, **kwargs)
-        except Exception:
-            log.exception("token sink of request %d failed; it gets no more tokens", req.id)
-            self._broken.add(req.id)

@@ -35,7 +35,7 @@ from gridrl.rollout.config import NodeConfig, adapter_root, node_name
 from gridrl.rollout.jobs import GenerateOutcome
 from gridrl.rollout.kv_budget import KvBudget
 from gridrl.rollout.relay import ARRIVAL_WAIT_S
-from gridrl.rollout.scheduler import Engine
+from gridrl.rollout.scheduler import BatchScheduler
 from gridrl.rollout.text import TextCodec
 from gridrl.rollout.validation import Limits, validate_generate
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -181,8 +181,11 @@ class RolloutNode:
             log.info("KV cache: %d tokens (%s), %d more a sequence for sampling",
                      self.kv_budget.tokens, self.kv_budget.limit,
                      self.kv_budget.overhead_tokens)
-        self.engine = Engine(backend, capacity=config.capacity, max_queue=config.max_queue,
-                             batch_window_s=config.batch_window_s, kv_budget=self.kv_budget)
+        self.engine = BatchScheduler(
+            backend, capacity=config.capacity, max_queue=config.max_queue,
+            batch_window_s=config.batch_window_s, kv_budget=self.kv_budget,
+            max_resident=config.max_resident_adapters,
+            max_adapter_bytes=int(config.adapter_memory_mb * 1e6))
         self.name = node_name(config)
         self.reports = ReportSequence()  # orders info, heartbeats and push answers
         self.adapters = AdapterManager(self.engine, AdapterStore(adapter_root(config)), identity,
@@ -369,7 +372,11 @@ class RolloutNode:
             max_context=i.max_context, stored_adapters=self.adapters.stored_refs(),
             software_version=software_version(), sequence=sequence,
             kv_cache_tokens=self.kv_budget.tokens,
-            sequence_overhead_tokens=self.kv_budget.overhead_tokens)
+            sequence_overhead_tokens=self.kv_budget.overhead_tokens,
+            resident_adapters=[common_pb2.AdapterRef(name=a.name, version=a.version)
+                               for a in self.engine.resident()],
+            run_shares=[common_pb2.RunShare(run=run, share=share)
+                        for run, share in sorted(self.engine.shares().items())])
 
 
 def _loopback(address: str) -> bool:
@@ -379,7 +386,7 @@ def _loopback(address: str) -> bool:
 
 def run_on_engine_thread(load: Callable[[], RolloutNode]) -> RolloutNode:
     """Call ``load`` (which builds the backend and the node) on a new thread that then runs
-    the node engine's scheduler loop (:meth:`Engine.run`) until the engine closes.
+    the node engine's scheduler loop (:meth:`BatchScheduler.run`) until the engine closes.
 
     Model loading and decoding then happen on the same thread. With libgomp, every thread
     that starts torch parallel work keeps an OpenMP thread team; a second team (the main

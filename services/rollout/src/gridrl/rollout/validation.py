@@ -95,8 +95,12 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
                               top_p=float(top_p), top_k=int(s.top_k),
                               stop_token_ids=tuple(dict.fromkeys(s.stop_token_ids)))
     seed = s.seed if s.HasField("seed") else rng.random_seed()
+    weight = request.share_weight
+    if not math.isfinite(weight) or weight < 0:
+        raise invalid_argument("share_weight", f"{weight} must be a finite number >= 0 (0: 1)")
     return GenerateJob(prompt_ids=prompt, sampling=sampling, n=n, seed=seed,
-                       request_id=request.request_id, keep_cache=request.keep_cache)
+                       request_id=request.request_id, keep_cache=request.keep_cache,
+                       adapter=request.adapter_name, share_weight=weight or 1.0)
 
 
 def _prompt(request: rollout_pb2.GenerateRequest, limits: Limits,

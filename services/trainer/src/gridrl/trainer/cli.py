@@ -272,6 +272,42 @@ def _discard_unstarted_run_dir(run_dir: str | None, resume: bool) -> None:
         path.rmdir()
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@env_option("--sweep-name", env="GRIDRL_TRAINER_SWEEP_NAME", default=None,
+            show_default=False, help="Name of the sweep: runs go to runs/<sweep-name>/<run> "
+            "[default: sweep-<time>].")
+@env_option("--one-after-another", env="GRIDRL_TRAINER_ONE_AFTER_ANOTHER", is_flag=True,
+            default=False, help="Run the variants in turn instead of at once (a baseline).")
+@click.argument("run_args", nargs=-1, type=click.UNPROCESSED)
+def sweep(sweep_name: str | None, one_after_another: bool, run_args: tuple[str, ...]) -> None:
+    """Start N runs that differ in one or more flags on one fleet, then print one table.
+
+    RUN_ARGS are `gridrl-trainer run` flags; a numeric flag given a comma-separated list is
+    swept (`--lr 1e-4,3e-4,1e-3`; several such flags: every combination). Every run gets its
+    own run name, directory (runs/<sweep-name>/<run>) and adapter on the nodes, and all use
+    the same --master or --rollout fleet at once (with neither: one local rollout node the
+    sweep starts); the nodes share their batches between the runs with a fair share per run
+    (--share-weight). The table: swept values, final eval, exact, steps, time, exit status,
+    run directory. Exits 1 when a run failed."""
+    import time as _time
+
+    from gridrl.trainer.sweep import numeric_flags, run_sweep, table
+
+    name = sweep_name or _time.strftime("sweep-%Y%m%d-%H%M%S")
+    try:
+        outcomes, total = run_sweep(list(run_args), numeric_flags(TrainConfig), name,
+                                    one_after_another=one_after_another, echo=click.echo)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except RuntimeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    click.echo(table(outcomes, total, "one after another" if one_after_another
+                     else "at once on one fleet"))
+    if any(o.returncode != 0 for o in outcomes):
+        sys.exit(1)
+
+
 @main.command()
 @address_option("--address", env="GRIDRL_TRAINER_ADDRESS", default="127.0.0.1:50052",
             help="TrainerService host:port.")

@@ -204,6 +204,10 @@ class TrainConfig:
         "when no --master).", on_resume=True)
     sync_every: int = setting(1, "Push the adapter to every node every N steps.",
                               check=POSITIVE)
+    share_weight: float = setting(
+        1.0, "This run's weight in each rollout node's fair share between the runs using it "
+        "(several trainers on one fleet): while runs wait, a node gives each a share of its "
+        "work proportional to its weight.", check=POSITIVE)
     max_staleness: int | None = setting(
         None, "Drop samples more than this many versions behind the trainer (default: "
         "(sync-every - 1) + async-steps).", check=NON_NEGATIVE)

@@ -68,7 +68,13 @@ function fleetRow(n) {
   const health = el("td", { class: "health-" + n.health }, n.health);
   if (n.last_seen_s > 10) health.append(el("span", { class: "muted" }, " (" + duration(n.last_seen_s) + " ago)"));
   tr.append(health);
-  tr.append(el("td", {}, n.policy_version === undefined ? "-" : "v" + n.policy_version));
+  const policy = el("td", {}, n.policy_version === undefined ? "-" : "v" + n.policy_version);
+  const shares = Object.entries(n.run_shares || {});
+  if (shares.length) {  // each run's share of the node's work (fair share between runs)
+    policy.append(el("div", { class: "muted run-shares" }, shares.map(
+      ([run, share]) => (run || "base") + " " + Math.round(100 * share) + "%").join(", ")));
+  }
+  tr.append(policy);
   tr.append(el("td", {}, view.address ? String(view.staleness) : "-"));
   const kl = el("td", { class: "kl-" + (view.kl_level || "none") });
   kl.textContent = view.address ? fmt(view.mismatch_kl) + " (" + fmt(view.mismatch_kl_bound) + ") " + view.kl_level : "-";

@@ -445,8 +445,20 @@ class Membership:
                       "(%s); it gets no rollouts and no adapters", s.address,
                       info.base_model.model_id, problem)
         s.excluded = problem
-        return self._apply_served(m, info.adapter.name, int(info.adapter.version), observed_at,
+        served = self.own_adapter(info)
+        return self._apply_served(m, served.name, int(served.version), observed_at,
                                   direct, sequence=int(info.sequence))
+
+    def own_adapter(self, info: common_pb2.NodeInfo) -> common_pb2.AdapterRef:
+        """What the node holds for this run: its adapter among the node's resident ones
+        (several runs share a node, issue 46: each run's requests name its own adapter), else
+        the adapter the node serves by default."""
+        name = self.target.name
+        if name:
+            for ref in info.resident_adapters:
+                if ref.name == name:
+                    return ref
+        return info.adapter
 
     def _apply_served(self, m: _Member, name: str, version: int, observed_at: float,
                       direct: bool, sequence: int = 0) -> bool:

@@ -133,6 +133,8 @@ class NodePool:
         self.max_consecutive_failures = max_consecutive_failures
         self.probe_interval_s = probe_interval_s
         self.wait_for_nodes_s = wait_for_nodes_s
+        #: this run's weight in each node's fair share between runs (GenerateRequest.share_weight)
+        self.share_weight = 1.0
         self._on_wait = on_wait
         self._clock = clock
         self.hedge = hedge or hedging.HedgePolicy()
@@ -470,7 +472,8 @@ class NodePool:
             request = rollout_pb2.GenerateRequest(
                 prompt_token_ids=list(r.prompt_ids),
                 request_id=f"group-{r.group}-request-{a.index}-try-{len(batch.tried[a.index])}",
-                sampling=batch.sampling, keep_cache=r.keep_cache)
+                sampling=batch.sampling, keep_cache=r.keep_cache,
+                adapter_name=self._own_adapter_name(), share_weight=self.share_weight)
             request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
             request.sampling.seed = r.seed
             call = Call()
@@ -479,6 +482,13 @@ class NodePool:
             batch.in_flight[future] = (a.index, a.address)
             batch.calls[future] = call
             batch.started[future] = now
+
+    def _own_adapter_name(self) -> str:
+        """The adapter this run's Generate calls name once it has pushed one (several runs
+        share the nodes: each decodes with its own, issue 46); "" before (the node's serving
+        adapter: the base model, see AdapterSync's reset)."""
+        target = self._members.target
+        return target.name if target.version > 0 else ""
 
     def _wait_for_a_node(self, batch: Batch) -> None:
         """Nothing of the batch could start and none of it is in flight: wait for a node

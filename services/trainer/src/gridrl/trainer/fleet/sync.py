@@ -486,8 +486,10 @@ class AdapterSync:
         try:
             info = rollout_pb2_grpc.RolloutServiceStub(self.pool.channel(address)).GetNodeInfo(
                 rollout_pb2.GetNodeInfoRequest(), timeout=self.deadline_s).info
-            if info.adapter.name == self.name and info.adapter.version == adapter.version:
-                self.pool.note_synced(address, adapter.version, info.adapter)
+            held = [ref for ref in (info.adapter, *info.resident_adapters)
+                    if ref.name == self.name and ref.version == adapter.version]
+            if held:  # serving, or resident beside other runs' adapters
+                self.pool.note_synced(address, adapter.version, held[0])
                 return
         except (grpc.RpcError, KeyError):
             pass  # the push below reports the problem

@@ -320,6 +320,7 @@ def _build_pool(run: Run) -> tuple[NodePool, AdapterSync]:
                     wait_for_nodes_s=cfg.wait_for_nodes_s, on_wait=on_wait,
                     hedge=HedgePolicy(cfg.hedge_after, cfg.hedge_min_s),
                     keepalive=Keepalive(cfg.keepalive_s, cfg.keepalive_timeout_s))
+    pool.share_weight = cfg.share_weight
     run.closing.callback(pool.close)
     pool.start()
     sync = AdapterSync(pool, name=cfg.run_name or "gridrl", base_model=backend.identity,

@@ -76,6 +76,13 @@ class AdapterStrategy(abc.ABC):
         """The name of the strategy holding adapter ``key`` (for log lines)."""
         return self.name
 
+    def lean_factors(self, keys: list[str]) -> tuple[LeanLlama, dict[str, LoraFactors]] | None:
+        """The lean forward and the factors of adapters ``keys`` where this strategy holds
+        every one of them as :class:`LoraFactors` (so that one batch can mix them:
+        :meth:`LeanLlama.activate_rows`); None otherwise (the caller decodes one adapter
+        group after the other)."""
+        return None
+
     @abc.abstractmethod
     def load(self, key: str, source: LoraSource) -> int:
         """Hold ``source`` under ``key`` next to what is loaded; returns the bytes it holds.
@@ -140,6 +147,9 @@ class LeanFactors(_PlainLora):
     def __init__(self, lean: LeanLlama, reason: str) -> None:
         super().__init__(reason)
         self.lean = lean
+
+    def lean_factors(self, keys: list[str]) -> tuple[LeanLlama, dict[str, LoraFactors]] | None:
+        return self.lean, {key: self._held[key] for key in keys}
 
     def _build(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> Any:
         return self.lean.lora_factors(pairs)
@@ -343,6 +353,11 @@ class WithPeftFallback(AdapterStrategy):
 
     def strategy_of(self, key: str) -> str:
         return self.fallback.name if key in self._in_fallback else self.primary.name
+
+    def lean_factors(self, keys: list[str]) -> tuple[LeanLlama, dict[str, LoraFactors]] | None:
+        if any(key in self._in_fallback for key in keys):
+            return None
+        return self.primary.lean_factors(keys)
 
     @contextlib.contextmanager
     def active(self, key: str | None) -> Iterator[Forward]:

@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from gridrl.engine.backends.torch import cpu_kernels
 from gridrl.engine.backends.torch.adapters import choose_strategy
 from gridrl.engine.backends.torch.cores import ThreadGovernor
 from gridrl.engine.backends.torch.device import pick_device, pick_dtype
-from gridrl.engine.backends.torch.llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch.llama import LeanLlama, LoraFactors, unsupported_reason
 from gridrl.engine.backends.torch.lora_source import LoraSource, check_fits
 from gridrl.engine.backends.torch.memory import trim_heap
 from gridrl.engine.backends.torch.prefix_cache import PrefixCache
@@ -405,16 +405,73 @@ class TorchBackend(Backend):
             return self._generate(batch, forward, observer,
                                   "" if adapter is None else adapter.key)
 
+    @property
+    def stops_rows(self) -> bool:  # type: ignore[override]
+        """On the lean forward with adapters held as factors: single rows stop between two
+        decode steps (``observer.rows_to_stop``), and adapters load between two decode steps
+        without disturbing the batch in progress (they never touch the weights it reads)."""
+        return self.mixes_adapters
+
+    @property
+    def mixes_adapters(self) -> bool:  # type: ignore[override]
+        """True on the lean forward with adapters held as factors: :meth:`generate_mixed`
+        then decodes rows of different adapters in one batch."""
+        return self.adapters.lean_factors([]) is not None
+
+    def generate_mixed(self, batch: list[SequenceRequest], adapters: Sequence[Any | None],
+                       observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` where row ``i`` uses ``adapters[i]`` (a :class:`TorchAdapter`, or
+        None: the base model), all rows together on the lean forward: each distinct
+        (adapter, prompt) is prefilled with its adapter, then every decode step is one base
+        product per projection for the whole batch plus one small product over the adapters'
+        factors stacked along the rank, each row reading its own
+        (:meth:`LeanLlama.activate_rows`: S-LoRA / Punica batching). Elsewhere (the
+        transformers forward, a DoRA adapter held by peft) one adapter group after the other
+        (:meth:`Backend.generate_mixed`). Each row's tokens and logprobs equal those it gets
+        in :meth:`generate` with its adapter alone, up to float32 rounding.
+
+        Raises:
+            ValueError: as :meth:`generate`; ``adapters`` not as long as ``batch``.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
+        """
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(adapters)} adapters for {len(batch)} sequences")
+        if not batch:
+            return []
+        for adapter in adapters:
+            if adapter is not None and self._loaded.get(adapter.key) is not adapter:
+                raise ValueError(f"adapter {getattr(adapter, 'key', adapter)!r} is not loaded")
+        keys = ["" if a is None else a.key for a in adapters]
+        if len(set(keys)) == 1:
+            return self.generate(batch, adapters[0], observer)
+        lean = self.adapters.lean_factors(sorted({k for k in keys if k}))
+        if lean is None:
+            return super().generate_mixed(batch, adapters, observer)
+        check_batch(batch, self.identity.max_context)
+        forward, factors = lean
+        with self._using(None) as base:
+            assert base is forward
+            try:
+                return self._generate(batch, forward, observer, keys, factors)
+            finally:
+                forward.activate(None)
+
     def _steps(self, forward: Any) -> LeanSteps | ModelSteps:
         if isinstance(forward, LeanLlama):
             return LeanSteps(forward, self._device, forward.compute_dtype)
         return ModelSteps(forward, self._device)
 
     def _generate(self, batch: list[SequenceRequest], forward: Any,
-                  observer: DecodeObserver | None, adapter_key: str = "") -> list[SequenceResult]:
+                  observer: DecodeObserver | None, adapter_key: str | list[str] = "",
+                  factors: Mapping[str, LoraFactors] | None = None) -> list[SequenceResult]:
+        """The decode loop. ``adapter_key``: the adapter's key (the prefix cache's), or one
+        per row with ``factors`` (their :class:`LoraFactors` by key; "" the base model): rows
+        of several adapters on the lean forward (:meth:`generate_mixed`)."""
+        keys = adapter_key if isinstance(adapter_key, list) else [adapter_key] * len(batch)
+        mixed = factors is not None
         steps = self._steps(forward)
         cache = self.prefix_cache if isinstance(steps, LeanSteps) else None
-        kept: list[tuple[list[int], Any]] = []  # stored once the call returns (never when
+        kept: list[tuple[str, list[int], Any]] = []  # stored once the call returns (never when
         # it is interrupted: an interrupted call keeps nothing)
         start = time.perf_counter()
         governor = self.threads
@@ -423,22 +480,25 @@ class TorchBackend(Backend):
         dev = self._device
         n = len(batch)
         # 1. prefill each distinct prompt alone (after a shared prefix: batched).
-        prompt_index: dict[tuple[int, ...], int] = {}
-        row_prefill = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
-                       for r in batch]
+        prompt_index: dict[tuple[str, tuple[int, ...]], int] = {}
+        row_prefill = [prompt_index.setdefault((key, tuple(r.prompt_ids)), len(prompt_index))
+                       for key, r in zip(keys, batch, strict=True)]
         prefills, first_logits = [], []
-        prefix = self._shared_prefix(steps, list(prompt_index))
+        prefix = None if mixed else self._shared_prefix(steps, [p for _, p in prompt_index])
         if prefix is not None:  # the prompts' rest after the prefix, many rows a forward
             assert isinstance(steps, LeanSteps)
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(0)
-            prefills, first_logits = steps.prefill_batch([list(p) for p in prompt_index],
+            prefills, first_logits = steps.prefill_batch([list(p) for _, p in prompt_index],
                                                          prefix)
         else:
-            for prompt in prompt_index:
+            for key, prompt in prompt_index:
                 if observer is not None and observer.interrupted():
                     raise DecodeInterrupted(0)
-                hit = cache.lookup(adapter_key, prompt) if cache is not None else None
+                if mixed:
+                    assert factors is not None
+                    forward.activate(factors.get(key))
+                hit = cache.lookup(key, prompt) if cache is not None else None
                 if hit is not None:
                     assert isinstance(steps, LeanSteps)
                     kv, logits = steps.prefill(list(prompt), hit[1])
@@ -449,8 +509,11 @@ class TorchBackend(Backend):
         logits = torch.stack(first_logits).index_select(
             0, torch.tensor(row_prefill, dtype=torch.int64, device=dev))
         max_tokens = [r.sampling.max_tokens for r in batch]
-        steps.start(prefills, [len(p) for p in prompt_index], row_prefill, max(max_tokens))
+        steps.start(prefills, [len(p) for _, p in prompt_index], row_prefill, max(max_tokens))
         del prefills, first_logits
+        if mixed:
+            assert factors is not None
+            forward.activate_rows([factors.get(key) for key in keys])
 
         # 2. per-row state; `active` maps cache rows to batch indices.
         sampling = RowSampling.from_configs([r.sampling for r in batch], logits.shape[-1], dev)
@@ -498,13 +561,15 @@ class TorchBackend(Backend):
                         if cache is not None and batch[i].keep_cache:
                             assert isinstance(steps, LeanSteps)
                             fed = out_tokens[i, :step].tolist()
-                            kept.append((list(batch[i].prompt_ids) + fed,
+                            kept.append((keys[i], list(batch[i].prompt_ids) + fed,
                                          steps.row_prefill(row)))
                 if all(done_list):
                     break
                 keep = [row for row, d in enumerate(done_list) if not d]
                 keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
                 steps.keep(keep_t)
+                if mixed:
+                    forward.keep_rows(keep_t)
                 active = active.index_select(0, keep_t)
                 active_list = [active_list[row] for row in keep]
                 tokens = tokens.index_select(0, keep_t)
@@ -512,12 +577,27 @@ class TorchBackend(Backend):
             step += 1
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(step)
+            stop = _rows_to_stop(observer, active_list)
+            if stop:  # rows the caller no longer wants (contract: "Stopping rows")
+                for row in stop:
+                    length[active_list[row]] = step
+                keep = [row for row in range(len(active_list)) if row not in stop]
+                if not keep:
+                    break
+                keep_t = torch.tensor(keep, dtype=torch.int64, device=dev)
+                steps.keep(keep_t)
+                if mixed:
+                    forward.keep_rows(keep_t)
+                active = active.index_select(0, keep_t)
+                active_list = [active_list[row] for row in keep]
+                tokens = tokens.index_select(0, keep_t)
+                rows = rows.select(keep_t)
             logits = steps.step(tokens)
             if governor is not None:
                 governor.step()
-        for ids, kv in kept:
+        for key, ids, kv in kept:
             assert cache is not None
-            cache.store(adapter_key, ids, kv)
+            cache.store(key, ids, kv)
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [SequenceResult(token_ids=tokens_cpu[i, :length[i]].tolist(),
@@ -616,3 +696,14 @@ def _stop_table(stops: list[set[int]], device: torch.device) -> torch.Tensor:
         if s:
             table[i, :len(s)] = torch.tensor(sorted(s), dtype=torch.int64)
     return table.to(device)
+
+
+def _rows_to_stop(observer: DecodeObserver | None, active_list: list[int]) -> set[int]:
+    """Positions in ``active_list`` (the live rows' batch indices) of the rows the observer
+    asks to stop (``rows_to_stop``, an optional observer method; see
+    :attr:`gridrl.engine.contract.Backend.stops_rows`)."""
+    ask = getattr(observer, "rows_to_stop", None)
+    if ask is None:
+        return set()
+    wanted = set(ask())
+    return {row for row, i in enumerate(active_list) if i in wanted}

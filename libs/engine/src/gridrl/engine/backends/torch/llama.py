@@ -58,6 +58,8 @@ from gridrl.engine.backends.torch.cache import SlabCache
 from gridrl.engine.backends.torch.memory import drop_mapped_pages, trim_heap
 from gridrl.engine.backends.torch.projection import (
     Projection,
+    RowLora,
+    RowRanks,
 )
 from gridrl.engine.families import unsupported_layers
 
@@ -162,7 +164,7 @@ class KernelProjection:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm,
                                               drop_source=drop_source, dtype=dtype)
-        self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lora: tuple[torch.Tensor, torch.Tensor] | RowLora | None = None
 
     def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,10 +174,22 @@ class KernelProjection:
             a = a * self.norm
         return a.contiguous(), cpu_kernels.pack_weight(bs_t.t(), swiglu=self.swiglu)
 
+    @staticmethod
+    def stack_lora(parts: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several adapters' :meth:`prepare_lora` factors stacked along the rank, in order
+        (packed B: ``(blocks, R, NB)``, stacked on its middle axis)."""
+        return (torch.cat([a for a, _ in parts]).contiguous(),
+                torch.cat([b for _, b in parts], dim=1).contiguous())
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        lora, segments = self.lora, None
+        if isinstance(lora, RowLora):
+            lora, segments = (lora.a, lora.b), lora.ranks.segments
         return self._kernels.linear(x.contiguous(), self.weight, self.out_features,
-                                    lora=self.lora, eps=self.eps, bias=self.bias,
-                                    add=residual, swiglu=self.swiglu, out=residual)
+                                    lora=lora, eps=self.eps, bias=self.bias,
+                                    add=residual, swiglu=self.swiglu, out=residual,
+                                    segments=segments)
 
 
 @dataclass
@@ -210,6 +224,10 @@ class LoraFactors:
         """Bytes held by the factors."""
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self.factors.values())
+
+
+#: :attr:`LeanLlama._active` while :meth:`LeanLlama.activate_rows` serves rows of several adapters.
+_MIXED: Any = LoraFactors()
 
 
 class LeanLlama:
@@ -305,6 +323,7 @@ class LeanLlama:
         # a call at one query row over <~1k cached keys, the products ~50 (measured, 2 cores).
         self._product_attention = self.embed.device.type == "cpu"
         self._active: LoraFactors | None = None
+        self._row_ranks: list[RowRanks] = []  # activate_rows: each row's ranks
 
     @property
     def products(self) -> str:
@@ -420,6 +439,7 @@ class LeanLlama:
 
     def activate(self, adapter: LoraFactors | None) -> None:
         """Serve ``adapter`` (None: the base model). Pointer swaps only."""
+        self._row_ranks = []
         if adapter is self._active:
             return
         for layer in self.layers:
@@ -431,6 +451,58 @@ class LeanLlama:
                 proj = self.head if layer < 0 else getattr(self.layers[layer], name)
                 proj.lora = ab
         self._active = adapter
+
+    def activate_rows(self, adapters: list[LoraFactors | None]) -> None:
+        """Serve row ``m`` of the next forwards with ``adapters[m]`` (None: the base model),
+        for decode steps of a batch whose rows belong to different adapters: for each fused
+        projection, the factors of the adapters present are stacked along the rank once, and
+        each row reads only its own ranks (:class:`RowRanks`: one base product for the batch,
+        one small product over the stacked factors -- S-LoRA / Punica batching). Every row's
+        result equals its result alone with its adapter up to float32 rounding (the foreign
+        ranks add exact zeros). :meth:`keep_rows` follows the batch's rows as they finish;
+        :meth:`activate` ends it.
+
+        Args:
+            adapters: one entry per row of the batch (the cache's row order).
+        """
+        self.activate(None)
+        distinct: list[LoraFactors] = []
+        for adapter in adapters:
+            if adapter is not None and not any(adapter is d for d in distinct):
+                distinct.append(adapter)
+        if not distinct:
+            return
+        if len(distinct) == 1 and all(a is distinct[0] for a in adapters):
+            self.activate(distinct[0])
+            return
+        shared: dict[tuple[tuple[int, int], ...], RowRanks] = {}
+        keys = {key for adapter in distinct for key in adapter.factors}
+        for key in keys:
+            layer, name = key
+            proj = self.head if layer < 0 else getattr(self.layers[layer], name)
+            parts, spans, at = [], {}, 0
+            for adapter in distinct:
+                ab = adapter.factors.get(key)
+                if ab is not None:
+                    parts.append(ab)
+                    spans[id(adapter)] = (at, at + ab[0].shape[0])
+                    at += ab[0].shape[0]
+            rows = tuple(spans.get(id(a), (0, 0)) if a is not None else (0, 0)
+                         for a in adapters)
+            ranks = shared.get(rows)
+            if ranks is None:
+                ranks = shared[rows] = RowRanks(
+                    torch.tensor(rows, dtype=torch.int32, device=self.embed.device), at)
+            a, b = proj.stack_lora(parts)
+            proj.lora = RowLora(a, b, ranks)
+        self._active = _MIXED
+        self._row_ranks = list(shared.values())
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """After :meth:`activate_rows`: keep only ``rows`` (int64 indices of the live rows),
+        in that order, as the batch's cache does."""
+        for ranks in self._row_ranks:
+            ranks.keep(rows)
 
     def release(self, adapter: LoraFactors) -> None:
         """Forget ``adapter`` (serving the base model first if it is active)."""

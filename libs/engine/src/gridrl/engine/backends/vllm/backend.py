@@ -32,7 +32,7 @@ import re
 import secrets
 import shutil
 import threading
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -389,6 +389,23 @@ class VllmBackend(Backend):
                 error answer; VllmUnavailable: vLLM unreachable (probed again before the next
                 batch); DecodeInterrupted: the observer interrupted the batch.
         """
+        return self.generate_mixed(batch, [adapter] * len(batch), observer)
+
+    #: vLLM batches requests of different LoRAs itself (its punica kernels).
+    mixes_adapters = True
+
+    def generate_mixed(self, batch: list[SequenceRequest], adapters: Sequence[Any | None],
+                       observer: Any = None) -> list[SequenceResult]:
+        """:meth:`generate` where row ``i`` names its own adapter, ``adapters[i]`` (a
+        :class:`VllmAdapter`, or None: the base model): each request goes with its own
+        ``model`` (the LoRA's served name), and vLLM batches requests of different LoRAs in
+        its own scheduler (its S-LoRA/Punica kernels, ``--max-loras`` at once).
+
+        Raises:
+            as :meth:`generate`; ValueError when ``adapters`` and ``batch`` differ in length.
+        """
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(adapters)} adapters for {len(batch)} sequences")
         if not batch:
             return []
         check_batch(batch)
@@ -399,21 +416,22 @@ class VllmBackend(Backend):
                                  f"in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         self._ensure_probed()
         try:
-            return self._loop.run(self._complete_all(batch, adapter), observer)
-        except ModelMissing as e:  # vLLM restarted: probe it again, load the adapter again
+            return self._loop.run(self._complete_all(batch, adapters), observer)
+        except ModelMissing as e:  # vLLM restarted: probe it again, load the adapters again
+            loaded = list({id(a): a for a in adapters if a is not None}.values())
             log.warning("%s; probing vLLM again%s", e,
-                        "" if adapter is None else " and loading the adapter again")
+                        " and loading the adapters again" if loaded else "")
             self._needs_probe = True
             self._ensure_probed()
-            if adapter is not None:
+            for adapter in loaded:
                 self._reload(adapter)
-            return self._loop.run(self._complete_all(batch, adapter), observer)
+            return self._loop.run(self._complete_all(batch, adapters), observer)
 
-    async def _complete_all(self, batch: list[SequenceRequest], adapter: VllmAdapter | None
-                            ) -> list[SequenceResult]:
-        model = adapter.served_name if adapter is not None else self.served_model
+    async def _complete_all(self, batch: list[SequenceRequest],
+                            adapters: Sequence[VllmAdapter | None]) -> list[SequenceResult]:
+        models = [a.served_name if a is not None else self.served_model for a in adapters]
         tasks = [asyncio.ensure_future(self._complete(i, req, model))
-                 for i, req in enumerate(batch)]
+                 for i, (req, model) in enumerate(zip(batch, models, strict=True))]
         try:
             _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:

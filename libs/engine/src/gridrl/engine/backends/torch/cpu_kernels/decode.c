@@ -5,6 +5,10 @@
  * gridrl.engine.backends.torch.cpu_kernels.pack_weight:
  *
  *     acc = x W^T + (x A^T) B^T           (a LoRA adapter's A (R, K) and B (N, R); optional)
+ *                                         (seg: per row m the ranks [seg[2m], seg[2m+1]) of
+ *                                          A/B that apply to it, the others count 0: several
+ *                                          adapters' factors stacked along R, each row
+ *                                          reading only its own -- S-LoRA/Punica batching)
  *     acc = r * acc                       (eps >= 0: r[m] = 1 / sqrt(mean(x[m]^2) + eps),
  *                                          RMSNorm, its weight folded into W and A)
  *     acc = acc + bias + add              (bias (N,), add (M, N): a residual; optional)
@@ -281,7 +285,7 @@ static inline void linear_block(int b, const float *x, int M, int K, const void 
 /* wp: the packed weight, float32 (weight_bf16 == 0) or bfloat16 (1); the LoRA factors are
  * float32 either way. Returns 0, or -1 on bad arguments or no memory (nothing written). */
 int gridrl_decode_linear(const float *x, int M, int K, const void *wp, int weight_bf16, int N,
-                         const float *a, int R, const float *bp,
+                         const float *a, int R, const float *bp, const int *seg,
                          float eps, const float *bias, const float *add, int swiglu,
                          float *out) {
     if (M < 1 || K < 1 || N < 1 || (swiglu && (N % 2 || bias || add)) || (a && R < 1))
@@ -313,8 +317,11 @@ int gridrl_decode_linear(const float *x, int M, int K, const void *wp, int weigh
         }
         if (a) {
 #pragma omp for schedule(static)
-            for (int i = 0; i < M * R; i++)
-                u[i] = dot(x + (size_t)(i / R) * K, a + (size_t)(i % R) * K, K);
+            for (int i = 0; i < M * R; i++) {
+                const int m = i / R, r = i % R;
+                u[i] = seg && (r < seg[2 * m] || r >= seg[2 * m + 1]) ? 0.0f
+                       : dot(x + (size_t)m * K, a + (size_t)r * K, K);
+            }
         }
         if (dynamic) {
 #pragma omp for schedule(dynamic, 1)

@@ -121,7 +121,7 @@ class DecodeKernels:
         i, f = ctypes.c_int, ctypes.c_float
         fn = lib.gridrl_decode_linear
         fn.restype = i
-        fn.argtypes = [_F, i, i, _F, i, i, _F, i, _F, f, _F, _F, i, _F]
+        fn.argtypes = [_F, i, i, _F, i, i, _F, i, _F, _F, f, _F, _F, i, _F]
         self._fn = fn
         self._set_dynamic = lib.gridrl_set_dynamic_blocks
         self._set_dynamic.argtypes = [i]
@@ -141,7 +141,8 @@ class DecodeKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, *,
                lora: tuple[torch.Tensor, torch.Tensor] | None = None, eps: float = -1.0,
                bias: torch.Tensor | None = None, add: torch.Tensor | None = None,
-               swiglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+               swiglu: bool = False, out: torch.Tensor | None = None,
+               segments: torch.Tensor | None = None) -> torch.Tensor:
         """``decode.c``'s ``gridrl_decode_linear`` (see there for the formula).
 
         Args:
@@ -157,6 +158,10 @@ class DecodeKernels:
             bias: float32 (N,) or None. add: float32 (M, N) contiguous or None (may be ``out``).
             swiglu: out = silu(gate) * up, (M, N/2).
             out: where to write (float32 contiguous, right shape); a new tensor if None.
+            segments: with ``lora``: int32 (M, 2) contiguous, row m's LoRA ranks
+                ``[segments[m, 0], segments[m, 1])`` (several adapters' factors stacked along
+                R, each row using its own; an empty range: no LoRA on that row); None: every
+                rank on every row.
         Returns:
             ``out``: float32 (M, N) or (M, N/2).
         Raises:
@@ -187,8 +192,15 @@ class DecodeKernels:
                     or a.dtype != torch.float32 or b_packed.dtype != torch.float32):
                 raise ValueError(f"LoRA A {list(a.shape)} / B {list(b_packed.shape)} do not fit")
             a_ptr, b_ptr = a.data_ptr(), b_packed.data_ptr()
+        seg_ptr = None
+        if segments is not None and lora is not None:
+            if (tuple(segments.shape) != (m, 2) or segments.dtype != torch.int32
+                    or not segments.is_contiguous()):
+                raise ValueError(f"LoRA segments {list(segments.shape)} {segments.dtype} do "
+                                 f"not fit ({m}, 2) int32")
+            seg_ptr = segments.data_ptr()
         rc = self._fn(x.data_ptr(), m, k, packed.data_ptr(), int(packed.dtype == torch.bfloat16),
-                      n, a_ptr, r, b_ptr, eps,
+                      n, a_ptr, r, b_ptr, seg_ptr, eps,
                       None if bias is None else bias.data_ptr(),
                       None if add is None else add.data_ptr(), int(swiglu), out.data_ptr())
         if rc != 0:
