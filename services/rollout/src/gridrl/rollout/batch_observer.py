@@ -22,16 +22,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gridrl.common.errors import Kind, StatusError
 from gridrl.engine.contract import TopLogprobs
-from gridrl.rollout.jobs import BASE_MODEL
-
-if TYPE_CHECKING:
-    from gridrl.rollout.scheduler import BatchScheduler, _Request
+from gridrl.rollout.jobs import BASE_MODEL, QueuedRequest
 
 log = logging.getLogger(__name__)
+
+
+class PreemptingScheduler(Protocol):
+    """What the observer asks of the scheduler that runs its batch
+    (:class:`gridrl.rollout.scheduler.BatchScheduler`), on that scheduler's thread."""
+
+    _interrupting: bool
+    _stops_rows: bool
+
+    def _next_preempting(self) -> Any: ...
+    def _take_command(self, command: Any) -> bool: ...
+    def _restart_split(self, scope: str | None, decoding: set[int]) -> None: ...
+    def _in_scope(self, req: QueuedRequest, scope: str | None) -> bool: ...
+    def _run_command(self, command: Any) -> None: ...
 
 
 def cancelled() -> StatusError:
@@ -39,7 +50,7 @@ def cancelled() -> StatusError:
     return StatusError(Kind.CANCELLED, "request abandoned by its caller")
 
 
-def abandoned(req: _Request) -> bool:
+def abandoned(req: QueuedRequest) -> bool:
     """Whether a streamed request's caller wants nothing more (a failing sink counts)."""
     if req.sink is None:
         return False
@@ -59,15 +70,15 @@ class BatchObserver:
         scheduler: the scheduler running it.
     """
 
-    def __init__(self, items: list[tuple[_Request, int]], rows: list[tuple[_Request, int]],
-                 scheduler: BatchScheduler) -> None:
+    def __init__(self, items: list[tuple[QueuedRequest, int]], rows: list[tuple[QueuedRequest, int]],
+                 scheduler: PreemptingScheduler) -> None:
         self._scheduler = scheduler
         self._rows = rows
         self._requests = list({req.id: req for req, _ in items}.values())
         self._streams = any(req.sink is not None for req in self._requests)
         self._broken: set[int] = set()
         self._stop: set[int] = set()  # backend rows to stop at the next step
-        self.cut: dict[int, _Request] = {}  # requests whose rows were stopped, by id
+        self.cut: dict[int, QueuedRequest] = {}  # requests whose rows were stopped, by id
 
     def start(self) -> None:
         """Tell each request decoding for the first time which adapter it got."""
@@ -132,7 +143,7 @@ class BatchObserver:
         rows, self._stop = sorted(self._stop), set()
         return rows
 
-    def _call(self, req: _Request, method: str, *args: Any, **kwargs: Any) -> None:
+    def _call(self, req: QueuedRequest, method: str, *args: Any, **kwargs: Any) -> None:
         try:
             getattr(req.sink, method)(*args, **kwargs)
         except Exception:

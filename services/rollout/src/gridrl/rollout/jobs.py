@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gridrl.engine.contract import (
@@ -132,3 +133,28 @@ class BatchRecord:
     #: sequences stopped before their end because their run's adapter was replaced (they
     #: decode again, whole, on the new version); the batch's other rows went on.
     cut: int = 0
+
+
+#: The run of requests that decode with the base model.
+BASE_RUN = ""
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    """One Generate job in the scheduler: its samples scheduled and done, its run, its
+    adapter once resolved, and its timings (owned by the scheduler's thread)."""
+
+    id: int
+    job: GenerateJob
+    future: Future
+    arrival: float
+    next_sample: int = 0  # samples [0, next_sample) are scheduled
+    done_samples: int = 0
+    results: list[SequenceResult | None] = field(default_factory=list)
+    adapter: ServingAdapter | None = None
+    sink: TokenSink | None = None
+    base_model: bool = False
+    run: str = BASE_RUN  # whose share it counts in (module docstring, "Runs")
+    started: float = 0.0
+    first_token: float | None = None
+    batches: list[int] = field(default_factory=list)

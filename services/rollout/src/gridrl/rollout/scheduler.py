@@ -81,7 +81,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gridrl.common.errors import Kind, StatusError, resource_exhausted
@@ -101,9 +101,11 @@ from gridrl.rollout.config import default_of
 from gridrl.rollout.fair_share import FairShare, check_weight, within_share
 from gridrl.rollout.jobs import (
     BASE_MODEL,
+    BASE_RUN,
     BatchRecord,
     GenerateJob,
     GenerateOutcome,
+    QueuedRequest,
     ServingAdapter,
     TokenSink,
 )
@@ -116,28 +118,6 @@ T = TypeVar("T")
 
 #: How a prompt is scored: the model's own distribution (greedy's transform: none).
 _MODEL_DISTRIBUTION = SamplingConfig(max_tokens=1, temperature=0.0)
-
-
-#: The run of requests that decode with the base model.
-BASE_RUN = ""
-
-
-@dataclass(eq=False)
-class _Request:
-    id: int
-    job: GenerateJob
-    future: Future
-    arrival: float
-    next_sample: int = 0  # samples [0, next_sample) are scheduled
-    done_samples: int = 0
-    results: list[SequenceResult | None] = field(default_factory=list)
-    adapter: ServingAdapter | None = None
-    sink: TokenSink | None = None
-    base_model: bool = False
-    run: str = BASE_RUN  # whose share it counts in (module docstring, "Runs")
-    started: float = 0.0
-    first_token: float | None = None
-    batches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -181,8 +161,8 @@ class BatchScheduler:
         self.batch_window_s = batch_window_s
         self.kv_budget = kv_budget or KvBudget()
         self._cond = threading.Condition()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._partial: collections.deque[_Request] = collections.deque()
+        self._waiting: collections.deque[QueuedRequest] = collections.deque()
+        self._partial: collections.deque[QueuedRequest] = collections.deque()
         self._commands: collections.deque[_Command] = collections.deque()
         self._serving = BASE_MODEL
         self._resident = ResidentAdapters(max_resident, max_adapter_bytes)
@@ -348,7 +328,7 @@ class BatchScheduler:
             self._weights[run] = weight
             if not waiting.get(run) and not any(r.run == run for r in self._partial):
                 self._fair.wake(run, waiting)
-            req = _Request(id=next(self._ids), job=job, future=future,
+            req = QueuedRequest(id=next(self._ids), job=job, future=future,
                            arrival=time.perf_counter(), results=[None] * job.n, sink=sink,
                            base_model=base_model, run=run)
             self._waiting.append(req)
@@ -432,7 +412,7 @@ class BatchScheduler:
             self._restart([r for r in self._partial
                            if r.id not in decoding and self._in_scope(r, scope)])
 
-    def _in_scope(self, req: _Request, scope: str | None) -> bool:
+    def _in_scope(self, req: QueuedRequest, scope: str | None) -> bool:
         """Whether a preempting command of ``scope`` restarts ``req``: every request without
         a scope; else those of that adapter name and those following the serving adapter
         (they named none)."""
@@ -534,7 +514,7 @@ class BatchScheduler:
                 return
             self._cond.wait(left)
 
-    def _take_batch(self) -> list[tuple[_Request, int]]:
+    def _take_batch(self) -> list[tuple[QueuedRequest, int]]:
         """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
         started requests first, then waiting ones in fair-share order (module docstring,
         "Runs"), of any adapters, within the KV-cache budget (the first request that does not
@@ -542,7 +522,7 @@ class BatchScheduler:
         fits). Abandoned requests are dropped with CANCELLED, requests whose adapter was
         unloaded meanwhile fail with NOT_FOUND."""
         room = self.capacity
-        items: list[tuple[_Request, int]] = []
+        items: list[tuple[QueuedRequest, int]] = []
         longest = largest = 0  # the batch's longest prompt and largest max_tokens so far
         now = time.perf_counter()
         for source in (self._partial, self._waiting):
@@ -583,14 +563,14 @@ class BatchScheduler:
         metrics.QUEUE_DEPTH.set(len(self._waiting))
         return items
 
-    def _next_waiting(self) -> _Request:
+    def _next_waiting(self) -> QueuedRequest:
         """With the lock held and requests waiting: the oldest request of the run whose turn
         it is (:meth:`FairShare.next_run`, runs in order of their oldest request)."""
         runs = list(dict.fromkeys(r.run for r in self._waiting))
         run = self._fair.next_run(runs)
         return next(r for r in self._waiting if r.run == run)
 
-    def _adapter_for(self, req: _Request) -> ServingAdapter | None:
+    def _adapter_for(self, req: QueuedRequest) -> ServingAdapter | None:
         """With the lock held: what a request starting now decodes with (None: the adapter it
         names is no longer resident); marks that adapter used (LRU)."""
         if req.base_model:
@@ -600,7 +580,7 @@ class BatchScheduler:
             return self._serving
         return self._resident.use(req.job.adapter)
 
-    def _run_batch(self, items: list[tuple[_Request, int]]) -> None:
+    def _run_batch(self, items: list[tuple[QueuedRequest, int]]) -> None:
         adapter = items[0][0].adapter or self._serving
         # samples of max_tokens 0 (a prompt scored, nothing decoded) are not decoded
         decoding = [(req, i) for req, i in items if req.job.sampling.max_tokens > 0]
@@ -666,7 +646,7 @@ class BatchScheduler:
                      "adapter's new version and requeued; %d other sequences went on", index,
                      len(cut), sum(1 for req, _ in items if req.id not in cut))
         requests: list[int] = []
-        finished: list[_Request] = []
+        finished: list[QueuedRequest] = []
         for (req, i), result in zip(items, results, strict=True):
             if req.id in cut:
                 continue
@@ -688,7 +668,7 @@ class BatchScheduler:
         for req in finished:
             self._finish(req, end)
 
-    def _requeue_started(self, items: list[tuple[_Request, int]], index: int,
+    def _requeue_started(self, items: list[tuple[QueuedRequest, int]], index: int,
                          adapter: ServingAdapter, seconds: float, steps: int,
                          scope: str | None, runs: tuple[tuple[str, int], ...]) -> None:
         """After an interrupted batch: restart its requests and the split ones waiting for
@@ -712,8 +692,8 @@ class BatchScheduler:
                  f"{adapter.name} v{adapter.version}" if adapter.handle is not None
                  else "the base model", steps, len(restarted))
 
-    def _restart_started(self, reqs: list[_Request], scope: str | None = None
-                         ) -> list[_Request]:
+    def _restart_started(self, reqs: list[QueuedRequest], scope: str | None = None
+                         ) -> list[QueuedRequest]:
         """With the lock held: reset those of ``reqs`` and of the split requests waiting for
         their next batch that a command of ``scope`` concerns (:meth:`_in_scope`), and put
         them back at the head of the queue in arrival order, so that they decode again,
@@ -723,7 +703,7 @@ class BatchScheduler:
         self._partial = collections.deque(r for r in self._partial if r.id not in started)
         return self._restart(list(started.values()))
 
-    def _restart(self, reqs: list[_Request]) -> list[_Request]:
+    def _restart(self, reqs: list[QueuedRequest]) -> list[QueuedRequest]:
         """With the lock held: reset ``reqs`` (started, not done) and put them back at the
         head of the queue in arrival order; a streamed one fails with ABORTED instead (its
         caller holds tokens of the old adapter). Returns those requeued."""
@@ -743,7 +723,7 @@ class BatchScheduler:
         metrics.QUEUE_DEPTH.set(len(self._waiting))
         return sorted(started.values(), key=lambda r: r.id)
 
-    def _finish(self, req: _Request, end: float) -> None:
+    def _finish(self, req: QueuedRequest, end: float) -> None:
         prompt_logprobs = prompt_top = None
         if req.job.prompt_logprobs is not None:  # the adapter that decoded it still serves
             try:
@@ -769,7 +749,7 @@ class BatchScheduler:
             first_token_s=first_token, duration_s=end - req.arrival, batches=list(req.batches),
             prompt_logprobs=prompt_logprobs, prompt_top_logprobs=prompt_top))
 
-    def _score_prompt(self, req: _Request) -> tuple[list[float], list[TopLogprobs]]:
+    def _score_prompt(self, req: QueuedRequest) -> tuple[list[float], list[TopLogprobs]]:
         """The prompt's logprobs and alternatives (module docstring, "Prompt logprobs").
 
         Raises:
@@ -783,7 +763,7 @@ class BatchScheduler:
         except NotImplementedError as e:
             raise StatusError(Kind.FAILED_PRECONDITION, f"prompt logprobs: {e}") from e
 
-    def _fail_batch(self, items: list[tuple[_Request, int]], error: Exception) -> None:
+    def _fail_batch(self, items: list[tuple[QueuedRequest, int]], error: Exception) -> None:
         failed = {req.id: req for req, _ in items}
         with self._cond:
             self._partial = collections.deque(r for r in self._partial if r.id not in failed)
