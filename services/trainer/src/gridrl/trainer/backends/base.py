@@ -184,6 +184,12 @@ class UpdateStats:
         is_weight_max: the largest raw ratio; None without a correction.
         is_limited_fraction: fraction of those tokens or sequences whose ratio exceeded the cap
             (truncated by TIS, masked by MIS); None without a correction.
+        skipped_groups, skipped_sequences: groups (and their sequences) left out of the forward
+            and backward because all their advantages are 0 and ``beta == 0``: their gradient
+            is exactly 0 (:func:`gridrl.trainer.grpo.advantages.groups_with_signal`). Their
+            ``per_sequence_mismatch_kl`` is NaN (not measured) and ``mismatch_kl`` is over the
+            trained sequences only; ``tokens`` and ``clip_fraction`` count them (a token of
+            advantage 0 never takes the clipped branch).
     """
 
     loss: float
@@ -197,6 +203,8 @@ class UpdateStats:
     is_weight_mean: float | None = None
     is_weight_max: float | None = None
     is_limited_fraction: float | None = None
+    skipped_groups: int = 0
+    skipped_sequences: int = 0
 
 
 class TrainerBackend(abc.ABC):

@@ -91,11 +91,8 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     device = policy.device
     coef = torch.from_numpy(grpo.sequence_weights(
         [s.trained_tokens for s in seqs], cfg.aggregation, cfg.max_tokens))  # type: ignore[arg-type]
-    local = par.local_share([s.group for s in seqs])
-    if not local:
-        raise ValueError(f"rank {par.rank} has no group to train on: use at least "
-                         f"{par.world_size} prompts per step")
-    mb = cfg.micro_batch_size or len(local)
+    local, skipped = _trained_share(seqs, cfg, par)
+    mb = cfg.micro_batch_size or max(len(local), 1)
     chunks = [local[i:i + mb] for i in range(0, len(local), mb)]
 
     policy.model.train()
@@ -105,6 +102,7 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     # [loss, clipped tokens, tokens, mismatch kl sum, ref kl sum, IS ratio sum, IS units,
     #  IS limited units] + per-sequence mismatch kl
     totals = torch.zeros(_TOTALS + n, dtype=torch.float64)
+    totals[_TOTALS + torch.tensor(sorted(skipped), dtype=torch.long)] = float("nan")
     ratio_max = torch.zeros(1, dtype=torch.float64)
     with _frozen_weights_cast(policy, cfg):
         for k, idx in enumerate(chunks):
@@ -156,6 +154,9 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         par.all_reduce_max(ratio_max)
 
     params = policy.trainable_parameters()
+    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
+        if p.grad is None:  # still steps every parameter (moments and weight decay)
+            p.grad = torch.zeros_like(p)
     limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
     lr = float(optimizer.param_groups[0]["lr"])
@@ -163,17 +164,50 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    tokens = max(float(totals[2]), 1.0)
+    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
+    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
+    tokens = max(float(all_tokens), 1.0)
     units = max(float(totals[6]), 1.0)
     return UpdateStats(
-        loss=float(totals[0]), mismatch_kl=float(totals[3]) / tokens,
+        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
         per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
         clip_fraction=float(totals[1]) / tokens,
-        ref_kl=float(totals[4]) / tokens if cfg.beta else None,
-        grad_norm=grad_norm, lr=lr, tokens=int(totals[2]),
+        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
+        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
         is_weight_mean=float(totals[5]) / units if correct else None,
         is_weight_max=float(ratio_max[0]) if correct else None,
-        is_limited_fraction=float(totals[7]) / units if correct else None)
+        is_limited_fraction=float(totals[7]) / units if correct else None,
+        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped))
+
+
+def _trained_share(seqs: Sequence[TrainSequence], cfg: UpdateConfig,
+                   par: Any) -> tuple[list[int], set[int]]:
+    """``(local, skipped)``: indices of the sequences this rank forwards and back-propagates,
+    and of the sequences no rank does (groups without signal:
+    :func:`gridrl.trainer.grpo.advantages.groups_with_signal`; their gradient is exactly 0).
+
+    The kept groups are dealt to ranks renumbered densely, so ranks share the groups with
+    signal. Under data parallelism with fewer groups with signal than ranks (but some), every
+    group is kept: each rank must run a backward for DDP's all-reduce. Identical on every rank
+    (the sequences are).
+
+    Raises:
+        ValueError: some rank would have no group to train on.
+    """
+    groups = [s.group for s in seqs]
+    kept = grpo.groups_with_signal(groups, [s.advantage for s in seqs], beta=cfg.beta)
+    if 0 < len(kept) < par.world_size:
+        kept = list(dict.fromkeys(groups))
+    dense = {g: k for k, g in enumerate(kept)}
+    trained = [i for i, g in enumerate(groups) if g in dense]
+    skipped = set(range(len(seqs))) - set(trained)
+    if not trained:
+        return [], skipped
+    share = par.local_share([dense[groups[i]] for i in trained])
+    if not share:
+        raise ValueError(f"rank {par.rank} has no group to train on: use at least "
+                         f"{par.world_size} prompts per step")
+    return [trained[k] for k in share], skipped
 
 
 _TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mismatch KL
