@@ -190,6 +190,12 @@ class UpdateStats:
             ``per_sequence_mismatch_kl`` is NaN (not measured) and ``mismatch_kl`` is over the
             trained sequences only; ``tokens`` and ``clip_fraction`` count them (a token of
             advantage 0 never takes the clipped branch).
+        micro_batches, checkpointed_micro_batches: forward/backward passes the update ran,
+            and how many of them recomputed their activations (``--memory-mb``).
+        peak_rss_bytes: this process's peak resident memory during the update (bytes), None
+            where the backend does not measure it.
+        threads: the CPU threads the update ended with (``--threads 0``: re-decided between
+            micro-batches from the cores other processes leave free), None where not known.
     """
 
     loss: float
@@ -205,6 +211,10 @@ class UpdateStats:
     is_limited_fraction: float | None = None
     skipped_groups: int = 0
     skipped_sequences: int = 0
+    micro_batches: int = 0
+    checkpointed_micro_batches: int = 0
+    peak_rss_bytes: int | None = None
+    threads: int | None = None
 
 
 class TrainerBackend(abc.ABC):
