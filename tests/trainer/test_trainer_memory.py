@@ -21,6 +21,7 @@ from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.backends.memory import (
     ALLOCATOR_SLACK,
     MIB,
+    RESERVE_BYTES,
     ActivationCost,
     MemoryBudgetError,
     plan_micro_batches,
@@ -109,8 +110,8 @@ def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, s
             plain, checkpointed = probe.costs(256)
             room = (plain.bytes(1, 220) + checkpointed.bytes(1, 220)) / 2
             assert plain.bytes(2, 72) < room < plain.bytes(1, 220)
-            backend.memory = UpdateMemory(backend.policy, backend.update_cfg, int(room),
-                                          width=256, rss=lambda: 0)
+            backend.memory = UpdateMemory(backend.policy, backend.update_cfg,
+                                          int(room) + RESERVE_BYTES, width=256, rss=lambda: 0)
         grads = capture_gradients(backend)
         results.append((backend.update(seqs), grads))
         backend.close()
@@ -134,7 +135,8 @@ def test_a_sequence_no_budget_holds_is_refused_at_the_step_naming_the_flag(tiny_
     _, checkpointed = UpdateMemory(backend.policy, backend.update_cfg, 1 << 40,
                                        rss=lambda: 0).costs(256)
     backend.memory = UpdateMemory(backend.policy, backend.update_cfg,
-                                  int(checkpointed.bytes(1, 256)) + 1, rss=lambda: 0)
+                                  int(checkpointed.bytes(1, 256)) + RESERVE_BYTES + 1,
+                                  rss=lambda: 0)
     before = backend.adapter_files()
     with pytest.raises(StatusError) as e:
         backend.update(_sequences([(100, 400), (10, 10)]))

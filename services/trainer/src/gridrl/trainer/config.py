@@ -172,16 +172,18 @@ class TrainConfig:
         2.0, "Cap C of the importance ratio: tis truncates to C, mis drops tokens (or "
         "sequences) above C.", check=above(0))
     micro_batch_size: int = setting(
-        0, "Sequences per forward/backward (0: all of a step at once, or as many as "
-        "--memory-mb holds).", check=NON_NEGATIVE)
+        0, "Sequences per forward/backward (0: all of a step at once).", check=NON_NEGATIVE)
     memory_mb: int = setting(
         0, "MiB of resident memory the trainer may use in its update (torch backend): "
         "micro-batches are sized from the sequences' tokens and the activations per token "
         "measured at start-up, a sequence too long for it alone recomputes its activations "
         "(activation checkpointing); a budget the model and one sequence do not fit is "
         "refused before step 1, naming the least that fits. 0: 60% of the memory available "
-        "at start-up (MemAvailable) on top of what the process holds.",
-        check=NON_NEGATIVE, on_resume=True)
+        "at start-up (MemAvailable) on top of what the process holds. --micro-batch-size "
+        "still caps the sequences of a micro-batch. With --threads 0 the update shares the "
+        "cores as a rollout node does (the cores other processes leave free, re-decided "
+        "between micro-batches).",
+        check=NON_NEGATIVE)
     # optimiser
     lr: float = setting(3e-4, "AdamW learning rate.", check=above(0))
     weight_decay: float = setting(0.0, "AdamW weight decay.")
@@ -260,9 +262,8 @@ class TrainConfig:
         "on CPUs with AMX or AVX-512-bf16; it raises the mismatch KL against float32 nodes "
         "(the 16-bit bound applies).", choices=("float32", "bfloat16"))
     threads: int = setting(
-        0, "torch intra-op CPU threads (0: share the cores as a rollout node does: one per "
-        "core other processes leave free, re-decided between the update's micro-batches; "
-        "idle threads sleep).", check=NON_NEGATIVE,
+        0, "torch intra-op CPU threads (0: torch's default, one per core). On a machine "
+        "shared with rollout nodes, give each process its share.", check=NON_NEGATIVE,
         on_resume=True)
     # serving (flags from gridrl.common.cli.server_options)
     listen: str = setting("127.0.0.1:50052", "TrainerService host:port.", cli=False,

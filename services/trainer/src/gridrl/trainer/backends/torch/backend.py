@@ -177,7 +177,9 @@ class TorchTrainerBackend(TrainerBackend):
                         "float32 (measured on an AVX2 CPU, docs/benchmarks.md); use "
                         "--update-dtype float32")
         # --threads 0 on a CPU: the cores other processes leave free, as a node shares them
-        cores = ThreadGovernor() if not cfg.threads and on_cpu else None
+        # (at most torch's own count: OMP_NUM_THREADS where set, else one per core)
+        cores = (ThreadGovernor(limit=torch.get_num_threads()) if not cfg.threads and on_cpu
+                 else None)
         return cls(policy, optimizer, scheduler, update_cfg,
                    make_parallel(policy, policy.device), memory=memory, cores=cores)
 

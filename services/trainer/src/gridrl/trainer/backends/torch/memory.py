@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig
 from gridrl.trainer.backends.memory import (
     MIB,
+    RESERVE_BYTES,
     ActivationCost,
     MemoryBudgetError,
     MemoryPlan,
@@ -37,7 +38,7 @@ from gridrl.trainer.backends.memory import (
 )
 
 #: The probe's sequence width (tokens) when the run gives none wider.
-PROBE_WIDTH = 256
+PROBE_WIDTH = 128
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -150,24 +151,37 @@ class UpdateMemory:
         self.limit_bytes = limit_bytes
         self._rss = rss
         return_freed_memory_to_the_system()  # resident memory that follows the tensors
-        self._costs: dict[int, tuple[ActivationCost, ActivationCost]] = {}
-        plain, checkpointed = self.costs(width)
-        base = rss()
-        need = base + min(plain.bytes(1, width), checkpointed.bytes(1, width))
+        self._plain: dict[int, ActivationCost] = {}
+        self._checkpointed: dict[int, ActivationCost] = {}
+        base = rss() + RESERVE_BYTES
+        need = base + self.plain_cost(width).bytes(1, width)
+        if need > limit_bytes:  # then only checkpointed; measured when needed, as here
+            need = base + self.checkpointed_cost(width).bytes(1, width)
         if need > limit_bytes:
             raise MemoryBudgetError(mib_up(need),
                                     f"the model ({mib_up(base)} MiB resident) and one "
                                     f"sequence of {width} tokens do not fit "
                                     f"{limit_bytes // MIB} MiB")
 
+    def plain_cost(self, width: int) -> ActivationCost:
+        """The cost without checkpointing, measured at the smallest power of two >= ``width``
+        (on first use)."""
+        bucket = _bucket(width)
+        if bucket not in self._plain:
+            self._plain[bucket] = measure_cost(self.policy, self.cfg, bucket, checkpoint=False)
+        return self._plain[bucket]
+
+    def checkpointed_cost(self, width: int) -> ActivationCost:
+        """:meth:`plain_cost` with activation checkpointing."""
+        bucket = _bucket(width)
+        if bucket not in self._checkpointed:
+            self._checkpointed[bucket] = measure_cost(self.policy, self.cfg, bucket,
+                                                      checkpoint=True)
+        return self._checkpointed[bucket]
+
     def costs(self, width: int) -> tuple[ActivationCost, ActivationCost]:
-        """(plain, checkpointed) costs measured at the smallest power of two >= ``width``
-        (measured on first use)."""
-        bucket = 1 << max(int(width) - 1, 1).bit_length()
-        if bucket not in self._costs:
-            self._costs[bucket] = (measure_cost(self.policy, self.cfg, bucket, checkpoint=False),
-                                   measure_cost(self.policy, self.cfg, bucket, checkpoint=True))
-        return self._costs[bucket]
+        """(plain, checkpointed) costs at ``width``."""
+        return self.plain_cost(width), self.checkpointed_cost(width)
 
     def plan(self, seqs: Sequence[TrainSequence], indices: Sequence[int],
              max_sequences: int = 0) -> MemoryPlan:
@@ -181,12 +195,27 @@ class UpdateMemory:
             return MemoryPlan([], [], 0.0)
         widest = max(len(seqs[i].prompt_ids) + max(len(seqs[i].completion_ids), 1)
                      for i in indices)
-        plain, checkpointed = self.costs(widest)
-        base = self._rss()
-        return plan_micro_batches(indices, [len(s.prompt_ids) for s in seqs],
-                                  [len(s.completion_ids) for s in seqs],
-                                  self.limit_bytes - base, plain, checkpointed,
-                                  max_sequences=max_sequences, base_bytes=base)
+        plain = self.plain_cost(widest)  # (a probe first: the base is read after it)
+        base = self._rss() + RESERVE_BYTES
+
+        def plan(checkpointed: ActivationCost | None) -> MemoryPlan:
+            return plan_micro_batches(indices, [len(s.prompt_ids) for s in seqs],
+                                      [len(s.completion_ids) for s in seqs],
+                                      self.limit_bytes - base, plain,
+                                      checkpointed, max_sequences=max_sequences,
+                                      base_bytes=base)
+
+        try:
+            return plan(None)
+        except MemoryBudgetError:  # some sequence needs checkpointing: measure it now
+            checkpointed = self.checkpointed_cost(widest)
+            base = max(base, self._rss() + RESERVE_BYTES)
+            return plan(checkpointed)
+
+
+def _bucket(width: int) -> int:
+    """The smallest power of two >= ``width`` (at least 2)."""
+    return 1 << max(int(width) - 1, 1).bit_length()
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
