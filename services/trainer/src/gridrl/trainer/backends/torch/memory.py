@@ -105,7 +105,7 @@ def probe_peak_bytes(policy: Any, cfg: UpdateConfig, n: int, width: int, *,
         for p in params:
             p.grad = None
         tracker = LiveTensorBytes()
-        with policy.activation_checkpointing(checkpoint), tracker:
+        with torch.enable_grad(), policy.activation_checkpointing(checkpoint), tracker:
             logp, _ = _logprobs(policy, seqs, batch, run_cfg, SingleProcess(policy.model),
                                 amp=True)
             (logp * batch["completion_mask"]).sum().backward()
@@ -150,6 +150,7 @@ class UpdateMemory:
         self.cfg = cfg
         self.limit_bytes = limit_bytes
         self._rss = rss
+        self._width = width  # narrower steps use this probe (a wider one costs more a token)
         return_freed_memory_to_the_system()  # resident memory that follows the tensors
         self._plain: dict[int, ActivationCost] = {}
         self._checkpointed: dict[int, ActivationCost] = {}
@@ -166,14 +167,14 @@ class UpdateMemory:
     def plain_cost(self, width: int) -> ActivationCost:
         """The cost without checkpointing, measured at the smallest power of two >= ``width``
         (on first use)."""
-        bucket = _bucket(width)
+        bucket = max(_bucket(width), self._width)
         if bucket not in self._plain:
             self._plain[bucket] = measure_cost(self.policy, self.cfg, bucket, checkpoint=False)
         return self._plain[bucket]
 
     def checkpointed_cost(self, width: int) -> ActivationCost:
         """:meth:`plain_cost` with activation checkpointing."""
-        bucket = _bucket(width)
+        bucket = max(_bucket(width), self._width)
         if bucket not in self._checkpointed:
             self._checkpointed[bucket] = measure_cost(self.policy, self.cfg, bucket,
                                                       checkpoint=True)
