@@ -12,17 +12,21 @@ For each ``--model`` shape:
   and above the runtime floor: the libraries and tokenizer without a model), the KV-cache
   tokens it advertises, and the time of ``PushAdapter`` of the rank-16 adapter (median of
   ``--pushes``, from bytes in memory to the node serving it);
-- the trainer (``--trainer``): one demo-shaped GRPO step at these sizes, 2 prompts x 8
-  completions x up to 128 tokens sampled in-process then one update (r16 LoRA, float32,
-  micro-batches of 4), in a subprocess of its own: seconds of each phase, its RSS against the
-  weight bytes. Skipped, and said so, when the memory available is short of ~2.6x the float32
-  weights (its float32 model, the sampler's packed copy, activations).
+- the trainer (``--trainer``, instead of the node): the update of one
+  reverse-words-retry-shaped step (2 groups x 8 two-turn episodes of random tokens, the loss
+  mask on the model's turns; r16 all-linear LoRA) per ``--update-dtype`` and ``--memory-gb``
+  budget, each in a subprocess of its own: start-up (load and activation probe), update
+  seconds, seconds per trained model token, micro-batches (checkpointed ones), and the
+  update's peak RSS against the budget. A budget the model does not fit is refused by the
+  trainer itself, and the row says so.
 
 Only one model and one process of size is alive at a time (a 1.5B float32 node is ~6 GB).
 
     python bench/large_models.py [--model qwen2.5-0.5b] [--model llama-3.2-1b]
                                  [--model qwen2.5-1.5b] [--dtype float32 --dtype bfloat16]
-                                 [--repeats 2] [--pushes 3] [--trainer]
+                                 [--repeats 2] [--pushes 3]
+    python bench/large_models.py --trainer --model qwen2.5-0.5b [--update-dtype bfloat16]
+                                 [--memory-gb 4 --memory-gb 8 --memory-gb 16]
 """
 
 from __future__ import annotations
@@ -177,73 +181,72 @@ def node_rows(shape: str, model_dir: Path, params: int, dtype: str, args: argpar
             str(info.kv_cache_tokens), f"{push:.0f} ({adapter_mb:.0f} MB)", how]
 
 
-def trainer_step(model_dir: str) -> dict:
-    """In this (child) process: one GRPO step at 2 prompts x 8 x 128 tokens, sampled locally,
-    then the update; seconds and RSS."""
+#: reverse-words-retry's token counts (issue 45: 16 two-turn episodes a step, ~550 model and
+#: ~950 environment tokens): per episode a prompt, turn 1, the environment's reply, turn 2
+EPISODE = dict(prompt=80, turn=17, env=60)
+
+
+def trainer_update(model_dir: str, update_dtype: str, memory_mb: int) -> dict:
+    """In this (child) process: the trainer's update of one reverse-words-retry-shaped step
+    (2 groups x 8 two-turn episodes, random tokens, loss mask on the model's turns) under
+    ``--memory-mb memory_mb`` and ``--update-dtype``: seconds, micro-batches, peak RSS."""
     import numpy as np
 
-    from gridrl.engine.contract import SamplingConfig
     from gridrl.trainer.backends.base import TrainSequence, create_backend
+    from gridrl.trainer.backends.memory import MIB
     from gridrl.trainer.config import TrainConfig
 
     cfg = TrainConfig(model=model_dir, backend="torch", lora_rank=16, lora_alpha=32.0,
-                      lr=3e-4, steps=1, max_tokens=128, temperature=1.0, rollout=["local"],
-                      run_dir="unused", seed=0, micro_batch_size=4).finalize()
+                      lr=3e-4, steps=1, max_tokens=EPISODE["turn"], temperature=1.0,
+                      rollout=["local"], run_dir="unused", seed=0, update_dtype=update_dtype,
+                      memory_mb=memory_mb).finalize()
     t0 = time.perf_counter()
-    backend = create_backend(cfg)
-    loaded = time.perf_counter() - t0
-    rss_loaded = resident_mb_self()
-    prompts = [backend.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"reverse the words : w{3 * g} w{3 * g + 1} w{3 * g + 2}"}],
-        add_generation_prompt=True) for g in range(2) for _ in range(8)]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    backend = create_backend(cfg)  # the load, and the activation probe
+    start_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    turn, env = EPISODE["turn"], EPISODE["env"]
+    mask = (1,) * turn + (0,) * env + (1,) * turn
+    seqs = [TrainSequence(tuple(int(t) for t in rng.integers(100, 40000, EPISODE["prompt"])),
+                          tuple(int(t) for t in rng.integers(100, 40000, len(mask))),
+                          tuple(-2.0 * m for m in mask), float(rng.standard_normal()), g,
+                          loss_mask=mask)
+            for g in range(2) for _ in range(8)]
     t0 = time.perf_counter()
-    results = backend.generate(prompts, SamplingConfig(max_tokens=128, temperature=1.0),
-                               list(range(16)))
-    sample_s = time.perf_counter() - t0
-    adv = np.random.default_rng(0).standard_normal(16)
-    seqs = [TrainSequence(tuple(p), tuple(r.token_ids), tuple(r.logprobs), float(a), i // 8)
-            for i, (p, r, a) in enumerate(zip(prompts, results, adv, strict=True))]
-    t0 = time.perf_counter()
-    backend.update(seqs)
+    stats = backend.update(seqs)
     update_s = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for r in results)
+    limit = backend.memory.limit_bytes if backend.memory is not None else 0
     backend.close()
-    rss, peak = resident_mb_self(), resident_mb_self(peak=True)
-    return {"load_s": loaded, "sample_s": sample_s, "update_s": update_s, "tokens": tokens,
-            "rss_loaded": rss_loaded, "rss_after": rss, "peak": peak}
+    return {"start_s": start_s, "update_s": update_s, "micro_batches": stats.micro_batches,
+            "checkpointed": stats.checkpointed_micro_batches,
+            "peak_mb": (stats.peak_rss_bytes or 0) / MIB, "limit_mb": limit / MIB,
+            "model_tokens": sum(s.trained_tokens for s in seqs)}
 
 
-def resident_mb_self(peak: bool = False) -> float:
-    import os
-
-    now, high = resident_mb(os.getpid())
-    return high if peak else now
-
-
-def trainer_row(shape: str, model_dir: Path, params: int) -> list[str]:
-    """Run :func:`trainer_step` in a child process and make its row (or say why not)."""
-    from gridrl.rollout.kv_budget import available_memory_bytes
-
-    need = 2.6 * params * 4
-    free = available_memory_bytes() or 0
-    if free < need:
-        return [shape, f"skipped: needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB available",
-                "", "", "", "", ""]
-    out = subprocess.run([sys.executable, __file__, "--trainer-step", str(model_dir)],
-                         capture_output=True, text=True, timeout=7200)
-    if out.returncode != 0:
-        return [shape, f"failed: {out.stderr.strip()[-300:]}", "", "", "", "", ""]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    floor = runtime_floor_mb("import torch, transformers, peft, grpc\n"
-                             "import gridrl.trainer.backends.torch.backend\n"
-                             "from transformers import AutoTokenizer\n"
-                             f"AutoTokenizer.from_pretrained({str(model_dir)!r})")
-    weights = params * 4 / 1e6
-    return [shape, f"{r['sample_s']:.1f} ({r['tokens']} tokens)", f"{r['update_s']:.1f}",
-            f"{r['sample_s'] + r['update_s']:.1f}", f"{weights:.0f}",
-            f"{r['rss_after']:.0f} (peak {r['peak']:.0f}, floor {floor:.0f})",
-            f"{r['rss_after'] / weights:.2f}x / {(r['rss_after'] - floor) / weights:.2f}x"]
+def trainer_rows(shape: str, model_dir: Path, params: int, dtypes: list[str],
+                 budgets: list[int]) -> list[list[str]]:
+    """Run :func:`trainer_update` in a child process per update dtype and budget (GB; 0: the
+    default share) and make their rows (or say why not)."""
+    rows = []
+    for dtype in dtypes:
+        for gb in budgets:
+            out = subprocess.run([sys.executable, __file__, "--trainer-step", str(model_dir),
+                                  "--update-dtype", dtype, "--memory-mb", str(gb * 1024)],
+                                 capture_output=True, text=True, timeout=7200)
+            budget = f"{gb} GB" if gb else "default"
+            if out.returncode != 0:
+                error = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+                rows.append([shape, dtype, budget, f"refused/failed: {error[-1][-200:]}",
+                             "", "", "", ""])
+                print(rows[-1], flush=True)
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append([shape, dtype, budget, f"{r['update_s']:.1f}",
+                         f"{r['update_s'] / r['model_tokens'] * 1000:.1f}",
+                         f"{r['micro_batches']} ({r['checkpointed']} checkpointed)",
+                         f"{r['peak_mb']:.0f} / {r['limit_mb']:.0f}",
+                         "yes" if r["peak_mb"] <= r["limit_mb"] else "NO"])
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
@@ -255,11 +258,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--trainer", action="store_true",
-                    help="also one trainer step (sample + update) per model, in a subprocess")
+                    help="the trainer's update instead of the node, per --update-dtype and "
+                         "--memory-gb, each in a subprocess")
+    ap.add_argument("--update-dtype", action="append", choices=["float32", "bfloat16"],
+                    help="trainer: update dtypes (default: both)")
+    ap.add_argument("--memory-gb", action="append", type=int,
+                    help="trainer: --memory-mb budgets in GB (default: 4, 8, 16)")
     ap.add_argument("--trainer-step", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--memory-mb", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trainer_step:
-        print(json.dumps(trainer_step(args.trainer_step)))
+        print(json.dumps(trainer_update(args.trainer_step, (args.update_dtype or ["float32"])[0],
+                                        args.memory_mb)))
         return
     bw = read_bandwidth_gbs()
     flops = {d: matmul_gflops(d) for d in ("float32", "bfloat16")}
@@ -276,12 +286,14 @@ def main() -> None:
                                      "gridrl.engine.backends.torch.backend\n"
                                      "from transformers import AutoTokenizer\n"
                                      f"AutoTokenizer.from_pretrained({str(work)!r})")
+            if args.trainer:
+                trainer_table += trainer_rows(shape, work, params,
+                                              args.update_dtype or ["float32", "bfloat16"],
+                                              args.memory_gb or [4, 8, 16])
+                continue
             for dtype in args.dtype or ["float32", "bfloat16"]:
                 node_table.append(node_rows(shape, work, params, dtype, args, bw, flops, floor))
                 print(node_table[-1], flush=True)
-            if args.trainer:
-                trainer_table.append(trainer_row(shape, work, params))
-                print(trainer_table[-1], flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(f"machine: {machine()}; read bandwidth {bw:.1f} GB/s; GEMM peak "
@@ -295,11 +307,13 @@ def main() -> None:
                              "RSS / weights, (RSS - floor) / weights", "KV-cache tokens",
                              "push ms", "forward"]))
     if trainer_table:
-        print("\ntrainer: 2 prompts x 8 x up to 128 tokens sampled in-process (float32 lean "
-              "forward), one update (float32, r16 LoRA, micro-batches of 4)")
-        print(table(trainer_table, ["model", "sample s", "update s", "step s", "weights MB",
-                                    "RSS after the step", "RSS / weights, above the floor"]))
-
+        print(f"\ntrainer: the update of one reverse-words-retry-shaped step (2 groups x 8 "
+              f"two-turn episodes: {EPISODE['prompt']} prompt tokens, {EPISODE['turn']} + "
+              f"{EPISODE['turn']} model and {EPISODE['env']} environment tokens each; r16 LoRA)"
+              " under --memory-mb; peak RSS of the update (VmHWM) against the budget, MiB")
+        print(table(trainer_table, ["model", "update dtype", "--memory-mb", "update s",
+                                    "ms / model token", "micro-batches", "peak RSS / budget",
+                                    "within"]))
 
 if __name__ == "__main__":
     main()

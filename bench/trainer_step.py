@@ -8,10 +8,14 @@ them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio 
     python bench/trainer_step.py [--backend torch --backend mlx] [--steps 2] [--model M]
     python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
+    python bench/trainer_step.py --background-load 1 --steps 5
 
 ``--profile`` (torch only): one demo-shaped batch, a warm-up update, then one update under
 ``torch.profiler`` per ``--update-dtype``: CPU seconds by kind of work (products, attention,
 casts, the head's log-softmax, elementwise, the optimizer) and the top operators.
+
+``--background-load N`` (torch only): the update alone and beside N busy processes, with
+``--threads 0`` (core sharing) and with a fixed thread per core; the loaded / alone ratios.
 
 ``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
 on it computing the completion logprobs from the final hidden states in chunks
@@ -22,10 +26,12 @@ on it computing the completion logprobs from the final hidden states in chunks
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
 
 import numpy as np
-from _common import machine, table
+from _common import BackgroundLoad, load_average, machine, table
 
 from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, create_backend
@@ -88,6 +94,41 @@ def measure(backend_name: str, steps: int, model: str, update_dtype: str = "floa
     finally:
         backend.close()
     return rows
+
+
+def update_beside_load(steps: int, model: str, busy: int) -> None:
+    """Update seconds per step of the torch trainer alone and beside ``busy`` processes that
+    each keep a core busy (:class:`_common.BackgroundLoad`): with ``--threads 0`` (the cores
+    others leave free, re-decided between micro-batches, 4 micro-batches a step) and with a
+    fixed thread count per core (what ``--threads 0`` did before); the median after step 1
+    of each, and the loaded / alone ratios."""
+    cores = os.cpu_count() or 1
+    task = ReverseWords(seed=0, min_words=3, max_words=4)
+    rows, medians = [], {}
+    for threads, load in ((0, 0), (0, busy), (cores, 0), (cores, busy)):
+        backend = demo_backend("torch", model, threads=threads)
+        backend.update_cfg = dataclasses.replace(backend.update_cfg, micro_batch_size=4)
+        prompts = demo_prompts(backend, task, 0)
+        seqs = sequences(prompts, sample(backend, prompts), 0)
+        times = []
+        try:
+            with BackgroundLoad(load):
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    stats = backend.update(seqs)
+                    times.append(time.perf_counter() - t0)
+                    print({"threads": threads or "0 (shared)", "busy": load, "step": step + 1,
+                           "update s": round(times[-1], 2), "ended with": stats.threads,
+                           "load": load_average()}, flush=True)
+        finally:
+            backend.close()
+        medians[(threads, load)] = float(np.median(times[1:] or times))
+        rows.append([f"{threads} ({'shared' if not threads else 'fixed'})", str(load),
+                     f"{medians[(threads, load)]:.2f}"])
+    print(table(rows, ["--threads", "busy cores", "median update s (after step 1)"]))
+    for threads in (0, cores):
+        print(f"--threads {threads}: beside {busy} busy / alone = "
+              f"{medians[(threads, busy)] / medians[(threads, 0)]:.2f}x")
 
 
 def compare_logits(repeats: int, model: str) -> None:
@@ -177,8 +218,13 @@ def main() -> None:
                         help="torch: where one update's time goes, per --update-dtype")
     parser.add_argument("--compare-logits", type=int, default=0, metavar="N",
                         help="torch: alternate N updates with and without the fused head")
+    parser.add_argument("--background-load", type=int, default=0, metavar="N",
+                        help="torch: update seconds alone and beside N busy processes")
     args = parser.parse_args()
     print(machine())
+    if args.background_load:
+        update_beside_load(max(args.steps, 3), args.model, args.background_load)
+        return
     if args.profile:
         profile(args.model, args.update_dtype or ["float32", "bfloat16"], args.threads)
         return

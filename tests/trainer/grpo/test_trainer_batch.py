@@ -121,7 +121,7 @@ def test_step_record_json_keeps_the_log_keys():
     full = StepRecord.of_step(batch, stats, sync, evaluation, {"b": "stale"}, **base)
     record = full.to_json()
     assert set(record) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens",
-                                    "synced_nodes", "skipped_nodes", "lagging_nodes",
+                                    "skipped_groups", "peak_rss_mb", "synced_nodes", "skipped_nodes", "lagging_nodes",
                                     "eval_exact", "eval_stderr", "eval_n", "eval_s",
                                     "eval_examples", "eval_metrics", "eval_scorer"}
     assert record["ref_kl"] is None and record["train_tokens"] == 6  # present though null
@@ -142,7 +142,8 @@ def test_step_record_json_keeps_the_log_keys():
                             is_limited_fraction=0.25)
     with_is = StepRecord.of_step(batch, corrected, SyncOutcome(), None, {}, **base)
     assert set(with_is.to_json()) == always | {"clip_fraction", "grad_norm", "lr", "ref_kl",
-                                               "train_tokens", *IS_KEYS}
+                                               "train_tokens", "skipped_groups", "peak_rss_mb",
+                                               *IS_KEYS}
     assert {k: with_is.to_json()[k] for k in IS_KEYS} == {
         "is_weight_mean": 1.25, "is_weight_max": 3.5, "is_limited_fraction": 0.25}
 

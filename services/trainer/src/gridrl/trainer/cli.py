@@ -92,6 +92,9 @@ def run(ctx: click.Context, listen: str, metrics_port: int, security: Any,
     130 / 143 (continue with --resume); a second one aborts at once, losing the steps since
     the last checkpoint. A run that fails checkpoints the steps it finished, then exits 1."""
     setup_logging(log_level)
+    # Before torch loads OpenMP (as a node does, gridrl.rollout.launch): idle workers spin
+    # ~10k iterations, then sleep, instead of holding a core another process could use.
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     params.update(listen=listen, metrics_port=metrics_port, log_level=log_level)
     try:
         cfg, resume = build_config(ctx, params)

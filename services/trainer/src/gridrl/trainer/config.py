@@ -181,6 +181,17 @@ class TrainConfig:
         "sequences) above C.", check=above(0))
     micro_batch_size: int = setting(
         0, "Sequences per forward/backward (0: all of a step at once).", check=NON_NEGATIVE)
+    memory_mb: int = setting(
+        0, "MiB of resident memory the trainer may use in its update (torch backend): "
+        "micro-batches are sized from the sequences' tokens and the activations per token "
+        "measured at start-up, a sequence too long for it alone recomputes its activations "
+        "(activation checkpointing); a budget the model and one sequence do not fit is "
+        "refused before step 1, naming the least that fits. 0: 60% of the memory available "
+        "at start-up (MemAvailable) on top of what the process holds. --micro-batch-size "
+        "still caps the sequences of a micro-batch. With --threads 0 the update shares the "
+        "cores as a rollout node does (the cores other processes leave free, re-decided "
+        "between micro-batches).",
+        check=NON_NEGATIVE)
     # optimiser
     lr: float = setting(3e-4, "AdamW learning rate.", check=above(0))
     weight_decay: float = setting(0.0, "AdamW weight decay.")

@@ -178,6 +178,18 @@ class UpdateStats:
         is_weight_max: the largest raw ratio; None without a correction.
         is_limited_fraction: fraction of those tokens or sequences whose ratio exceeded the cap
             (truncated by TIS, masked by MIS); None without a correction.
+        skipped_groups, skipped_sequences: groups (and their sequences) left out of the forward
+            and backward because all their advantages are 0 and ``beta == 0``: their gradient
+            is exactly 0 (:func:`gridrl.trainer.grpo.advantages.groups_with_signal`). Their
+            ``per_sequence_mismatch_kl`` is NaN (not measured) and ``mismatch_kl`` is over the
+            trained sequences only; ``tokens`` and ``clip_fraction`` count them (a token of
+            advantage 0 never takes the clipped branch).
+        micro_batches, checkpointed_micro_batches: forward/backward passes the update ran,
+            and how many of them recomputed their activations (``--memory-mb``).
+        peak_rss_bytes: this process's peak resident memory during the update (bytes), None
+            where the backend does not measure it.
+        threads: the CPU threads the update ended with (``--threads 0``: re-decided between
+            micro-batches from the cores other processes leave free), None where not known.
     """
 
     loss: float
@@ -191,6 +203,12 @@ class UpdateStats:
     is_weight_mean: float | None = None
     is_weight_max: float | None = None
     is_limited_fraction: float | None = None
+    skipped_groups: int = 0
+    skipped_sequences: int = 0
+    micro_batches: int = 0
+    checkpointed_micro_batches: int = 0
+    peak_rss_bytes: int | None = None
+    threads: int | None = None
 
 
 class TrainerBackend(abc.ABC):

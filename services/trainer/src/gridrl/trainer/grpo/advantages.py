@@ -187,3 +187,27 @@ def mismatch_kl(trainer_logprobs: Sequence[Sequence[float]],
     if d.size == 0:
         return None
     return float(np.mean(np.expm1(d) - d))
+
+
+def groups_with_signal(groups: Sequence[int], advantages: Sequence[float], *,
+                       beta: float = 0.0) -> list[int]:
+    """The groups an update must forward and back-propagate, in order of first appearance.
+
+    A group whose advantages are all 0 (its rewards were equal: :func:`group_advantages` gives
+    exactly 0 there) adds exactly 0 to the clipped surrogate's loss and gradient
+    (``ratio * 0``), so the update may leave it out: the same gradient for none of its
+    forward and backward cost. With a KL penalty (``beta > 0``) every sequence carries a
+    gradient, so every group is kept.
+
+    Args:
+        groups: each sequence's group index.
+        advantages: each sequence's advantage (same length).
+        beta: the KL-to-reference coefficient.
+    Returns:
+        the group indices to train, each once, in the order they first appear.
+    """
+    order = list(dict.fromkeys(groups))
+    if beta:
+        return order
+    loud = {g for g, a in zip(groups, advantages, strict=True) if a != 0.0}
+    return [g for g in order if g in loud]

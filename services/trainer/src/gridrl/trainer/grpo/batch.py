@@ -123,9 +123,9 @@ class StepBatch:
     def account_mismatch(self, per_sequence_kl: Sequence[float]) -> None:
         """Add each fresh (staleness 0) sample's mismatch KL to its node's stats, weighted by
         its tokens; ``per_sequence_kl`` is ``UpdateStats.per_sequence_mismatch_kl`` (one per
-        :attr:`sequences` entry, same order)."""
+        :attr:`sequences` entry, same order; NaN for a sequence the update skipped)."""
         for a, kl in zip(self.samples, per_sequence_kl, strict=True):
-            if a.staleness == 0:
+            if a.staleness == 0 and kl == kl:  # NaN: a skipped group's, not measured
                 ns = self.per_node[a.sample.node]
                 ns.fresh_kl_sum += kl * a.sequence.trained_tokens
                 ns.fresh_tokens += a.sequence.trained_tokens

@@ -143,7 +143,8 @@ class ConsoleLines:
             else:
                 parts.append("sync -")
         parts.append(f"roll {r.rollout_s:.1f}s train {r.train_s:.1f}s "
-                     f"{r.tokens_per_s:.0f} tok/s")
+                     f"{r.tokens_per_s:.0f} tok/s"
+                     + (f" mem {r.peak_rss_mb / 1024:.1f}G" if r.peak_rss_mb else ""))
         if r.flagged_nodes:
             parts.append(f"[bold red]FLAGGED: {', '.join(sorted(r.flagged_nodes))}[/]")
         self.console.print(" │ ".join(parts))

@@ -34,6 +34,9 @@ STALENESS_MEAN = Gauge("gridrl_trainer_staleness_mean",
 DROPPED_SAMPLES = Counter("gridrl_trainer_dropped_samples_total",
                           "Samples dropped for staleness beyond --max-staleness.")
 ROLLOUT_SECONDS = Gauge("gridrl_trainer_rollout_seconds", "Seconds collecting the last step's rollouts.")
+PEAK_RSS_BYTES = Gauge("gridrl_trainer_peak_rss_bytes",
+                       "Peak resident memory of the trainer process during the last update "
+                       "(bounded by --memory-mb).")
 TRAIN_SECONDS = Gauge("gridrl_trainer_train_seconds", "Seconds of the last step's gradient update.")
 SYNC_SECONDS = Gauge("gridrl_trainer_sync_seconds",
                      "Seconds pushing the adapter at the last step (0 when it did not sync).")
@@ -113,6 +116,8 @@ def record_step(record: StepRecord) -> None:
               (IS_WEIGHT_MAX, "is_weight_max", record.is_weight_max),
               (IS_LIMITED_FRACTION, "is_limited_fraction", record.is_limited_fraction),
               (EVAL_SCORE, "eval_score", record.eval_score),
+              (PEAK_RSS_BYTES, "peak_rss_mb",
+               None if record.peak_rss_mb is None else record.peak_rss_mb * (1 << 20)),
               (MISMATCH_KL_BOUND, "mismatch_kl_bound", record.mismatch_kl_bound))
     for gauge, name, value in gauges:
         if value is not None:

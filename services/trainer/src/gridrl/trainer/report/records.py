@@ -22,7 +22,8 @@ from gridrl.trainer.evaluation import EvalResult
 from gridrl.trainer.grpo.batch import StepBatch
 
 # Keys present only after an update, a sync or an eval (absent otherwise, not null).
-_UPDATE_KEYS = ("clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens")
+_UPDATE_KEYS = ("clip_fraction", "grad_norm", "lr", "ref_kl", "train_tokens", "skipped_groups",
+                "peak_rss_mb")
 _SYNC_KEYS = ("synced_nodes", "skipped_nodes", "lagging_nodes")
 _EVAL_KEYS = ("eval_exact", "eval_stderr", "eval_n", "eval_s", "eval_examples", "eval_metrics",
               "eval_scorer")
@@ -146,6 +147,8 @@ class StepRecord:
     lr: float | None = None
     ref_kl: float | None = None
     train_tokens: int | None = None
+    skipped_groups: int | None = None  # groups without signal left out of the update
+    peak_rss_mb: float | None = None  # the trainer's peak resident memory in the update, MiB
     # after an update with an importance-sampling correction (UpdateStats.is_*)
     is_weight_mean: float | None = None
     is_weight_max: float | None = None
@@ -237,6 +240,9 @@ class StepRecord:
             record.clip_fraction, record.grad_norm, record.lr = (stats.clip_fraction,
                                                                  stats.grad_norm, stats.lr)
             record.ref_kl, record.train_tokens = stats.ref_kl, stats.tokens
+            record.skipped_groups = stats.skipped_groups
+            if stats.peak_rss_bytes is not None:
+                record.peak_rss_mb = round(stats.peak_rss_bytes / (1 << 20), 1)
             record.is_weight_mean = stats.is_weight_mean
             record.is_weight_max = stats.is_weight_max
             record.is_limited_fraction = stats.is_limited_fraction

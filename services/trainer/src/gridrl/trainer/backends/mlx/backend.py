@@ -401,12 +401,15 @@ class MlxTrainerBackend(TrainerBackend):
         n = len(seqs)
         coef_all = grpo.sequence_weights([s.trained_tokens for s in seqs],
                                          cfg.aggregation, cfg.max_tokens)  # type: ignore[arg-type]
-        mb = cfg.micro_batch_size or n
-        chunks = [list(range(i, min(i + mb, n))) for i in range(0, n, mb)]
+        kept = set(grpo.groups_with_signal([s.group for s in seqs],
+                                           [s.advantage for s in seqs], beta=cfg.beta))
+        trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
+        mb = cfg.micro_batch_size or max(len(trained), 1)
+        chunks = [trained[i:i + mb] for i in range(0, len(trained), mb)]
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
-        per_seq_kl = np.zeros(n, np.float64)
+        per_seq_kl = np.full(n, np.nan, np.float64)  # NaN: skipped, not measured
         ntok = np.array([s.trained_tokens for s in seqs], np.float64)
         grads: Any = None
         with mx.stream(self.engine._device):
@@ -438,6 +441,8 @@ class MlxTrainerBackend(TrainerBackend):
                 clipped += float((np.array(took) & (mask > 0)).sum())
                 ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
             self.model.eval()
+            if grads is None:  # no group with signal: a zero gradient, AdamW still steps
+                grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
             lr = float(self.lr * grpo.lr_factor(step, self.schedule, self.warmup_steps,
                                                 self.total_steps))
             if cfg.max_grad_norm > 0:
@@ -448,12 +453,16 @@ class MlxTrainerBackend(TrainerBackend):
             self.optimizer.update(self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state, norm)
         tokens = max(float(ntok.sum()), 1.0)
+        forwarded = max(float(ntok[trained].sum()), 1.0)
         return UpdateStats(
-            loss=loss_sum, mismatch_kl=float((per_seq_kl * ntok).sum()) / tokens,
+            loss=loss_sum,
+            mismatch_kl=float((per_seq_kl[trained] * ntok[trained]).sum()) / forwarded,
             per_sequence_mismatch_kl=[float(v) for v in per_seq_kl],
             clip_fraction=clipped / tokens,
-            ref_kl=ref_kl_sum / tokens if cfg.beta else None,
-            grad_norm=float(norm.item()), lr=lr, tokens=int(ntok.sum()))
+            ref_kl=ref_kl_sum / forwarded if cfg.beta else None,
+            grad_norm=float(norm.item()), lr=lr, tokens=int(ntok.sum()),
+            skipped_groups=len({s.group for s in seqs} - kept),
+            skipped_sequences=n - len(trained))
 
     # ---------------------------------------------------------------- files
 

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gridrl.common.errors import invalid_argument, resource_exhausted
 from gridrl.engine.backends.torch.backend import TorchBackend
+from gridrl.engine.backends.torch.cores import ThreadGovernor
 from gridrl.engine.backends.torch.projection import cpu_has_bf16_compute
 from gridrl.engine.contract import SequenceRequest
 from gridrl.trainer.backends.base import (
@@ -32,12 +34,14 @@ from gridrl.trainer.backends.base import (
     UpdateConfig,
     UpdateStats,
 )
+from gridrl.trainer.backends.memory import MIB, MemoryBudgetError, resolve_memory_mb
 from gridrl.trainer.backends.torch.distributed import (
     SingleProcess,
     init_process_group,
     launched_by_torchrun,
     make_parallel,
 )
+from gridrl.trainer.backends.torch.memory import UpdateMemory, check_weights_fit
 from gridrl.trainer.backends.torch.policy import load_policy, torch_device
 from gridrl.trainer.backends.torch.update import (
     grpo_update,
@@ -111,19 +115,26 @@ class TorchTrainerBackend(TrainerBackend):
         parallel: :class:`~gridrl.trainer.backends.torch.distributed.DataParallel` under torchrun, else None
             (one process).
         max_batch: sequences :meth:`generate` decodes together.
+        memory: the update's memory bound (``--memory-mb``), or None (unbounded).
+        cores: the update's core sharing (``--threads 0`` on a CPU: the node's
+            :class:`~gridrl.engine.backends.torch.cores.ThreadGovernor`), or None (the
+            threads as set).
     """
 
     name = "torch"
 
     def __init__(self, policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None,
                  update_cfg: UpdateConfig, parallel: SingleProcess | None = None,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, memory: UpdateMemory | None = None,
+                 cores: ThreadGovernor | None = None) -> None:
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.update_cfg = update_cfg
         self.parallel = parallel or SingleProcess(policy.model)
         self.max_batch = max_batch
+        self.memory = memory
+        self.cores = cores
         self.tokenizer = policy.tokenizer
         self.identity = policy.identity
         self.low_precision = (policy.dtype in (torch.bfloat16, torch.float16)
@@ -142,10 +153,21 @@ class TorchTrainerBackend(TrainerBackend):
         if launched_by_torchrun():
             init_process_group(torch_device(cfg.device))
         seed_everything(cfg.seed)
+        limit_mb = resolve_memory_mb(getattr(cfg, "memory_mb", 0))
+        on_cpu = torch_device(cfg.device).type == "cpu"
+        if limit_mb and on_cpu:
+            check_weights_fit(cfg.model, cfg.dtype, limit_mb)
         policy = load_policy(cfg.model, lora=LoraSettings.from_config(cfg), device=cfg.device,
                              dtype=cfg.dtype, seed=cfg.seed)
         optimizer = make_optimizer(policy.trainable_parameters(), lr=cfg.lr,
                                    weight_decay=cfg.weight_decay)
+        update_cfg = UpdateConfig.from_config(cfg)
+        memory = None
+        if limit_mb and on_cpu:  # resident memory bounds a CPU update (CUDA: the GPU's own)
+            try:
+                memory = UpdateMemory(policy, update_cfg, limit_mb * MIB)
+            except MemoryBudgetError as e:
+                raise invalid_argument("--memory-mb", str(e)) from e
         scheduler = make_scheduler(optimizer, schedule=cfg.lr_schedule,
                                    warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         if cfg.update_dtype == "bfloat16" and policy.device.type == "cpu" \
@@ -154,8 +176,12 @@ class TorchTrainerBackend(TrainerBackend):
                         "(no AVX-512 or AVX-NE-CONVERT): the update runs ~20x slower than "
                         "float32 (measured on an AVX2 CPU, docs/benchmarks.md); use "
                         "--update-dtype float32")
-        return cls(policy, optimizer, scheduler, UpdateConfig.from_config(cfg),
-                   make_parallel(policy, policy.device))
+        # --threads 0 on a CPU: the cores other processes leave free, as a node shares them
+        # (at most torch's own count: OMP_NUM_THREADS where set, else one per core)
+        cores = (ThreadGovernor(limit=torch.get_num_threads()) if not cfg.threads and on_cpu
+                 else None)
+        return cls(policy, optimizer, scheduler, update_cfg,
+                   make_parallel(policy, policy.device), memory=memory, cores=cores)
 
     # ---------------------------------------------------------------- sampling and scoring
 
@@ -187,14 +213,20 @@ class TorchTrainerBackend(TrainerBackend):
     def logprobs(self, seqs: Sequence[TrainSequence]) -> list[list[float]]:
         """See :meth:`TrainerBackend.logprobs`
         (:func:`gridrl.trainer.backends.torch.update.sequence_logprobs`)."""
-        return sequence_logprobs(self.policy, seqs, self.update_cfg)
+        try:
+            return sequence_logprobs(self.policy, seqs, self.update_cfg, self.memory)
+        except MemoryBudgetError as e:
+            raise resource_exhausted(str(e), field="--memory-mb") from e
 
     # ---------------------------------------------------------------- training
 
     def update(self, seqs: Sequence[TrainSequence]) -> UpdateStats:
         """See :meth:`TrainerBackend.update` (:func:`gridrl.trainer.backends.torch.update.grpo_update`)."""
-        return grpo_update(self.policy, self.optimizer, self.scheduler, seqs, self.update_cfg,
-                           self.parallel)
+        try:
+            return grpo_update(self.policy, self.optimizer, self.scheduler, seqs,
+                               self.update_cfg, self.parallel, self.memory, self.cores)
+        except MemoryBudgetError as e:  # before any weight changed
+            raise resource_exhausted(str(e), field="--memory-mb") from e
 
     # ---------------------------------------------------------------- files
 

@@ -127,6 +127,32 @@ class Policy:
             for param, original in swapped:
                 param.data = original
 
+    @contextlib.contextmanager
+    def activation_checkpointing(self, enabled: bool = True) -> Iterator[None]:
+        """Within the block (when ``enabled``), the decoder layers keep only their inputs for
+        the backward and recompute the rest there (transformers' gradient checkpointing,
+        non-reentrant): activations of about one layer instead of every layer, for a second
+        forward. A checkpointed layer drops a KV cache passed to it, so a checkpointed forward
+        must not use the shared-prefix path."""
+        if not enabled:
+            yield
+            return
+        base = self.model.get_base_model()
+        # transformers 5 renamed gradient_* to activation_checkpointing_* (old names warn)
+        prefix = ("activation_checkpointing" if hasattr(base, "activation_checkpointing_enable")
+                  else "gradient_checkpointing")
+        with warnings.catch_warnings():  # peft reads the deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            getattr(base, f"{prefix}_enable")(**{f"{prefix.split('_')[0]}_checkpointing_kwargs":
+                                                  {"use_reentrant": False}})
+        try:
+            yield
+        finally:
+            getattr(base, f"{prefix}_disable")()
+            if hasattr(base, "disable_input_require_grads"):  # the enable's embedding hook
+                base.disable_input_require_grads()
+
     # ---------------------------------------------------------------- parameters and files
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -11,17 +11,23 @@ and data-parallel ranks add up to exactly the full-batch loss and gradient.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gridrl.engine.backends.torch.sampling import RowSampling, transform_logits
 from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig, UpdateStats
+from gridrl.trainer.backends.memory import peak_rss_bytes, reset_peak_rss, trim_free_memory
 from gridrl.trainer.backends.torch import losses as grpo_torch
 from gridrl.trainer.backends.torch.distributed import SingleProcess
 from gridrl.trainer.grpo import advantages as grpo
+
+if TYPE_CHECKING:
+    from gridrl.engine.backends.torch.cores import ThreadGovernor
+    from gridrl.trainer.backends.torch.memory import UpdateMemory
 
 
 def collate(seqs: Sequence[TrainSequence], pad_id: int, device: torch.device, *,
@@ -67,7 +73,9 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int, device: torch.device, *,
 
 def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                 seqs: Sequence[TrainSequence], cfg: UpdateConfig,
-                parallel: SingleProcess | None = None) -> UpdateStats:
+                parallel: SingleProcess | None = None,
+                memory: UpdateMemory | None = None,
+                cores: ThreadGovernor | None = None) -> UpdateStats:
     """Compute the GRPO loss of ``seqs``, back-propagate, clip, and step the optimizer and the
     learning-rate schedule once.
 
@@ -80,10 +88,21 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         parallel: :class:`~gridrl.trainer.backends.torch.distributed.DataParallel` under torchrun; this rank
             trains on its share of the groups and DDP averages gradients (the loss is scaled by
             the world size so the average equals the full-batch gradient).
+        memory: ``--memory-mb``'s bound (:class:`~gridrl.trainer.backends.torch.memory.UpdateMemory`):
+            the micro-batches are cut to fit it (``micro_batch_size`` still caps their
+            sequences), a sequence that fits only with activation checkpointing runs alone
+            with it; None: micro-batches of ``micro_batch_size``.
+        cores: ``--threads 0``'s core sharing
+            (:class:`~gridrl.engine.backends.torch.cores.ThreadGovernor`): the torch threads
+            are re-decided from what other processes leave free after each micro-batch (from
+            the update's own window: the wait between updates is not counted); None: as set.
     Returns:
-        :class:`UpdateStats` (identical on every rank).
+        :class:`UpdateStats` (identical on every rank but ``peak_rss_bytes``, this
+        process's).
     Raises:
         ValueError: ``seqs`` is empty or this rank's share is empty.
+        MemoryBudgetError: a sequence does not fit ``memory`` even with checkpointing (the
+            weights are untouched).
     """
     par = parallel or SingleProcess(policy.model)
     if not seqs:
@@ -91,12 +110,15 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     device = policy.device
     coef = torch.from_numpy(grpo.sequence_weights(
         [s.trained_tokens for s in seqs], cfg.aggregation, cfg.max_tokens))  # type: ignore[arg-type]
-    local = par.local_share([s.group for s in seqs])
-    if not local:
-        raise ValueError(f"rank {par.rank} has no group to train on: use at least "
-                         f"{par.world_size} prompts per step")
-    mb = cfg.micro_batch_size or len(local)
-    chunks = [local[i:i + mb] for i in range(0, len(local), mb)]
+    reset_peak_rss()
+    local, skipped = _trained_share(seqs, cfg, par)
+    if memory is not None:
+        plan = memory.plan(seqs, local, cfg.micro_batch_size)
+        chunks, checkpointed = plan.chunks, plan.checkpointed
+    else:
+        mb = cfg.micro_batch_size or max(len(local), 1)
+        chunks = [local[i:i + mb] for i in range(0, len(local), mb)]
+        checkpointed = [False] * len(chunks)
 
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -105,7 +127,10 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     # [loss, clipped tokens, tokens, mismatch kl sum, ref kl sum, IS ratio sum, IS units,
     #  IS limited units] + per-sequence mismatch kl
     totals = torch.zeros(_TOTALS + n, dtype=torch.float64)
+    totals[_TOTALS + torch.tensor(sorted(skipped), dtype=torch.long)] = float("nan")
     ratio_max = torch.zeros(1, dtype=torch.float64)
+    if cores is not None:
+        cores.begin()
     with _frozen_weights_cast(policy, cfg):
         for k, idx in enumerate(chunks):
             batch = collate([seqs[i] for i in idx], policy.pad_id, device)
@@ -113,9 +138,11 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
             width = mask.shape[1]
             sync = k == len(chunks) - 1
             ctx = par.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
-                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch, cfg, par,
-                                       amp=True)
+            recompute = checkpointed[k]
+            with ctx, policy.activation_checkpointing(recompute):
+                logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch,
+                                       dataclasses.replace(cfg, shared_prefix=False)
+                                       if recompute else cfg, par, amp=True)
                 ref_logp = None
                 if cfg.beta:
                     with autocast(cfg, device):
@@ -151,11 +178,19 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                     if bool(iw.units.any()):
                         ratio_max[0] = max(float(ratio_max[0]), float(iw.ratio[iw.units].max()))
                 totals[_TOTALS + torch.tensor(idx)] = per_seq_kl.double().cpu()
+            if memory is not None:
+                del batch, logp, seen, out, token_loss, ref_logp, iw
+                trim_free_memory()  # the next micro-batch starts from the base again
+            if cores is not None:
+                cores.step()  # between micro-batches: the threads others leave free
     par.all_reduce_sum(totals)
     if correct:
         par.all_reduce_max(ratio_max)
 
     params = policy.trainable_parameters()
+    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
+        if p.grad is None:  # still steps every parameter (moments and weight decay)
+            p.grad = torch.zeros_like(p)
     limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
     lr = float(optimizer.param_groups[0]["lr"])
@@ -163,17 +198,52 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    tokens = max(float(totals[2]), 1.0)
+    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
+    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
+    tokens = max(float(all_tokens), 1.0)
     units = max(float(totals[6]), 1.0)
     return UpdateStats(
-        loss=float(totals[0]), mismatch_kl=float(totals[3]) / tokens,
+        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
         per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
         clip_fraction=float(totals[1]) / tokens,
-        ref_kl=float(totals[4]) / tokens if cfg.beta else None,
-        grad_norm=grad_norm, lr=lr, tokens=int(totals[2]),
+        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
+        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
         is_weight_mean=float(totals[5]) / units if correct else None,
         is_weight_max=float(ratio_max[0]) if correct else None,
-        is_limited_fraction=float(totals[7]) / units if correct else None)
+        is_limited_fraction=float(totals[7]) / units if correct else None,
+        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped),
+        micro_batches=len(chunks), checkpointed_micro_batches=sum(checkpointed),
+        peak_rss_bytes=peak_rss_bytes(), threads=torch.get_num_threads())
+
+
+def _trained_share(seqs: Sequence[TrainSequence], cfg: UpdateConfig,
+                   par: Any) -> tuple[list[int], set[int]]:
+    """``(local, skipped)``: indices of the sequences this rank forwards and back-propagates,
+    and of the sequences no rank does (groups without signal:
+    :func:`gridrl.trainer.grpo.advantages.groups_with_signal`; their gradient is exactly 0).
+
+    The kept groups are dealt to ranks renumbered densely, so ranks share the groups with
+    signal. Under data parallelism with fewer groups with signal than ranks (but some), every
+    group is kept: each rank must run a backward for DDP's all-reduce. Identical on every rank
+    (the sequences are).
+
+    Raises:
+        ValueError: some rank would have no group to train on.
+    """
+    groups = [s.group for s in seqs]
+    kept = grpo.groups_with_signal(groups, [s.advantage for s in seqs], beta=cfg.beta)
+    if 0 < len(kept) < par.world_size:
+        kept = list(dict.fromkeys(groups))
+    dense = {g: k for k, g in enumerate(kept)}
+    trained = [i for i, g in enumerate(groups) if g in dense]
+    skipped = set(range(len(seqs))) - set(trained)
+    if not trained:
+        return [], skipped
+    share = par.local_share([dense[groups[i]] for i in trained])
+    if not share:
+        raise ValueError(f"rank {par.rank} has no group to train on: use at least "
+                         f"{par.world_size} prompts per step")
+    return [trained[k] for k in share], skipped
 
 
 _TOTALS = 8  # scalar slots of grpo_update's totals before the per-sequence mismatch KL
@@ -254,10 +324,12 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
 
 @torch.no_grad()
 def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
-                      cfg: UpdateConfig) -> list[list[float]]:
+                      cfg: UpdateConfig, memory: UpdateMemory | None = None
+                      ) -> list[list[float]]:
     """The policy's logprobs of each completion of ``seqs`` under the sampler's transform
     (:func:`sampler_logprobs` when the run truncates, else ``log_softmax(logits / T)``), in
-    eval mode (no dropout), no gradient, in micro-batches of ``cfg.micro_batch_size``.
+    eval mode (no dropout), no gradient, in micro-batches of ``cfg.micro_batch_size`` (or
+    those ``memory`` plans).
 
     Args:
         policy: a :class:`gridrl.trainer.backends.torch.policy.Policy`.
@@ -271,9 +343,13 @@ def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
     policy.model.eval()
     try:
         out: list[list[float]] = []
-        mb = cfg.micro_batch_size or len(seqs)
-        for start in range(0, len(seqs), mb):
-            chunk = list(seqs[start:start + mb])
+        if memory is not None:  # the update's plan: no gradient needs less, never more
+            chunks = memory.plan(seqs, range(len(seqs)), cfg.micro_batch_size).chunks
+        else:
+            mb = cfg.micro_batch_size or len(seqs)
+            chunks = [list(range(i, min(i + mb, len(seqs)))) for i in range(0, len(seqs), mb)]
+        for idx in chunks:
+            chunk = [seqs[i] for i in idx]
             batch = collate(chunk, policy.pad_id, policy.device, behaviour=False)
             _, lp = _logprobs(policy, chunk, batch, cfg, SingleProcess(policy.model))
             lp = lp * batch["completion_mask"]  # 0 on environment tokens, on either path

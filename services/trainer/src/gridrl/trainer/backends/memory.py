@@ -1,0 +1,268 @@
+"""The update's memory bound (``--memory-mb``), framework-free: the process's resident memory
+(read from ``/proc``), the activation cost of a micro-batch, and the micro-batches of a step
+sized to fit.
+
+    budget = MemoryBudget(limit_bytes=resolve_memory_mb(cfg.memory_mb) * MIB, ...)
+    plan = plan_micro_batches(widths, budget.available(current_rss_bytes()), costs)
+    plan.chunks        # list[list[int]]: sequence indices of each micro-batch, in order
+    plan.checkpointed  # list[bool]: which micro-batches recompute their activations
+
+A micro-batch of ``n`` sequences padded to ``width`` tokens (prompt + completion) holds
+``fixed + per_token * n * width`` bytes of activations at its peak (:class:`ActivationCost`).
+Both numbers are measured once at start-up on a probe forward and backward of the real model
+(:mod:`gridrl.trainer.backends.torch.memory`), with and without activation checkpointing; the
+planner here only adds up. Micro-batching never changes the loss or the gradient beyond float
+rounding (the loss weights are fixed over the whole step first,
+:func:`gridrl.trainer.grpo.advantages.sequence_weights`).
+
+Resident memory: ``VmRSS`` / ``VmHWM`` of ``/proc/self/status``; the peak is reset at the start
+of a step by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), so the peak of a step is
+that step's. Elsewhere (macOS) the peak is ``getrusage``'s ``ru_maxrss`` (never reset).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIB = 1024 * 1024
+
+#: ``--memory-mb 0``: this share of the memory the machine has available at start-up
+#: (``MemAvailable``: free memory plus what the kernel can reclaim).
+DEFAULT_MEMORY_SHARE = 0.6
+
+#: Resident memory kept free of activations under every budget: what the allocator and the
+#: libraries take around a micro-batch whatever its size (on the tiny llama a plan that
+#: filled its room peaked 1-2 MiB over it, at 5 and at 8 micro-batches alike).
+RESERVE_BYTES = 8 * MIB
+
+#: Resident memory the allocator holds beyond the tensors' own bytes (freed blocks kept,
+#: fragmentation, the small allocations around the products), as a share of the activations:
+#: the plan counts activations times ``1 + ALLOCATOR_SLACK``.
+ALLOCATOR_SLACK = 0.5
+
+
+class MemoryBudgetError(Exception):
+    """The budget cannot hold what must fit.
+
+    Attributes:
+        least_mb: the smallest ``--memory-mb`` that would fit (MiB, rounded up).
+        what: what did not fit, in words.
+    """
+
+    def __init__(self, least_mb: int, what: str) -> None:
+        super().__init__(f"{what}: needs --memory-mb {least_mb} or more")
+        self.least_mb = least_mb
+        self.what = what
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now, bytes (``VmRSS``; elsewhere the peak so far)."""
+    kib = _status_kib("VmRSS")
+    return kib * 1024 if kib is not None else peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since :func:`reset_peak_rss` (or its start), bytes."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes; Linux: KiB
+
+
+def reset_peak_rss() -> bool:
+    """Set the peak resident memory to the current one (Linux: ``/proc/self/clear_refs``);
+    False where it cannot be reset (the peak then stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (bytes), else the physical memory; None when
+    neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def resolve_memory_mb(memory_mb: int) -> int:
+    """``--memory-mb`` as a number of MiB: itself when > 0; for 0,
+    :data:`DEFAULT_MEMORY_SHARE` of the available memory plus what this process already holds
+    (0 when nothing can be read: no bound)."""
+    if memory_mb > 0:
+        return memory_mb
+    available = available_memory_bytes()
+    if available is None:
+        return 0
+    return int((DEFAULT_MEMORY_SHARE * available + current_rss_bytes()) // MIB)
+
+
+def mib_up(nbytes: float) -> int:
+    """Bytes as whole MiB, rounded up."""
+    return max(1, math.ceil(nbytes / MIB))
+
+
+@dataclass(frozen=True)
+class ActivationCost:
+    """Peak bytes a micro-batch adds to the resident memory during its forward and backward:
+    ``(fixed + per_token * n * width) * (1 + ALLOCATOR_SLACK)`` for ``n`` sequences padded
+    to ``width`` tokens, measured at ``probe_width`` tokens (a wider batch is measured again:
+    attention grows faster than linearly in the width).
+
+    Attributes:
+        fixed: bytes that do not grow with the tokens (head chunks, gradient buffers).
+        per_token: bytes per padded token.
+        probe_width: the width it was measured at.
+    """
+
+    fixed: float
+    per_token: float
+    probe_width: int
+
+    def bytes(self, n: int, width: int) -> float:
+        """Bytes of a micro-batch of ``n`` sequences ``width`` tokens wide."""
+        return (self.fixed + self.per_token * n * width) * (1.0 + ALLOCATOR_SLACK)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The micro-batches of a step (:func:`plan_micro_batches`).
+
+    Attributes:
+        chunks: sequence indices of each micro-batch, in order.
+        checkpointed: per micro-batch, whether it recomputes its activations in the backward.
+        peak_bytes: the planned peak of the largest micro-batch above the resident base.
+    """
+
+    chunks: list[list[int]]
+    checkpointed: list[bool]
+    peak_bytes: float
+
+
+def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
+                       completion_lens: Sequence[int], room_bytes: float,
+                       plain: ActivationCost, checkpointed: ActivationCost | None = None,
+                       max_sequences: int = 0, base_bytes: float = 0.0) -> MemoryPlan:
+    """Cut ``indices`` (in order) into micro-batches whose activations fit ``room_bytes``.
+
+    A micro-batch grows while it fits; its width is its longest prompt plus its longest
+    completion (prompts left-padded, completions right-padded). A sequence that does not fit
+    alone runs alone with activation checkpointing (``checkpointed`` cost) when that fits.
+
+    Args:
+        indices: the sequences to train, in the order to keep.
+        prompt_lens, completion_lens: token counts, indexed by the entries of ``indices``.
+        room_bytes: bytes the micro-batch may add to the resident memory.
+        plain, checkpointed: measured costs without and with activation checkpointing (None:
+            no checkpointing available).
+        max_sequences: most sequences a micro-batch (``--micro-batch-size``; 0: no limit).
+        base_bytes: the resident memory the room is above (for the error's least budget).
+    Returns:
+        a :class:`MemoryPlan`.
+    Raises:
+        MemoryBudgetError: a sequence does not fit even with checkpointing; ``least_mb`` is
+            the budget that would hold it.
+    """
+    chunks: list[list[int]] = []
+    flags: list[bool] = []
+    peak = 0.0
+    current: list[int] = []
+    p_max = c_max = 0
+    for i in indices:
+        p, c = max(p_max, prompt_lens[i]), max(c_max, max(completion_lens[i], 1))
+        need = plain.bytes(len(current) + 1, p + c)
+        if current and need <= room_bytes and (not max_sequences or len(current) < max_sequences):
+            current.append(i)
+            p_max, c_max = p, c
+            continue
+        if current:
+            chunks.append(current)
+            flags.append(False)
+            peak = max(peak, plain.bytes(len(current), p_max + c_max))
+        width = prompt_lens[i] + max(completion_lens[i], 1)
+        if plain.bytes(1, width) <= room_bytes:
+            current, p_max, c_max = [i], prompt_lens[i], max(completion_lens[i], 1)
+            continue
+        if checkpointed is not None and checkpointed.bytes(1, width) <= room_bytes:
+            chunks.append([i])
+            flags.append(True)
+            peak = max(peak, checkpointed.bytes(1, width))
+            current, p_max, c_max = [], 0, 0
+            continue
+        cost = checkpointed or plain
+        raise MemoryBudgetError(mib_up(base_bytes + cost.bytes(1, width)),
+                                f"one sequence of {width} tokens does not fit the update's "
+                                f"memory{' even with activation checkpointing' if checkpointed else ''}")
+    if current:
+        chunks.append(current)
+        flags.append(False)
+        peak = max(peak, plain.bytes(len(current), p_max + c_max))
+    return MemoryPlan(chunks, flags, peak)
+
+
+#: glibc's ``mallopt`` parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: Allocations from this size up get their own mapping, given back to the system when freed.
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def return_freed_memory_to_the_system() -> bool:
+    """Make the C allocator (glibc) give freed tensor memory back at once, so the resident
+    memory follows the tensors alive: blocks of :data:`MMAP_THRESHOLD_BYTES` and more get
+    their own mappings (glibc otherwise raises that threshold to 32 MiB after the first free
+    and keeps freed blocks resident in its heap), and the heap's free top is trimmed past
+    1 MiB. Process-wide. False where the allocator is not glibc's."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def trim_free_memory() -> None:
+    """Give the free memory inside the C allocator's heaps back to the system
+    (glibc ``malloc_trim(0)``); a no-op elsewhere."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
