@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 MIB = 1024 * 1024
 
@@ -165,6 +165,14 @@ class MemoryPlan:
     chunks: list[list[int]]
     checkpointed: list[bool]
     peak_bytes: float
+
+
+class MemoryPlanner(Protocol):
+    """Cuts an update's sequences into micro-batches within ``--memory-mb``
+    (:class:`gridrl.trainer.backends.torch.memory.UpdateMemory` on torch)."""
+
+    def plan(self, seqs: Sequence[Any], indices: Sequence[int],
+             max_sequences: int = 0) -> MemoryPlan: ...
 
 
 def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],

@@ -20,14 +20,18 @@ import torch
 from gridrl.engine.backends.torch.sampling import RowSampling, transform_logits
 from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig, UpdateStats
-from gridrl.trainer.backends.memory import peak_rss_bytes, reset_peak_rss, trim_free_memory
+from gridrl.trainer.backends.memory import (
+    MemoryPlanner,
+    peak_rss_bytes,
+    reset_peak_rss,
+    trim_free_memory,
+)
 from gridrl.trainer.backends.torch import losses as grpo_torch
 from gridrl.trainer.backends.torch.distributed import SingleProcess
 from gridrl.trainer.grpo import advantages as grpo
 
 if TYPE_CHECKING:
     from gridrl.engine.backends.torch.cores import ThreadGovernor
-    from gridrl.trainer.backends.torch.memory import UpdateMemory
 
 
 def collate(seqs: Sequence[TrainSequence], pad_id: int, device: torch.device, *,
@@ -74,7 +78,7 @@ def collate(seqs: Sequence[TrainSequence], pad_id: int, device: torch.device, *,
 def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                 seqs: Sequence[TrainSequence], cfg: UpdateConfig,
                 parallel: SingleProcess | None = None,
-                memory: UpdateMemory | None = None,
+                memory: MemoryPlanner | None = None,
                 cores: ThreadGovernor | None = None) -> UpdateStats:
     """Compute the GRPO loss of ``seqs``, back-propagate, clip, and step the optimizer and the
     learning-rate schedule once.
@@ -324,7 +328,7 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
 
 @torch.no_grad()
 def sequence_logprobs(policy: Any, seqs: Sequence[TrainSequence],
-                      cfg: UpdateConfig, memory: UpdateMemory | None = None
+                      cfg: UpdateConfig, memory: MemoryPlanner | None = None
                       ) -> list[list[float]]:
     """The policy's logprobs of each completion of ``seqs`` under the sampler's transform
     (:func:`sampler_logprobs` when the run truncates, else ``log_softmax(logits / T)``), in
