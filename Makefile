@@ -28,6 +28,8 @@ DEMO_ARGS ?=
 # make demo TASK=reverse-words-retry (or reasoning-gym:chain_sum, tool-arithmetic...)
 TASK ?= reverse-words
 SECURE ?=
+# make demo RESUME=runs/demo-... continues a stopped demo run (what the demo prints on Ctrl-C)
+RESUME ?=
 # torch goes in first, so the packages' `torch>=2.4,<3` finds it installed. The default is the
 # build pip picks for this platform; TORCH_INDEX picks a PyTorch wheel index (a CUDA build:
 # https://download.pytorch.org/whl/cu128, the CPU build on Linux: .../whl/cpu).
@@ -135,7 +137,7 @@ test: install tools check-protos lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist worksteal
 
 demo: $(STAMP)
-	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) --task $(TASK) $(if $(SECURE),--secure) -- $(DEMO_ARGS)
+	$(PY) -m gridrl.trainer.demo --nodes $(NODES) --trainer $(TRAINER) --task $(TASK) $(if $(SECURE),--secure) $(if $(RESUME),--resume $(RESUME)) -- $(DEMO_ARGS)
 
 # Each bench prints its table with the machine (CPU flags included); docs/benchmarks.md has the
 # figures and the longer runs (bench/vs_trl.py: TRL against gridrl to an eval target).

@@ -219,3 +219,139 @@ def test_demo_runs_each_shipped_environment(tiny_llama_dir: Path, tmp_path: Path
     else:
         assert all(r["turns_mean"] == 1.0 and r["env_tokens"] == 0 for r in steps), steps
         assert all(set(r["reward_funcs"]) == {f"{task}:score"} for r in steps), steps
+
+
+def _descendants_of(pid: int) -> list[int]:
+    """Every living descendant of ``pid`` (children, their children...)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in _children_of(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class _DemoRun:
+    """A real ``python -m gridrl.trainer.demo`` on the tiny llama that runs long (500 steps),
+    its output in a file, the pids of every process it started collected while it runs."""
+
+    def __init__(self, tiny_llama_dir: Path, tmp_path: Path, *extra: str) -> None:
+        self.run = tmp_path / "run"
+        self.scratch = tmp_path / "tmp"
+        self.scratch.mkdir(exist_ok=True)
+        self.out_path = tmp_path / "demo.out"
+        self.proc = subprocess.Popen(
+            [*DEMO, "--model", str(tiny_llama_dir), "--run-dir", str(self.run), "--",
+             "--steps", "500", "--eval-every", "100", "--eval-tasks", "4",
+             "--checkpoint-every", "100", "--max-tokens", "8", "--threads", "1", *extra],
+            stdout=self.out_path.open("w"), stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(self.scratch)})
+        self.pids: set[int] = set()
+
+    def out(self) -> str:
+        return self.out_path.read_text()
+
+    def watch(self) -> bool:
+        self.pids.update(_descendants_of(self.proc.pid))
+        return self.proc.poll() is not None
+
+    def wait_for_step(self, step: int = 1) -> None:
+        """Until the trainer has logged ``step`` (the services run, the trainer steps)."""
+        log = self.run / "log.jsonl"
+
+        def stepped() -> bool:
+            if self.watch():
+                return True
+            return log.is_file() and f'"step": {step},' in log.read_text()
+
+        wait_for(stepped, timeout_s=600, what=f"the demo's step {step}", every_s=0.2)
+        assert self.proc.poll() is None, self.out()
+        assert len(self.pids) >= 3, self.pids  # master, rollout node, trainer
+
+    def wait_exit(self, timeout_s: float = 600) -> int:
+        wait_for(self.watch, timeout_s=timeout_s, what="the demo to exit", every_s=0.1)
+        return self.proc.returncode
+
+    def survivors(self) -> list[int]:
+        return [p for p in self.pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_demo_ctrl_c_keeps_the_run_and_its_resume_command_runs(tiny_llama_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """One real SIGINT once the trainer steps: the demo waits for the trainer's own stop
+    (finish the step, checkpoint), then stops the node and the master; the run directory keeps
+    a checkpoint, the summary, the plot and the adapter; the demo prints them and
+    ``make demo RESUME=<run>``, whose command (``make -n``) resumes the run on new services."""
+    demo = _DemoRun(tiny_llama_dir, tmp_path)
+    demo.wait_for_step(1)
+    demo.proc.send_signal(signal.SIGINT)
+    rc = demo.wait_exit()
+    out = demo.out()
+    assert rc == 130, out
+    wait_for(lambda: not demo.survivors(), timeout_s=10, what="every service to end")
+    steps = [json.loads(ln) for ln in (demo.run / "log.jsonl").read_text().splitlines()
+             if '"step"' in ln]
+    last = max(r["step"] for r in steps)
+    checkpoint = demo.run / "checkpoints" / f"step-{last:06d}"
+    assert (checkpoint / "state.json").is_file(), out
+    summary = json.loads((demo.run / "summary.json").read_text())
+    assert summary["steps"] == last and summary["total_steps"] == 500, summary
+    assert (demo.run / "adapter" / "adapter_config.json").is_file()
+    assert (demo.run / "plot.png").stat().st_size > 0
+    assert "the trainer finishes its step and checkpoints it" in out, out
+    assert "killed" not in out, out
+    for line in (f"checkpoint  {checkpoint}",
+                 f"summary     {demo.run}/summary.json", f"adapter     {demo.run}/adapter",
+                 f"continue with: make demo RESUME={demo.run}"):
+        assert line in out, out
+    assert list(demo.scratch.iterdir()) == []  # nothing left in its scratch directory
+    # the printed command is runnable: make passes it to the demo as --resume, and the demo
+    # resumes the run on a new master and node (one more step)
+    dry = subprocess.run(["make", "-n", "demo", f"RESUME={demo.run}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    (command,) = [ln for ln in dry.stdout.splitlines() if "gridrl.trainer.demo" in ln]
+    assert f"--resume {demo.run} " in command, command
+    resumed = subprocess.run(
+        [*DEMO, "--resume", str(demo.run), "--", "--steps", str(last + 1), "--threads", "1"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(demo.scratch)})
+    assert resumed.returncode in (0, 1), resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((demo.run / "summary.json").read_text())
+    assert summary["steps"] == last + 1 and summary["resumed_at"] == [last], summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT),
+                                           (signal.SIGTERM, signal.SIGHUP)],
+                         ids=["ctrl-c-twice", "term-then-hup"])
+def test_demo_second_signal_leaves_no_process(tiny_llama_dir: Path, tmp_path: Path,
+                                              first: signal.Signals,
+                                              second: signal.Signals) -> None:
+    """Two real signals in quick succession (the second while the trainer finishes its
+    step): every process the demo started ends (checked by pid), the demo says it killed
+    them, and it exits non-zero."""
+    demo = _DemoRun(tiny_llama_dir, tmp_path)
+    demo.wait_for_step(1)
+    demo.proc.send_signal(first)
+    wait_for(lambda: "the trainer finishes its step" in demo.out() or demo.watch(),
+             timeout_s=30, what="the demo to pass the stop on")
+    assert demo.proc.poll() is None, demo.out()
+    demo.proc.send_signal(second)
+    rc = demo.wait_exit(timeout_s=120)
+    out = demo.out()
+    assert rc == 128 + first, out
+    wait_for(lambda: not demo.survivors(), timeout_s=10, what="every process to end")
+    assert f"{second.name} again: killed" in out, out
+
+
+@pytest.mark.slow
+def test_demo_killed_outright_takes_its_services_with_it(tiny_llama_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """SIGKILL, which the demo cannot handle: its children die with it (PR_SET_PDEATHSIG),
+    none left running with PPID 1."""
+    demo = _DemoRun(tiny_llama_dir, tmp_path)
+    demo.wait_for_step(1)
+    demo.proc.kill()
+    demo.wait_exit(timeout_s=30)
+    wait_for(lambda: not demo.survivors(), timeout_s=20, what="every service to die")

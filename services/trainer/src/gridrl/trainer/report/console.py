@@ -17,12 +17,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from rich.markup import escape
+
 from gridrl.trainer.fleet.pool import NodeWait
 from gridrl.trainer.report.events import (
     BENCHED,
     BaselineEvaluated,
     EvalProgressed,
     FailedRunCheckpointed,
+    LearningWarning,
     NodeFlagged,
     NodeReviewed,
     NodesReady,
@@ -173,9 +176,15 @@ class ConsoleLines:
                 self.console.print(f"baseline eval: {p.total} prompts, about "
                                    f"{_duration(p.expected_s)} expected (the first {p.done} "
                                    f"took {_duration(p.elapsed_s)}; --eval-tasks sets how many)")
+            case NoUpdate(why=why) if why:
+                self.console.print(f"[bold red]step {event.step}: {escape(why)}; no update[/]")
             case NoUpdate():
                 self.console.print(f"[bold red]step {event.step}: no sample survived the "
                                    f"staleness filter ({event.dropped} dropped); no update[/]")
+            case LearningWarning():
+                where = "at start-up" if event.step == 0 else f"at step {event.step}"
+                self.console.print(f"[bold yellow]nothing can be learned? ({where})[/] "
+                                   + escape(event.message))
             case NodeFlagged():
                 benched = f"; {BENCHED}" if event.benched else ""
                 self.console.print(f"[bold white on red] NODE FLAGGED [/] [bold red]{event.node}"

@@ -12,7 +12,7 @@ checkpoint is restored), :class:`NodesReady`, :class:`History` (a resumed run's 
 :class:`RunFailed` (after :class:`FailedRunCheckpointed` when the failure left steps to save).
 Any time: :class:`EvalProgressed` (an eval under way), :class:`NodeWaitChanged`,
 :class:`NodeFlagged`, :class:`NodeReviewed`,
-:class:`SyncSkipped`, :class:`NoUpdate`.
+:class:`SyncSkipped`, :class:`NoUpdate`, :class:`LearningWarning`.
 """
 
 from __future__ import annotations
@@ -100,10 +100,24 @@ class EvalProgressed:
 
 @dataclass(frozen=True)
 class NoUpdate:
-    """No sample of ``step`` survived admission (``dropped`` were dropped): no update."""
+    """No sample of ``step`` survived: no update. ``dropped``: samples dropped by admission
+    (staleness); ``why``: when every episode of the step was dropped before admission, that
+    and its cause in words (:meth:`gridrl.trainer.rollouts.EpisodeStats.all_dropped_why`),
+    else ""."""
 
     step: int
     dropped: int
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class LearningWarning:
+    """Nothing can be learned as the run stands (``step`` 0: the baseline eval): every
+    sample scored the same, or no group had signal for several steps in a row. ``message``
+    says what was seen and what to change (:mod:`gridrl.trainer.run.watch`)."""
+
+    step: int
+    message: str
 
 
 @dataclass(frozen=True)
@@ -183,7 +197,8 @@ class RunFailed:
 
 
 RunEvent = Union[RunStarted, RunResumed, NodesReady, History, ResumedWeightsPushed,  # noqa: UP007
-                 BaselineEvaluated, EvalProgressed, NoUpdate, NodeFlagged, NodeReviewed,
+                 BaselineEvaluated, EvalProgressed, NoUpdate, LearningWarning, NodeFlagged,
+                 NodeReviewed,
                  SyncSkipped,
                  NodeWaitChanged, Checkpointed, FailedRunCheckpointed, RunStopped, RunFinished,
                  RunFailed]

@@ -40,7 +40,7 @@ import grpc
 
 from gridrl.common.rpc import channel as rpc_channel
 from gridrl.common.security.policy import Security
-from gridrl.trainer.report.events import Checkpointed, RunEvent
+from gridrl.trainer.report.events import Checkpointed, LearningWarning, NoUpdate, RunEvent
 from gridrl.trainer.report.records import StepRecord
 from gridrl.trainer.report.status import step_report
 from gridrl.v1 import runs_pb2, runs_pb2_grpc, trainer_pb2
@@ -247,11 +247,17 @@ class MasterReporter:
             self._queue(self._events, [e.to_proto() for e in events])
 
     def on_event(self, event: RunEvent) -> None:
-        """Queue the event line a run event implies (a checkpoint written). Never blocks,
-        never raises."""
+        """Queue the event line a run event implies (a checkpoint written; a warning that
+        nothing can be learned; a step whose every episode was dropped). Never blocks, never
+        raises."""
         if isinstance(event, Checkpointed):
             self.line(EventLine("checkpoint", f"{event.path.name} written", step=event.step,
                                 duration_s=event.seconds))
+        elif isinstance(event, LearningWarning):
+            self.line(EventLine("state", f"nothing can be learned? {event.message}",
+                                step=event.step, ok=False))
+        elif isinstance(event, NoUpdate) and event.why:
+            self.line(EventLine("state", f"{event.why}; no update", step=event.step, ok=False))
 
     def line(self, event: EventLine) -> None:
         """Queue an event line. Never blocks, never raises."""

@@ -294,8 +294,11 @@ def _build_main(run: Run, run_dir: RunDir, env: Environment,
         turns = flags = pool[0]
     limits = cfg.episode_limits(env)
     episodes = EpisodeSource(env, backend.tokenizer, turns, limits)  # env.prepare(tokenizer)
+    # --eval-tasks: the built-in environments make that many held-out items (a JSONL
+    # --eval-file: all its rows); a user's Python file makes its own set, cut to the flag
     evaluator = Evaluator(backend, env, max_tokens=limits.max_tokens, scorer=scorer,
-                          limits=limits)
+                          limits=limits,
+                          eval_tasks=cfg.eval_tasks if cfg.task.endswith(".py") else None)
     prompts = StepPrompts(cfg, episodes)
     fleet = None
     if pool is not None:

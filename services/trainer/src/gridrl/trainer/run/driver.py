@@ -2,7 +2,7 @@
 ranks), then finish, stop or fail, and close.
 
     result = train(cfg, status=status, control=control)   # the CLI
-    result.summary            # RunSummary (finished), or None
+    result.summary            # RunSummary (finished, or stopped after a step), or None
     result.stopped_at         # the last step of a run stopped on request, or None
 
 The end of a run, on rank 0:
@@ -12,8 +12,9 @@ The end of a run, on rank 0:
   kept in memory (:class:`~gridrl.trainer.report.summary.RunHistory`), and
   :class:`~gridrl.trainer.report.events.RunFinished` says so;
 - **stopped** (SIGINT / SIGTERM, :class:`~gridrl.trainer.run.control.StopControl`): the step in
-  progress was finished and checkpointed; :class:`~gridrl.trainer.report.events.RunStopped`
-  says how to continue;
+  progress was finished and checkpointed, and (after a first step) the adapter, the plot and
+  ``summary.json`` of the steps done are written as a finished run's are;
+  :class:`~gridrl.trainer.report.events.RunStopped` says how to continue;
 - **failed** between steps (RuntimeError, TimeoutError: no rollout node in time, a node error):
   the steps finished since the last checkpoint are checkpointed first, so ``--resume`` loses
   none of them; :class:`~gridrl.trainer.report.events.RunFailed`, then the error propagates.
@@ -57,7 +58,8 @@ class RunResult:
     """How a run ended on this process.
 
     Attributes:
-        summary: the finished run's summary (rank 0), else None.
+        summary: the run's summary (rank 0): a finished run's, or a stopped run's up to its
+            last step (None when it stopped before step 1, and on the other ranks).
         stopped_at: the last step of a run stopped on request (rank 0), else None.
     """
 
@@ -128,6 +130,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, status: RunStatus | None = 
 def _finish(run: Run) -> RunSummary:
     """The end of a run whose every step is done (rank 0): the final adapter, the plot,
     ``summary.json``."""
+    summary = _write_results(run)
+    assert run.main is not None
+    run.reporter.event(RunFinished(summary, run.main.run_dir.path))
+    return summary
+
+
+def _write_results(run: Run) -> RunSummary:
+    """The adapter of the last finished step (``adapter/``, ``adapter-mlx/``), the plot and
+    ``summary.json`` (rank 0): a finished run's, and a stopped run's up to where it stopped
+    (its ``steps`` below ``total_steps``; a resumed run overwrites them)."""
     main, cfg, st = run.main, run.cfg, run.state
     assert main is not None
     with run.backend_lock:
@@ -151,20 +163,27 @@ def _finish(run: Run) -> RunSummary:
         adapter=main.run_dir.adapter, adapter_mlx=None if mlx_error else main.run_dir.adapter_mlx,
         adapter_mlx_error=mlx_error)
     main.run_dir.write_json(main.run_dir.summary, summary.to_json())
-    run.reporter.event(RunFinished(summary, main.run_dir.path))
     return summary
 
 
 def _stop(run: Run, step: int) -> RunResult:
-    """The end of a run asked to stop (rank 0): the checkpoint of ``step`` is written."""
+    """The end of a run asked to stop (rank 0): the checkpoint of ``step`` is written; after
+    a first step, the adapter, the plot and ``summary.json`` of the steps done are written
+    too (:func:`_write_results`), so a stopped run keeps what a finished one keeps."""
     assert run.main is not None
     run_dir = run.main.run_dir
+    summary = None
+    if run.control.checkpointed and step:
+        try:
+            summary = _write_results(run)
+        except Exception:  # the checkpoint is what --resume needs; the rest is a courtesy
+            log.exception("writing the stopped run's adapter, plot and summary failed")
     message = stopped_message(step, run.cfg.steps, run.control.reason,
                               bool(run.control.checkpointed),
                               resume_command(str(run_dir.path), run.cfg.security))
     log.warning("%s", message)
     run.reporter.event(RunStopped(step, message))
-    return RunResult(stopped_at=step)
+    return RunResult(summary=summary, stopped_at=step)
 
 
 def _checkpoint_failed_run(loop: StepLoop, error: BaseException) -> None:

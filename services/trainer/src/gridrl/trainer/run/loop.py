@@ -46,6 +46,7 @@ from gridrl.trainer.report.events import (
     Checkpointed,
     EvalProgressed,
     History,
+    LearningWarning,
     NodeFlagged,
     NoUpdate,
     ResumedWeightsPushed,
@@ -56,6 +57,7 @@ from gridrl.trainer.rewards import RewardError
 from gridrl.trainer.run.build import Main, Run
 from gridrl.trainer.run.checkpoint import save_checkpoint
 from gridrl.trainer.run.ranks import send_step
+from gridrl.trainer.run.watch import LearningWatch, Verdict, baseline_warning
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,11 @@ class StepLoop:
         self.run = run
         self.main: Main = run.main
         self.updating = False  # inside the update: the weights are not those of state.step
+        cfg = run.cfg
+        self.watch = LearningWatch(max_dropped_steps=cfg.max_dropped_steps,
+                                   no_signal_steps=cfg.no_signal_warn_steps,
+                                   group_size=cfg.group_size)
+        self.verdict = Verdict()
 
     def steps(self) -> int | None:
         """Run the baseline eval and every step left.
@@ -96,6 +103,10 @@ class StepLoop:
             base = self.evaluate(0)
             st.baseline = base.score
             run.reporter.event(BaselineEvaluated(BaselineRecord.of(base)))
+            warning = baseline_warning(base.scores, cfg.group_size)
+            if warning:
+                log.warning("%s", warning)
+                run.reporter.event(LearningWarning(0, warning))
         t_start = time.perf_counter() - st.elapsed_s
         control.stepping = True
         for step in range(st.step + 1, cfg.steps + 1):
@@ -104,6 +115,11 @@ class StepLoop:
                     self.checkpoint(st.step)
                 return st.step
             run.reporter.step(self.step(step, t_start))
+            if self.verdict.warning:
+                log.warning("%s", self.verdict.warning)
+                run.reporter.event(LearningWarning(step, self.verdict.warning))
+            if self.verdict.stop:  # the driver checkpoints the step and reports the failure
+                raise RuntimeError(self.verdict.stop)
             stopping = control.stop_requested and step < cfg.steps
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
                 self.checkpoint(step)
@@ -123,11 +139,13 @@ class StepLoop:
         self.updating = True
         stats = self.train(batch)
         train_s = time.perf_counter() - t1
+        self.verdict = self.watch.observe(step, batch.rollouts.episodes,
+                                          batch.groups_with_signal)
         if stats is not None:
             st.adopt(next_version, step)
             self.main.run_dir.record_version(next_version, step)
         else:
-            self.run.reporter.event(NoUpdate(step, batch.dropped))
+            self.run.reporter.event(NoUpdate(step, batch.dropped, self.verdict.no_update_why))
         st.step = step
         self.updating = False
         st.data_position = step * cfg.prompts_per_step
