@@ -165,7 +165,8 @@ def test_rollout_node_through_grpcurl(service_factory, tiny_llama_dir: Path) -> 
                             "--metrics-port", "-1", "--threads", "1"], "rollout")
     address = node.address
     check_reflection_and_health(address, "gridrl.v1.RolloutService",
-                                {"Generate", "PushAdapter", "ReloadAdapter", "GetNodeInfo"})
+                                {"Generate", "PushAdapter", "ReloadAdapter", "GetNodeInfo",
+                                 "FetchAdapter", "ReadAdapter"})
     info = call(address, "gridrl.v1.RolloutService/GetNodeInfo")["info"]
     assert info["backend"] == "BACKEND_TORCH"
     assert info["role"] == "NODE_ROLE_ROLLOUT"

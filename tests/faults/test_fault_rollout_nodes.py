@@ -55,8 +55,10 @@ def test_node_killed_mid_push_the_other_goes_on_and_it_returns_synced(cluster, t
     a = cluster.node("a")
     b = cluster.node("b", env=cluster.pause_env("b", "rollout.push", 2))
     run_dir = tmp_path / "run"
-    trainer = cluster.trainer("trainer", cluster.trainer_argv(run_dir, 500, [a.address, b.address],
-                                                              min_nodes=2))
+    # every push goes to each node itself (--no-relay): the second push b takes is step 2's
+    # (a node killed mid-relay: tests/rollout/test_relay.py)
+    trainer = cluster.trainer("trainer", [*cluster.trainer_argv(
+        run_dir, 500, [a.address, b.address], min_nodes=2), "--no-relay"])
     cluster.wait_paused(b, "b")  # step 2's push: b has read the header
     kill(b)
     later = wait_for(records_after(run_dir, 2, 2), 240, "two steps on the survivor", alive=trainer)

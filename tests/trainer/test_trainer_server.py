@@ -157,14 +157,20 @@ def test_server_stop_ends_watch_streams(served) -> None:
     assert result in (["ended"], ["CANCELLED"], ["UNAVAILABLE"])
 
 
+def _samples(body: str) -> dict[str, float]:
+    """``name{labels}`` -> value of the trainer's samples in a Prometheus text exposition (the
+    value is after the line's last space: a label value may hold spaces)."""
+    return {key: float(value) for key, value in (line.rsplit(" ", 1) for line in body.splitlines()
+                                                 if line.startswith("gridrl_trainer_"))}
+
+
 def test_metrics_endpoint_shows_step_metrics(served) -> None:
     _status, server, _stub = served
     before = metrics.DROPPED_SAMPLES._value.get()
     metrics.record_step(StepRecord.from_json(step_report(7, eval_score=0.75, dropped_samples=4)))
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=5).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line.startswith("gridrl_trainer_")}
+    values = _samples(body)
     assert values["gridrl_trainer_step"] == 7
     assert values["gridrl_trainer_policy_version"] == 7
     assert values["gridrl_trainer_reward_mean"] == pytest.approx(0.7)
@@ -194,8 +200,7 @@ def test_metrics_endpoint_shows_step_metrics(served) -> None:
         eval_metrics={"first_attempt_success": 0.125})))
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=5).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line.startswith("gridrl_trainer_")}
+    values = _samples(body)
     assert {k: values[k] - before[k] for k in counters} == dict(zip(
         counters, (16, 2, 300, 120, 3, 5), strict=True))
     assert values["gridrl_trainer_episode_turns_mean"] == 1.5

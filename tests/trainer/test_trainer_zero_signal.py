@@ -52,12 +52,6 @@ def _sequences(advantages) -> list[TrainSequence]:
     return seqs
 
 
-def _keep_every_group(monkeypatch) -> None:
-    """The update without the skip: every group forwarded and back-propagated."""
-    monkeypatch.setattr(grpo, "groups_with_signal",
-                        lambda groups, advantages, beta=0.0: list(dict.fromkeys(groups)))
-
-
 def test_groups_with_signal_is_pure_and_keeps_everything_under_a_kl_penalty():
     groups, adv = [0, 0, 1, 1, 2, 2], [1.0, -1.0, 0.0, 0.0, 0.0, 0.5]
     assert grpo.groups_with_signal(groups, adv) == [0, 2]
@@ -66,18 +60,15 @@ def test_groups_with_signal_is_pure_and_keeps_everything_under_a_kl_penalty():
 
 
 @pytest.mark.parametrize("aggregation", ["sequence", "token"])
-def test_a_group_without_signal_is_skipped_with_the_same_gradient(make_backend, monkeypatch,
-                                                                  aggregation):
+def test_a_group_without_signal_is_skipped_with_the_same_gradient(make_backend, aggregation):
     seqs = _sequences((1.0, -1.0, 0.0, 0.0, 0.5, -0.5))  # group 1 has no signal
-    skipping = make_backend(loss_aggregation=aggregation)
+    skipping = make_backend(loss_aggregation=aggregation, skip_no_signal=True)
     got_grads = capture_gradients(skipping)
     got = skipping.update(seqs)
 
-    with monkeypatch.context() as m:
-        _keep_every_group(m)
-        full = make_backend(loss_aggregation=aggregation)
-        want_grads = capture_gradients(full)
-        want = full.update(seqs)
+    full = make_backend(loss_aggregation=aggregation)  # --no-skip-no-signal, the default
+    want_grads = capture_gradients(full)
+    want = full.update(seqs)
 
     assert (got.skipped_groups, got.skipped_sequences) == (1, 2)
     assert (want.skipped_groups, want.skipped_sequences) == (0, 0)
@@ -97,7 +88,7 @@ def test_a_group_without_signal_is_skipped_with_the_same_gradient(make_backend, 
 
 
 def test_a_step_without_signal_forwards_nothing_and_still_steps(make_backend, monkeypatch):
-    backend = make_backend(lr_schedule="linear", warmup_steps=0)
+    backend = make_backend(lr_schedule="linear", warmup_steps=0, skip_no_signal=True)
     grads = capture_gradients(backend)
     seqs = _sequences((0.0,) * 6)
     forwards = _count_forwards(backend, monkeypatch)

@@ -532,7 +532,9 @@ def test_the_bfloat16_update_reads_cast_copies_of_the_frozen_weights(policy, mon
     assert pol.head_weight is not None  # the tiny llama's head is plain: its copy was used
     assert pol._cast_heads[torch.bfloat16].dtype == torch.bfloat16 and pol.update_head is None
     (plain, plain_grads), (cast, cast_grads) = results[False], results[True]
-    assert plain == cast
+    # the same update: every statistic but the process's peak resident memory (a reading)
+    assert dataclasses.replace(plain, peak_rss_bytes=0) == dataclasses.replace(cast,
+                                                                               peak_rss_bytes=0)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, cast_grads, strict=True))
     with pytest.raises(RuntimeError), pol.frozen_weights_as(torch.bfloat16):
         assert all(param.dtype == torch.bfloat16 for param, _ in swapped)

@@ -221,8 +221,10 @@ def test_sigterm_checkpoints_the_step_and_resume_continues(tiny_llama_dir, task_
     log_before = (run_dir / "log.jsonl").read_bytes()
     again = subprocess.run(args, capture_output=True, text=True, timeout=120, env=ENV)
     assert again.returncode == 2, again.stdout + again.stderr
+    # (a stopped run keeps its adapter and summary too, so the user has them at once)
     assert (f"--run-dir: {run_dir} already holds a run (checkpoints up to step {steps[-1]} "
-            f"and a log.jsonl); continue it with --resume {run_dir}") in again.stderr, again.stderr
+            f"and a log.jsonl and adapter and summary.json); continue it with --resume "
+            f"{run_dir}") in again.stderr, again.stderr
     assert (run_dir / "log.jsonl").read_bytes() == log_before
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{steps[-1]:06d}"
     resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),

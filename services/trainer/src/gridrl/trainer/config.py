@@ -181,6 +181,12 @@ class TrainConfig:
         "sequences) above C.", check=above(0))
     micro_batch_size: int = setting(
         0, "Sequences per forward/backward (0: all of a step at once).", check=NON_NEGATIVE)
+    skip_no_signal: bool = setting(
+        False, "Leave groups whose advantages are all 0 (equal rewards) out of the update's "
+        "forward and backward: the same gradient for none of their cost, but their samples' "
+        "mismatch KL is not measured, so a node whose groups carry no signal is not checked "
+        "(the KL penalty, --kl-beta > 0, keeps every group).",
+        flag="--skip-no-signal/--no-skip-no-signal")
     memory_mb: int = setting(
         0, "MiB of resident memory the trainer may use in its update (torch backend): "
         "micro-batches are sized from the sequences' tokens and the activations per token "

@@ -366,7 +366,7 @@ def main(model: str, nodes: str, trainer_backend: str, run_dir: str | None, node
                  err=True)
         if interrupted:
             _tell_what_was_kept(run, children, again)
-        _clean_work_dir(work, keep_logs=failed or code == 2)
+        _clean_work_dir(work, keep_logs=failed or (code != 0 and not interrupted))
     sys.exit(code)
 
 

@@ -141,6 +141,7 @@ class UpdateConfig:
     is_level: str = "token"
     is_cap: float = 2.0
     update_dtype: str = "float32"
+    skip_no_signal: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -154,7 +155,8 @@ class UpdateConfig:
                    beta=cfg.kl_beta, aggregation=cfg.loss_aggregation, max_tokens=cfg.max_tokens,
                    micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                    top_p=cfg.top_p, top_k=cfg.top_k, is_correction=cfg.is_correction,
-                   is_level=cfg.is_level, is_cap=cfg.is_cap, update_dtype=cfg.update_dtype)
+                   is_level=cfg.is_level, is_cap=cfg.is_cap, update_dtype=cfg.update_dtype,
+                   skip_no_signal=cfg.skip_no_signal)
 
 
 @dataclass
@@ -179,7 +181,8 @@ class UpdateStats:
         is_limited_fraction: fraction of those tokens or sequences whose ratio exceeded the cap
             (truncated by TIS, masked by MIS); None without a correction.
         skipped_groups, skipped_sequences: groups (and their sequences) left out of the forward
-            and backward because all their advantages are 0 and ``beta == 0``: their gradient
+            and backward (``skip_no_signal``) because all their advantages are 0 and ``beta ==
+            0``: their gradient
             is exactly 0 (:func:`gridrl.trainer.grpo.advantages.groups_with_signal`). Their
             ``per_sequence_mismatch_kl`` is NaN (not measured) and ``mismatch_kl`` is over the
             trained sequences only; ``tokens`` and ``clip_fraction`` count them (a token of

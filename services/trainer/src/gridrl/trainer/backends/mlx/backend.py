@@ -401,8 +401,9 @@ class MlxTrainerBackend(TrainerBackend):
         n = len(seqs)
         coef_all = grpo.sequence_weights([s.trained_tokens for s in seqs],
                                          cfg.aggregation, cfg.max_tokens)  # type: ignore[arg-type]
-        kept = set(grpo.groups_with_signal([s.group for s in seqs],
-                                           [s.advantage for s in seqs], beta=cfg.beta))
+        kept = (set(grpo.groups_with_signal([s.group for s in seqs],
+                                            [s.advantage for s in seqs], beta=cfg.beta))
+                if cfg.skip_no_signal else {s.group for s in seqs})
         trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
         mb = cfg.micro_batch_size or max(len(trained), 1)
         chunks = [trained[i:i + mb] for i in range(0, len(trained), mb)]

@@ -235,7 +235,8 @@ def _trained_share(seqs: Sequence[TrainSequence], cfg: UpdateConfig,
         ValueError: some rank would have no group to train on.
     """
     groups = [s.group for s in seqs]
-    kept = grpo.groups_with_signal(groups, [s.advantage for s in seqs], beta=cfg.beta)
+    kept = (grpo.groups_with_signal(groups, [s.advantage for s in seqs], beta=cfg.beta)
+            if cfg.skip_no_signal else list(dict.fromkeys(groups)))
     if 0 < len(kept) < par.world_size:
         kept = list(dict.fromkeys(groups))
     dense = {g: k for k, g in enumerate(kept)}
