@@ -33,6 +33,23 @@ def _longest_gap(watch: StepWatch, since: float, steps: int) -> float:
     return max(gaps)
 
 
+def _two_nodes_and_a_trainer(fleet, tiny_llama_dir: Path, run_dir: Path, pause_at: str,
+                             nth: int, sync_deadline_s: float):
+    """A master, node 1 (paused at its ``nth`` ``pause_at``), node 2 and a trainer on both
+    with --min-nodes 2 (stopped by the test); returns ``(n1, n2, trainer)`` once both nodes
+    are ready."""
+    master = fleet.master(*MASTER_FLAGS)
+    n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False,
+                    env=pause_env(fleet, "node-1", pause_at, nth))
+    n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
+    trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+        5000, min_nodes=2, request_timeout_s=120, sync_deadline_s=sync_deadline_s),
+        master=master, run_dir=run_dir)
+    for node in (n1, n2):
+        node.wait_ready()
+    return n1, n2, trainer
+
+
 def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current(
         tmp_path: Path, tiny_llama_dir: Path) -> None:
     """Node 1's link is cut while it holds a group (paused in Generate, so the cut is
@@ -40,17 +57,9 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
     to node 2, and the run steps on node 2 for as long as the cut lasts. After the cut node 1
     is caught up to the current adapter before it samples again."""
     with fleet_or_skip(tmp_path) as fleet:
-        master = fleet.master(*MASTER_FLAGS)
-        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False,
-                        env=pause_env(fleet, "node-1", "rollout.generate", 6))
-        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
-        run_dir = tmp_path / "run"
-        steps = 5000  # stopped by the test once node 1 sampled again after the cut
-        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
-            steps, min_nodes=2, request_timeout_s=120, sync_deadline_s=10), master=master,
-            run_dir=run_dir)
-        for node in (n1, n2):
-            node.wait_ready()
+        run_dir = tmp_path / "run"  # the run is stopped once node 1 sampled again after the cut
+        n1, n2, trainer = _two_nodes_and_a_trainer(fleet, tiny_llama_dir, run_dir,
+                                                   "rollout.generate", 6, sync_deadline_s=10)
         watch = StepWatch(run_dir)
         try:
             wait_for(pause_file(fleet, "node-1").exists, 180, "node 1 to hold a group",
@@ -100,17 +109,9 @@ def test_a_node_cut_mid_push_does_not_hold_the_others_past_the_sync_deadline(
     node 2, and node 1 is caught up to the current adapter once the cut ends."""
     sync_deadline_s = 10.0
     with fleet_or_skip(tmp_path) as fleet:
-        master = fleet.master(*MASTER_FLAGS)
-        n1 = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", master=master, wait=False,
-                        env=pause_env(fleet, "node-1", "rollout.push", 2))
-        n2 = fleet.node("node-2", tiny_llama_dir, "--capacity", "4", master=master, wait=False)
-        run_dir = tmp_path / "run"
-        steps = 5000  # stopped by the test once node 1 sampled again after the cut
-        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
-            steps, min_nodes=2, request_timeout_s=120, sync_deadline_s=sync_deadline_s),
-            master=master, run_dir=run_dir)
-        for node in (n1, n2):
-            node.wait_ready()
+        run_dir = tmp_path / "run"  # the run is stopped once node 1 sampled again after the cut
+        n1, n2, trainer = _two_nodes_and_a_trainer(fleet, tiny_llama_dir, run_dir,
+                                                   "rollout.push", 2, sync_deadline_s)
         watch = StepWatch(run_dir)
         try:
             wait_for(pause_file(fleet, "node-1").exists, 180, "node 1 to be mid-push",
