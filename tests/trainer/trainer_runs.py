@@ -76,3 +76,21 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout: float) -> None:
     """
     wait_for(lambda: any(r.get("step", 0) >= step for r in records(run_dir)), timeout,
              f"step {step} in {run_dir / 'log.jsonl'}", alive=proc)
+
+
+def step_record(step: int, **kw):
+    """A :class:`~gridrl.trainer.report.records.StepRecord` of ``step`` with plain defaults
+    (one node ``a:1`` of 16 samples), any field overridden by ``kw``."""
+    from gridrl.trainer.report.records import NodeRecord, StepRecord
+
+    base = dict(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.0,
+                eval_score=None, eval_policy_version=0, mismatch_kl=0.0, staleness_mean=0.0,
+                dropped_samples=0, rollout_s=1.0, train_s=2.0, sync_s=0.0, nodes_synced=0,
+                nodes_skipped=0, tokens_per_s=100.0, elapsed_s=3.0 * step, rollout_wait_s=0.0,
+                collect_s=1.0, staleness_max=0, samples_used=16, sampled_tokens=100,
+                solved_fraction=0.0, groups_with_signal=1, reward_funcs={},
+                nodes={"a:1": NodeRecord(16, 0, [step - 1], 0.0, 1e-7, 250.0)},
+                flagged_nodes={}, excluded_samples={}, updated=True, data_position=4 * step,
+                lr=1e-3)
+    base.update(kw)
+    return StepRecord(**base)

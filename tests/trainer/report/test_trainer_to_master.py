@@ -9,27 +9,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from trainer_runs import step_record as record
 from waiting import wait_for
 
 from gridrl.master.server import Master
 from gridrl.trainer.report.events import Checkpointed
-from gridrl.trainer.report.records import NodeRecord, StepRecord
 from gridrl.trainer.report.to_master import MAX_PENDING, MasterReporter, run_id_for, step_events
 from gridrl.v1 import runs_pb2, trainer_pb2
-
-
-def record(step: int, **kw) -> StepRecord:
-    base = dict(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.0,
-                eval_score=None, eval_policy_version=0, mismatch_kl=0.0, staleness_mean=0.0,
-                dropped_samples=0, rollout_s=1.0, train_s=2.0, sync_s=0.0, nodes_synced=0,
-                nodes_skipped=0, tokens_per_s=100.0, elapsed_s=3.0 * step, rollout_wait_s=0.0,
-                collect_s=1.0, staleness_max=0, samples_used=16, sampled_tokens=100,
-                solved_fraction=0.0, groups_with_signal=1, reward_funcs={},
-                nodes={"a:1": NodeRecord(16, 0, [step - 1], 0.0, 1e-7, 250.0)},
-                flagged_nodes={}, excluded_samples={}, updated=True, data_position=4 * step,
-                lr=1e-3)
-    base.update(kw)
-    return StepRecord(**base)
 
 
 def test_a_step_implies_its_push_eval_and_flag_lines():

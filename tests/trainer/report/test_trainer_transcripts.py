@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from trainer_runs import BIN, ENV, records
+from trainer_runs import BIN, ENV, records, step_record
 
 from gridrl.master.server import Master
 from gridrl.trainer.report.console import (
@@ -23,7 +23,6 @@ from gridrl.trainer.report.console import (
     LEGEND_FIELDS,
     ConsoleLines,
 )
-from gridrl.trainer.report.records import NodeRecord, StepRecord
 from gridrl.trainer.report.to_master import MAX_MESSAGES, MAX_TEXT, MasterReporter
 from gridrl.v1 import runs_pb2, trainer_pb2
 
@@ -56,19 +55,6 @@ class Retry(Environment):
         return [float("w2" in c) for c in completions]
 '''
 
-
-def step_record(step: int, **kw) -> StepRecord:
-    base = dict(step=step, policy_version=step, reward_mean=0.5, reward_std=0.1, loss=0.0,
-                eval_score=None, eval_policy_version=0, mismatch_kl=0.0, staleness_mean=0.0,
-                dropped_samples=0, rollout_s=1.0, train_s=2.0, sync_s=0.0, nodes_synced=0,
-                nodes_skipped=0, tokens_per_s=100.0, elapsed_s=3.0 * step, rollout_wait_s=0.0,
-                collect_s=1.0, staleness_max=0, samples_used=16, sampled_tokens=100,
-                solved_fraction=0.0, groups_with_signal=1, reward_funcs={},
-                nodes={"a:1": NodeRecord(16, 0, [step - 1], 0.0, 1e-7, 250.0)},
-                flagged_nodes={}, excluded_samples={}, updated=True, data_position=4 * step,
-                lr=1e-3)
-    base.update(kw)
-    return StepRecord(**base)
 
 
 def test_the_legend_names_every_field_of_the_step_line():
