@@ -219,3 +219,21 @@ def test_peak_resident_memory_stays_within_the_budget(tiny_llama_dir):
     bounded = _peak(tiny_llama_dir, 64, bounded=True)
     assert bounded["micro_batches"] > 1
     assert bounded["peak"] <= bounded["limit"], (bounded, unbounded)
+
+
+def test_the_probe_counts_what_a_block_allocates_not_views_of_weights_it_found():
+    """``linear`` decomposes into a transposed view of the weight: that view (and an in-place
+    result) allocates nothing, so the probe's fixed part must not hold the model's weights
+    again (it did: a 0.5B model's 2.4 GB were counted as one sequence's activations)."""
+    import torch
+
+    from gridrl.trainer.backends.torch.memory import LiveTensorBytes
+
+    weight = torch.randn(4096, 1024)  # 16 MiB, alive before the block
+    x = torch.randn(8, 1024, requires_grad=True)
+    with LiveTensorBytes() as live:
+        y = torch.nn.functional.linear(x, weight)  # 8 x 4096 float32: 128 KiB
+        y.add_(1.0)
+        y.sum().backward()  # x.grad: 32 KiB, plus the backward's ones-like seed
+    allocated = y.nelement() * 4 + x.grad.nelement() * 4
+    assert allocated <= live.peak <= allocated + y.nelement() * 4

@@ -60,11 +60,16 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (a view such as the transposed weight ``linear``
+        # decomposes into, or an in-place result) allocated nothing: skip it.
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_flatten((args, kwargs or {}))[0]
+                  if isinstance(t, torch.Tensor) and not t.is_meta}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key in self._alive:
+                if key in self._alive or (storage.nbytes() and storage.data_ptr() in inputs):
                     continue
                 nbytes = storage.nbytes()
                 self._alive[key] = (weakref.ref(storage, lambda _r, k=key: self._freed(k)),
