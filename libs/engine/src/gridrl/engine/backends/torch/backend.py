@@ -36,7 +36,8 @@ from gridrl.engine.backends.torch.adapters import choose_strategy
 from gridrl.engine.backends.torch.cores import ThreadGovernor
 from gridrl.engine.backends.torch.decode import alternatives, decode, make_steps
 from gridrl.engine.backends.torch.device import pick_device, pick_dtype
-from gridrl.engine.backends.torch.llama import LeanLlama, LoraFactors, unsupported_reason
+from gridrl.engine.backends.torch.llama import LeanLlama, LoraFactors
+from gridrl.engine.backends.torch.llama_model import unsupported_reason
 from gridrl.engine.backends.torch.lora_source import LoraSource, check_fits
 from gridrl.engine.backends.torch.memory import trim_heap
 from gridrl.engine.backends.torch.prefix_cache import PrefixCache
