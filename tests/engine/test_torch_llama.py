@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gridrl.engine.backends.torch.cache import SlabCache
-from gridrl.engine.backends.torch.llama import LeanLlama, unsupported_reason
+from gridrl.engine.backends.torch.llama import LeanLlama
+from gridrl.engine.backends.torch.llama_model import unsupported_reason
 from gridrl.engine.backends.torch.merge import read_lora
 
 

@@ -65,7 +65,8 @@ def test_a_shared_prefix_decodes_as_whole_prompts_do(tiny_llama_dir: Path, adapt
 
 def test_prompts_with_too_short_a_common_prefix_are_prefilled_whole(
         tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gridrl.engine.backends.torch.backend import MIN_SHARED_PREFIX, TorchBackend
+    from gridrl.engine.backends.torch.backend import TorchBackend
+    from gridrl.engine.backends.torch.decode import MIN_SHARED_PREFIX
 
     backend = TorchBackend.from_pretrained(tiny_llama_dir)
     backend.share_prefix = True

@@ -19,14 +19,15 @@ from vllm_standin import StandInVllm
 from waiting import wait_for
 
 from gridrl.adapters import read_dir
-from gridrl.engine.backends.vllm.backend import (
-    PROBE_TOP_K,
-    DecodeInterrupted,
-    VllmBackend,
-    zero_adapter,
-)
+from gridrl.engine.backends.vllm.backend import VllmBackend
+from gridrl.engine.backends.vllm.probe import PROBE_TOP_K, zero_adapter
 from gridrl.engine.backends.vllm.wire import VllmError, VllmRefused, VllmUnavailable
-from gridrl.engine.contract import AdapterLoadError, SamplingConfig, SequenceRequest
+from gridrl.engine.contract import (
+    AdapterLoadError,
+    DecodeInterrupted,
+    SamplingConfig,
+    SequenceRequest,
+)
 
 TOL = 1e-4  # float32 logprobs of the same weights through two forwards
 
@@ -404,7 +405,7 @@ def test_an_interrupted_batch_says_how_it_stopped() -> None:
     message (the scheduler logs ``e.steps`` with %d)."""
     import asyncio
 
-    from gridrl.engine.backends.vllm.backend import _LoopThread
+    from gridrl.engine.backends.vllm.client import LoopThread as _LoopThread
     from gridrl.engine.contract import DecodeInterrupted
 
     loop = _LoopThread()

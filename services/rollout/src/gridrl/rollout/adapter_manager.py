@@ -2,8 +2,8 @@
 
 A push is checked against the node's base model as soon as its header arrives, received into
 memory and verified (sizes, sha256 while receiving: ``gridrl.common.transport.receive_push``),
-checked again against the base model by what its tensors say (``gridrl.adapters.check_fits``),
-converted to the backend's format when needed (``gridrl.adapters.convert_files``), loaded by
+checked again against the base model by what its tensors say and converted to the backend's
+format when needed (both :mod:`.adapter_intake`'s), loaded by
 the backend from memory next to the serving adapter and made the serving adapter between two
 batches on the engine's scheduler thread; then the reply goes out. Storing the files
 (``pushed/<name>/v<version>``, for ReloadAdapter and retries) happens after the reply, in the
@@ -15,7 +15,7 @@ swap changes nothing: the previous adapter keeps serving and nothing is written.
 Bounded time: loading and swapping preempt the batch in progress (``BatchScheduler.call_between_batches``
 with ``preempt=True``: it stops at its next decode step and its requests decode again on the new
 adapter), so a push takes effect within a decode step of a generation of any length. A push or
-reload carries its caller's deadline (:class:`ApplyDeadline`); when the adapter cannot be
+reload carries its caller's deadline (:class:`~.apply_deadline.ApplyDeadline`); when the adapter cannot be
 swapped in before it (the lock held by another push, a decode step or a load slower than the
 time left), the call fails with DEADLINE_EXCEEDED and the adapter is never applied later: the
 queued command is withdrawn, or, if the load already ran, the swap is skipped and the adapter
@@ -34,7 +34,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -42,7 +42,6 @@ import grpc
 from gridrl.adapters import (
     AdapterError,
     AdapterManifest,
-    build_manifest,
     check_fits,
     convert_files,
     detect_format,
@@ -54,7 +53,9 @@ from gridrl.common.transport import ReceivedAdapter, receive_push, validate_mani
 from gridrl.engine.contract import AdapterLoadError, Backend
 from gridrl.models import ModelIdentity
 from gridrl.rollout import metrics
+from gridrl.rollout.adapter_intake import check_and_convert, check_header
 from gridrl.rollout.adapter_store import AdapterStore, StoredAdapter
+from gridrl.rollout.apply_deadline import NO_DEADLINE, ApplyDeadline
 from gridrl.rollout.jobs import BASE_MODEL, ServingAdapter
 from gridrl.rollout.relay import (
     FetchOutcome,
@@ -73,54 +74,6 @@ log = logging.getLogger(__name__)
 class _Applied:
     serving: ServingAdapter
     apply_s: float
-
-
-@dataclass(frozen=True)
-class ApplyDeadline:
-    """By when a push or reload must be applied, and whether its caller still waits.
-
-    Attributes:
-        at: ``time.monotonic()`` seconds by which the swap must happen (None: no deadline).
-        caller_active: False once the caller has gone (a cancelled RPC): nothing is applied.
-    """
-
-    at: float | None = None
-    caller_active: Callable[[], bool] = field(default=lambda: True)
-
-    @classmethod
-    def of_rpc(cls, context, reply_margin_s: float = 0.5) -> ApplyDeadline:
-        """From a gRPC servicer context: its deadline less a margin for the reply to reach the
-        caller (``min(reply_margin_s, 10%`` of the time left)), and ``context.is_active``."""
-        left = context.time_remaining()
-        at = None if left is None else time.monotonic() + left - min(reply_margin_s, 0.1 * left)
-        return cls(at, context.is_active)
-
-    def left(self) -> float | None:
-        """Seconds left (>= 0), None without a deadline."""
-        return None if self.at is None else max(0.0, self.at - time.monotonic())
-
-    def check(self, what: str) -> None:
-        """Raise unless ``what`` may still be applied.
-
-        Raises:
-            StatusError: DEADLINE_EXCEEDED past the deadline; CANCELLED when the caller left.
-        """
-        if not self.caller_active():
-            raise StatusError(Kind.CANCELLED,
-                              f"{what}: the caller cancelled before it was applied; nothing "
-                              "changed")
-        if self.at is not None and time.monotonic() >= self.at:
-            raise self.expired(what)
-
-    def expired(self, what: str) -> StatusError:
-        """The DEADLINE_EXCEEDED error of ``what`` (counted in the metrics)."""
-        metrics.PUSHES_EXPIRED.inc()
-        return StatusError(Kind.DEADLINE_EXCEEDED,
-                           f"{what}: could not be applied before the caller's deadline; "
-                           "nothing changed and it will not be applied later")
-
-
-NO_DEADLINE = ApplyDeadline()
 
 
 class AdapterManager:
@@ -225,7 +178,7 @@ class AdapterManager:
         try:
             first = next(stream, None)
             if first is not None and first.WhichOneof("payload") == "header":
-                self._check_header(first.header.manifest)
+                check_header(first.header.manifest, self.identity)
                 if first.header.HasField("relay"):  # relay fan-out: serve pieces as they come
                     validate_manifest(first.header.manifest, self.max_bytes)
                     buffer = self.relays.open(first.header.manifest, first.header.relay)
@@ -263,7 +216,7 @@ class AdapterManager:
         start = time.perf_counter()
         manifest = request.manifest
         validate_manifest(manifest, self.max_bytes)
-        self._check_header(manifest)
+        check_header(manifest, self.identity)
         if not request.sources:
             raise invalid_argument("sources", "give at least one node that holds the adapter")
         held = self.relays.held(manifest.name, manifest.version)
@@ -297,41 +250,10 @@ class AdapterManager:
         """Check a received adapter's files against the base model, convert, store and swap
         (the rest of :meth:`push` and :meth:`fetch`)."""
         metrics.PUSH_BYTES.inc(received.bytes_received)
-        manifest = AdapterManifest.from_proto(received.manifest)
-        name, version = manifest.name, manifest.version
-        pushed_format = manifest.format
-        t = time.perf_counter()
-        files = received.files
-        try:
-            found = detect_format(files)
-        except AdapterError as e:
-            raise invalid_argument("header.manifest.files", str(e)) from e
-        if found != pushed_format:
-            raise invalid_argument("header.manifest.format",
-                                   f"says {pushed_format} but the files are a {found} adapter")
-        try:  # what the tensors say: unreadable files are the caller's error ...
-            described = build_manifest(files, infer_local=False, hash_files=False)
-        except AdapterError as e:
-            raise invalid_argument("adapter", str(e)) from e
-        try:  # ... a well-formed adapter for another model is a precondition failure
-            check_fits(described, self.identity)
-        except AdapterError as e:
-            raise failed_precondition(f"adapter: {e}") from e
-        verify_s = received.verify_s + time.perf_counter() - t
-        t = time.perf_counter()
-        converted = pushed_format != self.backend.adapter_format
-        if converted:
-            try:
-                files = convert_files(files, self.backend.adapter_format,
-                                      num_layers=self.identity.num_layers)
-            except AdapterError as e:
-                raise invalid_argument("adapter", f"cannot convert {pushed_format} to "
-                                                  f"{self.backend.adapter_format}: {e}") from e
-        convert_s = time.perf_counter() - t if converted else 0.0
-        meta = {"name": name, "version": version, "format": self.backend.adapter_format,
-                "pushed_format": pushed_format, "converted": converted,
-                "manifest": manifest.to_dict()}
-        applied = self._store_and_apply(files, meta, received.stage_only, deadline)
+        ready = check_and_convert(received, self.identity, self.backend.adapter_format)
+        name, version, pushed_format = ready.name, ready.version, ready.pushed_format
+        converted, verify_s, convert_s = ready.converted, ready.verify_s, ready.convert_s
+        applied = self._store_and_apply(ready.files, ready.meta, received.stage_only, deadline)
         total = time.perf_counter() - start
         for phase, seconds in (("receive", received.receive_s), ("verify", verify_s),
                                ("convert", convert_s), ("apply", applied.apply_s),
@@ -348,16 +270,6 @@ class AdapterManager:
             bytes_received=received.bytes_received,
             timings=rollout_pb2.PushTimings(receive_s=received.receive_s, verify_s=verify_s,
                                             convert_s=convert_s, apply_s=applied.apply_s))
-
-    def _check_header(self, manifest: common_pb2.AdapterManifest) -> None:
-        """Refuse, before any byte arrives, a push made for another base model."""
-        if manifest.name.startswith("."):
-            raise invalid_argument("header.manifest.name", f"{manifest.name!r} must not start "
-                                                           "with '.'")
-        try:
-            check_fits(AdapterManifest.from_proto(manifest), self.identity)
-        except AdapterError as e:
-            raise failed_precondition(f"header.manifest.base_model: {e}") from e
 
     def _store_and_apply(self, files: dict[str, bytes], meta: dict, stage_only: bool,
                          deadline: ApplyDeadline) -> _Applied:

@@ -28,8 +28,9 @@ from gridrl.common.security.access import caller, relay_reader_refusal
 from gridrl.common.sequence import ReportSequence
 from gridrl.engine.contract import Backend
 from gridrl.engine.threads import release_thread_state
-from gridrl.rollout.adapter_manager import AdapterManager, ApplyDeadline
+from gridrl.rollout.adapter_manager import AdapterManager
 from gridrl.rollout.adapter_store import AdapterStore
+from gridrl.rollout.apply_deadline import ApplyDeadline
 from gridrl.rollout.cache import ephemeral_dir
 from gridrl.rollout.config import NodeConfig, adapter_root, node_name
 from gridrl.rollout.jobs import GenerateOutcome

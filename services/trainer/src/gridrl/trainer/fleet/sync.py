@@ -6,8 +6,9 @@
     sync.lagging_nodes(version)                      # nodes still behind: warn loudly
 
 Each node gets the adapter in the format it declared: peft files as they are (torch, vLLM),
-converted once per version with ``gridrl.adapters.convert_files(..., "mlx")`` for MLX nodes,
-each with its manifest (:class:`gridrl.adapters.AdapterManifest`, built here from the files,
+converted once per version with ``gridrl.adapters.convert_files(..., "mlx")`` for MLX nodes
+(the files per format, their manifests and relay plans: :mod:`.payloads`),
+each with its manifest (:class:`gridrl.adapters.AdapterManifest`, built from the files,
 the run name, the version and the base model; converted to the wire's message only by the
 push stream, ``gridrl.common.transport.push_requests``).
 Pushes go to all nodes concurrently, each with its own deadline, so a push takes about the
@@ -44,12 +45,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gridrl.adapters import AdapterManifest, build_manifest, convert_files
 from gridrl.common.faults import pause_in_stream
-from gridrl.common.transport import PIECE_BYTES, push_requests, relay_plan
+from gridrl.common.transport import PIECE_BYTES, push_requests
 from gridrl.models import ModelIdentity
 from gridrl.trainer.fleet import metrics
 from gridrl.trainer.fleet.outcomes import PushResult, PushStatus
+from gridrl.trainer.fleet.payloads import AdapterVersion, Payloads
 from gridrl.trainer.fleet.pool import NodePool, NodeState
 from gridrl.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -81,17 +82,6 @@ class SyncReport:
     skipped: dict[str, str] = field(default_factory=dict)
     relayed: list[str] = field(default_factory=list)
     sent_bytes: int = 0
-
-
-@dataclass
-class _Adapter:
-    """One version of the adapter, with its files in each format converted so far."""
-
-    version: int
-    payloads: dict[str, tuple[AdapterManifest, Mapping[str, bytes]]]  # format -> its push
-    # format -> (manifest with every sha256, relay plan without readers): relay fan-out
-    relays: dict[str, tuple[AdapterManifest, rollout_pb2.RelayPlan]] = field(
-        default_factory=dict)
 
 
 def _counted(requests, sent: list[int]):
@@ -137,12 +127,12 @@ class AdapterSync:
         self._known_versions = known_versions or (lambda: (0,))
         self._lock = threading.Lock()
         self._node_locks: dict[str, threading.Lock] = {}
-        self._newest: _Adapter | None = None
+        self._newest: AdapterVersion | None = None
         self._no_relay: set[str] = set()  # nodes a relay was refused to (pushed directly)
         # seconds each node's last successful push or fetch took: a chain starts with the
         # fastest, so a node behind a slow link never feeds the others (unknown nodes last)
         self._sync_s: dict[str, float] = {}
-        self._convert_lock = threading.Lock()
+        self._payloads = Payloads(name=name, base_model=base_model, piece_bytes=piece_bytes)
         # One thread per node pushed to at once (threads are started lazily, as needed).
         self._executor = futures.ThreadPoolExecutor(MAX_CONCURRENT_PUSHES,
                                                     thread_name_prefix="adapter-sync")
@@ -164,7 +154,8 @@ class AdapterSync:
                 is older than the last push.
         """
         start = time.perf_counter()
-        adapter = _Adapter(version, {"peft": (self._manifest(files, version), dict(files))})
+        adapter = AdapterVersion(version, {"peft": (self._payloads.manifest(files, version),
+                                                    dict(files))})
         if adapter.payloads["peft"][0].format != "peft":
             raise ValueError(f"files: a {adapter.payloads['peft'][0].format} adapter; pushes "
                              "start from peft files")
@@ -186,7 +177,7 @@ class AdapterSync:
         unconvertible = {}
         for fmt in sorted({n.adapter_format for n in targets}):  # outside the per-node deadlines
             try:
-                self._payload(adapter, fmt)
+                self._payloads.payload(adapter, fmt)
             except Exception as e:
                 log.exception("could not convert policy version %d to %s", version, fmt)
                 unconvertible[fmt] = f"conversion to {fmt} failed: {e!r}"
@@ -211,7 +202,7 @@ class AdapterSync:
                 jobs[self._executor.submit(self._push_node, node, adapter)] = node.address
             if not chain:
                 continue
-            plan = self._relay_plan(adapter, fmt, [n.address for n in chain[1:]])
+            plan = self._payloads.relay_plan(adapter, fmt, [n.address for n in chain[1:]])
             jobs[self._executor.submit(self._push_node, chain[0], adapter, plan)] = \
                 chain[0].address
             for i, node in enumerate(chain[1:], start=1):
@@ -279,7 +270,7 @@ class AdapterSync:
 
     # -------------------------------------------------------------------- per node
 
-    def _push_node(self, node: NodeState, adapter: _Adapter,
+    def _push_node(self, node: NodeState, adapter: AdapterVersion,
                    relay: rollout_pb2.RelayPlan | None = None,
                    deadline: float | None = None) -> PushResult:
         """Push ``adapter`` to one node (a failure benches it); with ``relay``, as the head
@@ -299,7 +290,7 @@ class AdapterSync:
                                   f"superseded by policy version {newest}")
             fmt = node.adapter_format
             try:
-                manifest, files = self._payload(adapter, fmt)
+                manifest, files = self._payloads.payload(adapter, fmt)
                 if relay is not None:
                     manifest = adapter.relays[fmt][0]
             except Exception as e:
@@ -336,7 +327,7 @@ class AdapterSync:
         finally:
             lock.release()
 
-    def _fetch_node(self, node: NodeState, adapter: _Adapter, plan: rollout_pb2.RelayPlan,
+    def _fetch_node(self, node: NodeState, adapter: AdapterVersion, plan: rollout_pb2.RelayPlan,
                     sources: list[str]) -> PushResult:
         """Have one node fetch ``adapter`` from ``sources`` (relay fan-out); if it cannot
         within half of ``deadline_s`` (its sources may sit behind a slow link), push it to the
@@ -387,42 +378,10 @@ class AdapterSync:
                     adapter.version, node.address, why)
         return self._push_node(node, adapter, deadline=deadline)
 
-    def _relay_plan(self, adapter: _Adapter, fmt: str,
-                    readers: list[str]) -> rollout_pb2.RelayPlan:
-        """The relay plan of ``adapter`` in ``fmt`` with ``readers``, hashing its files once
-        per version and format (the manifest with digests is kept for the fetches)."""
-        with self._convert_lock:
-            if fmt not in adapter.relays:
-                files = adapter.payloads[fmt][1]
-                hashed = build_manifest(files, name=self.name, version=adapter.version,
-                                        base_model=self.base_model, hash_files=True)
-                adapter.relays[fmt] = (hashed, relay_plan(hashed, files,
-                                                          piece_bytes=self.piece_bytes))
-            plan = rollout_pb2.RelayPlan()
-            plan.CopyFrom(adapter.relays[fmt][1])
-        plan.readers[:] = readers
-        return plan
-
     def _failed(self, address: str, version: int, reason: str) -> PushResult:
         metrics.SYNC_FAILURES.labels(address).inc()
         self.pool.note_sync_failed(address, version, reason)
         return PushResult(PushStatus.FAILED, reason)
-
-    def _manifest(self, files: Mapping[str, bytes], version: int) -> AdapterManifest:
-        """The manifest of this sync's adapter ``files`` at ``version`` (no digests)."""
-        return build_manifest(files, name=self.name, version=version,
-                              base_model=self.base_model, hash_files=False)
-
-    def _payload(self, adapter: _Adapter, fmt: str) -> tuple[AdapterManifest, Mapping[str, bytes]]:
-        """The (manifest, files) of ``adapter`` in ``fmt``, converting once per version."""
-        with self._convert_lock:
-            if fmt not in adapter.payloads:
-                if fmt != "mlx":
-                    raise ValueError(f"adapter_format {fmt!r} is not peft or mlx")
-                _, peft_files = adapter.payloads["peft"]
-                mlx_files = convert_files(peft_files, "mlx", self.base_model.num_layers)
-                adapter.payloads["mlx"] = (self._manifest(mlx_files, adapter.version), mlx_files)
-            return adapter.payloads[fmt]
 
     def _node_lock(self, address: str) -> threading.Lock:
         with self._lock:
@@ -475,7 +434,7 @@ class AdapterSync:
             return
         self.pool.note_synced(address, 0, response.serving)
 
-    def _catch_up(self, address: str, adapter: _Adapter) -> None:
+    def _catch_up(self, address: str, adapter: AdapterVersion) -> None:
         """Give a late node the newest adapter, unless it already serves it."""
         with self._lock:
             if self._newest is not adapter:  # a newer push reaches it (or skips it) anyway

@@ -36,11 +36,15 @@ follows its upcasts (RMSNorm and softmax in float32). Attention for one decode t
 KV cache holds keys in the reordered layout, so it is only read by this forward.
 
 Supported: ``model_type`` llama / mistral / qwen2, SiLU MLP, no MLP bias,
-``pretraining_tp == 1`` (:func:`unsupported_reason` says why not otherwise). Rotary embeddings
+``pretraining_tp == 1`` (:func:`~.llama_model.unsupported_reason` says why not otherwise). Rotary embeddings
 come from the model's own ``rotary_emb`` module, so every rope scaling transformers implements
 is used as is. Attention is over the whole context: a model with a sliding window (Mistral
 7B v0.1) is served with its context capped at the window (:mod:`gridrl.engine.families`),
 where the two are the same function.
+
+What the forward reads from the transformers model (and how a node's own model hands over its
+weights) is :mod:`.llama_model`'s; the kernel-backed projection :mod:`.kernel_projection`'s, the
+other :mod:`.projection`'s.
 """
 
 from __future__ import annotations
@@ -55,81 +59,20 @@ import torch.nn.functional as F
 
 from gridrl.engine.backends.torch import cpu_kernels
 from gridrl.engine.backends.torch.cache import SlabCache
+from gridrl.engine.backends.torch.kernel_projection import KernelProjection
+from gridrl.engine.backends.torch.llama_model import (
+    own_the_rest,
+    projections_of,
+    release,
+    text_config,
+    unsupported_reason,
+)
 from gridrl.engine.backends.torch.memory import drop_mapped_pages, trim_heap
 from gridrl.engine.backends.torch.projection import (
     Projection,
     RowLora,
     RowRanks,
 )
-from gridrl.engine.families import unsupported_layers
-
-_TYPES = ("llama", "mistral", "qwen2")
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def unsupported_reason(model: Any) -> str | None:
-    """None when :class:`LeanLlama` can run ``model`` (a transformers causal LM), else why not."""
-    cfg = _text_config(model.config)
-    kind = getattr(cfg, "model_type", "")
-    if kind not in _TYPES:
-        return f"model_type {kind!r} is not one of {', '.join(_TYPES)}"
-    refused = unsupported_layers(model.config.to_dict())
-    if refused is not None:
-        return refused
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r}"
-    if getattr(cfg, "mlp_bias", False):
-        return "MLP biases"
-    if getattr(cfg, "pretraining_tp", 1) != 1:
-        return "pretraining_tp != 1"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return f"{type(model).__name__} has no .model.layers / .model.rotary_emb"
-    with torch.no_grad():  # rotary as pairs (dim j with j + D/2) needs equal cos/sin halves
-        probe = torch.zeros(1, 1, dtype=torch.float32, device=inner.embed_tokens.weight.device)
-        cos, sin = inner.rotary_emb(probe, torch.tensor([[1, 7, 100]], device=probe.device))
-        half = cos.shape[-1] // 2
-        if not (torch.equal(cos[..., :half], cos[..., half:])
-                and torch.equal(sin[..., :half], sin[..., half:])):
-            return "a rotary embedding whose two halves differ"
-    return None
-
-
-def _projections(layer: Any) -> list[torch.nn.Module]:
-    """The linear modules of a decoder layer that :class:`LeanLlama` packs."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-            mlp.down_proj]
-
-
-def _own_the_rest(model: torch.nn.Module, taken: list[torch.nn.Module],
-                  keep_mapped: torch.Tensor) -> None:
-    """Copy every parameter and buffer of ``model`` but the ``taken`` modules' weights and
-    ``keep_mapped`` into memory of its own (out of a memory-mapped checkpoint, where
-    transformers maps safetensors files); parameters keep their identity, so tied weights stay
-    tied."""
-    skip = {id(m.weight) for m in taken} | {id(keep_mapped)}
-    with torch.no_grad():
-        for p in model.parameters():  # each shared (tied) parameter once
-            if id(p) not in skip and p.device.type != "meta":
-                p.data = p.data.clone()
-        for module in model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.device.type != "meta":
-                    module._buffers[name] = buf.clone()
-
-
-def _release(modules: list[torch.nn.Module]) -> None:
-    """Replace each module's parameters by ``meta`` tensors of the same shape and dtype (the
-    pages of a memory-mapped checkpoint they viewed handed back at once)."""
-    drop_mapped_pages(p for module in modules for p in module.parameters(recurse=False))
-    for module in modules:
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(
-                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
 
 
 def _decode_kernels(dtype: torch.dtype, device: torch.device) -> Any:
@@ -139,57 +82,6 @@ def _decode_kernels(dtype: torch.dtype, device: torch.device) -> Any:
     if dtype not in cpu_kernels.DTYPES.values() or device.type != "cpu":
         return None
     return cpu_kernels.load(dtype)
-
-
-class KernelProjection:
-    """:class:`Projection`'s function in one call of the fused CPU kernel
-    (``cpu_kernels/decode.c``): the RMSNorm weight is folded into the packed weight
-    (and into LoRA's A), the row scale, bias, residual add, LoRA term and SwiGLU are done in
-    the product's pass. The residual is updated in place (the result *is* ``residual``).
-    Activations, LoRA factors and arithmetic are float32; the packed weight is ``dtype``
-    (float32, or bfloat16: half the bytes a decode step reads).
-    """
-
-    kind = "kernel"
-
-    def __init__(self, kernels: Any, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, norm: torch.Tensor | None = None, eps: float = 0.0,
-                 swiglu: bool = False, drop_source: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
-        self._kernels = kernels
-        self.out_features, self.in_features = weight.shape
-        self.swiglu = swiglu
-        self.norm = None if norm is None else norm.detach().float().clone()
-        self.eps = float(eps) if norm is not None else -1.0
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.weight = cpu_kernels.pack_weight(weight, swiglu=swiglu, in_scale=self.norm,
-                                              drop_source=drop_source, dtype=dtype)
-        self.lora: tuple[torch.Tensor, torch.Tensor] | RowLora | None = None
-
-    def prepare_lora(self, a: torch.Tensor, bs_t: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """An adapter's factors for this kernel: ``(A' (R, in), packed Bs)``, A' = A with
-        the norm weight folded into its columns (the kernel then needs only the raw x)."""
-        if self.norm is not None:
-            a = a * self.norm
-        return a.contiguous(), cpu_kernels.pack_weight(bs_t.t(), swiglu=self.swiglu)
-
-    @staticmethod
-    def stack_lora(parts: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Several adapters' :meth:`prepare_lora` factors stacked along the rank, in order
-        (packed B: ``(blocks, R, NB)``, stacked on its middle axis)."""
-        return (torch.cat([a for a, _ in parts]).contiguous(),
-                torch.cat([b for _, b in parts], dim=1).contiguous())
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        lora, segments = self.lora, None
-        if isinstance(lora, RowLora):
-            lora, segments = (lora.a, lora.b), lora.ranks.segments
-        return self._kernels.linear(x.contiguous(), self.weight, self.out_features,
-                                    lora=lora, eps=self.eps, bias=self.bias,
-                                    add=residual, swiglu=self.swiglu, out=residual,
-                                    segments=segments)
 
 
 @dataclass
@@ -254,15 +146,15 @@ class LeanLlama:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"lean llama forward: {reason}")
-        cfg = _text_config(model.config)
+        cfg = text_config(model.config)
         inner = model.model
         head_weight = model.get_output_embeddings().weight
         tied = head_weight is inner.embed_tokens.weight
         if take_weights:
-            taken = [m for layer in inner.layers for m in _projections(layer)]
+            taken = [m for layer in inner.layers for m in projections_of(layer)]
             if not tied:
                 taken.append(model.get_output_embeddings())
-            _own_the_rest(model, taken, keep_mapped=inner.embed_tokens.weight)
+            own_the_rest(model, taken, keep_mapped=inner.embed_tokens.weight)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
@@ -307,14 +199,14 @@ class LeanLlama:
                              swiglu=True),
                 down=proj(mlp.down_proj.weight)))
             if take_weights:
-                _release(_projections(layer))
+                release(projections_of(layer))
                 trim_heap()  # this layer's temporaries, before the next one's come
         # The head's source pages go back chunk by chunk as it is packed (the whole table
         # and its packed copy would otherwise be resident together at the peak of loading).
         self.head = proj(head_weight, norm=self.norm, eps=self.eps, drop_source=take_weights)
         if take_weights:
             if not tied:
-                _release([model.get_output_embeddings()])
+                release([model.get_output_embeddings()])
             # Lookups read a few rows a step: the table can stay in the checkpoint's mapping,
             # paged in row by row (packing the head read all of it when tied).
             drop_mapped_pages([self.embed])

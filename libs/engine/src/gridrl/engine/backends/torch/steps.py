@@ -1,6 +1,6 @@
 """The forward side of the torch backend's decode loop, one class per forward.
 
-``TorchBackend.generate`` owns the loop (prefill each distinct prompt alone, sample, drop
+:func:`~gridrl.engine.backends.torch.decode.decode` owns the loop (prefill each distinct prompt alone, sample, drop
 finished rows); a *steps* object owns the forward and its KV cache:
 
 - :class:`LeanSteps` -- :class:`~gridrl.engine.backends.torch.llama.LeanLlama` with the

@@ -1,1 +1,2 @@
-"""The vLLM backend: an HTTP client of a local vLLM server."""
+"""The vLLM backend: a local vLLM server as a backend (backend.py), its HTTP client
+(client.py), its start-up probe (probe.py) and its HTTP contract (wire.py)."""

@@ -5,14 +5,11 @@ sampling contract of :mod:`gridrl.engine.contract` onto vLLM's HTTP API, checks 
 the server honours it, and refuses, naming the vLLM flag to add, when it does not.
 
 The HTTP contract it follows (vLLM 0.33.0's, read from its wheel) and the mapping of requests
-and answers are :mod:`.wire`'s; this module sends them, probes the server and moves adapters.
-
-Start-up probe (:meth:`VllmBackend.probe`, refused with :class:`VllmRefused`): the API key is
-accepted; vLLM's tokenizer encodes like ``--model``'s; a prompt sent as token ids comes back
-unchanged in ``prompt_token_ids``; a sampled request at temperature 0.7 with top-k 4 returns
-logprobs that are processed (the top 4 renormalise to 1, the next are masked at -9999), not raw;
-a zero LoRA adapter landed under the node's adapter root loads, samples and unloads. The probe
-runs again after vLLM was unreachable, before the next batch.
+and answers are :mod:`.wire`'s; the HTTP client and vLLM's LoRA routes :mod:`.client`'s; the
+start-up probe (:meth:`VllmBackend.probe`, refused with :class:`VllmRefused`: API key, tokenizer,
+token-id prompts, processed logprobs, runtime LoRA) :mod:`.probe`'s. This module samples
+batches, scores and moves adapters. The probe runs again after vLLM was unreachable, before the
+next batch.
 
 Threading: every method is called from the node engine's scheduler thread (the contract), so an
 adapter load never overlaps a batch on this node (vLLM issue 13698: loading while requests
@@ -25,38 +22,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import re
 import secrets
 import shutil
-import threading
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from gridrl.adapters import AdapterError, read_dir, write_dir
-from gridrl.adapters import tensors as st
+from gridrl.engine.backends.vllm.client import VllmClient
+from gridrl.engine.backends.vllm.probe import ProbedModel, probe_prompt, probe_server
 from gridrl.engine.backends.vllm.wire import (
     MASKED,
     MAX_LOGPROBS,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
-    VLLM_CONTRACT_VERSION,
-    HttpAnswer,
     ModelMissing,
     VllmError,
     VllmRefused,
-    VllmUnavailable,
     completion_request,
     parse_completion,
-    processed_logprobs_problem,
 )
 from gridrl.engine.contract import (
     AdapterLoadError,
     Backend,
-    DecodeInterrupted,
     SamplingConfig,
     SequenceRequest,
     SequenceResult,
@@ -67,13 +58,6 @@ from gridrl.engine.tokens import eos_token_ids, model_dir_configs
 from gridrl.models import ModelIdentity, model_identity
 
 log = logging.getLogger(__name__)
-if logging.getLogger("httpx").level == logging.NOTSET:  # not a line per request at INFO
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-T = TypeVar("T")
-
-PROBE_TOP_K = 4
-PROBE_TEMPERATURE = 0.7
-_POLL_S = 0.02  # how often a running batch checks its observer
 
 
 @dataclasses.dataclass
@@ -91,40 +75,6 @@ class VllmAdapter:
     key: str
     served_name: str
     path: Path
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread, running this backend's HTTP coroutines."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-http",
-                                       daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable[T], observer: Any = None) -> T:
-        """Run ``coro`` on the loop and return its result; with an ``observer`` whose
-        ``interrupted()`` turns true, cancel it (closing its connections, which makes vLLM
-        abort the requests), wait until it has unwound and raise :class:`DecodeInterrupted`."""
-        finished = threading.Event()
-
-        async def start() -> asyncio.Task:
-            task = asyncio.ensure_future(coro)
-            task.add_done_callback(lambda _: finished.set())  # also when cancelled unstarted
-            return task
-
-        task = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
-        interrupted = observer.interrupted if observer is not None else None
-        while not finished.wait(None if interrupted is None else _POLL_S):
-            if interrupted is not None and interrupted():
-                self.loop.call_soon_threadsafe(task.cancel)
-                finished.wait(30)
-                raise DecodeInterrupted(0, "its vLLM requests were cancelled")
-        return task.result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 class VllmBackend(Backend):
@@ -152,7 +102,6 @@ class VllmBackend(Backend):
     def __init__(self, url: str, model_dir: Path | str, landing_dir: Path | str, *,
                  api_key: str | None = None, model_id: str | None = None,
                  max_concurrency: int = 256, request_timeout_s: float = 600.0) -> None:
-        import httpx
         from transformers import AutoTokenizer
 
         self.url = url.rstrip("/")
@@ -170,17 +119,13 @@ class VllmBackend(Backend):
         self._session = secrets.token_hex(4)  # names loaded by this process end with it
         self._loads = 0
         self._needs_probe = True
-        self._loop = _LoopThread()
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=max_concurrency,
-                              max_keepalive_connections=max_concurrency)
-        timeout = httpx.Timeout(request_timeout_s, connect=10.0)
 
-        async def make() -> httpx.AsyncClient:
-            return httpx.AsyncClient(base_url=self.url, headers=headers, limits=limits,
-                                     timeout=timeout)
+        def unreachable() -> None:
+            self._needs_probe = True
 
-        self._client = self._loop.run(make())
+        self._http = VllmClient(self.url, api_key=api_key, max_concurrency=max_concurrency,
+                                request_timeout_s=request_timeout_s,
+                                on_unreachable=unreachable)
 
     @classmethod
     def connect(cls, url: str, model_dir: Path | str, landing_dir: Path | str,
@@ -203,153 +148,46 @@ class VllmBackend(Backend):
 
     def close(self) -> None:
         """Close the HTTP client and its loop."""
-        try:
-            self._loop.run(self._client.aclose())
-        finally:
-            self._loop.close()
-
-    # -- HTTP ------------------------------------------------------------------------------
-
-    async def _request(self, method: str, path: str, body: Any = None) -> HttpAnswer:
-        import httpx
-
-        try:
-            r = await self._client.request(method, path, json=body)
-        except httpx.TransportError as e:
-            self._needs_probe = True
-            raise VllmUnavailable(f"vLLM at {self.url} unreachable ({method} {path}): "
-                                  f"{type(e).__name__}: {e}") from e
-        try:
-            parsed = r.json()
-        except ValueError:
-            parsed = None
-        return HttpAnswer(r.status_code, parsed, r.text)
-
-    def _call(self, method: str, path: str, body: Any = None) -> HttpAnswer:
-        return self._loop.run(self._request(method, path, body))
-
-    def _unauthorized(self, answer: HttpAnswer) -> VllmRefused:
-        return VllmRefused(f"vLLM at {self.url} refused the API key (401 {answer.message}): "
-                           "give one of its --api-key values with --vllm-api-key-file")
+        self._http.close()
 
     # -- probe -----------------------------------------------------------------------------
 
     def probe(self) -> None:
-        """Check that the server honours the sampling contract (module docstring); sets
-        :attr:`served_model`, :attr:`server_version` and the context length.
+        """Check that the server honours the sampling contract
+        (:func:`~gridrl.engine.backends.vllm.probe.probe_server`); sets :attr:`served_model`,
+        :attr:`server_version` and the context length.
 
         Raises:
             VllmRefused: naming the flag to add; VllmUnavailable: unreachable.
         """
-        models = self._call("GET", "/v1/models")
-        if models.status == 401:
-            raise self._unauthorized(models)
-        data = models.body.get("data") if isinstance(models.body, dict) else None
-        if models.status != 200 or not data:
-            raise VllmRefused(f"GET {self.url}/v1/models answered {models.status}: "
-                              f"{models.message}; is this a vLLM OpenAI server?")
-        base = next((m for m in data if not m.get("parent")), data[0])
-        self.served_model = str(base["id"])
-        if base.get("max_model_len"):
-            context = min(self.identity.max_context, int(base["max_model_len"]))
+        model = ProbedModel(self.model_dir, self.tokenizer, self.eos_token_ids, self.vocab_size)
+        facts = probe_server(self._http, model,
+                             self.landing_dir / f"gridrl-probe-{self._session}-{self._loads}")
+        self.served_model = facts.served_model
+        if facts.max_model_len:
+            context = min(self.identity.max_context, facts.max_model_len)
             self.identity = dataclasses.replace(self.identity, max_context=context)
-        version = self._call("GET", "/version")
-        if version.status == 200 and isinstance(version.body, dict):
-            self.server_version = str(version.body.get("version", ""))
+        if facts.version is not None:
+            self.server_version = facts.version
             self.device = f"vllm-{self.server_version}"
-            if self.server_version.split(".")[:2] != VLLM_CONTRACT_VERSION.split(".")[:2]:
-                log.warning("vLLM %s: this backend follows vLLM %s's HTTP contract; the probe "
-                            "checks what it relies on", self.server_version,
-                            VLLM_CONTRACT_VERSION)
-        self._probe_tokenizer()
-        self._probe_sampling()
-        self._probe_lora()
         self._needs_probe = False
         log.info("vLLM %s at %s serves %s (context %d): token-id prompts, processed logprobs "
                  "and runtime LoRA checked", self.server_version or "?", self.url,
                  self.served_model, self.identity.max_context)
 
-    def _probe_tokenizer(self) -> None:
-        text = "Reverse the words: the cat sat on the mat."
-        mine = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        answer = self._call("POST", "/tokenize", {"model": self.served_model, "prompt": text,
-                                                  "add_special_tokens": False})
-        if answer.status != 200 or not isinstance(answer.body, dict):
-            log.warning("vLLM's /tokenize answered %d: tokenizer agreement not checked",
-                        answer.status)
-            return
-        if answer.body.get("tokens") != mine:
-            raise VllmRefused(f"vLLM serves {self.served_model!r} with another tokenizer than "
-                              f"--model {self.model_dir}: {answer.body.get('tokens')} != "
-                              f"{mine}; give the node the model vLLM serves")
-
     def probe_prompt(self) -> list[int]:
         """A prompt that a text round trip would change (it holds special tokens)."""
-        eos = min(self.eos_token_ids) if self.eos_token_ids else 0
-        words = list(self.tokenizer("the cat sat", add_special_tokens=False)["input_ids"])
-        return [*words, eos, *words]
-
-    def _probe_sampling(self) -> None:
-        prompt = self.probe_prompt()
-        sampling = SamplingConfig(max_tokens=3, temperature=PROBE_TEMPERATURE,
-                                  top_k=PROBE_TOP_K)
-        req = SequenceRequest(prompt_ids=prompt, sampling=sampling, seed=12345)
-        body = completion_request(req, self.served_model, self._stops(sampling),
-                                  self.vocab_size, logprobs=PROBE_TOP_K + 2)
-        answer = self._call("POST", "/v1/completions", body)
-        if answer.status == 401:
-            raise self._unauthorized(answer)
-        if answer.status != 200:
-            raise VllmRefused(f"the probe completion answered {answer.status}: "
-                              f"{answer.message}")
-        try:
-            parse_completion(answer.body, req, self._stops(sampling))
-        except VllmError as e:
-            if "prompt_token_ids" in str(e):
-                raise VllmRefused(f"vLLM at {self.url} did not sample the prompt given as "
-                                  f"token ids: {e}") from e
-            raise VllmRefused(f"the probe completion breaks the contract: {e}") from e
-        problem = processed_logprobs_problem(answer.body["choices"][0], PROBE_TOP_K)
-        if problem is not None:
-            raise VllmRefused(f"vLLM at {self.url} returns logprobs that are not those of the "
-                              f"distribution sampled from ({problem}): restart it with "
-                              "--logprobs-mode processed_logprobs")
-
-    def _probe_lora(self) -> None:
-        name = f"gridrl-probe-{self._session}-{self._loads}"
-        path = self.landing_dir / name
-        write_dir(zero_adapter(self.model_dir), path)
-        try:
-            try:
-                self._load_lora(name, path)
-            except AdapterLoadError as e:
-                raise VllmRefused(f"the probe's zero LoRA does not load: {e}") from e
-            req = SequenceRequest(prompt_ids=self.probe_prompt(),
-                                  sampling=SamplingConfig(max_tokens=1, temperature=0.0),
-                                  seed=0)
-            answer = self._call("POST", "/v1/completions",
-                                completion_request(req, name, self.eos_token_ids,
-                                                   self.vocab_size))
-            if answer.status != 200:
-                raise VllmRefused(f"a completion with the probe LoRA {name!r} answered "
-                                  f"{answer.status}: {answer.message}")
-            try:
-                self._unload_lora(name)
-            except VllmRefused:
-                raise
-            except VllmError as e:
-                raise VllmRefused(f"the probe's zero LoRA does not unload: {e}") from e
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
+        return probe_prompt(ProbedModel(self.model_dir, self.tokenizer, self.eos_token_ids,
+                                        self.vocab_size))
 
     def _clear_landing(self) -> None:
         """Unload LoRAs vLLM still serves from the landing directory (left by an earlier node
         process: their names are never asked for again) and delete the directory's contents."""
-        models = self._call("GET", "/v1/models")
+        models = self._http.call("GET", "/v1/models")
         for card in (models.body or {}).get("data", []) if models.status == 200 else []:
             root = str(card.get("root") or "")
             if card.get("parent") and Path(root).parent == self.landing_dir:
-                self._unload_lora(str(card["id"]))
+                self._http.unload_lora(str(card["id"]))
         if self.landing_dir.is_dir():
             for child in self.landing_dir.iterdir():
                 shutil.rmtree(child, ignore_errors=True)
@@ -416,7 +254,7 @@ class VllmBackend(Backend):
                                  f"in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         self._ensure_probed()
         try:
-            return self._loop.run(self._complete_all(batch, adapters), observer)
+            return self._http.run(self._complete_all(batch, adapters), observer)
         except ModelMissing as e:  # vLLM restarted: probe it again, load the adapters again
             loaded = list({id(a): a for a in adapters if a is not None}.values())
             log.warning("%s; probing vLLM again%s", e,
@@ -425,7 +263,7 @@ class VllmBackend(Backend):
             self._ensure_probed()
             for adapter in loaded:
                 self._reload(adapter)
-            return self._loop.run(self._complete_all(batch, adapters), observer)
+            return self._http.run(self._complete_all(batch, adapters), observer)
 
     async def _complete_all(self, batch: list[SequenceRequest],
                             adapters: Sequence[VllmAdapter | None]) -> list[SequenceResult]:
@@ -450,7 +288,7 @@ class VllmBackend(Backend):
 
     async def _complete(self, index: int, req: SequenceRequest, model: str) -> SequenceResult:
         stops = self._stops(req.sampling)
-        answer = await self._request("POST", "/v1/completions",
+        answer = await self._http.request("POST", "/v1/completions",
                                      completion_request(req, model, stops, self.vocab_size,
                                                         req.sampling.top_logprobs))
         if answer.status == 404 and isinstance(answer.body, dict) and \
@@ -509,10 +347,14 @@ class VllmBackend(Backend):
         if not isinstance(adapter, VllmAdapter):
             raise ValueError(f"not a vLLM adapter handle: {adapter!r}")
         try:
-            self._unload_lora(adapter.served_name)
+            self._http.unload_lora(adapter.served_name)
         except VllmError as e:
             log.warning("unloading %s: %s", adapter.served_name, e)
         shutil.rmtree(adapter.path, ignore_errors=True)
+
+    def _load_lora(self, name: str, path: Path) -> None:
+        """:meth:`VllmClient.load_lora`."""
+        self._http.load_lora(name, path)
 
     def _reload(self, adapter: VllmAdapter) -> None:
         """Load ``adapter``'s landed files again under a new name (vLLM lost the old one)."""
@@ -524,40 +366,6 @@ class VllmBackend(Backend):
             raise VllmError(f"vLLM lost {adapter.served_name} and refused it again: {e}") from e
         log.info("vLLM serves %s again as %s", adapter.served_name, name)
         adapter.served_name = name
-
-    def _load_lora(self, name: str, path: Path) -> None:
-        """POST load_lora_adapter. Raises AdapterLoadError (with the flag to add when the
-        answer says which), VllmRefused on 401, VllmUnavailable."""
-        answer = self._call("POST", "/v1/load_lora_adapter",
-                            {"lora_name": name, "lora_path": str(path), "load_inplace": False})
-        if answer.status == 200:
-            return
-        if answer.status == 401:
-            raise self._unauthorized(answer)
-        raise AdapterLoadError(f"vLLM refused to load {name} ({answer.status}: "
-                               f"{answer.message}){self._lora_hint(answer, path)}")
-
-    @staticmethod
-    def _lora_hint(answer: HttpAnswer, path: Path) -> str:
-        msg = answer.message
-        if answer.route_missing:
-            return ("; vLLM has no runtime LoRA routes: start it with "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment")
-        if "LoRA is not enabled" in msg:
-            return "; start vLLM with --enable-lora"
-        if "max_lora_rank" in msg:
-            return "; start vLLM with a larger --max-lora-rank"
-        if "No adapter found" in msg:
-            return (f"; vLLM cannot read {path}: it must run on this machine and see the "
-                    "node's --adapter-root")
-        return ""
-
-    def _unload_lora(self, name: str) -> None:
-        answer = self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
-        if answer.status == 401:
-            raise self._unauthorized(answer)
-        if answer.status != 200:
-            raise VllmError(f"unload of {name} answered {answer.status}: {answer.message}")
 
     # -- score -----------------------------------------------------------------------------
 
@@ -603,7 +411,7 @@ class VllmBackend(Backend):
                 "temperature": 0.0,
                 "prompt_logprobs": top_n if exact_raw else min(k + 1, MAX_LOGPROBS),
                 "return_token_ids": True}
-        answer = self._call("POST", "/v1/completions", body)
+        answer = self._http.call("POST", "/v1/completions", body)
         if answer.status != 200:
             raise VllmError(f"score: vLLM answered {answer.status}: {answer.message}")
         rows = answer.body["choices"][0].get("prompt_logprobs")
@@ -626,28 +434,6 @@ class VllmBackend(Backend):
             out.append(row[token] / t - norm if row[token] >= kth else -math.inf)
             top.append([])
         return out, top
-
-
-def zero_adapter(model_dir: Path) -> dict[str, bytes]:
-    """A peft LoRA (rank 1, ``q_proj`` of every block, B = 0: the base model's outputs) for
-    the llama-family model in ``model_dir``, as files: what the probe loads into vLLM."""
-    from gridrl.adapters.peft_format import PREFIX, encode_config
-
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-    q_out = heads * int(text.get("head_dim") or hidden // heads)
-    tensors = {}
-    for layer in range(int(text["num_hidden_layers"])):
-        path = f"{PREFIX}model.layers.{layer}.self_attn.q_proj"
-        tensors[f"{path}.lora_A.weight"] = st.Tensor("F32", (1, hidden), bytes(4 * hidden))
-        tensors[f"{path}.lora_B.weight"] = st.Tensor("F32", (q_out, 1), bytes(4 * q_out))
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1,
-              "target_modules": ["q_proj"], "lora_dropout": 0.0, "bias": "none",
-              "base_model_name_or_path": None, "fan_in_fan_out": False,
-              "use_rslora": False, "use_dora": False, "inference_mode": True}
-    return {"adapter_config.json": encode_config(config),
-            "adapter_model.safetensors": st.dump(tensors)}
 
 
 def _safe(key: str) -> str:

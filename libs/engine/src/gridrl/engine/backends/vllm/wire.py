@@ -1,6 +1,6 @@
 """vLLM's HTTP contract as pure functions: the completion request a :class:`SequenceRequest`
 becomes, its answer parsed back into a :class:`SequenceResult` (or refused), the check that
-logprobs are processed, and the errors. :mod:`.backend` sends and receives; nothing here does I/O.
+logprobs are processed, and the errors. :mod:`.client` sends and receives; nothing here does I/O.
 
 The HTTP contract followed is vLLM 0.33.0's (:data:`VLLM_CONTRACT_VERSION`), read from its wheel
 (``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl``; paths below are inside ``vllm/``):
