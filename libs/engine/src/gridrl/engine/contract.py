@@ -46,9 +46,12 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from gridrl.models import ModelIdentity
+
+if TYPE_CHECKING:  # the adapters' layouts; not imported at run time (the contract stays light)
+    from gridrl.adapters.adapter import Format
 
 FinishReason = Literal["stop", "length"]
 #: ``(token id, logprob)`` pairs of one position, most likely first (natural log).
@@ -227,7 +230,7 @@ class Backend(abc.ABC):
     """
 
     name: str
-    adapter_format: str
+    adapter_format: Format
     device: str
     dtype: str
     identity: ModelIdentity

@@ -123,7 +123,8 @@ def merge(a: P, b: P) -> P:
     wa, wb = a.steps, b.steps
     out: dict[str, Any] = {}
     for f in dataclasses.fields(a):
-        va, vb = getattr(a, f.name), getattr(b, f.name)
+        va: Any = getattr(a, f.name)
+        vb: Any = getattr(b, f.name)
         rule = f.metadata.get("merge", "mean")
         if rule == "first":
             out[f.name] = va

@@ -113,10 +113,10 @@ def validate_report(request: runs_pb2.ReportRunRequest) -> None:
                                    " is recorded by the master itself, from its registry")
         _bounded(event.node, f"events[{i}].node", SHORT)
         _bounded(event.message, f"events[{i}].message", LONG)
-    for i, node in enumerate(request.nodes):
-        _bounded(node.address, f"nodes[{i}].address", SHORT)
+    for i, view in enumerate(request.nodes):
+        _bounded(view.address, f"nodes[{i}].address", SHORT)
         for name in ("out_of_rotation", "flagged", "benched", "readmitted"):
-            _bounded(getattr(node, name), f"nodes[{i}].{name}", LONG)
+            _bounded(getattr(view, name), f"nodes[{i}].{name}", LONG)
 
 
 # ---------------------------------------------------------------------------------- runs
