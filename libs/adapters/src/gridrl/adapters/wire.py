@@ -42,7 +42,7 @@ def adapter_format_from_json(value: object) -> Format | Literal[""]:
     if isinstance(value, str) and value in FORMATS:
         return cast(Format, value)
     if isinstance(value, str) and value.startswith("ADAPTER_FORMAT_"):
-        number = common_pb2.AdapterFormat.Value(value)  # ValueError: not a name
+        number: int = common_pb2.AdapterFormat.Value(value)  # ValueError: not a name
     elif isinstance(value, int):
         number = value
     else:
