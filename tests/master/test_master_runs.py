@@ -222,3 +222,27 @@ def test_bad_reports_are_refused_naming_the_field(mutate, field):
         validate_report(request)
     assert e.value.kind is Kind.INVALID_ARGUMENT
     assert e.value.message.startswith(f"{field}:"), e.value.message
+
+
+def test_a_stored_row_of_another_build_still_reads(tmp_path):
+    """A row without the fields a later build added (a step point without its reward range)
+    and with one this build does not know reads back: the missing ones unmeasured, the
+    unknown one ignored; enum words become values again."""
+    row = {"run_id": "r1", "owner": None, "reported_at": 5.0,
+           "info": {"run_id": "r1", "run_name": "old", "state": "finished", "state_value": 3,
+                    "total_steps": 2, "from_the_future": 1},
+           "steps": [{"step": 1, "first_step": 1, "steps": 1, "policy_version": 1,
+                      "reward_mean": 0.5, "nodes": {"a:1": 8}, "from_the_future": 1}],
+           "evals": [], "events": [{"kind": "checkpoint", "time": 4.0, "step": 1,
+                                     "node": "", "duration_s": 0.5, "ok": True,
+                                     "message": "written"}],
+           "nodes": {}, "examples": {}}
+    store = SqliteStore(tmp_path / "m.sqlite")
+    store.put_runs([("r1", json.dumps(row))])
+    detail = Runs(store=store, clock=Clock()).detail("r1")
+    assert detail.info.state == trainer_pb2.RUN_STATE_FINISHED and detail.info.run_name == "old"
+    (point,) = detail.steps
+    assert (point.reward_mean, point.reward_min, point.nodes) == (0.5, None, {"a:1": 8})
+    assert [(e.kind, e.message) for e in detail.events] == [
+        (runs_pb2.RUN_EVENT_KIND_CHECKPOINT, "written")]
+    assert detail_json(detail)["info"]["state"] == "finished"
