@@ -90,6 +90,16 @@ def test_dict_schema_and_protobuf(peft_dir: Path) -> None:
         assert AdapterManifest.from_dict(back) == m
     with pytest.raises(AdapterError, match=r"manifest\.format: 'onnx' is not peft or mlx"):
         AdapterManifest.from_dict({**d, "format": "onnx"})
+    # every JSON form of the format: the word, the enum's name and number (older files,
+    # MessageToDict), and the unspecified value as ""
+    forms = {"peft": "peft", "mlx": "mlx", "ADAPTER_FORMAT_PEFT": "peft",
+             "ADAPTER_FORMAT_MLX": "mlx", 1: "peft", 2: "mlx", "ADAPTER_FORMAT_UNSPECIFIED": "",
+             0: "", "": ""}
+    for form, word in forms.items():
+        assert AdapterManifest.from_dict({**d, "format": form}).format == word, form
+    for bad in ("PEFT", "unspecified", "ADAPTER_FORMAT_ONNX", 7, [1]):
+        with pytest.raises(AdapterError, match=r"^manifest\.format: .* is not peft or mlx"):
+            AdapterManifest.from_dict({**d, "format": bad})
 
 
 def test_verify_files(peft_dir: Path) -> None:

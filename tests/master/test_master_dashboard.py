@@ -19,6 +19,7 @@ from gridrl.common.security.minting import revoke
 from gridrl.common.security.policy import ExposedError, Security
 from gridrl.common.security.tokens import AuthorizedTokens
 from gridrl.master.fleet_view import fleet_rows
+from gridrl.master.run_model import NodeView, RunInfo, RunSummary
 from gridrl.master.server import Master
 from gridrl.v1 import registry_pb2, registry_pb2_grpc, runs_pb2, runs_pb2_grpc, trainer_pb2
 
@@ -132,10 +133,10 @@ def test_a_node_that_stops_heartbeating_turns_unhealthy_then_expires(make_master
 
 
 def test_fleet_rows_join_the_registry_with_what_trainers_see():
-    rows = fleet_rows([], [{"run_id": "r", "run_name": "x", "trainer_address": "",
-                            "nodes": [{"address": "static:1", "policy_version": 2,
-                                       "flagged": "stale", "mismatch_kl": None,
-                                       "mismatch_kl_bound": 1e-3}]}],
+    view = NodeView(address="static:1", policy_version=2, flagged="stale", mismatch_kl=None,
+                    mismatch_kl_bound=1e-3)
+    rows = fleet_rows([], [RunSummary(RunInfo(run_id="r", run_name="x"), last_step=0,
+                                      policy_version=0, report_age_s=0.0, nodes=(view,))],
                       {"gone:1": {"address": "gone:1", "health": "expired", "role": "rollout"}},
                       now=0.0)
     assert [(r["address"], r["health"]) for r in rows] == [("gone:1", "expired"),

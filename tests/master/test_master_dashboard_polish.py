@@ -12,7 +12,8 @@ import re
 
 from gridrl.common.rpc.channel import dial
 from gridrl.master.fleet_view import fleet_rows
-from gridrl.master.runs import merge, step_point
+from gridrl.master.run_model import RunInfo, RunSummary, StepPoint, merge
+from gridrl.master.run_wire import step_point
 from gridrl.master.server import Master
 from gridrl.v1 import runs_pb2, runs_pb2_grpc, trainer_pb2
 
@@ -22,31 +23,34 @@ def trainer_row(health: str) -> dict:
 
 
 def test_a_trainer_that_ended_its_run_and_left_shows_the_run_s_end_not_left():
-    def health(state: str, gone: str = "left") -> str:
-        rows = fleet_rows([], [{"run_id": "r", "run_name": "x", "trainer_address": "t:1",
-                                "state": state, "last_step": 3, "total_steps": 3,
-                                "nodes": []}], {"t:1": trainer_row(gone)}, now=0.0)
+    def health(state: int, gone: str = "left") -> str:
+        run = RunSummary(RunInfo(run_id="r", run_name="x", trainer_address="t:1", state=state,
+                                 total_steps=3), last_step=3, policy_version=3,
+                         report_age_s=0.0, nodes=())
+        rows = fleet_rows([], [run], {"t:1": trainer_row(gone)}, now=0.0)
         return rows[0]["health"]
 
-    assert health("finished") == "finished" and health("stopped") == "stopped"
-    assert health("failed") == "left" and health("running") == "left"
-    assert health("finished", gone="expired") == "expired"  # silent, not a clean end
+    finished, stopped = trainer_pb2.RUN_STATE_FINISHED, trainer_pb2.RUN_STATE_STOPPED
+    assert health(finished) == "finished" and health(stopped) == "stopped"
+    assert health(trainer_pb2.RUN_STATE_FAILED) == "left"
+    assert health(trainer_pb2.RUN_STATE_RUNNING) == "left"
+    assert health(finished, gone="expired") == "expired"  # silent, not a clean end
 
 
 def test_the_reward_range_travels_with_the_step_and_merges_as_a_range():
-    def point(step: int, lo: float, hi: float) -> dict:
+    def point(step: int, lo: float, hi: float) -> StepPoint:
         s = runs_pb2.RunStep(report=trainer_pb2.StepReport(step=step, reward_mean=(lo + hi) / 2,
                                                            reward_std=0.4))
         s.reward_min, s.reward_max = lo, hi
         return step_point(s)
 
     a, b = point(1, 0.0, 0.5), point(2, 0.25, 1.0)
-    assert (a["reward_min"], a["reward_max"]) == (0.0, 0.5)
+    assert (a.reward_min, a.reward_max) == (0.0, 0.5)
     merged = merge(a, b)
-    assert (merged["reward_min"], merged["reward_max"]) == (0.0, 1.0)
-    assert merged["reward_mean"] == (0.25 + 0.625) / 2
+    assert (merged.reward_min, merged.reward_max) == (0.0, 1.0)
+    assert merged.reward_mean == (0.25 + 0.625) / 2
     bare = step_point(runs_pb2.RunStep(report=trainer_pb2.StepReport(step=3)))
-    assert bare["reward_min"] is None and bare["reward_max"] is None
+    assert bare.reward_min is None and bare.reward_max is None
 
 
 def test_the_page_carries_its_first_render_s_data_escaped():

@@ -15,6 +15,7 @@ from gridrl.common.rpc.server import GrpcServer
 from gridrl.common.transport import receive_push
 from gridrl.models import ModelIdentity
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from gridrl.v1.enums import enum_value
 
 IDENTITY = {"architecture": "llama", "hidden_size": 64, "num_layers": 2, "vocab_size": 512}
 # The trainer's base model in the pool / sync tests (the scripted nodes serve IDENTITY).
@@ -23,8 +24,6 @@ BASE = ModelIdentity(model_id="tiny", max_context=2048, **IDENTITY)
 # and of a gate (a held Generate answers after this long).
 BARRIER_TIMEOUT_S = 30.0
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-_BACKENDS = {"torch": common_pb2.BACKEND_TORCH, "mlx": common_pb2.BACKEND_MLX,
-             "vllm": common_pb2.BACKEND_VLLM}
 
 
 class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
@@ -156,7 +155,7 @@ class ScriptedNode(rollout_pb2_grpc.RolloutServiceServicer):
         name, version = self.adapter
         return common_pb2.NodeInfo(
             address=self.address, role=common_pb2.NODE_ROLE_ROLLOUT,
-            backend=_BACKENDS[self.backend], adapter_format=adapter_format_to_proto(self.adapter_format),
+            backend=enum_value(common_pb2.Backend, self.backend), adapter_format=adapter_format_to_proto(self.adapter_format),
             base_model=common_pb2.BaseModel(model_id="tiny", **self.identity),
             adapter=common_pb2.AdapterRef(name=name, version=version), capacity=self.capacity,
             max_n=64, max_tokens=512, max_context=1024, device="cpu", dtype="float32")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from trainer_runs import BIN, ENV
 
+from gridrl.master.run_wire import detail_json
 from gridrl.master.server import Master
 from gridrl.trainer.report.events import LearningWarning, NoUpdate
 from gridrl.trainer.report.to_master import MasterReporter
@@ -127,7 +128,8 @@ def test_the_warnings_reach_the_master_s_dashboard_as_event_lines():
         reporter.on_event(NoUpdate(5, 3, ""))  # the staleness case: the step's own line
         reporter.close()
         events = [(e["kind"], e["step"], e["message"])
-                  for e in master.runs.detail("r-warn")["events"] if e["kind"] == "state"]
+                  for e in detail_json(master.runs.detail("r-warn"))["events"]
+                  if e["kind"] == "state"]
         assert ("state", 3, "nothing can be learned? no group had signal in steps 1-3: ...") \
             in events, events
         assert ("state", 4, "every episode was dropped (16 of 16): boom; no update") in events

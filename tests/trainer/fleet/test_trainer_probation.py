@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY
 from scripted_nodes import BASE, NodeFarm, peft_files
 from waiting import wait_for
 
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.fleet.pool import NodePool
 from gridrl.trainer.fleet.probation import Probation, Review, fresh_mismatch_kl
 from gridrl.trainer.fleet.sync import AdapterSync
@@ -17,7 +18,7 @@ from gridrl.trainer.report.console import ConsoleLines
 from gridrl.trainer.report.events import NodeReviewed
 
 NAME = "run-1"
-SAMPLING = {"group_size": 2, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+SAMPLING = SamplingConfig(max_tokens=4, temperature=1.0, top_p=1.0, top_k=0)
 
 
 class Console:
@@ -62,6 +63,7 @@ def setup():
         probation = Probation(pool, sync, check_kl=check_kl,
                               current_version=lambda: current["version"],
                               bound=lambda node: 0.01, prompt=[5, 6, 7], sampling=SAMPLING,
+                              group_size=2,
                               on_review=console.on_review, interval_s=interval_s,
                               max_interval_s=2 * interval_s)
         probation.start()

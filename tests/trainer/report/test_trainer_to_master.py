@@ -12,6 +12,7 @@ from pathlib import Path
 from trainer_runs import step_record as record
 from waiting import wait_for
 
+from gridrl.master.run_wire import detail_json
 from gridrl.master.server import Master
 from gridrl.trainer.report.events import Checkpointed
 from gridrl.trainer.report.to_master import MAX_PENDING, MasterReporter, run_id_for, step_events
@@ -64,7 +65,7 @@ def test_steps_events_and_the_node_view_reach_the_master():
         state["value"] = trainer_pb2.RUN_STATE_FINISHED
         reporter.close()
         assert reporter.sent_steps == 3
-        detail = master.runs.detail("r-test")
+        detail = detail_json(master.runs.detail("r-test"))  # what the page reads
         assert [p["step"] for p in detail["steps"]] == [1, 2, 3]
         assert [(p["step"], p["score"], p["stderr"]) for p in detail["evals"]] == [
             (2, 0.5, 0.1)]

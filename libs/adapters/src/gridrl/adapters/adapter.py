@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from gridrl.adapters.tensors import Tensor
 
-FORMATS = ("peft", "mlx")
+#: an adapter layout: peft (``adapter_model.safetensors``) or mlx-lm (``adapters.safetensors``)
+Format = Literal["peft", "mlx"]
+FORMATS: tuple[Format, ...] = get_args(Format)
 # Block-internal modules whose input is the hidden state, or whose output is, across common
 # architectures: used to read the hidden size off adapter shapes.
 _HIDDEN_IN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj",
@@ -96,7 +99,7 @@ class LoraAdapter:
         extra_files: other files of the adapter directory, carried over unchanged.
     """
 
-    format: str
+    format: Format
     modules: dict[str, LoraModule]
     rank: int
     scale: float

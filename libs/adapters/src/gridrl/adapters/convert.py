@@ -18,17 +18,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
 
 from gridrl.adapters import mlx_format, peft_format
 from gridrl.adapters import tensors as st
 from gridrl.adapters._common import CONFIG, refuse_unsupported
-from gridrl.adapters.adapter import FORMATS, LoraAdapter
+from gridrl.adapters.adapter import FORMATS, Format, LoraAdapter
 from gridrl.adapters.base_model import local_identity
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.io import read_dir, write_dir
 
-Format = Literal["peft", "mlx"]
 PROVENANCE_KEY = "gridrl.source"
 WEIGHTS = {"peft": peft_format.WEIGHTS, "mlx": mlx_format.WEIGHTS}
 _FILE_FORMAT = {"peft": "pt", "mlx": "mlx"}  # the "format" metadata each library writes

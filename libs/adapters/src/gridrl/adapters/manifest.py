@@ -17,13 +17,15 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from gridrl.adapters.adapter import Format
 from gridrl.adapters.base_model import local_identity
 from gridrl.adapters.convert import read_adapter
 from gridrl.adapters.errors import AdapterError
 from gridrl.adapters.io import check_relpath, read_dir
 from gridrl.adapters.wire import (
+    adapter_format_from_json,
     adapter_format_from_proto,
     adapter_format_to_proto,
     base_model_from_proto,
@@ -31,12 +33,6 @@ from gridrl.adapters.wire import (
 )
 from gridrl.models import ModelIdentity
 from gridrl.v1 import common_pb2
-
-# the JSON forms of ``format`` that from_dict reads (older files and MessageToDict output)
-_FORMAT_ALIASES = {
-    "peft": "peft", "mlx": "mlx", "ADAPTER_FORMAT_PEFT": "peft", "ADAPTER_FORMAT_MLX": "mlx",
-    1: "peft", 2: "mlx", "ADAPTER_FORMAT_UNSPECIFIED": "", 0: "", "": "",
-}
 
 
 @dataclass
@@ -71,7 +67,7 @@ class AdapterManifest:
 
     name: str = ""
     version: int = 0
-    format: str = ""
+    format: Format | Literal[""] = ""
     base_model: ModelIdentity = field(default_factory=ModelIdentity)
     rank: int = 0
     scale: float = 0.0
@@ -122,15 +118,17 @@ class AdapterManifest:
             camel = key.split("_")[0] + "".join(w.title() for w in key.split("_")[1:])
             return d.get(key, d.get(camel, default))
 
-        fmt = get("format", "")
-        if fmt not in _FORMAT_ALIASES:
-            raise AdapterError(f"manifest.format: {fmt!r} is not peft or mlx")
+        raw = get("format", "")
+        try:  # the word, or older files' and MessageToDict's enum names and numbers
+            fmt = adapter_format_from_json(raw)
+        except ValueError:
+            raise AdapterError(f"manifest.format: {raw!r} is not peft or mlx") from None
         try:
             files = [AdapterFile(str(f["path"]), int(f.get("size_bytes", f.get("sizeBytes", 0))),
                                  str(f.get("sha256", ""))) for f in get("files", [])]
             return cls(
                 name=str(get("name", "")), version=int(get("version", 0)),
-                format=_FORMAT_ALIASES[fmt], base_model=ModelIdentity.from_any(get("base_model")),
+                format=fmt, base_model=ModelIdentity.from_any(get("base_model")),
                 rank=int(get("rank", 0)), scale=float(get("scale", 0.0)),
                 target_modules=[str(t) for t in get("target_modules", [])],
                 layers=[int(i) for i in get("layers", [])], files=files,

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from gridrl.adapters import tensors as st
-from gridrl.adapters.adapter import LoraAdapter, LoraModule
+from gridrl.adapters.adapter import Format, LoraAdapter, LoraModule
 from gridrl.adapters.base_model import identity_from_config
 from gridrl.adapters.convert import read_adapter
 from gridrl.adapters.errors import AdapterError
@@ -87,7 +87,7 @@ class MergeResult:
     """
 
     out: Path
-    adapter_format: str
+    adapter_format: Format
     modules: list[str]
     weight_files: list[str]
     dtypes: list[str]

@@ -46,11 +46,17 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 from gridrl.models import ModelIdentity
 
+if TYPE_CHECKING:  # the adapters' layouts; not imported at run time (the contract stays light)
+    from gridrl.adapters.adapter import Format
+
 FinishReason = Literal["stop", "length"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
+#: the framework a :class:`Backend` runs on (``gridrl.v1.Backend``'s words, :mod:`gridrl.v1.enums`)
+BackendName = Literal["torch", "mlx", "vllm"]
 #: ``(token id, logprob)`` pairs of one position, most likely first (natural log).
 TopLogprobs = list[tuple[int, float]]
 #: Most alternatives per position a request may ask for (OpenAI's chat ``top_logprobs`` bound,
@@ -205,7 +211,7 @@ class Backend(abc.ABC):
     """A model on one framework and device, able to decode batches and hold adapters.
 
     Attributes set by implementations:
-        name: ``"torch"`` or ``"mlx"``.
+        name: ``"torch"``, ``"mlx"`` or ``"vllm"``.
         adapter_format: the adapter layout loaded natively, ``"peft"`` or ``"mlx"``.
         device: e.g. ``"cpu"``, ``"cuda:0"``, ``"mps"``, ``"mlx-cpu"``, ``"mlx-gpu"``.
         dtype: compute dtype name, e.g. ``"float32"``, ``"bfloat16"``.
@@ -226,8 +232,8 @@ class Backend(abc.ABC):
     through its :class:`DecodeObserver`.
     """
 
-    name: str
-    adapter_format: str
+    name: BackendName
+    adapter_format: Format
     device: str
     dtype: str
     identity: ModelIdentity

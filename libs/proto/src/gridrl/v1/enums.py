@@ -15,7 +15,22 @@ unspecified value.
 
 from __future__ import annotations
 
-from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
+from typing import Any, Protocol
+
+
+class EnumTypeWrapper(Protocol):
+    """What this module reads of a generated enum (``common_pb2.Backend``: at run time a
+    ``google.protobuf``'s ``EnumTypeWrapper``, to a type checker mypy-protobuf's
+    ``_BackendEnumTypeWrapper``, whose methods take the enum's own ``ValueType``)."""
+
+    @property
+    def DESCRIPTOR(self) -> Any: ...
+
+    def Name(self, number: Any) -> str: ...
+
+    def Value(self, name: Any) -> Any: ...
+
+    def values(self) -> Any: ...
 
 
 def _prefix(enum: EnumTypeWrapper) -> str:

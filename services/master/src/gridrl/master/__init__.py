@@ -4,6 +4,7 @@ which adapter version they hold). Pure Python plus gRPC: no torch, no mlx, no nu
 Modules, top-down: ``cli`` (click commands) -> ``server`` (gRPC servicer and wiring) ->
 ``registry`` (thread-safe state, liveness, watch events), ``validate`` (request checks),
 ``store`` (sqlite persistence), ``metrics`` (Prometheus), ``display`` (the ``nodes`` table);
-the dashboard: ``reports`` (RunReportService) -> ``runs`` (the runs' bounded record) and
-``dashboard`` (its HTTP server, credentials and fleet rows; the page in ``static/``).
+the dashboard: ``reports`` (RunReportService) -> ``runs`` (the runs' bounded record, typed in
+``run_model``, converted from the protos and to the page's and the store's JSON in ``run_wire``)
+and ``dashboard`` (its HTTP server, credentials and fleet rows; the page in ``static/``).
 """

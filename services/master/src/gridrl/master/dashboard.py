@@ -50,6 +50,7 @@ from gridrl.common.http import HttpServer, HttpTls, client_certificate
 from gridrl.common.security.policy import Security
 from gridrl.master.fleet_view import FleetWatch, fleet_rows
 from gridrl.master.registry import Registry
+from gridrl.master.run_wire import detail_json, event_json, summary_json
 from gridrl.master.runs import Runs
 from gridrl.master.sessions import SESSION_TTL_S, Sessions, decide
 
@@ -177,8 +178,9 @@ class Dashboard:
         gone = self._fleet.gone() if self._fleet is not None else {}
         return {"time": now, "protected": self.tokens is not None,
                 "fleet": fleet_rows(self.registry.list_nodes(), runs, gone, now),
-                "runs": [{k: v for k, v in r.items() if k != "nodes"} for r in runs],
-                "events": self.runs.fleet_events()[-100:]}
+                "runs": [{k: v for k, v in summary_json(r).items() if k != "nodes"}
+                         for r in runs],
+                "events": [event_json(e) for e in self.runs.fleet_events()[-100:]]}
 
     def index_page(self) -> bytes:
         """The page, carrying the data of its first render (``/api/state`` and the newest
@@ -187,7 +189,8 @@ class Dashboard:
         waiting for a request."""
         state = self.state()
         run = self.runs.detail(state["runs"][0]["run_id"]) if state["runs"] else None
-        initial = _json_body({"state": state, "run": run}).decode()
+        initial = _json_body({"state": state,
+                              "run": detail_json(run) if run is not None else None}).decode()
         return self._index_template.replace("{{initial}}",
                                             html.escape(initial, quote=True)).encode()
 
@@ -264,7 +267,7 @@ class Dashboard:
             detail = self.runs.detail(request.path_params["run_id"], since, generation)
             if detail is None:
                 return send_json(404, {"error": "run_id: no such run"})
-            return send_json(200, detail)
+            return send_json(200, detail_json(detail))
 
         def login_form(request: Request) -> Response:
             if self.tokens is None:  # nothing to sign in to

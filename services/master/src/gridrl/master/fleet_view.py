@@ -8,32 +8,57 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from enum import Enum
 from typing import Any
 
 from gridrl.master.registry import CHANGED, JOINED, REMOVED, UNHEALTHY, Registry
+from gridrl.master.run_model import NodeView, RunSummary
+from gridrl.master.run_wire import node_json
 from gridrl.master.runs import Runs
 from gridrl.master.subscriptions import NodeFilter
-from gridrl.v1 import common_pb2, runs_pb2
+from gridrl.v1 import common_pb2, runs_pb2, trainer_pb2
 from gridrl.v1.enums import enum_word
 
 log = logging.getLogger(__name__)
 #: run states of a trainer that deregistered after ending its run as asked: its row shows the
 #: state ("finished", "stopped") instead of "left"
-ENDED_CLEANLY = frozenset({"finished", "stopped"})
+ENDED_CLEANLY = frozenset({trainer_pb2.RUN_STATE_FINISHED, trainer_pb2.RUN_STATE_STOPPED})
 GONE_KEPT_S = 600.0  # how long a node that left or expired stays on the page
+_TRAINER = enum_word(common_pb2.NodeRole, common_pb2.NODE_ROLE_TRAINER)  # a row's role words
+_ROLLOUT = enum_word(common_pb2.NodeRole, common_pb2.NODE_ROLE_ROLLOUT)
 
 
-def _kl_level(view: dict[str, Any]) -> str:
-    """``flagged``, ``over`` (above the bound), ``near`` (above half of it), ``ok`` or ``-``."""
-    if view.get("flagged"):
-        return "flagged"
-    kl, bound = view.get("mismatch_kl"), view.get("mismatch_kl_bound") or 0.0
+class Presence(str, Enum):
+    """A row's ``health`` for a node the registry no longer (or never) lists; a listed node's
+    is its ``NodeStatus`` word (``healthy``, ``unhealthy``, ``draining``), a trainer's that
+    left after ending its run cleanly its run state's (``finished``, ``stopped``)."""
+
+    LEFT = "left"  # deregistered
+    EXPIRED = "expired"  # silent past --expire-after
+    UNREGISTERED = "unregistered"  # known only from a trainer's view (--rollout)
+
+
+class KlLevel(str, Enum):
+    """A node's mismatch KL against its bound (the fleet table's colour)."""
+
+    FLAGGED = "flagged"  # the trainer flagged the node
+    OVER = "over"  # above the bound
+    NEAR = "near"  # above half of it
+    OK = "ok"
+    UNKNOWN = "-"  # not measured, or no bound
+
+
+def _kl_level(view: NodeView) -> KlLevel:
+    """How the node's mismatch KL stands against its bound."""
+    if view.flagged:
+        return KlLevel.FLAGGED
+    kl, bound = view.mismatch_kl, view.mismatch_kl_bound or 0.0
     if kl is None or bound <= 0:
-        return "-"
-    return "over" if kl > bound else "near" if kl > bound / 2 else "ok"
+        return KlLevel.UNKNOWN
+    return (KlLevel.OVER if kl > bound else KlLevel.NEAR if kl > bound / 2 else KlLevel.OK)
 
 
-def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, dict[str, Any]],
+def fleet_rows(records: list[Any], runs: list[RunSummary], gone: dict[str, dict[str, Any]],
                now: float) -> list[dict[str, Any]]:
     """One row per node and trainer: the registry's record (``records``, NodeRecords) joined
     with the trainers' views of it (``runs``: :meth:`Runs.summaries`, newest first: the first
@@ -63,21 +88,22 @@ def fleet_rows(records: list[Any], runs: list[dict[str, Any]], gone: dict[str, d
     for address, row in gone.items():
         rows.setdefault(address, dict(row))
     for run in reversed(runs):  # the newest run's view wins
-        for view in run.get("nodes", ()):
-            row = rows.setdefault(view["address"], {
-                "node_id": "", "address": view["address"], "role": "rollout",
-                "health": "unregistered", "policy_version": view["policy_version"]})
-            row["trainer_view"] = {**view, "run_name": run.get("run_name", ""),
-                                   "run_id": run.get("run_id", ""),
-                                   "kl_level": _kl_level(view)}
-        address = run.get("trainer_address")
-        if address and address in rows and rows[address].get("role") == "trainer":
-            rows[address]["run"] = {"run_id": run["run_id"], "run_name": run["run_name"],
-                                    "state": run["state"], "last_step": run["last_step"],
-                                    "total_steps": run["total_steps"]}
-            if rows[address].get("health") == "left" and run["state"] in ENDED_CLEANLY:
-                rows[address]["health"] = run["state"]  # finished or stopped, not "left"
-    return sorted(rows.values(), key=lambda r: (r.get("role") != "trainer", r["address"]))
+        info = run.info
+        for view in run.nodes:
+            row = rows.setdefault(view.address, {
+                "node_id": "", "address": view.address, "role": _ROLLOUT,
+                "health": Presence.UNREGISTERED, "policy_version": view.policy_version})
+            row["trainer_view"] = {**node_json(view), "run_name": info.run_name,
+                                   "run_id": info.run_id, "kl_level": _kl_level(view)}
+        address = info.trainer_address
+        if address and address in rows and rows[address].get("role") == _TRAINER:
+            state = enum_word(trainer_pb2.RunState, info.state, None)
+            rows[address]["run"] = {"run_id": info.run_id, "run_name": info.run_name,
+                                    "state": state, "last_step": run.last_step,
+                                    "total_steps": info.total_steps}
+            if rows[address].get("health") == Presence.LEFT and info.state in ENDED_CLEANLY:
+                rows[address]["health"] = state  # finished or stopped, not "left"
+    return sorted(rows.values(), key=lambda r: (r.get("role") != _TRAINER, r["address"]))
 
 
 class FleetWatch:
@@ -149,7 +175,7 @@ class FleetWatch:
                 runs_pb2.RUN_EVENT_KIND_NODE_LEFT, address,
                 f"{what} {'expired: silent past --expire-after' if expired else 'left'}")
             row = fleet_rows([record], [], {}, time.time())[0]
-            row["health"] = "expired" if expired else "left"
+            row["health"] = Presence.EXPIRED if expired else Presence.LEFT
             with self._lock:
                 self._gone[address] = (time.monotonic(), row)
             self._status.pop(record.node_id, None)

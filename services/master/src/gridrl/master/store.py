@@ -127,7 +127,7 @@ class SqliteStore:
                                (claim.node_id, claim.address, claim.credential_id))
 
     def load_runs(self) -> list[str]:
-        """Every stored run (JSON text, :meth:`gridrl.master.runs.Run.to_json`)."""
+        """Every stored run (JSON text, :func:`gridrl.master.run_wire.run_json`)."""
         with self._lock:
             return [row[0] for row in self._conn.execute("SELECT run FROM runs").fetchall()]
 

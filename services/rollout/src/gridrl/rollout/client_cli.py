@@ -26,6 +26,7 @@ from gridrl.common.security.policy import Security
 from gridrl.common.transport import push_requests
 from gridrl.rollout import cache as node_cache
 from gridrl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from gridrl.v1.enums import enum_word
 
 
 def _address_option(command: str):
@@ -235,14 +236,13 @@ def info(address: str, security: Security, as_json: bool, timeout: float) -> Non
     i = response.info
     rows = [
         ("address", i.address),
-        ("backend", common_pb2.Backend.Name(i.backend).removeprefix("BACKEND_").lower()),
+        ("backend", enum_word(common_pb2.Backend, i.backend, None)),
         ("model", i.base_model.model_id),
         ("architecture", f"{i.base_model.architecture}, {i.base_model.num_layers} layers, hidden "
                          f"{i.base_model.hidden_size}, vocab {i.base_model.vocab_size}"),
         ("weights", i.base_model.weights_fingerprint or "-"),
         ("device", f"{i.device} ({i.dtype})"),
-        ("adapter format", common_pb2.AdapterFormat.Name(i.adapter_format)
-         .removeprefix("ADAPTER_FORMAT_").lower()),
+        ("adapter format", enum_word(common_pb2.AdapterFormat, i.adapter_format, None)),
         ("adapter", _ref_text(i.adapter)),
         ("stored adapters", ", ".join(f"{a.name} v{a.version}" for a in i.stored_adapters) or "-"),
         ("capacity", f"{i.capacity} sequences per batch"),
@@ -286,10 +286,9 @@ def _ref_text(ref) -> str:
 
 def _finish(reason: int) -> str:
     """``FINISH_REASON_STOP`` -> ``"stop"`` (``"?"`` for a value this client does not know)."""
-    try:
-        return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-    except ValueError:
+    if reason not in common_pb2.FinishReason.values():
         return "?"
+    return enum_word(common_pb2.FinishReason, reason, None)
 
 
 COMMANDS = (generate, push_adapter, reload_adapter, info, cache)

@@ -324,6 +324,7 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
     """Show a running trainer's state and its last step report."""
     from gridrl.common.rpc.channel import dial  # this command's own client
     from gridrl.v1 import trainer_pb2, trainer_pb2_grpc
+    from gridrl.v1.enums import enum_word
 
     with dial(address, security) as channel:
         response = trainer_pb2_grpc.TrainerServiceStub(channel).GetRunStatus(
@@ -334,7 +335,7 @@ def status(address: str, as_json: bool, timeout_s: float, security: Any) -> None
     from rich.console import Console
     from rich.table import Table
 
-    state = trainer_pb2.RunState.Name(response.state).removeprefix("RUN_STATE_").lower()
+    state = enum_word(trainer_pb2.RunState, response.state, None)
     r = response.last_report
     progress = eval_progress_text(response)
     if progress and response.eval_progress.step == 0:

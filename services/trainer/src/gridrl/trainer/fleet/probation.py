@@ -1,7 +1,8 @@
 """A flagged node's way back: benched, given the current adapter again, checked afresh.
 
     probation = Probation(pool, sync, check_kl=..., current_version=lambda: state.version,
-                          bound=lambda node: 0.01, prompt=prompt_ids, sampling=sampling)
+                          bound=lambda node: 0.01, prompt=prompt_ids,
+                          sampling=SamplingConfig(max_tokens=64), group_size=8)
     probation.start()
     probation.review("10.0.0.7:50051")   # the loop, when the monitor has flagged the node
 
@@ -34,12 +35,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.fleet import metrics
 from gridrl.trainer.fleet.backoff import Backoff
 from gridrl.trainer.grpo import advantages as grpo
@@ -104,8 +106,10 @@ class Probation:
         current_version: the trainer's policy version now.
         bound: the mismatch bound of a node (nats/token), by address.
         prompt: the prompt ids the check group samples.
-        sampling: ``generate_groups`` settings of the run (group_size, max_tokens,
-            temperature, top_p, top_k).
+        sampling: the run's sampling settings (max_tokens, temperature, top_p, top_k; its
+            stop ids and top logprobs are not sent: the check group samples as the run's
+            groups do).
+        group_size: samples in the check group (the run's ``--group-size``), >= 1.
         on_review: called with each check's :class:`Review` (from the probation thread; it
             must return quickly), or None.
         interval_s: seconds between reviews of a node that failed one (doubling).
@@ -118,7 +122,7 @@ class Probation:
     def __init__(self, pool: Any, sync: Any, *,
                  check_kl: Callable[[Sequence[int], Sequence[Any]], float | None],
                  current_version: Callable[[], int], bound: Callable[[str], float],
-                 prompt: Sequence[int], sampling: Mapping[str, Any],
+                 prompt: Sequence[int], sampling: SamplingConfig, group_size: int,
                  on_review: Callable[[Review], None] | None = None,
                  interval_s: float = 5.0, max_interval_s: float = 60.0,
                  poll_s: float = 0.2) -> None:
@@ -128,7 +132,8 @@ class Probation:
         self._current_version = current_version
         self._bound = bound
         self._prompt = list(prompt)
-        self._sampling = dict(sampling)
+        self._sampling = sampling
+        self._group_size = group_size
         self._on_review = on_review
         self.interval_s = interval_s
         self.max_interval_s = max_interval_s
@@ -236,8 +241,10 @@ class Probation:
                                                   f"{pushing.reason}")
         self._reviews += 1
         try:
-            group = self.pool.check_group(address, self._prompt, seed=self._reviews,
-                                          **self._sampling)
+            s = self._sampling
+            group = self.pool.check_group(address, self._prompt, group_size=self._group_size,
+                                          max_tokens=s.max_tokens, temperature=s.temperature,
+                                          top_p=s.top_p, top_k=s.top_k, seed=self._reviews)
         except (grpc.RpcError, KeyError, ValueError) as e:
             detail = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
                       else repr(e))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gridrl.engine.contract import FINISH_REASONS
 from gridrl.models import ModelIdentity
 from gridrl.trainer.rollouts import RolloutSample
 from gridrl.v1 import common_pb2, rollout_pb2
@@ -29,7 +30,7 @@ def sample_from_proto(sample: common_pb2.Sample, node: str, seconds: float = 0.0
         raise ValueError(f"samples[].logprobs: {len(sample.logprobs)} logprobs for "
                          f"{len(sample.token_ids)} tokens")
     finish = enum_word(common_pb2.FinishReason, sample.finish_reason)
-    if not finish:
+    if finish not in FINISH_REASONS:
         raise ValueError(f"samples[].finish_reason: {sample.finish_reason} is not STOP or LENGTH")
     return RolloutSample(token_ids=list(sample.token_ids), logprobs=list(sample.logprobs),
                          text=sample.text, finish_reason=finish,

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from gridrl.common.errors import invalid_argument
 from gridrl.common.rpc.channel import Keepalive
 from gridrl.common.rpc.server import freeze_long_lived
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainerBackend, create_backend
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.envs.base import Environment
@@ -353,8 +354,9 @@ def _build_probation(run: Run, pool: tuple[NodePool, AdapterSync], monitor: Node
         current_version=lambda: run.state.version,
         bound=lambda node: monitor.bound_for(run.low_precision(node)),
         prompt=check_prompt,
-        sampling={"group_size": cfg.group_size, "max_tokens": cfg.max_tokens,
-                  "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k})
+        sampling=SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                top_p=cfg.top_p, top_k=cfg.top_k),
+        group_size=cfg.group_size)
     probation.start()
     run.closing.callback(probation.close)
     return probation

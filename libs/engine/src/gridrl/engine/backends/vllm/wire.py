@@ -66,6 +66,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gridrl.engine.contract import (
+    FinishReason,
     SequenceRequest,
     SequenceResult,
     TopLogprobs,
@@ -207,20 +208,21 @@ def parse_completion(body: Any, req: SequenceRequest, stop_ids: frozenset[int]
             raise VllmError(f"finish_reason 'length' after {n} of max_tokens {limit} tokens "
                             "(vLLM capped max_tokens: --max-model-len, or --generation-config "
                             "with max_new_tokens; start it with --generation-config vllm)")
-        if parsed[-1] in stop_ids:
-            reason = "stop"  # the contract: a stop token ends with "stop"
+        # the contract: a stop token ends with "stop"
+        finish: FinishReason = "stop" if parsed[-1] in stop_ids else "length"
     elif reason == "stop":
         if not parsed or parsed[-1] not in stop_ids:
             raise VllmError(f"finish_reason 'stop' on token {parsed[-1] if parsed else None}, "
                             "which is no eos or stop id of this model (another eos in vLLM's "
                             "generation config, or a stop string)")
+        finish = "stop"
     else:
         raise VllmError(f"unknown finish_reason {reason!r} (only 'stop' and 'length' are "
                         "behaviour samples)")
     if n < 1 or n > limit:
         raise VllmError(f"{n} tokens for max_tokens {limit}")
     top = _top_logprobs(lp.get("top_logprobs"), n, req.sampling.top_logprobs)
-    return SequenceResult(token_ids=parsed, logprobs=logprobs, finish_reason=reason,
+    return SequenceResult(token_ids=parsed, logprobs=logprobs, finish_reason=finish,
                           top_logprobs=top)
 
 
