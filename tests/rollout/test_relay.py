@@ -337,7 +337,9 @@ def test_the_trainer_uploads_each_push_once_and_the_chain_relays_it(
     for version in (1, 2):
         report = trainer_sync.push(version, files)
         assert report.synced == chain and report.skipped == {}
-        assert report.relayed == chain[1:]  # every node but the head fetched it from a peer
+        # every node but the chain's head fetched it from a peer (the head is the node whose
+        # last sync was fastest, so which one it is depends on the timings)
+        assert len(report.relayed) == len(chain) - 1 and set(report.relayed) < set(chain)
         assert report.sent_bytes == size  # the trainer uploaded the adapter once
         for n in fleet.nodes:
             assert n.serving() == ("run", version)
@@ -356,7 +358,8 @@ def test_a_node_no_peer_will_serve_gets_the_push_from_the_trainer(
     for version in (1, 2):  # after the first refusal, the trainer pushes to it directly
         report = trainer_sync.push(version, files)
         assert report.synced == [n.address for n in chain] and report.skipped == {}
-        assert report.relayed == [chain[1].address]
+        # one of the two others heads the chain (the faster last sync), the other relays
+        assert len(report.relayed) == 1 and report.relayed[0] in {n.address for n in chain[:2]}
         assert report.sent_bytes == 2 * size  # the head's push and the direct push
         assert chain[-1].serving() == ("run", version)
     assert trainer_sync._no_relay == {chain[-1].address}
