@@ -202,11 +202,20 @@ def test_node_serves_runs_by_name_and_refuses_what_does_not_fit(live_node, tiny_
             prompt_token_ids=PROMPT, adapter_name=run, share_weight=2.0,
             sampling=common_pb2.SamplingParams(max_tokens=4, n=2, seed=3)), timeout=60)
         assert {s.adapter_name for s in reply.samples} == {run or "run-b"}
+    # a run that has not pushed yet asks for the base model, whatever serves (run-b here)
+    reply = node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, base_model=True,
+        sampling=common_pb2.SamplingParams(max_tokens=4, n=2, seed=3)), timeout=60)
+    assert {(s.adapter_name, s.adapter_version) for s in reply.samples} == {("", 0)}
+    err = rpc_error(lambda: node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, base_model=True, adapter_name="run-a",
+        sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=60))
+    assert err.code().name == "INVALID_ARGUMENT" and "base_model" in err.details()
     info = node.stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=30).info
     assert [(a.name, a.version) for a in info.resident_adapters] == [("run-a", 1),
                                                                       ("run-b", 1)]
     shares = {s.run: s.share for s in info.run_shares}
-    assert set(shares) == {"run-a", "run-b"} and sum(shares.values()) == pytest.approx(1.0)
+    assert set(shares) == {"run-a", "run-b", ""} and sum(shares.values()) == pytest.approx(1.0)
     # the master's dashboard row shows them (fleet_view, from the node's heartbeat/info)
     from gridrl.master.fleet_view import fleet_rows
     from gridrl.v1 import registry_pb2
