@@ -270,7 +270,7 @@ class MlxBackend(Backend):
             return self.generate(batch, adapters[0], observer)
         check_batch(batch, self.identity.max_context)
         for adapter in adapters:
-            LoRAManager._check(adapter)
+            LoRAManager.check_handle(adapter)
         with mx.stream(self._device):
             try:
                 return self._generate(batch, list(adapters), observer)

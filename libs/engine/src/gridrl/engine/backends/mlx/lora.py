@@ -220,7 +220,7 @@ class LoRAManager:
         Raises:
             ValueError: ``handle`` was unloaded, or is not an :class:`MlxAdapter`.
         """
-        self._check(handle)
+        self.check_handle(handle)
         if handle is self.active and self.row_modules is None:
             return
         modules = handle.modules if handle is not None else {}
@@ -239,7 +239,7 @@ class LoRAManager:
             ValueError: a handle was unloaded, or is not an :class:`MlxAdapter`.
         """
         for handle in handles:
-            self._check(handle)
+            self.check_handle(handle)
         self.row_modules = [dict(h.modules) if h is not None else {} for h in handles]
         self.active = None
         self._install_rows()
@@ -277,7 +277,12 @@ class LoRAManager:
                 len(base), mx.array(order, mx.int32))
 
     @staticmethod
-    def _check(handle: MlxAdapter | None) -> None:
+    def check_handle(handle: MlxAdapter | None) -> None:
+        """Check that ``handle`` is None or a loaded :class:`MlxAdapter`.
+
+        Raises:
+            ValueError: it was unloaded, or is not an :class:`MlxAdapter`.
+        """
         if handle is not None:
             if not isinstance(handle, MlxAdapter):
                 raise ValueError(f"not an MLX adapter handle: {type(handle).__name__}")
