@@ -31,8 +31,8 @@ run's share of the work started.
 
 Adapters: several stay resident (``max_resident`` names, ``max_adapter_bytes`` bytes in all,
 least recently used evicted first); a batch holds rows of any of them and of the base model,
-decoded together by ``Backend.generate_mixed`` (the torch lean forward: one base product, one
-small product per adapter group, S-LoRA / Punica). Every backend call happens on the scheduler
+decoded together by ``Backend.generate_mixed`` (the torch lean forward and MLX: one base
+product, one small product per adapter group, S-LoRA / Punica). Every backend call happens on the scheduler
 thread. Commands queued with :meth:`BatchScheduler.call_between_batches` run there too,
 between two batches (or between two decode steps, below) and never while a request has samples
 both decoded and still waiting on the adapter they replace, so every sample of a request is
@@ -43,7 +43,7 @@ they started with, and requests started after a swap get the new one. A request 
 Preemption (adapter pushes): a command queued with ``preempt=True`` does not wait for the batch
 in progress. With a ``scope`` (the name of the adapter a push replaces) it concerns only the
 rows of that adapter and the rows following the serving adapter: the batch's other rows go on
-untouched, and where the backend stops single rows (the torch lean forward) the command runs
+untouched, and where the backend stops single rows (the torch lean forward, MLX) the command runs
 between two decode steps and only the rows in scope restart
 (:mod:`gridrl.rollout.batch_observer`). Without a scope, or when every row is in scope, the
 batch's :class:`~gridrl.engine.contract.DecodeObserver` answers ``interrupted()`` with True at
