@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import chat_ids
+from engine_helpers import chat_ids, write_mlx_adapter
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -307,45 +307,6 @@ def test_rope_parameters_of_transformers5_configs_are_honoured(tmp_path, tiny_ll
 
 
 # -- 4. adapters -----------------------------------------------------------------------------
-
-
-def layer_shapes(model_dir: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(num_layers, {'self_attn.q_proj': (in, out), ...}) from the checkpoint itself."""
-    weights = mx.load(str(model_dir / "model.safetensors"))
-    n = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    shapes = {}
-    for name, w in weights.items():
-        if name.startswith("model.layers.0.") and name.endswith("_proj.weight"):
-            out_dims, in_dims = w.shape
-            shapes[name[len("model.layers.0."):-len(".weight")]] = (in_dims, out_dims)
-    return n, shapes
-
-
-def write_mlx_adapter(out: Path, model_dir: Path, *, rank: int, scale: float, keys: list[str],
-                      num_layers: int, seed: int, config_edit=None, weights_edit=None) -> Path:
-    """An adapter as ``mlx_lm.lora`` saves one: adapter_config.json + adapters.safetensors
-    (``model.layers.<i>.<key>.lora_a`` (in, r), ``.lora_b`` (r, out), last num_layers blocks),
-    with random non-zero A and B."""
-    n, shapes = layer_shapes(model_dir)
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for i in list(range(n))[-max(num_layers, 0):]:  # mlx-lm: 0 and -1 mean every block
-        for key in keys:
-            in_dims, out_dims = shapes[key]
-            a = rng.uniform(-1, 1, (in_dims, rank)) / math.sqrt(in_dims)
-            weights[f"model.layers.{i}.{key}.lora_a"] = mx.array(a.astype(np.float32))
-            b = rng.normal(0, 0.2, (rank, out_dims))
-            weights[f"model.layers.{i}.{key}.lora_b"] = mx.array(b.astype(np.float32))
-    config = {"fine_tune_type": "lora", "num_layers": num_layers,
-              "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys}}
-    if config_edit:
-        config_edit(config)
-    if weights_edit:
-        weights_edit(weights)
-    out.mkdir(parents=True)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=4))
-    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    return out
 
 
 def reference_logprobs(model_dir: Path, adapter_dir: Path | None, prompt: list[int],

@@ -72,12 +72,39 @@ def _job(adapter: str, seed: int) -> GenerateJob:
                        sampling=SamplingConfig(max_tokens=12, temperature=1.0))
 
 
-@pytest.mark.parametrize("forward", ["lean", "transformers"])
-def test_a_push_of_run_a_never_interrupts_run_b(tiny_llama_dir, tiny_adapters,
-                                                forward: str) -> None:
+def _backend_and_adapters(forward: str, tiny_llama_dir, tiny_adapters, tmp_path
+                          ) -> tuple[Any, dict[str, Any]]:
+    """The backend of ``forward`` ("lean", "transformers": torch; "mlx") and two adapters of
+    its format ("a", "b")."""
+    if forward == "mlx":
+        pytest.importorskip("mlx_lm")
+        from engine_helpers import write_mlx_adapter
+
+        from gridrl.engine.backends.mlx.backend import MlxBackend
+
+        return MlxBackend.from_pretrained(tiny_llama_dir), {
+            "a": write_mlx_adapter(tmp_path / "a", tiny_llama_dir, rank=4, scale=2.0,
+                                   num_layers=-1, seed=1,
+                                   keys=["self_attn.q_proj", "mlp.down_proj"]),
+            "b": write_mlx_adapter(tmp_path / "b", tiny_llama_dir, rank=8, scale=1.0,
+                                   num_layers=-1, seed=2,
+                                   keys=["self_attn.q_proj", "self_attn.v_proj"])}
     from gridrl.engine.backends.torch.backend import TorchBackend
 
-    inner = TorchBackend.from_pretrained(tiny_llama_dir, lean=forward == "lean")
+    return TorchBackend.from_pretrained(tiny_llama_dir, lean=forward == "lean"), tiny_adapters
+
+
+def _unloaded(backend: Any, handle: Any) -> bool:
+    loaded = getattr(backend, "_loaded", None)
+    return handle.key not in loaded if loaded is not None else not handle.loaded
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers",
+                                     pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_a_push_of_run_a_never_interrupts_run_b(tiny_llama_dir, tiny_adapters, tmp_path,
+                                                forward: str) -> None:
+    inner, tiny_adapters = _backend_and_adapters(forward, tiny_llama_dir, tiny_adapters,
+                                                 tmp_path)
     backend = HeldBackend(inner)
     scheduler = BatchScheduler(backend, capacity=8, batch_window_s=0.0)
     handles = {"A": inner.load_adapter(tiny_adapters["a"], "A-v1"),
@@ -103,7 +130,7 @@ def test_a_push_of_run_a_never_interrupts_run_b(tiny_llama_dir, tiny_adapters,
         # B's rows were never interrupted: they finished in the first batch, on B v1
         assert b_out.batches == [first.index] and not first.interrupted
         assert (b_out.adapter.name, b_out.adapter.version) == ("B", 1)
-        if forward == "lean":  # A's rows, running when v2 came, stopped between two steps
+        if forward != "transformers":  # A's rows, running when v2 came, stopped between steps
             assert backend.stops_rows and first.cut == 2  # and decoded again, whole, on v2
             assert a_out.batches == [later[0].index]
             assert (a_out.adapter.name, a_out.adapter.version) == ("A", 2)
@@ -116,22 +143,22 @@ def test_a_push_of_run_a_never_interrupts_run_b(tiny_llama_dir, tiny_adapters,
         # each equals what it gets alone on its version (A: v2 on the lean forward)
         again_b = scheduler.generate(_job("B", 2), timeout=60)
         assert [s.token_ids for s in b_out.samples] == [s.token_ids for s in again_b.samples]
-        if forward == "lean":
+        if forward != "transformers":
             again_a = scheduler.generate(_job("A", 1), timeout=60)
             assert [s.token_ids for s in a_out.samples] == \
                 [s.token_ids for s in again_a.samples]
-        assert handles["A"].key not in inner._loaded  # v1 unloaded once no batch used it
+        assert _unloaded(inner, handles["A"])  # v1 unloaded once no batch used it
     finally:
         backend.release = lambda: True
         scheduler.close()
         pool.shutdown()
 
 
-def test_resident_adapters_are_bounded_least_recently_used_first(tiny_llama_dir,
-                                                                 tiny_adapters) -> None:
-    from gridrl.engine.backends.torch.backend import TorchBackend
-
-    backend = TorchBackend.from_pretrained(tiny_llama_dir)
+@pytest.mark.parametrize("forward", ["lean", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_resident_adapters_are_bounded_least_recently_used_first(tiny_llama_dir, tmp_path,
+                                                                 tiny_adapters, forward) -> None:
+    backend, tiny_adapters = _backend_and_adapters(forward, tiny_llama_dir, tiny_adapters,
+                                                   tmp_path)
     scheduler = BatchScheduler(backend, capacity=8, batch_window_s=0.0, max_resident=2,
                                max_adapter_bytes=1000)
     try:
@@ -150,7 +177,7 @@ def test_resident_adapters_are_bounded_least_recently_used_first(tiny_llama_dir,
         scheduler.generate(_job("x", 1), timeout=60)  # x used after y: y is the LRU
         put("z")
         assert [a.name for a in scheduler.resident()] == ["x", "z"]
-        assert loaded["y"].key not in backend._loaded
+        assert _unloaded(backend, loaded["y"])
         with pytest.raises(StatusError) as e:
             scheduler.submit(_job("y", 1))
         assert e.value.kind == Kind.NOT_FOUND
@@ -175,11 +202,20 @@ def test_node_serves_runs_by_name_and_refuses_what_does_not_fit(live_node, tiny_
             prompt_token_ids=PROMPT, adapter_name=run, share_weight=2.0,
             sampling=common_pb2.SamplingParams(max_tokens=4, n=2, seed=3)), timeout=60)
         assert {s.adapter_name for s in reply.samples} == {run or "run-b"}
+    # a run that has not pushed yet asks for the base model, whatever serves (run-b here)
+    reply = node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, base_model=True,
+        sampling=common_pb2.SamplingParams(max_tokens=4, n=2, seed=3)), timeout=60)
+    assert {(s.adapter_name, s.adapter_version) for s in reply.samples} == {("", 0)}
+    err = rpc_error(lambda: node.stub.Generate(rollout_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, base_model=True, adapter_name="run-a",
+        sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=60))
+    assert err.code().name == "INVALID_ARGUMENT" and "base_model" in err.details()
     info = node.stub.GetNodeInfo(rollout_pb2.GetNodeInfoRequest(), timeout=30).info
     assert [(a.name, a.version) for a in info.resident_adapters] == [("run-a", 1),
                                                                       ("run-b", 1)]
     shares = {s.run: s.share for s in info.run_shares}
-    assert set(shares) == {"run-a", "run-b"} and sum(shares.values()) == pytest.approx(1.0)
+    assert set(shares) == {"run-a", "run-b", ""} and sum(shares.values()) == pytest.approx(1.0)
     # the master's dashboard row shows them (fleet_view, from the node's heartbeat/info)
     from gridrl.master.fleet_view import fleet_rows
     from gridrl.v1 import registry_pb2

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gridrl.v1 import common_pb2 as gridrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/rollout.proto\x12\tgridrl.v1\x1a\x16gridrl/v1/common.proto\"\xf5\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.gridrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rsystem_prompt\x18\x06 \x01(\t\x12\x12\n\nkeep_cache\x18\x07 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x08 \x01(\t\x12\x14\n\x0cshare_weight\x18\t \x01(\x01\"d\n\x10GenerateResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.gridrl.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"z\n\x11PushAdapterHeader\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12\x12\n\nstage_only\x18\x02 \x01(\x08\x12#\n\x05relay\x18\x03 \x01(\x0b\x32\x14.gridrl.v1.RelayPlan\"G\n\tRelayPlan\x12\x13\n\x0bpiece_bytes\x18\x01 \x01(\r\x12\x14\n\x0cpiece_sha256\x18\x02 \x03(\t\x12\x0f\n\x07readers\x18\x03 \x03(\t\":\n\x0c\x41\x64\x61pterChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x12PushAdapterTrailer\x12\x13\n\x0b\x66ile_sha256\x18\x01 \x03(\t\"\xab\x01\n\x12PushAdapterRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.gridrl.v1.PushAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gridrl.v1.AdapterChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.gridrl.v1.PushAdapterTrailerH\x00\x42\t\n\x07payload\"V\n\x0bPushTimings\x12\x11\n\treceive_s\x18\x01 \x01(\x01\x12\x10\n\x08verify_s\x18\x02 \x01(\x01\x12\x11\n\tconvert_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x04 \x01(\x01\"\xa3\x01\n\x13PushAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x11\n\tconverted\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x05 \x01(\x04\"Y\n\x14ReloadAdapterRequest\x12\x11\n\x07version\x18\x01 \x01(\x04H\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x14\n\nbase_model\x18\x03 \x01(\x08H\x00\x42\x08\n\x06target\"P\n\x15ReloadAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\"y\n\x13\x46\x65tchAdapterRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12#\n\x05relay\x18\x02 \x01(\x0b\x32\x14.gridrl.v1.RelayPlan\x12\x0f\n\x07sources\x18\x03 \x03(\t\"\xba\x01\n\x14\x46\x65tchAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x17\n\x0fsource_failures\x18\x06 \x01(\r\"C\n\x12ReadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"3\n\x13ReadAdapterResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x14\n\x12GetNodeInfoRequest\"8\n\x13GetNodeInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo2\xe8\x03\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.gridrl.v1.GenerateRequest\x1a\x1b.gridrl.v1.GenerateResponse\x12N\n\x0bPushAdapter\x12\x1d.gridrl.v1.PushAdapterRequest\x1a\x1e.gridrl.v1.PushAdapterResponse(\x01\x12R\n\rReloadAdapter\x12\x1f.gridrl.v1.ReloadAdapterRequest\x1a .gridrl.v1.ReloadAdapterResponse\x12L\n\x0bGetNodeInfo\x12\x1d.gridrl.v1.GetNodeInfoRequest\x1a\x1e.gridrl.v1.GetNodeInfoResponse\x12O\n\x0c\x46\x65tchAdapter\x12\x1e.gridrl.v1.FetchAdapterRequest\x1a\x1f.gridrl.v1.FetchAdapterResponse\x12N\n\x0bReadAdapter\x12\x1d.gridrl.v1.ReadAdapterRequest\x1a\x1e.gridrl.v1.ReadAdapterResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17gridrl/v1/rollout.proto\x12\tgridrl.v1\x1a\x16gridrl/v1/common.proto\"\x89\x02\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x1b\n\x13\x61pply_chat_template\x18\x03 \x01(\x08\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.gridrl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x15\n\rsystem_prompt\x18\x06 \x01(\t\x12\x12\n\nkeep_cache\x18\x07 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x08 \x01(\t\x12\x14\n\x0cshare_weight\x18\t \x01(\x01\x12\x12\n\nbase_model\x18\n \x01(\x08\"d\n\x10GenerateResponse\x12\"\n\x07samples\x18\x01 \x03(\x0b\x32\x11.gridrl.v1.Sample\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nduration_s\x18\x03 \x01(\x01\"z\n\x11PushAdapterHeader\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12\x12\n\nstage_only\x18\x02 \x01(\x08\x12#\n\x05relay\x18\x03 \x01(\x0b\x32\x14.gridrl.v1.RelayPlan\"G\n\tRelayPlan\x12\x13\n\x0bpiece_bytes\x18\x01 \x01(\r\x12\x14\n\x0cpiece_sha256\x18\x02 \x03(\t\x12\x0f\n\x07readers\x18\x03 \x03(\t\":\n\x0c\x41\x64\x61pterChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\")\n\x12PushAdapterTrailer\x12\x13\n\x0b\x66ile_sha256\x18\x01 \x03(\t\"\xab\x01\n\x12PushAdapterRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.gridrl.v1.PushAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.gridrl.v1.AdapterChunkH\x00\x12\x30\n\x07trailer\x18\x03 \x01(\x0b\x32\x1d.gridrl.v1.PushAdapterTrailerH\x00\x42\t\n\x07payload\"V\n\x0bPushTimings\x12\x11\n\treceive_s\x18\x01 \x01(\x01\x12\x10\n\x08verify_s\x18\x02 \x01(\x01\x12\x11\n\tconvert_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61pply_s\x18\x04 \x01(\x01\"\xa3\x01\n\x13PushAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x11\n\tconverted\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x05 \x01(\x04\"Y\n\x14ReloadAdapterRequest\x12\x11\n\x07version\x18\x01 \x01(\x04H\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x14\n\nbase_model\x18\x03 \x01(\x08H\x00\x42\x08\n\x06target\"P\n\x15ReloadAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x0f\n\x07\x61pply_s\x18\x02 \x01(\x01\"y\n\x13\x46\x65tchAdapterRequest\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.gridrl.v1.AdapterManifest\x12#\n\x05relay\x18\x02 \x01(\x0b\x32\x14.gridrl.v1.RelayPlan\x12\x0f\n\x07sources\x18\x03 \x03(\t\"\xba\x01\n\x14\x46\x65tchAdapterResponse\x12&\n\x07serving\x18\x01 \x01(\x0b\x32\x15.gridrl.v1.AdapterRef\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.gridrl.v1.PushTimings\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x17\n\x0fsource_failures\x18\x06 \x01(\r\"C\n\x12ReadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"3\n\x13ReadAdapterResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x14\n\x12GetNodeInfoRequest\"8\n\x13GetNodeInfoResponse\x12!\n\x04info\x18\x01 \x01(\x0b\x32\x13.gridrl.v1.NodeInfo2\xe8\x03\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.gridrl.v1.GenerateRequest\x1a\x1b.gridrl.v1.GenerateResponse\x12N\n\x0bPushAdapter\x12\x1d.gridrl.v1.PushAdapterRequest\x1a\x1e.gridrl.v1.PushAdapterResponse(\x01\x12R\n\rReloadAdapter\x12\x1f.gridrl.v1.ReloadAdapterRequest\x1a .gridrl.v1.ReloadAdapterResponse\x12L\n\x0bGetNodeInfo\x12\x1d.gridrl.v1.GetNodeInfoRequest\x1a\x1e.gridrl.v1.GetNodeInfoResponse\x12O\n\x0c\x46\x65tchAdapter\x12\x1e.gridrl.v1.FetchAdapterRequest\x1a\x1f.gridrl.v1.FetchAdapterResponse\x12N\n\x0bReadAdapter\x12\x1d.gridrl.v1.ReadAdapterRequest\x1a\x1e.gridrl.v1.ReadAdapterResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gridrl.v1.rollout_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=308
-  _globals['_GENERATERESPONSE']._serialized_start=310
-  _globals['_GENERATERESPONSE']._serialized_end=410
-  _globals['_PUSHADAPTERHEADER']._serialized_start=412
-  _globals['_PUSHADAPTERHEADER']._serialized_end=534
-  _globals['_RELAYPLAN']._serialized_start=536
-  _globals['_RELAYPLAN']._serialized_end=607
-  _globals['_ADAPTERCHUNK']._serialized_start=609
-  _globals['_ADAPTERCHUNK']._serialized_end=667
-  _globals['_PUSHADAPTERTRAILER']._serialized_start=669
-  _globals['_PUSHADAPTERTRAILER']._serialized_end=710
-  _globals['_PUSHADAPTERREQUEST']._serialized_start=713
-  _globals['_PUSHADAPTERREQUEST']._serialized_end=884
-  _globals['_PUSHTIMINGS']._serialized_start=886
-  _globals['_PUSHTIMINGS']._serialized_end=972
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=975
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1138
-  _globals['_RELOADADAPTERREQUEST']._serialized_start=1140
-  _globals['_RELOADADAPTERREQUEST']._serialized_end=1229
-  _globals['_RELOADADAPTERRESPONSE']._serialized_start=1231
-  _globals['_RELOADADAPTERRESPONSE']._serialized_end=1311
-  _globals['_FETCHADAPTERREQUEST']._serialized_start=1313
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=1434
-  _globals['_FETCHADAPTERRESPONSE']._serialized_start=1437
-  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1623
-  _globals['_READADAPTERREQUEST']._serialized_start=1625
-  _globals['_READADAPTERREQUEST']._serialized_end=1692
-  _globals['_READADAPTERRESPONSE']._serialized_start=1694
-  _globals['_READADAPTERRESPONSE']._serialized_end=1745
-  _globals['_GETNODEINFOREQUEST']._serialized_start=1747
-  _globals['_GETNODEINFOREQUEST']._serialized_end=1767
-  _globals['_GETNODEINFORESPONSE']._serialized_start=1769
-  _globals['_GETNODEINFORESPONSE']._serialized_end=1825
-  _globals['_ROLLOUTSERVICE']._serialized_start=1828
-  _globals['_ROLLOUTSERVICE']._serialized_end=2316
+  _globals['_GENERATEREQUEST']._serialized_end=328
+  _globals['_GENERATERESPONSE']._serialized_start=330
+  _globals['_GENERATERESPONSE']._serialized_end=430
+  _globals['_PUSHADAPTERHEADER']._serialized_start=432
+  _globals['_PUSHADAPTERHEADER']._serialized_end=554
+  _globals['_RELAYPLAN']._serialized_start=556
+  _globals['_RELAYPLAN']._serialized_end=627
+  _globals['_ADAPTERCHUNK']._serialized_start=629
+  _globals['_ADAPTERCHUNK']._serialized_end=687
+  _globals['_PUSHADAPTERTRAILER']._serialized_start=689
+  _globals['_PUSHADAPTERTRAILER']._serialized_end=730
+  _globals['_PUSHADAPTERREQUEST']._serialized_start=733
+  _globals['_PUSHADAPTERREQUEST']._serialized_end=904
+  _globals['_PUSHTIMINGS']._serialized_start=906
+  _globals['_PUSHTIMINGS']._serialized_end=992
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=995
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=1158
+  _globals['_RELOADADAPTERREQUEST']._serialized_start=1160
+  _globals['_RELOADADAPTERREQUEST']._serialized_end=1249
+  _globals['_RELOADADAPTERRESPONSE']._serialized_start=1251
+  _globals['_RELOADADAPTERRESPONSE']._serialized_end=1331
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=1333
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=1454
+  _globals['_FETCHADAPTERRESPONSE']._serialized_start=1457
+  _globals['_FETCHADAPTERRESPONSE']._serialized_end=1643
+  _globals['_READADAPTERREQUEST']._serialized_start=1645
+  _globals['_READADAPTERREQUEST']._serialized_end=1712
+  _globals['_READADAPTERRESPONSE']._serialized_start=1714
+  _globals['_READADAPTERRESPONSE']._serialized_end=1765
+  _globals['_GETNODEINFOREQUEST']._serialized_start=1767
+  _globals['_GETNODEINFOREQUEST']._serialized_end=1787
+  _globals['_GETNODEINFORESPONSE']._serialized_start=1789
+  _globals['_GETNODEINFORESPONSE']._serialized_end=1845
+  _globals['_ROLLOUTSERVICE']._serialized_start=1848
+  _globals['_ROLLOUTSERVICE']._serialized_end=2336
 # @@protoc_insertion_point(module_scope)

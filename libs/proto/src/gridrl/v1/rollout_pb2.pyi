@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     KEEP_CACHE_FIELD_NUMBER: _builtins.int
     ADAPTER_NAME_FIELD_NUMBER: _builtins.int
     SHARE_WEIGHT_FIELD_NUMBER: _builtins.int
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
     prompt_text: _builtins.str
     """Prompt as text, tokenized by the node."""
     apply_chat_template: _builtins.bool
@@ -63,6 +64,11 @@ class GenerateRequest(_message.Message):
     fair share between runs: a run gets a share of the decoded work proportional to its
     weight while others wait; 0 means 1. Negative: INVALID_ARGUMENT.
     """
+    base_model: _builtins.bool
+    """Decode with the base model (no adapter), whatever serves: a run that has not pushed an
+    adapter yet samples its version 0 so, even while another run's adapter serves on the
+    node. With adapter_name: INVALID_ARGUMENT.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt as token ids of the node's tokenizer (what a trainer sends)."""
@@ -83,10 +89,11 @@ class GenerateRequest(_message.Message):
         keep_cache: _builtins.bool = ...,
         adapter_name: _builtins.str = ...,
         share_weight: _builtins.float = ...,
+        base_model: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_name", b"adapter_name", "apply_chat_template", b"apply_chat_template", "keep_cache", b"keep_cache", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "share_weight", b"share_weight", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_name", b"adapter_name", "apply_chat_template", b"apply_chat_template", "base_model", b"base_model", "keep_cache", b"keep_cache", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "share_weight", b"share_weight", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

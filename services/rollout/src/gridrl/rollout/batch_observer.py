@@ -10,7 +10,7 @@ observer decides, on the scheduler thread:
   (``Backend.stops_rows``): the command runs right there, between two steps, and the batch
   goes on (run B's rows are never interrupted by A's push);
 - some rows are A's and the backend stops single rows (``Backend.stops_rows``: the torch lean
-  forward): the command runs there, A's rows are stopped (:meth:`BatchObserver.rows_to_stop`)
+  forward, MLX): the command runs there, A's rows are stopped (:meth:`BatchObserver.rows_to_stop`)
   and decode again, whole, on A's new version in a later batch; the other rows go on;
 - every row is A's, or the command is for all rows: the whole batch stops (``interrupted()``
   True) and its requests restart, as before;

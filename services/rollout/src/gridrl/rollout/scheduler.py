@@ -31,8 +31,8 @@ run's share of the work started.
 
 Adapters: several stay resident (``max_resident`` names, ``max_adapter_bytes`` bytes in all,
 least recently used evicted first); a batch holds rows of any of them and of the base model,
-decoded together by ``Backend.generate_mixed`` (the torch lean forward: one base product, one
-small product per adapter group, S-LoRA / Punica). Every backend call happens on the scheduler
+decoded together by ``Backend.generate_mixed`` (the torch lean forward and MLX: one base
+product, one small product per adapter group, S-LoRA / Punica). Every backend call happens on the scheduler
 thread. Commands queued with :meth:`BatchScheduler.call_between_batches` run there too,
 between two batches (or between two decode steps, below) and never while a request has samples
 both decoded and still waiting on the adapter they replace, so every sample of a request is
@@ -43,7 +43,7 @@ they started with, and requests started after a swap get the new one. A request 
 Preemption (adapter pushes): a command queued with ``preempt=True`` does not wait for the batch
 in progress. With a ``scope`` (the name of the adapter a push replaces) it concerns only the
 rows of that adapter and the rows following the serving adapter: the batch's other rows go on
-untouched, and where the backend stops single rows (the torch lean forward) the command runs
+untouched, and where the backend stops single rows (the torch lean forward, MLX) the command runs
 between two decode steps and only the rows in scope restart
 (:mod:`gridrl.rollout.batch_observer`). Without a scope, or when every row is in scope, the
 batch's :class:`~gridrl.engine.contract.DecodeObserver` answers ``interrupted()`` with True at
@@ -64,6 +64,12 @@ or truncation, as vLLM's ``prompt_logprobs``), scored by the backend (``Backend.
 the scheduler thread right after the request's last batch, with the adapter that decoded its
 samples. Such a job may ask ``max_tokens`` 0: it is scored and decodes nothing.
 
+Modules, by job: admission and the public API here (:class:`BatchScheduler`); which requests
+the next batch takes, :mod:`gridrl.rollout.batch_assembly`; the backend call of one batch and
+its results, :mod:`gridrl.rollout.batch_run`; commands, preemption and restarts,
+:mod:`gridrl.rollout.preemption`, and what stops between two decode steps,
+:mod:`gridrl.rollout.batch_observer`.
+
 Streams: a request submitted with a :class:`TokenSink` is told its adapter when it starts and
 its tokens after every decode step of the batches it is in (the backend's decode hooks, routed
 per request), so a caller can stream them before the batch ends. A sink that says it is
@@ -81,22 +87,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gridrl.common.errors import Kind, StatusError, resource_exhausted
-from gridrl.engine import rng
-from gridrl.engine.contract import (
-    Backend,
-    DecodeInterrupted,
-    SamplingConfig,
-    SequenceRequest,
-    SequenceResult,
-    TopLogprobs,
-)
+from gridrl.engine.contract import Backend
 from gridrl.engine.threads import release_thread_state
 from gridrl.rollout import metrics
-from gridrl.rollout.batch_observer import BatchObserver, abandoned, cancelled
+from gridrl.rollout.batch_assembly import BatchAssembly
+from gridrl.rollout.batch_run import BatchRun
 from gridrl.rollout.config import default_of
 from gridrl.rollout.fair_share import FairShare, check_weight, within_share
 from gridrl.rollout.jobs import (
@@ -110,25 +108,14 @@ from gridrl.rollout.jobs import (
     TokenSink,
 )
 from gridrl.rollout.kv_budget import KvBudget
+from gridrl.rollout.preemption import Command, Preemption
 from gridrl.rollout.residency import ResidentAdapters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-#: How a prompt is scored: the model's own distribution (greedy's transform: none).
-_MODEL_DISTRIBUTION = SamplingConfig(max_tokens=1, temperature=0.0)
-
-
-@dataclass
-class _Command:
-    fn: Callable[[], Any]
-    future: Future
-    preempt: bool = False
-    scope: str | None = None  # preempt: rows of this adapter name (None: every row)
-
-
-class BatchScheduler:
+class BatchScheduler(BatchAssembly, Preemption, BatchRun):
     """Batches Generate jobs of several runs over one backend, rows of several adapters
     together, and swaps adapter versions between batches or decode steps.
 
@@ -163,7 +150,7 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[QueuedRequest] = collections.deque()
         self._partial: collections.deque[QueuedRequest] = collections.deque()
-        self._commands: collections.deque[_Command] = collections.deque()
+        self._commands: collections.deque[Command] = collections.deque()
         self._serving = BASE_MODEL
         self._resident = ResidentAdapters(max_resident, max_adapter_bytes)
         self._retired: list[Any] = []  # handles to unload once no batch uses them
@@ -366,7 +353,7 @@ class BatchScheduler:
         with self._cond:
             if self._closing:
                 raise StatusError(Kind.UNAVAILABLE, "rollout node is shutting down")
-            self._commands.append(_Command(fn, future, preempt, scope))
+            self._commands.append(Command(fn, future, preempt, scope))
             self._cond.notify_all()
         try:
             return future.result(timeout)
@@ -377,50 +364,6 @@ class BatchScheduler:
                         c for c in self._commands if c.future is not future)
                 raise TimeoutError(f"the command did not start within {timeout} s") from None
             return future.result()  # started meanwhile: its outcome is the truth
-
-    def preempt_pending(self) -> bool:
-        """Whether a preempting command waits to run (the batch in progress should stop)."""
-        with self._cond:
-            return self._preempt_waiting()
-
-    def _preempt_waiting(self) -> bool:
-        return any(c.preempt and not c.future.cancelled() for c in self._commands)
-
-    def _next_preempting(self) -> _Command | None:
-        """The first preempting command waiting (not cancelled), or None."""
-        with self._cond:
-            return self._next_preempting_locked()
-
-    def _next_preempting_locked(self) -> _Command | None:
-        return next((c for c in self._commands if c.preempt and not c.future.cancelled()),
-                    None)
-
-    def _take_command(self, command: _Command) -> bool:
-        """Remove ``command`` from the queue to run it now (between two decode steps);
-        False if it was withdrawn meanwhile."""
-        with self._cond:
-            if command not in self._commands:
-                return False
-            self._commands.remove(command)
-            return True
-
-    def _restart_split(self, scope: str | None, decoding: set[int]) -> None:
-        """Between two decode steps, before a scoped command runs: restart the split requests
-        in its scope that wait for their next batch and are not in the batch decoding
-        (``decoding``: its request ids; those are stopped by the batch's observer)."""
-        with self._cond:
-            self._restart([r for r in self._partial
-                           if r.id not in decoding and self._in_scope(r, scope)])
-
-    def _in_scope(self, req: QueuedRequest, scope: str | None) -> bool:
-        """Whether a preempting command of ``scope`` restarts ``req``: every request without
-        a scope; else those of that adapter name and those following the serving adapter
-        (they named none)."""
-        if scope is None:
-            return True
-        if req.base_model:
-            return False
-        return not req.job.adapter or (req.adapter is not None and req.adapter.name == scope)
 
     def set_serving(self, adapter: ServingAdapter, serve: bool = True) -> ServingAdapter:
         """Make ``adapter`` resident under its name (replacing that name's older version) and,
@@ -502,291 +445,6 @@ class BatchScheduler:
         with self._cond:
             self._scheduler_done = True
         self._shutdown()
-
-    def _wait_for_company(self) -> None:
-        """With the lock held and the queue just non-empty: wait until ``batch_window_s``
-        after the oldest arrival, or until the waiting samples fill a batch."""
-        while not self._closing and not self._commands:
-            if sum(r.job.n for r in self._waiting) >= self.capacity or not self._waiting:
-                return
-            left = self._waiting[0].arrival + self.batch_window_s - time.perf_counter()
-            if left <= 0:
-                return
-            self._cond.wait(left)
-
-    def _take_batch(self) -> list[tuple[QueuedRequest, int]]:
-        """With the lock held: pick up to ``capacity`` (request, sample index) pairs, unfinished
-        started requests first, then waiting ones in fair-share order (module docstring,
-        "Runs"), of any adapters, within the KV-cache budget (the first request that does not
-        fit ends it; a batch holds at least one sequence, which :meth:`submit` made sure
-        fits). Abandoned requests are dropped with CANCELLED, requests whose adapter was
-        unloaded meanwhile fail with NOT_FOUND."""
-        room = self.capacity
-        items: list[tuple[QueuedRequest, int]] = []
-        longest = largest = 0  # the batch's longest prompt and largest max_tokens so far
-        now = time.perf_counter()
-        for source in (self._partial, self._waiting):
-            while source and room > 0:
-                req = source[0] if source is self._partial else self._next_waiting()
-                # rows of the batch with this request in it that the KV-cache budget holds
-                shape = (max(longest, len(req.job.prompt_ids)),
-                         max(largest, req.job.sampling.max_tokens))
-                fit = self.kv_budget.rows_that_fit(*shape) - len(items)
-                if fit < 1 and items:
-                    break  # the next batch starts with it
-                if source is self._waiting:
-                    if not req.future.running() and \
-                            not req.future.set_running_or_notify_cancel():
-                        source.remove(req)  # cancelled while queued
-                        continue
-                    wanted = self._adapter_for(req)
-                    if wanted is None:
-                        source.remove(req)
-                        req.future.set_exception(self._resident.not_resident(req.job.adapter))
-                        continue
-                    req.adapter = wanted
-                    req.started = req.started or now
-                if abandoned(req):
-                    source.remove(req)
-                    req.future.set_exception(cancelled())
-                    continue
-                longest, largest = shape
-                take = min(room, max(1, fit), req.job.n - req.next_sample)
-                items.extend((req, i) for i in range(req.next_sample, req.next_sample + take))
-                req.next_sample += take
-                room -= take
-                self._fair.charge(req.run, take * (req.job.sampling.max_tokens + 1),
-                                  self._weights.get(req.run, 1.0))
-                source.remove(req)
-                if req.next_sample < req.job.n:
-                    self._partial.append(req)
-        metrics.QUEUE_DEPTH.set(len(self._waiting))
-        return items
-
-    def _next_waiting(self) -> QueuedRequest:
-        """With the lock held and requests waiting: the oldest request of the run whose turn
-        it is (:meth:`FairShare.next_run`, runs in order of their oldest request)."""
-        runs = list(dict.fromkeys(r.run for r in self._waiting))
-        run = self._fair.next_run(runs)
-        return next(r for r in self._waiting if r.run == run)
-
-    def _adapter_for(self, req: QueuedRequest) -> ServingAdapter | None:
-        """With the lock held: what a request starting now decodes with (None: the adapter it
-        names is no longer resident); marks that adapter used (LRU)."""
-        if req.base_model:
-            return BASE_MODEL
-        if not req.job.adapter:
-            self._resident.use(self._serving.name)
-            return self._serving
-        return self._resident.use(req.job.adapter)
-
-    def _run_batch(self, items: list[tuple[QueuedRequest, int]]) -> None:
-        adapter = items[0][0].adapter or self._serving
-        # samples of max_tokens 0 (a prompt scored, nothing decoded) are not decoded
-        decoding = [(req, i) for req, i in items if req.job.sampling.max_tokens > 0]
-        batch = [SequenceRequest(prompt_ids=list(req.job.prompt_ids), sampling=req.job.sampling,
-                                 seed=rng.sequence_seed(req.job.seed, i),
-                                 keep_cache=req.job.keep_cache) for req, i in decoding]
-        handles = [(req.adapter or BASE_MODEL).handle for req, _ in decoding]
-        runs: dict[str, int] = {}
-        for req, _ in items:
-            runs[req.run] = runs.get(req.run, 0) + 1
-        index = self._batch_index
-        self._batch_index += 1
-        self._active_sequences = len(batch)
-        metrics.ACTIVE_SEQUENCES.set(len(batch))
-        metrics.BATCH_SIZE.observe(len(batch))
-        observer = BatchObserver(items, decoding, self)
-        start = time.perf_counter()
-        self._in_batch = True
-        try:
-            observer.start()
-            if not batch:
-                decoded = iter([])
-            elif all(h is handles[0] for h in handles):
-                decoded = iter(self.backend.generate(batch, handles[0], observer))
-            else:  # rows of several adapters in one batch (module docstring, "Adapters")
-                decoded = iter(self.backend.generate_mixed(batch, handles, observer))
-            results = [next(decoded, None) if req.job.sampling.max_tokens > 0
-                       else SequenceResult() for req, _ in items]
-            if any(r is None for r in results) or next(decoded, None) is not None:
-                raise RuntimeError(f"the backend did not return {len(batch)} results for "
-                                   f"{len(batch)} sequences")
-        except DecodeInterrupted as e:
-            if self._interrupting:
-                log.info("batch %d of %d sequences interrupted: %s", index, len(batch), e)
-                self._fail_batch(items, StatusError(
-                    Kind.UNAVAILABLE, f"the rollout node is shutting down ({e})"))
-            elif all(abandoned(req) for req, _ in items):
-                log.debug("batch %d of %d sequences stopped after %d steps: every request in "
-                          "it was abandoned", index, len(batch), e.steps)
-                self._fail_batch(items, cancelled())
-            else:  # a preempting command (an adapter push) waits
-                command = self._next_preempting()
-                self._requeue_started(items, index, adapter, time.perf_counter() - start,
-                                      e.steps, None if command is None else command.scope,
-                                      tuple(runs.items()))
-            return
-        except Exception as e:
-            log.exception("batch %d of %d sequences failed", index, len(batch))
-            self._fail_batch(items, e)
-            return
-        finally:
-            self._in_batch = False
-            self._active_sequences = 0
-            metrics.ACTIVE_SEQUENCES.set(0)
-        end = time.perf_counter()
-        first = self.backend.last_first_token_s
-        first_token = start + first if isinstance(first, float) else end
-        cut = observer.cut  # their adapter was replaced between two steps: they restart
-        if cut:
-            with self._cond:
-                self._restart(list(cut.values()))
-            log.info("batch %d: %d requests stopped between two decode steps for their "
-                     "adapter's new version and requeued; %d other sequences went on", index,
-                     len(cut), sum(1 for req, _ in items if req.id not in cut))
-        requests: list[int] = []
-        finished: list[QueuedRequest] = []
-        for (req, i), result in zip(items, results, strict=True):
-            if req.id in cut:
-                continue
-            if not requests or requests[-1] != req.id:
-                requests.append(req.id)
-                req.batches.append(index)
-            if req.first_token is None:
-                req.first_token = first_token
-            req.results[i] = result
-            req.done_samples += 1
-            if req.done_samples == req.job.n:
-                finished.append(req)
-        with self._cond:
-            self._history.append(BatchRecord(
-                index, len(batch), tuple(requests), adapter.version, end - start,
-                runs=tuple(runs.items()), cut=sum(1 for req, _ in items if req.id in cut)))
-        metrics.BATCHES.inc()
-        metrics.BATCH_DURATION.observe(end - start)
-        for req in finished:
-            self._finish(req, end)
-
-    def _requeue_started(self, items: list[tuple[QueuedRequest, int]], index: int,
-                         adapter: ServingAdapter, seconds: float, steps: int,
-                         scope: str | None, runs: tuple[tuple[str, int], ...]) -> None:
-        """After an interrupted batch: restart its requests and the split ones waiting for
-        their next batch that are in the command's ``scope`` (:meth:`_restart_started`); the
-        batch's other requests go back to wait for their next batch as they were."""
-        with self._cond:
-            restarted = self._restart_started([req for req, _ in items], scope)
-            others = {req.id: req for req, _ in items if not req.future.done()
-                      and req not in restarted}
-            for req in sorted(others.values(), key=lambda r: r.id, reverse=True):
-                for _, i in [(q, i) for q, i in items if q is req]:
-                    req.next_sample = min(req.next_sample, i)  # its samples of this batch
-                if req not in self._partial:
-                    self._partial.appendleft(req)
-            self._history.append(BatchRecord(index, len(items), tuple(r.id for r in restarted),
-                                             adapter.version, seconds, interrupted=True,
-                                             runs=runs))
-        metrics.BATCHES_INTERRUPTED.inc()
-        log.info("batch %d (%d sequences, %s) interrupted after %d steps for a preempting "
-                 "command; %d requests requeued", index, len(items),
-                 f"{adapter.name} v{adapter.version}" if adapter.handle is not None
-                 else "the base model", steps, len(restarted))
-
-    def _restart_started(self, reqs: list[QueuedRequest], scope: str | None = None
-                         ) -> list[QueuedRequest]:
-        """With the lock held: reset those of ``reqs`` and of the split requests waiting for
-        their next batch that a command of ``scope`` concerns (:meth:`_in_scope`), and put
-        them back at the head of the queue in arrival order, so that they decode again,
-        whole, on what serves after the preempting command. Returns them."""
-        started = {req.id: req for req in (*reqs, *self._partial)
-                   if not req.future.done() and self._in_scope(req, scope)}
-        self._partial = collections.deque(r for r in self._partial if r.id not in started)
-        return self._restart(list(started.values()))
-
-    def _restart(self, reqs: list[QueuedRequest]) -> list[QueuedRequest]:
-        """With the lock held: reset ``reqs`` (started, not done) and put them back at the
-        head of the queue in arrival order; a streamed one fails with ABORTED instead (its
-        caller holds tokens of the old adapter). Returns those requeued."""
-        started = {req.id: req for req in reqs if not req.future.done()}
-        self._partial = collections.deque(r for r in self._partial if r.id not in started)
-        for req in [r for r in started.values() if r.sink is not None]:
-            del started[req.id]  # its caller holds tokens of the old adapter: it cannot restart
-            req.future.set_exception(StatusError(
-                Kind.ABORTED, "the node switched adapters (a push or reload) while "
-                "this streamed request was decoding; nothing more will come: send it again"))
-        for req in sorted(started.values(), key=lambda r: r.id, reverse=True):
-            req.next_sample = req.done_samples = 0
-            req.results = [None] * req.job.n
-            req.adapter = req.first_token = None
-            req.batches = []
-            self._waiting.appendleft(req)
-        metrics.QUEUE_DEPTH.set(len(self._waiting))
-        return sorted(started.values(), key=lambda r: r.id)
-
-    def _finish(self, req: QueuedRequest, end: float) -> None:
-        prompt_logprobs = prompt_top = None
-        if req.job.prompt_logprobs is not None:  # the adapter that decoded it still serves
-            try:
-                prompt_logprobs, prompt_top = self._score_prompt(req)
-            except Exception as e:
-                log.exception("scoring the prompt of request %d failed", req.id)
-                req.future.set_exception(
-                    e if isinstance(e, StatusError) else
-                    StatusError(Kind.INTERNAL, f"scoring the prompt failed: {e}"))
-                return
-        samples = [r for r in req.results if r is not None]
-        tokens = sum(len(r.token_ids) for r in samples)
-        metrics.COMPLETION_TOKENS.inc(tokens)
-        metrics.PROMPT_TOKENS.inc(len(req.job.prompt_ids))
-        for r in samples:
-            metrics.SAMPLES.labels(r.finish_reason).inc()
-        first_token = (req.first_token or end) - req.arrival
-        metrics.TIME_TO_FIRST_TOKEN.observe(first_token)
-        metrics.QUEUE_WAIT.observe(req.started - req.arrival)
-        metrics.REQUEST_DURATION.observe(end - req.arrival)
-        req.future.set_result(GenerateOutcome(
-            samples=samples, adapter=req.adapter or BASE_MODEL, queued_s=req.started - req.arrival,
-            first_token_s=first_token, duration_s=end - req.arrival, batches=list(req.batches),
-            prompt_logprobs=prompt_logprobs, prompt_top_logprobs=prompt_top))
-
-    def _score_prompt(self, req: QueuedRequest) -> tuple[list[float], list[TopLogprobs]]:
-        """The prompt's logprobs and alternatives (module docstring, "Prompt logprobs").
-
-        Raises:
-            StatusError: FAILED_PRECONDITION when the backend cannot score alternatives.
-        """
-        prompt = list(req.job.prompt_ids)
-        handle = (req.adapter or BASE_MODEL).handle
-        try:
-            return self.backend.score_top(prompt[:1], prompt[1:], _MODEL_DISTRIBUTION, handle,
-                                          req.job.prompt_logprobs or 0)
-        except NotImplementedError as e:
-            raise StatusError(Kind.FAILED_PRECONDITION, f"prompt logprobs: {e}") from e
-
-    def _fail_batch(self, items: list[tuple[QueuedRequest, int]], error: Exception) -> None:
-        failed = {req.id: req for req, _ in items}
-        with self._cond:
-            self._partial = collections.deque(r for r in self._partial if r.id not in failed)
-        if isinstance(error, StatusError):
-            status = error
-        elif isinstance(error, ConnectionError):  # a backend's server (vLLM) is unreachable
-            status = StatusError(Kind.UNAVAILABLE, f"decoding failed: {error}")
-        else:
-            status = StatusError(Kind.INTERNAL,
-                                 f"decoding failed: {type(error).__name__}: {error}")
-        for req in failed.values():
-            if not req.future.done():
-                req.future.set_exception(status)
-
-    def _run_command(self, command: _Command) -> None:
-        if not command.future.set_running_or_notify_cancel():
-            return
-        try:
-            result = command.fn()
-        except BaseException as e:
-            command.future.set_exception(e)
-        else:
-            command.future.set_result(result)
 
     def _shutdown(self) -> None:
         unavailable = StatusError(Kind.UNAVAILABLE, "rollout node is shutting down")

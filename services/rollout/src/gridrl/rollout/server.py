@@ -78,7 +78,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """
         node = self._node
         job = validate_generate(request, node.limits, node.codec.encode)
-        future = node.engine.submit(job)
+        future = node.engine.submit(job, base_model=request.base_model)
         context.add_callback(future.cancel)  # drops it from the queue if the client leaves
         pause_point("rollout.generate")  # test-only (gridrl.common.faults): kill here
         try:

@@ -95,6 +95,8 @@ def validate_generate(request: rollout_pb2.GenerateRequest, limits: Limits,
                               top_p=float(top_p), top_k=int(s.top_k),
                               stop_token_ids=tuple(dict.fromkeys(s.stop_token_ids)))
     seed = s.seed if s.HasField("seed") else rng.random_seed()
+    if request.base_model and request.adapter_name:
+        raise invalid_argument("base_model", "set either base_model or adapter_name, not both")
     weight = request.share_weight
     if not math.isfinite(weight) or weight < 0:
         raise invalid_argument("share_weight", f"{weight} must be a finite number >= 0 (0: 1)")

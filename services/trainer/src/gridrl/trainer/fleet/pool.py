@@ -333,7 +333,8 @@ class NodePool:
             prompt_token_ids=list(prompt), request_id="check",
             sampling=common_pb2.SamplingParams(n=group_size, max_tokens=max_tokens,
                                                temperature=temperature, top_p=top_p,
-                                               top_k=top_k, seed=group_seed(seed, 0)))
+                                               top_k=top_k, seed=group_seed(seed, 0)),
+            **self._own_adapter())
         response, _, seconds = self._call_generate(address, request)
         samples = samples_of(response, list(prompt), group_size, address, seconds)
         return Group(prompt_index=0, prompt_ids=list(prompt), samples=samples, node=address,
@@ -473,7 +474,7 @@ class NodePool:
                 prompt_token_ids=list(r.prompt_ids),
                 request_id=f"group-{r.group}-request-{a.index}-try-{len(batch.tried[a.index])}",
                 sampling=batch.sampling, keep_cache=r.keep_cache,
-                adapter_name=self._own_adapter_name(), share_weight=self.share_weight)
+                share_weight=self.share_weight, **self._own_adapter())
             request.sampling.n, request.sampling.max_tokens = r.n, r.max_tokens
             request.sampling.seed = r.seed
             call = Call()
@@ -483,12 +484,13 @@ class NodePool:
             batch.calls[future] = call
             batch.started[future] = now
 
-    def _own_adapter_name(self) -> str:
-        """The adapter this run's Generate calls name once it has pushed one (several runs
-        share the nodes: each decodes with its own, issue 46); "" before (the node's serving
-        adapter: the base model, see AdapterSync's reset)."""
+    def _own_adapter(self) -> dict[str, Any]:
+        """The GenerateRequest fields that make a node decode with this run's policy: the
+        adapter its calls name once it has pushed one (several runs share the nodes: each
+        decodes with its own, issue 46); before, the base model (its version 0), whatever
+        adapter of another run serves there."""
         target = self._members.target
-        return target.name if target.version > 0 else ""
+        return {"adapter_name": target.name} if target.version > 0 else {"base_model": True}
 
     def _wait_for_a_node(self, batch: Batch) -> None:
         """Nothing of the batch could start and none of it is in flight: wait for a node

@@ -16,7 +16,9 @@ Decoding (``generate``):
 logprobs of ``generate`` equal ``score`` up to float rounding of the logits.
 
 Adapters are mlx-lm LoRA directories held next to the base weights
-(:mod:`gridrl.engine.backends.mlx.lora`).
+(:mod:`gridrl.engine.backends.mlx.lora`). ``generate_mixed`` decodes rows of several adapters
+(and the base model) in one batch: one base product for the batch, one small product per
+adapter group (S-LoRA / Punica; :meth:`~gridrl.engine.backends.mlx.lora.LoRAManager.activate_rows`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +121,12 @@ class MlxBackend(Backend):
         self.dtype = self._weight_dtype(model)
         # Whether merged (left-padded) batch caches decode as each sequence alone does.
         self.batches_exactly = self._batching_is_exact()
+        #: generate_mixed decodes rows of several adapters in one batch (when batched at all).
+        self.mixes_adapters = self.batches_exactly
+        #: single rows stop between two decode steps (observer.rows_to_stop), and an adapter
+        #: loaded between two steps leaves the batch's rows as they were (a new wrapper carries
+        #: no update; a row keeps the arrays it started with).
+        self.stops_rows = True
 
     @classmethod
     def from_pretrained(cls, model_dir: Path | str, device: str = "auto",
@@ -218,7 +227,9 @@ class MlxBackend(Backend):
         Args:
             batch: sequences; prompts of any lengths >= 1, each with its sampling and seed.
             adapter: a handle from :meth:`load_adapter`, or None for the base model.
-            observer: told each step's tokens and asked between steps whether to stop.
+            observer: told each step's tokens and asked between steps whether to stop; one
+                with ``rows_to_stop()`` is asked right after, and the batch indices it returns
+                stop there (:attr:`stops_rows`).
         Returns:
             one :class:`SequenceResult` per request, in order: token ids (stop token included
             when ``finish_reason == "stop"``) and float natural-log behaviour logprobs.
@@ -232,25 +243,65 @@ class MlxBackend(Backend):
         with mx.stream(self._device):
             self._lora.activate(adapter)
             try:
-                return self._generate(batch, observer)
+                return self._generate(batch, None, observer)
             finally:
                 mx.clear_cache()
 
-    def _generate(self, batch: list[SequenceRequest],
+    def generate_mixed(self, batch: list[SequenceRequest], adapters: Sequence[Any | None],
+                       observer: DecodeObserver | None = None) -> list[SequenceResult]:
+        """Decode ``batch`` where row ``i`` uses ``adapters[i]`` (an :class:`MlxAdapter`, or
+        None: the base model), all rows in one batch: each distinct (adapter, prompt) is
+        prefilled alone with its adapter, then every decode step is one base product per
+        linear for the whole batch plus one small product per adapter group over its rows
+        (:meth:`LoRAManager.activate_rows`: S-LoRA / Punica batching). Each row's tokens and
+        logprobs equal those it gets in :meth:`generate` with its adapter alone, up to float32
+        rounding. Models whose caches cannot be merged decode one row after the other, each
+        with its adapter.
+
+        Raises:
+            ValueError: as :meth:`generate`; ``adapters`` not as long as ``batch``.
+            DecodeInterrupted: ``observer.interrupted()`` returned True (nothing is kept).
+        """
+        if len(adapters) != len(batch):
+            raise ValueError(f"{len(adapters)} adapters for {len(batch)} sequences")
+        if not batch:
+            return []
+        if all(a is adapters[0] for a in adapters):
+            return self.generate(batch, adapters[0], observer)
+        check_batch(batch, self.identity.max_context)
+        for adapter in adapters:
+            LoRAManager.check_handle(adapter)
+        with mx.stream(self._device):
+            try:
+                return self._generate(batch, list(adapters), observer)
+            finally:
+                self._lora.activate(None)
+                mx.clear_cache()
+
+    def _generate(self, batch: list[SequenceRequest], adapters: list[Any | None] | None,
                   observer: DecodeObserver | None) -> list[SequenceResult]:
+        """The decode of :meth:`generate` (``adapters`` None: the active adapter for every
+        row) or :meth:`generate_mixed` (one handle per row)."""
         results = [SequenceResult() for _ in batch]
         stops = [self.eos_token_ids | set(r.sampling.stop_token_ids) for r in batch]
         keys = [sequence_keys(r.seed, r.sampling.max_tokens) for r in batch]
         mx.eval(keys)
 
-        # 1. prefill each distinct prompt alone; the rows of one prompt share its cache.
-        prompt_index: dict[tuple[int, ...], int] = {}
-        row_prompt = [prompt_index.setdefault(tuple(r.prompt_ids), len(prompt_index))
-                      for r in batch]
+        # 1. prefill each distinct (adapter, prompt) alone; the rows of one share its cache.
+        prompt_index: dict[tuple[int, tuple[int, ...]], int] = {}
+        handles: dict[int, Any] = {}
+        row_prompt = []
+        for i, r in enumerate(batch):
+            handle = None if adapters is None else adapters[i]
+            handles[id(handle)] = handle
+            row_prompt.append(prompt_index.setdefault((id(handle), tuple(r.prompt_ids)),
+                                                      len(prompt_index)))
         prefilled = []
-        for prompt in prompt_index:
+        for handle_id, prompt in prompt_index:
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(0)
+            if adapters is not None:
+                self._lora.activate(handles[handle_id])
             prefilled.append(self._prefill(list(prompt)))
         caches = [cache for cache, _ in prefilled]
         first_logits = mx.concatenate([logits for _, logits in prefilled], axis=0)
@@ -270,8 +321,11 @@ class MlxBackend(Backend):
                          zip(*(caches[row_prompt[i]] for i in rows), strict=True)]
             else:
                 cache = copy.deepcopy(caches[row_prompt[rows[0]]])
+            if adapters is not None:
+                self._lora.activate_rows([adapters[i] for i in rows])
             logits = first_logits[mx.array([row_prompt[i] for i in rows])]
-            self._decode(batch, rows, cache, logits, keys, stops, results, observer)
+            self._decode(batch, rows, cache, logits, keys, stops, results, observer,
+                         mixed=adapters is not None)
         return results
 
     def _batching_is_exact(self) -> bool:
@@ -304,15 +358,19 @@ class MlxBackend(Backend):
 
     def _decode(self, batch: list[SequenceRequest], rows: list[int], cache: list[Any],
                 logits: mx.array, keys: list[mx.array], stops: list[frozenset[int]],
-                results: list[SequenceResult], observer: DecodeObserver | None) -> None:
+                results: list[SequenceResult], observer: DecodeObserver | None,
+                mixed: bool = False) -> None:
         """Sample ``batch[rows]`` to the end, appending to ``results[rows]`` (and telling
-        ``observer`` each step's tokens).
+        ``observer`` each step's tokens); rows the observer's ``rows_to_stop()`` names end
+        between two steps (their results cut short).
 
         Args:
             rows: batch indices, in the row order of ``cache`` and ``logits``.
             cache: mlx-lm cache per layer, batch dimension ``len(rows)``, after the prompts.
             logits: float32 (len(rows), V) for each row's first new token.
             keys: per batch index, its (max_tokens, 2) PRNG keys.
+            mixed: rows carry their own adapters (:meth:`LoRAManager.activate_rows`), which
+                follow the rows that stay.
         """
         active = list(rows)  # cache row -> batch index
         step = 0
@@ -344,14 +402,27 @@ class MlxBackend(Backend):
             if not keep:
                 return
             if len(keep) < len(active):
-                for c in cache:
-                    c.filter(keep)
-                active = [active[row] for row in keep]
-                tokens = tokens[mx.array(keep)]
+                active, tokens = self._keep(cache, keep, active, tokens, mixed)
             step += 1
             if observer is not None and observer.interrupted():
                 raise DecodeInterrupted(step)
+            stop = _rows_to_stop(observer, active)
+            if stop:  # rows the caller no longer wants (contract: Backend.stops_rows)
+                keep = [row for row in range(len(active)) if row not in stop]
+                if not keep:
+                    return
+                active, tokens = self._keep(cache, keep, active, tokens, mixed)
             logits = self._model(tokens[:, None], cache=cache)[:, -1, :].astype(mx.float32)
+
+    def _keep(self, cache: list[Any], keep: list[int], active: list[int], tokens: mx.array,
+              mixed: bool) -> tuple[list[int], mx.array]:
+        """Only cache rows ``keep`` go on: filter the cache (and the rows' adapters); returns
+        the kept rows' batch indices and last tokens."""
+        for c in cache:
+            c.filter(keep)
+        if mixed:
+            self._lora.keep_rows(keep)
+        return [active[row] for row in keep], tokens[mx.array(keep)]
 
     def _prefill(self, prompt: list[int]) -> tuple[list[Any], mx.array]:
         """Run ``prompt`` through the model alone. Returns its mlx-lm cache (one entry per
@@ -406,3 +477,13 @@ class MlxBackend(Backend):
             top = alternatives(logprobs, [top_n] * len(completion_ids))
             return ([float(x) for x in out.tolist()],
                     top if top is not None else [[] for _ in completion_ids])
+
+
+def _rows_to_stop(observer: DecodeObserver | None, active: list[int]) -> set[int]:
+    """Positions in ``active`` (the live rows' batch indices) of the rows the observer asks to
+    stop (``rows_to_stop``, an optional observer method: ``contract.Backend.stops_rows``)."""
+    ask = getattr(observer, "rows_to_stop", None)
+    if ask is None:
+        return set()
+    wanted = set(ask())
+    return {row for row, i in enumerate(active) if i in wanted}

@@ -1,4 +1,4 @@
-"""mlx-lm LoRA adapters held next to the serving weights, switched per batch.
+"""mlx-lm LoRA adapters held next to the serving weights, switched per batch or set per row.
 
 Layout read (what ``mlx_lm.lora`` writes and ``mlx_lm.tuner.utils.load_adapters`` loads):
 
@@ -14,12 +14,21 @@ A target Linear is wrapped once in :class:`SwitchableLoRALinear`, which computes
 ``linear(x) + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)`` -- exactly mlx-lm's
 ``LoRALinear`` -- with the arrays of whichever adapter is active, or ``linear(x)`` alone when
 none is. The base weights are never modified; each adapter keeps its own arrays.
+
+Rows of several adapters in one batch (:meth:`LoRAManager.activate_rows`, the S-LoRA / Punica
+approach): each wrapped module computes its base product ``linear(x)`` once for the whole batch,
+then one small product per adapter group, ``scale * ((x[rows] @ lora_a) @ lora_b)`` over that
+group's rows only; the groups' updates (and exact zeros for rows whose adapter does not adapt
+the module, or the base model's rows) are put back in row order and added. A row's update is
+therefore the one it gets in a batch of its adapter alone, up to the rounding of a product over
+fewer rows.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,20 +53,52 @@ class LoRAWeights:
     scale: float
 
 
-class SwitchableLoRALinear(nn.Module):
-    """A Linear (or QuantizedLinear) plus the LoRA update of the active adapter, if any.
+@dataclass(frozen=True)
+class RowLoRA:
+    """Per-row LoRA updates of one module for a batch of rows of several adapters.
 
-    ``lora`` is set by :class:`LoRAManager` between batches; it is a plain attribute, not a
-    parameter, so the model's parameter tree holds the base weights only (under ``linear``).
+    Attributes:
+        groups: per adapter adapting this module, its weights and its rows (int32 (n_g,)
+            indices into the batch axis), in order of first appearance.
+        base_rows: rows whose adapter does not adapt this module (their update is 0).
+        order: int32 (N,): row ``i``'s position in the groups' rows concatenated, then the
+            base rows (so ``concat(updates)[order]`` is in batch order).
+    """
+
+    groups: tuple[tuple[LoRAWeights, mx.array], ...]
+    base_rows: int
+    order: mx.array
+
+    def update(self, x: mx.array) -> mx.array:
+        """The updates (N, ..., out) of ``x`` (N, ..., in), each row by its own adapter, in
+        ``x``'s dtype."""
+        parts = [(w.scale * ((x[rows] @ w.a) @ w.b)).astype(x.dtype)
+                 for w, rows in self.groups]
+        if self.base_rows:
+            out_dims = self.groups[0][0].b.shape[-1]
+            parts.append(mx.zeros((self.base_rows, *x.shape[1:-1], out_dims), x.dtype))
+        return mx.concatenate(parts, axis=0)[self.order]
+
+
+class SwitchableLoRALinear(nn.Module):
+    """A Linear (or QuantizedLinear) plus the LoRA update of the active adapter, if any, or
+    each row's own (``rows``).
+
+    ``lora`` / ``rows`` are set by :class:`LoRAManager` (at most one of them); they are plain
+    attributes, not parameters, so the model's parameter tree holds the base weights only
+    (under ``linear``).
     """
 
     def __init__(self, linear: nn.Module) -> None:
         super().__init__()
         self.linear = linear
         self.lora: LoRAWeights | None = None
+        self.rows: RowLoRA | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
+        if self.rows is not None:
+            return y + self.rows.update(x)
         w = self.lora
         if w is None:
             return y
@@ -128,6 +169,8 @@ class LoRAManager:
         self.wrappers: dict[str, SwitchableLoRALinear] = {}
         self.adapters: dict[str, MlxAdapter] = {}
         self.active: MlxAdapter | None = None
+        # with activate_rows: each live row's modules (path -> weights), in batch order
+        self.row_modules: list[dict[str, LoRAWeights]] | None = None
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -171,22 +214,80 @@ class LoRAManager:
         handle.loaded = False
 
     def activate(self, handle: MlxAdapter | None) -> None:
-        """Install ``handle``'s arrays in every wrapped module (None: the base model).
+        """Install ``handle``'s arrays in every wrapped module (None: the base model), for
+        every row of the batches that follow (ends :meth:`activate_rows`).
 
         Raises:
             ValueError: ``handle`` was unloaded, or is not an :class:`MlxAdapter`.
+        """
+        self.check_handle(handle)
+        if handle is self.active and self.row_modules is None:
+            return
+        modules = handle.modules if handle is not None else {}
+        for path, wrapper in self.wrappers.items():
+            wrapper.lora = modules.get(path)
+            wrapper.rows = None
+        self.active = handle
+        self.row_modules = None
+
+    def activate_rows(self, handles: Sequence[MlxAdapter | None]) -> None:
+        """Give row ``i`` of the batches that follow the adapter ``handles[i]`` (None: the
+        base model), until :meth:`activate`; :meth:`keep_rows` follows rows leaving the batch.
+        Each row keeps the arrays it started with even if its handle is unloaded meanwhile.
+
+        Raises:
+            ValueError: a handle was unloaded, or is not an :class:`MlxAdapter`.
+        """
+        for handle in handles:
+            self.check_handle(handle)
+        self.row_modules = [dict(h.modules) if h is not None else {} for h in handles]
+        self.active = None
+        self._install_rows()
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Only rows ``keep`` (indices into the current rows, in their new order) go on."""
+        assert self.row_modules is not None, "keep_rows without activate_rows"
+        self.row_modules = [self.row_modules[i] for i in keep]
+        self._install_rows()
+
+    def _install_rows(self) -> None:
+        """Set every wrapped module's :class:`RowLoRA` (None where no row's adapter adapts
+        it: the base product alone)."""
+        assert self.row_modules is not None
+        n = len(self.row_modules)
+        for path, wrapper in self.wrappers.items():
+            wrapper.lora = None
+            groups: dict[int, tuple[LoRAWeights, list[int]]] = {}
+            base: list[int] = []
+            for row, modules in enumerate(self.row_modules):
+                w = modules.get(path)
+                if w is None:
+                    base.append(row)
+                else:
+                    groups.setdefault(id(w), (w, []))[1].append(row)
+            if not groups:
+                wrapper.rows = None
+                continue
+            order = [0] * n
+            concatenated = [row for _, rows in groups.values() for row in rows] + base
+            for position, row in enumerate(concatenated):
+                order[row] = position
+            wrapper.rows = RowLoRA(
+                tuple((w, mx.array(rows, mx.int32)) for w, rows in groups.values()),
+                len(base), mx.array(order, mx.int32))
+
+    @staticmethod
+    def check_handle(handle: MlxAdapter | None) -> None:
+        """Check that ``handle`` is None or a loaded :class:`MlxAdapter`.
+
+        Raises:
+            ValueError: it was unloaded, or is not an :class:`MlxAdapter`.
         """
         if handle is not None:
             if not isinstance(handle, MlxAdapter):
                 raise ValueError(f"not an MLX adapter handle: {type(handle).__name__}")
             if not handle.loaded:
                 raise ValueError(f"adapter {handle.key!r} was unloaded")
-        if handle is self.active:
-            return
-        modules = handle.modules if handle is not None else {}
-        for path, wrapper in self.wrappers.items():
-            wrapper.lora = modules.get(path)
-        self.active = handle
 
     # -- validation --------------------------------------------------------------------------
 
