@@ -23,7 +23,7 @@ from gridrl.v1 import runs_pb2, trainer_pb2
 
 RAISING_ENV = '''
 from gridrl.trainer.envs.base import Environment
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 class Flaky(Environment):
     name, max_turns, max_tokens = "flaky", 2, 4
@@ -43,7 +43,7 @@ class Flaky(Environment):
 # Scores every reply the same: no group can ever have signal.
 CONSTANT_ENV = '''
 from gridrl.trainer.envs.base import Environment
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 class Constant(Environment):
     name, max_tokens = "constant", 4

@@ -1,8 +1,9 @@
-"""What a rollout is: the sampled groups a GRPO step trains on, and where they come from.
+"""What a rollout is: the sampled groups a GRPO step trains on.
 
-A :class:`RolloutSource` turns prompts into :class:`Group` s of ``group_size`` samples each:
-:class:`gridrl.trainer.fleet.pool.NodePool` over rollout nodes, or the in-process ``LocalRollout``.
-Every sample carries the policy version (adapter version) of the weights that produced it, so
+An :class:`~gridrl.trainer.envs.source.EpisodeSource` runs ``group_size`` episodes of each item
+over a turn sampler (:class:`gridrl.trainer.fleet.pool.NodePool` over rollout nodes, or the
+in-process :class:`gridrl.trainer.local.LocalRollout`) and hands the step :class:`Group` s of
+their samples. Every sample carries the policy version (adapter version) of the weights that produced it, so
 the loop can measure staleness (trainer version - sample version) and drop what is too old.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from gridrl.engine import rng
 
@@ -51,7 +52,7 @@ class Group:
     """The ``group_size`` samples of one prompt (a GRPO group), all from one node.
 
     Attributes:
-        prompt_index: index of the prompt in the ``prompts`` passed to ``generate_groups``.
+        prompt_index: index of the item (prompt) in the step's items.
         prompt_ids: the prompt's token ids.
         samples: the samples, in sample-index order.
         node: address of the node that sampled the group, or ``"local"``.
@@ -161,27 +162,6 @@ class StepRollouts:
     generate_s: float
     wait_s: float = 0.0
     episodes: EpisodeStats = field(default_factory=EpisodeStats)
-
-
-class RolloutSource(Protocol):
-    """Something that samples groups: the node pool or the local sampler."""
-
-    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
-                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
-        """Sample ``group_size`` completions of at most ``max_tokens`` tokens for every prompt.
-
-        Returns one :class:`Group` per prompt, in the order of ``prompts``. Group ``i`` is
-        sampled with seed :func:`group_seed` ``(seed, i)``.
-
-        Raises:
-            RuntimeError: when no node can serve (every node dead or out of rotation).
-        """
-        ...
-
-    def close(self) -> None:
-        """Release threads and connections. Idempotent."""
-        ...
 
 
 def group_seed(seed: int, prompt_index: int) -> int:

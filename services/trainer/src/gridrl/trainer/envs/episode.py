@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gridrl.engine import rng
-from gridrl.trainer.envs.base import Environment, Message
+from gridrl.trainer.envs.base import Environment, Message, TaskItem
 from gridrl.trainer.envs.chat import ChatDelta, TemplateDeltaError
 from gridrl.trainer.rollouts import RolloutSample, group_seed
-from gridrl.trainer.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 

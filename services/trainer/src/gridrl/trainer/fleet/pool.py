@@ -3,7 +3,7 @@
     pool = NodePool(master="master:50050", addresses=[], model_identity=identity)
     pool.start()                       # follows WatchNodes; probes static addresses
     pool.wait_for_nodes(1, timeout_s=60)
-    groups = pool.generate_groups(prompts, group_size=8, max_tokens=128, temperature=1.0)
+    groups = pool.generate_groups(prompts, SamplingConfig(max_tokens=128), group_size=8)
 
 This module is the thin RPC layer over two pure pieces:
 
@@ -15,7 +15,7 @@ This module is the thin RPC layer over two pure pieces:
 
 Threads and what they own:
 
-- the caller of :meth:`NodePool.generate_groups` (the loop or its prefetch thread) runs the
+- the caller of :meth:`NodePool.sample_turns` (the loop or its prefetch thread) runs the
   batch: it asks the scheduler, starts calls on the ``rollout`` executor and collects them;
 - ``rollout-*`` executor threads make one Generate call each (no pool state touched);
 - the ``node-prober`` thread probes unreachable / benched nodes (on ``node-probe-*`` threads,
@@ -50,6 +50,7 @@ import grpc
 
 from gridrl.common.rpc.channel import Keepalive, dial
 from gridrl.common.security.policy import Security
+from gridrl.engine.contract import SamplingConfig
 from gridrl.models import ModelIdentity
 from gridrl.trainer.envs.episode import TurnRequest
 from gridrl.trainer.fleet import hedging, metrics, scheduling
@@ -75,7 +76,8 @@ _WAIT_REPORT_S = 0.5
 
 
 class NodePool:
-    """Rollout nodes from the master and/or static addresses; implements ``RolloutSource``.
+    """Rollout nodes from the master and/or static addresses; a turn sampler
+    (:class:`~gridrl.trainer.envs.source.TurnSampler`).
 
     Args:
         master: host:port of the master to follow, or None.
@@ -241,10 +243,11 @@ class NodePool:
 
     # ------------------------------------------------------------------ rollouts
 
-    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
-                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
-        """Sample one group of ``group_size`` completions per prompt over the nodes in rotation.
+    def generate_groups(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
+                        group_size: int, seed: int = 0) -> list[Group]:
+        """Sample one group of ``group_size`` completions per prompt over the nodes in rotation
+        (prompts in, samples out: Tinker's ``sample`` on the fleet; a run's steps go through
+        :meth:`sample_turns` from an :class:`~gridrl.trainer.envs.source.EpisodeSource`).
 
         Group ``i`` is one ``Generate(prompt_token_ids=prompts[i], sampling.n=group_size,
         sampling.seed=group_seed(seed, i))`` on one node (:meth:`sample_turns` with one
@@ -256,10 +259,9 @@ class NodePool:
         Raises:
             ValueError, RuntimeError: as :meth:`sample_turns`.
         """
-        requests = [TurnRequest(tuple(p), group_seed(seed, i), group_size, max_tokens, group=i)
-                    for i, p in enumerate(prompts)]
-        results = self.sample_turns(requests, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    stop_token_ids=stop_token_ids)
+        requests = [TurnRequest(tuple(p), group_seed(seed, i), group_size, sampling.max_tokens,
+                                group=i) for i, p in enumerate(prompts)]
+        results = self.sample_turns(requests, sampling)
         groups = []
         for i, (p, samples) in enumerate(zip(prompts, results, strict=True)):
             assert isinstance(samples, list)  # unpinned requests never fail alone
@@ -268,11 +270,11 @@ class NodePool:
                                 seconds=samples[0].seconds if samples else 0.0))
         return groups
 
-    def sample_turns(self, requests: Sequence[TurnRequest], *, temperature: float,
-                     top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = ()
+    def sample_turns(self, requests: Sequence[TurnRequest], sampling: SamplingConfig
                      ) -> list[list[RolloutSample] | BaseException]:
         """Sample every request over the nodes in rotation (an episode runner's
-        :data:`~gridrl.trainer.envs.episode.Sampler`).
+        :data:`~gridrl.trainer.envs.episode.Sampler`) under ``sampling`` (temperature, top-p,
+        top-k, stop ids; each request's own ``max_tokens`` replaces ``sampling.max_tokens``).
 
         Request ``i`` is one ``Generate(prompt_token_ids, sampling.n=n,
         sampling.max_tokens=max_tokens, sampling.seed=seed, keep_cache)`` on one node; the
@@ -307,9 +309,10 @@ class NodePool:
                 raise ValueError(f"max_tokens: must be >= 1, got {r.max_tokens}")
         if self._closed.is_set():
             raise RuntimeError("the node pool is closed")
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                             stop_token_ids=list(stop_token_ids))
-        batch = Batch(list(requests), sampling)
+        params = common_pb2.SamplingParams(temperature=sampling.temperature,
+                                           top_p=sampling.top_p, top_k=sampling.top_k,
+                                           stop_token_ids=list(sampling.stop_token_ids))
+        batch = Batch(list(requests), params)
         try:
             self._run_batch(batch)
         finally:  # on an error or once done, every call still in flight is cancelled
