@@ -17,7 +17,7 @@ from trainer_runs import BIN, ENV
 from gridrl.master.server import Master
 from gridrl.trainer.report.events import LearningWarning, NoUpdate
 from gridrl.trainer.report.to_master import MasterReporter
-from gridrl.trainer.rollouts import EpisodeStats
+from gridrl.trainer.rollouts import DropReason, EpisodeStats
 from gridrl.trainer.run.watch import LearningWatch, baseline_warning
 from gridrl.v1 import runs_pb2, trainer_pb2
 
@@ -60,8 +60,9 @@ class Constant(Environment):
 
 
 def episodes(n: int, dropped: dict[tuple[str, str], int] | None = None) -> EpisodeStats:
-    errors = dict(dropped or {})
-    by_reason: dict[str, int] = {}
+    """Stats of ``n`` episodes, ``dropped``: (reason's word, error) -> episodes."""
+    errors = {(DropReason(r), m): k for (r, m), k in (dropped or {}).items()}
+    by_reason: dict[DropReason, int] = {}
     for (reason, _), k in errors.items():
         by_reason[reason] = by_reason.get(reason, 0) + k
     return EpisodeStats(episodes=n, dropped=by_reason, errors=errors)

@@ -215,7 +215,7 @@ def eval_example(prompt: str, episode: Any, score: float) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt": prompt, "completion": episode.last_reply, "score": score,
                            "turns": episode.turns, "transcript": transcript}
     if episode.dropped:
-        out |= {"dropped": episode.dropped, "error": episode.error}
+        out |= {"dropped": episode.dropped.value, "error": episode.error}
     return out
 
 
