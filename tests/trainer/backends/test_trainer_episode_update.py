@@ -133,7 +133,7 @@ def test_environment_tokens_get_no_gradient(tiny_llama_dir):
 
 def _reference_groups(backend, prompts, *, group_size, max_tokens, temperature, seed):
     """The single-turn groups as sampled before environments (``LocalRollout.generate_groups``
-    at 6650b9b, removed with the task API): one generate call over every group's samples,
+    at 5d1c68a, removed with the second task API): one generate call over every group's samples,
     sample j of group i seeded ``sequence_seed(group_seed(seed, i), j)``."""
     flat = backend.generate([list(p) for p in prompts for _ in range(group_size)],
                             SamplingConfig(max_tokens=max_tokens, temperature=temperature),
