@@ -23,8 +23,9 @@ from _common import machine, table
 from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.envs.chat import prompt_ids
+from gridrl.trainer.envs.reverse import ReverseWords
 from gridrl.trainer.evaluation import Evaluator
-from gridrl.trainer.tasks import ReverseWords, encode_chat
 
 
 def step_seconds(backend, task: ReverseWords, repeats: int) -> float:
@@ -32,7 +33,7 @@ def step_seconds(backend, task: ReverseWords, repeats: int) -> float:
     best = float("inf")
     for step in range(repeats):
         items = [task.train_item(2 * step + i) for i in range(2)]
-        prompts = [encode_chat(backend.tokenizer, it.messages) for it in items for _ in range(8)]
+        prompts = [prompt_ids(backend.tokenizer, it.messages) for it in items for _ in range(8)]
         start = time.perf_counter()
         results = backend.generate(prompts, SamplingConfig(max_tokens=24, temperature=1.0),
                                    list(range(16)))

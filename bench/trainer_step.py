@@ -36,7 +36,8 @@ from _common import BackgroundLoad, load_average, machine, table
 from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.config import TrainConfig
-from gridrl.trainer.tasks import ReverseWords, encode_chat
+from gridrl.trainer.envs.chat import prompt_ids
+from gridrl.trainer.envs.reverse import ReverseWords
 
 
 def demo_backend(backend_name: str, model: str, update_dtype: str = "float32",
@@ -54,7 +55,7 @@ def demo_backend(backend_name: str, model: str, update_dtype: str = "float32",
 def demo_prompts(backend, task: ReverseWords, step: int) -> list[list[int]]:
     """Step ``step``'s 2 reverse-words prompts, each repeated for a group of 8."""
     items = [task.train_item(2 * step + i) for i in range(2)]
-    return [encode_chat(backend.tokenizer, it.messages) for it in items for _ in range(8)]
+    return [prompt_ids(backend.tokenizer, it.messages) for it in items for _ in range(8)]
 
 
 def sample(backend, prompts: list[list[int]]):

@@ -109,15 +109,15 @@ def run_trl(seed: int, steps: int, extra: list[str], out: Path, threads: int = 0
     from trl import GRPOConfig, GRPOTrainer
 
     from gridrl.trainer.backends.torch.backend import TorchTrainerBackend
+    from gridrl.trainer.envs.loading import make_environment
     from gridrl.trainer.evaluation import Evaluator
-    from gridrl.trainer.tasks import make_task
 
     cfg = train_config(seed, steps, extra)
     cfg.rollout = ["local"]
     cfg.threads = threads
     backend = TorchTrainerBackend.from_config(cfg)  # model + LoRA exactly as gridrl's trainer
-    task = make_task(cfg.task, seed=cfg.seed, eval_size=cfg.eval_tasks,
-                     min_words=cfg.min_words, max_words=cfg.max_words)
+    task = make_environment(cfg.task, seed=cfg.seed, eval_size=cfg.eval_tasks,
+                            min_words=cfg.min_words, max_words=cfg.max_words)
     evaluator = Evaluator(backend, task, max_tokens=cfg.max_tokens)
     items = [task.train_item(i) for i in range(cfg.steps * cfg.prompts_per_step)]
     data = Dataset.from_list([{"prompt": [dict(m) for m in it.messages],

@@ -25,7 +25,8 @@ import numpy as np
 import tinker
 from tinker import types
 
-from gridrl.trainer.tasks import ReverseWords, encode_chat
+from gridrl.trainer.envs.chat import prompt_ids
+from gridrl.trainer.envs.reverse import ReverseWords
 
 
 def evaluate(sampler, tokenizer, task, prompts, max_tokens: int) -> float:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    seed=args.seed).result()
     tokenizer = training.get_tokenizer()
     task = ReverseWords(seed=args.seed, eval_size=args.eval_tasks)
-    eval_prompts = [encode_chat(tokenizer, i.messages) for i in task.eval_items()]
+    eval_prompts = [prompt_ids(tokenizer, i.messages) for i in task.eval_items()]
     adam = types.AdamParams(learning_rate=args.lr, beta1=0.9, beta2=0.999, eps=1e-8,
                             grad_clip_norm=1.0)
     B, G = args.prompts_per_step, args.group_size
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         items = [task.train_item((step - 1) * B + i) for i in range(B)]
-        prompts = [encode_chat(tokenizer, item.messages) for item in items]
+        prompts = [prompt_ids(tokenizer, item.messages) for item in items]
         params = [types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0,
                                        seed=step * 1000 + i) for i in range(B)]
         groups = [sampler.sample(types.ModelInput.from_ints(p), G, params[i])

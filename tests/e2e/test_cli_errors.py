@@ -20,9 +20,9 @@ from gridrl.common.auth_cli import main as auth_cli
 from gridrl.master.cli import main as master_cli
 from gridrl.rollout.cli import main as rollout_cli
 from gridrl.trainer.cli import main as trainer_cli
+from gridrl.trainer.envs.reverse import WORD_BANK
 from gridrl.trainer.report.status import RunStatus
 from gridrl.trainer.server import serve_trainer
-from gridrl.trainer.tasks import WORD_BANK
 
 
 def error_line(result: Result) -> str:

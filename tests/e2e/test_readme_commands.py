@@ -467,7 +467,7 @@ def test_the_readme_openai_curl_sends_the_trained_system_prompt(live_openai_node
     """The curl of "Over the OpenAI API" carries reverse-words' own system prompt, the one the
     run trained with, and streams an answer from a node (the tiny llama's, asked by its base
     model id in place of the pushed adapter's name)."""
-    from gridrl.trainer.tasks import REVERSE_SYSTEM_PROMPT
+    from gridrl.trainer.envs.reverse import REVERSE_SYSTEM_PROMPT
 
     block = readme_block("openai-curl")
     body = json.loads(re.search(r"-d '(.*)'", block, re.S).group(1))

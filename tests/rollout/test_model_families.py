@@ -104,9 +104,12 @@ def test_trainer_step_then_its_adapter_pushed_in_peft_and_mlx_layout(
         family, torch_node: LiveNode) -> None:
     import torch
 
+    from gridrl.engine.contract import SamplingConfig
     from gridrl.trainer.backends.base import TrainSequence, create_backend
     from gridrl.trainer.config import TrainConfig
+    from gridrl.trainer.envs.episode import TurnRequest
     from gridrl.trainer.local import LocalRollout
+    from gridrl.trainer.rollouts import group_seed
 
     name, model_dir = family
     backend = create_backend(TrainConfig(
@@ -117,8 +120,9 @@ def test_trainer_step_then_its_adapter_pushed_in_peft_and_mlx_layout(
     # samples from the node (group 0) and from the trainer's own sampler (group 1)
     node_samples = torch_node.generate(SHORT_PROMPT, n=4, max_tokens=6, temperature=1.0,
                                        seed=3).samples
-    local = LocalRollout(backend, lambda: 0).generate_groups(
-        [SHORT_PROMPT], group_size=4, max_tokens=6, temperature=1.0, seed=3)[0].samples
+    local = LocalRollout(backend, lambda: 0).sample_turns(
+        [TurnRequest(tuple(SHORT_PROMPT), group_seed(3, 0), 4, 6)],
+        SamplingConfig(max_tokens=6, temperature=1.0))[0]
     seqs = [TrainSequence(tuple(SHORT_PROMPT), tuple(s.token_ids), tuple(s.logprobs),
                           advantage=float(i) - 1.5, group=g)
             for g, samples in enumerate((node_samples, local))

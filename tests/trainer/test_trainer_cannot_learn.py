@@ -18,13 +18,13 @@ from gridrl.master.run_wire import detail_json
 from gridrl.master.server import Master
 from gridrl.trainer.report.events import LearningWarning, NoUpdate
 from gridrl.trainer.report.to_master import MasterReporter
-from gridrl.trainer.rollouts import EpisodeStats
+from gridrl.trainer.rollouts import DropReason, EpisodeStats
 from gridrl.trainer.run.watch import LearningWatch, baseline_warning
 from gridrl.v1 import runs_pb2, trainer_pb2
 
 RAISING_ENV = '''
 from gridrl.trainer.envs.base import Environment
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 class Flaky(Environment):
     name, max_turns, max_tokens = "flaky", 2, 4
@@ -44,7 +44,7 @@ class Flaky(Environment):
 # Scores every reply the same: no group can ever have signal.
 CONSTANT_ENV = '''
 from gridrl.trainer.envs.base import Environment
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 class Constant(Environment):
     name, max_tokens = "constant", 4
@@ -61,8 +61,9 @@ class Constant(Environment):
 
 
 def episodes(n: int, dropped: dict[tuple[str, str], int] | None = None) -> EpisodeStats:
-    errors = dict(dropped or {})
-    by_reason: dict[str, int] = {}
+    """Stats of ``n`` episodes, ``dropped``: (reason's word, error) -> episodes."""
+    errors = {(DropReason(r), m): k for (r, m), k in (dropped or {}).items()}
+    by_reason: dict[DropReason, int] = {}
     for (reason, _), k in errors.items():
         by_reason[reason] = by_reason.get(reason, 0) + k
     return EpisodeStats(episodes=n, dropped=by_reason, errors=errors)

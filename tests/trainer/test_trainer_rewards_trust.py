@@ -20,9 +20,9 @@ from trainer_runs import BIN, ENV
 
 from gridrl.common.errors import StatusError
 from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.envs.reverse import WORD_BANK
 from gridrl.trainer.preflight import build_rewards
 from gridrl.trainer.run.driver import train
-from gridrl.trainer.tasks import WORD_BANK
 
 # 1.0 only for the exact uppercase word; 0.25 otherwise (what the built-in case-insensitive
 # word similarity never gives a random reply: a distinct mark of the user's function)

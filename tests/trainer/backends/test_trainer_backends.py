@@ -176,8 +176,8 @@ def test_the_eval_with_a_shared_prefix_is_the_plain_eval(make_backend):
     when the backend can: the same greedy completions and scores as every prompt prefilled
     whole, on trained (non-zero) LoRA weights."""
     from gridrl.engine.contract import SamplingConfig
+    from gridrl.trainer.envs.reverse import ReverseWords
     from gridrl.trainer.evaluation import Evaluator
-    from gridrl.trainer.tasks import ReverseWords
 
     backend = make_backend()
     backend.update(_sequences())  # LoRA B no longer zero: the adapter changes the outputs
@@ -204,8 +204,8 @@ def test_a_slow_eval_says_so_and_a_fast_one_stays_silent(make_backend, caplog):
     import logging
     import threading
 
+    from gridrl.trainer.envs.reverse import ReverseWords
     from gridrl.trainer.evaluation import Evaluator
-    from gridrl.trainer.tasks import ReverseWords
 
     caplog.set_level(logging.INFO, logger="gridrl.progress")
     backend = make_backend()

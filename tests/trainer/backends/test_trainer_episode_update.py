@@ -15,12 +15,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gridrl.engine.contract import SamplingConfig
+from gridrl.engine.rng import sequence_seed
 from gridrl.trainer.backends.base import TrainSequence, create_backend
 from gridrl.trainer.config import TrainConfig
 from gridrl.trainer.envs import chat, episode
-from gridrl.trainer.envs.base import Environment, EnvTurn
+from gridrl.trainer.envs.base import Environment, EnvTurn, TaskItem
 from gridrl.trainer.local import LocalRollout
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
 
 
 class ThreeTurns(Environment):
@@ -56,7 +58,7 @@ def _episodes(backend, group_size=3):
     local = LocalRollout(backend, version=lambda: 0)
 
     def sample(requests):
-        return local.sample_turns(requests, temperature=1.0)
+        return local.sample_turns(requests, SamplingConfig(max_tokens=6, temperature=1.0))
 
     groups = episode.run_episodes(env, items, [chat.prompt_ids(tok, it.messages) for it in items],
                                   sample, chat.ChatDelta(tok),
@@ -129,14 +131,29 @@ def test_environment_tokens_get_no_gradient(tiny_llama_dir):
     backend.close()
 
 
+def _reference_groups(backend, prompts, *, group_size, max_tokens, temperature, seed):
+    """The single-turn groups as sampled before environments (``LocalRollout.generate_groups``
+    at 5d1c68a, removed with the second task API): one generate call over every group's samples,
+    sample j of group i seeded ``sequence_seed(group_seed(seed, i), j)``."""
+    flat = backend.generate([list(p) for p in prompts for _ in range(group_size)],
+                            SamplingConfig(max_tokens=max_tokens, temperature=temperature),
+                            [sequence_seed(group_seed(seed, i), j) for i in range(len(prompts))
+                             for j in range(group_size)])
+    decode = backend.tokenizer.decode
+    return [Group(prompt_index=i, prompt_ids=list(p), node="local", seconds=0.0, samples=[
+        RolloutSample(token_ids=list(r.token_ids), logprobs=list(r.logprobs),
+                      text=decode(r.token_ids, skip_special_tokens=True),
+                      finish_reason=r.finish_reason, policy_version=0, node="local")
+        for r in flat[group_size * i:group_size * (i + 1)]]) for i, p in enumerate(prompts)]
+
+
 def _legacy_eval(backend, task, max_tokens):
     """The held-out eval as it was before environments (evaluation.py at 6650b9b): one greedy
     generate call over the encoded eval prompts (common prefix shared), decoded, task.score."""
-    from gridrl.engine.contract import SamplingConfig
-    from gridrl.trainer.tasks import encode_chat
+    from gridrl.trainer.envs.chat import prompt_ids
 
     items = task.eval_items()
-    prompts = [encode_chat(backend.tokenizer, it.messages) for it in items]
+    prompts = [prompt_ids(backend.tokenizer, it.messages) for it in items]
     results = backend.generate(prompts, SamplingConfig(max_tokens=max_tokens, temperature=0.0),
                                [0] * len(prompts), shared_prefix=True)
     completions = [backend.tokenizer.decode(r.token_ids, skip_special_tokens=True)
@@ -147,14 +164,13 @@ def _legacy_eval(backend, task, max_tokens):
 
 def test_one_turn_environments_keep_the_eval_and_rollouts_of_before(tiny_llama_dir, tmp_path):
     """reverse-words and a JSONL file as environments: the same eval completions and scores as
-    the task-based eval, and the same sampled groups as LocalRollout.generate_groups, on
-    trained (non-zero) LoRA weights."""
+    the task-based eval, and the same sampled groups as the single-turn sampling before
+    environments (:func:`_reference_groups`), on trained (non-zero) LoRA weights."""
     import json
 
-    from gridrl.trainer.envs.base import SingleTurnEnv
+    from gridrl.trainer.envs.jsonl import JsonlEnv
+    from gridrl.trainer.envs.reverse import ReverseWords
     from gridrl.trainer.evaluation import Evaluator
-    from gridrl.trainer.rollouts import group_seed
-    from gridrl.trainer.tasks import JsonlTask, ReverseWords
 
     backend = _backend(tiny_llama_dir)
     eps = _episodes(backend, group_size=2)
@@ -163,30 +179,24 @@ def test_one_turn_environments_keep_the_eval_and_rollouts_of_before(tiny_llama_d
     path.write_text("\n".join(json.dumps({"prompt": f"red cat w{i}", "answer": f"w{i} cat red"})
                               for i in range(30)))
     for task in (ReverseWords(seed=0, min_words=3, max_words=4, eval_size=12),
-                 JsonlTask(path, eval_size=8)):
+                 JsonlEnv(path, eval_size=8)):
         completions, scores = _legacy_eval(backend, task, 8)
-        result = Evaluator(backend, SingleTurnEnv(task), max_tokens=8).run(policy_version=1)
+        result = Evaluator(backend, task, max_tokens=8).run(policy_version=1)
         assert result.n == len(scores)
         assert result.score == pytest.approx(sum(scores) / len(scores), abs=0)
         assert [e["completion"] for e in result.examples] == completions[:3]
         assert result.metrics == {}
-    # rollouts: the one-turn runner asks what generate_groups asked, and gets the same samples
-    env = SingleTurnEnv(ReverseWords(seed=0))
+    # rollouts: the one-turn runner asks what single-turn sampling asked, and gets the same
+    # samples
+    env = ReverseWords(seed=0)
     items = [env.train_item(i) for i in range(2)]
     prompts = [chat.prompt_ids(backend.tokenizer, it.messages) for it in items]
     local = LocalRollout(backend, version=lambda: 1)
-    # LocalRollout.generate_groups before environments: one generate call, sample j of group i
-    # seeded sequence_seed(group_seed(seed, i), j)
-    from gridrl.engine.contract import SamplingConfig
-    from gridrl.engine.rng import sequence_seed
-
-    flat = backend.generate([p for p in prompts for _ in range(3)],
-                            SamplingConfig(max_tokens=6, temperature=1.0),
-                            [sequence_seed(group_seed(5, i), j) for i in range(2)
-                             for j in range(3)])
-    groups = [type("G", (), {"samples": flat[3 * i:3 * i + 3]}) for i in range(2)]
+    groups = _reference_groups(backend, prompts, group_size=3, max_tokens=6, temperature=1.0,
+                               seed=5)
     runs = episode.run_episodes(
-        env, items, prompts, lambda reqs: local.sample_turns(reqs, temperature=1.0),
+        env, items, prompts,
+        lambda reqs: local.sample_turns(reqs, SamplingConfig(max_tokens=6, temperature=1.0)),
         chat.ChatDelta(backend.tokenizer), episode.EpisodeLimits(max_turns=1, max_tokens=6),
         group_size=3, seed=5, decode=backend.tokenizer.decode)
     for g, eps_of in zip(groups, runs, strict=True):
@@ -211,7 +221,8 @@ def test_a_reverse_retry_step_from_episodes_to_update(tiny_llama_dir):
     source = EpisodeSource(env, backend.tokenizer, local,
                            episode.EpisodeLimits(max_turns=2, max_tokens=6))
     items = [env.train_item(i) for i in range(2)]
-    groups, stats = source.generate(items, group_size=3, temperature=1.0, seed=4)
+    groups, stats = source.generate(items, SamplingConfig(max_tokens=6, temperature=1.0),
+                                    group_size=3, seed=4)
     assert stats.episodes == 6 and stats.turns == 12  # the tiny model never reverses
     assert stats.env_tokens > 0 and not stats.dropped
     funcs = env.reward_funcs()
@@ -234,8 +245,8 @@ def test_a_reverse_retry_step_from_episodes_to_update(tiny_llama_dir):
 
 def test_the_run_s_step_sampler_trains_what_the_single_turn_path_trained(tiny_llama_dir):
     """Every task now runs as episodes (run/steps.py over EpisodeSource): for a single-turn
-    task a step's groups are exactly LocalRollout.generate_groups' with the step's seed (the
-    path before environments), and build_batch makes the same training sequences from them
+    task a step's groups are exactly the single-turn sampling's with the step's seed (the
+    path before environments, :func:`_reference_groups`), and build_batch makes the same training sequences from them
     (no loss mask: every token is the model's)."""
     from gridrl.trainer.envs.source import EpisodeSource
     from gridrl.trainer.grpo.batch import build_batch
@@ -254,8 +265,8 @@ def test_the_run_s_step_sampler_trains_what_the_single_turn_path_trained(tiny_ll
     rewards = build_reward_set(env, [], None)
     for step in (1, 2):
         got = sampler.get(step)
-        want = local.generate_groups(got.prompt_ids, group_size=3, max_tokens=6,
-                                     temperature=1.0, seed=step_seed(cfg.seed, step))
+        want = _reference_groups(backend, got.prompt_ids, group_size=3, max_tokens=6,
+                                 temperature=1.0, seed=step_seed(cfg.seed, step))
         assert got.prompt_ids == [chat.prompt_ids(backend.tokenizer, it.messages)
                                   for it in got.items]
         assert got.rollouts.episodes.episodes == 6 and got.rollouts.episodes.turns == 6

@@ -233,18 +233,23 @@ def test_lr_schedules():
 
 
 def test_mismatch_kl_uses_the_samplers_truncation(policy):
+    from gridrl.engine.contract import SamplingConfig
     from gridrl.trainer.backends.torch.backend import TorchTrainerBackend
+    from gridrl.trainer.envs.episode import TurnRequest
     from gridrl.trainer.local import LocalRollout
+    from gridrl.trainer.rollouts import group_seed
 
     pol = _fresh(policy)
     prompts = [list(s.prompt_ids) for s in _sequences()[:2]]
     sampler = TorchTrainerBackend(pol, make_optimizer(pol.trainable_parameters(), lr=1e-3), None,
                                   UpdateConfig())
-    groups = LocalRollout(sampler, lambda: 0).generate_groups(
-        prompts, group_size=3, max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3)
-    seqs = [TrainSequence(tuple(g.prompt_ids), tuple(s.token_ids), tuple(s.logprobs),
+    requests = [TurnRequest(tuple(p), group_seed(3, i), 3, 6, group=i)
+                for i, p in enumerate(prompts)]
+    groups = LocalRollout(sampler, lambda: 0).sample_turns(
+        requests, SamplingConfig(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9))
+    seqs = [TrainSequence(tuple(prompts[b]), tuple(s.token_ids), tuple(s.logprobs),
                           advantage=0.5 - j % 2, group=b)
-            for b, g in enumerate(groups) for j, s in enumerate(g.samples)]
+            for b, samples in enumerate(groups) for j, s in enumerate(samples)]
     cfg = UpdateConfig(temperature=0.8, max_tokens=6, top_k=5, top_p=0.9)
     stats = grpo_update(pol, make_optimizer(pol.trainable_parameters(), lr=1e-3), None, seqs,
                         cfg)

@@ -13,9 +13,9 @@ import pytest
 
 from gridrl.common.errors import StatusError
 from gridrl.trainer.envs import chat, episode, loading, reverse, tools
-from gridrl.trainer.envs.base import Environment, EnvTurn, SingleTurnEnv
+from gridrl.trainer.envs.base import Environment, EnvTurn, TaskItem
+from gridrl.trainer.envs.reverse import ReverseWords
 from gridrl.trainer.rollouts import EpisodeStats, RolloutSample
-from gridrl.trainer.tasks import ReverseWords, TaskItem
 
 SMOLLM2 = Path.home() / ".cache/gridrl/models/smollm2-135m-instruct"
 
@@ -255,7 +255,7 @@ def test_a_one_turn_environment_asks_what_the_single_turn_task_asked(tok):
     Generate calls (and so the same samples) as before environments."""
     from gridrl.trainer.rollouts import group_seed
 
-    env = SingleTurnEnv(ReverseWords(seed=0, eval_size=4))
+    env = ReverseWords(seed=0, eval_size=4)
     items = [env.train_item(i) for i in range(3)]
     sampler = FakeSampler(tok, ["x"])
     groups = _run(env, tok, sampler, items, episode.EpisodeLimits(max_turns=1, max_tokens=5),
@@ -376,8 +376,7 @@ def test_tool_episode_end_to_end_with_a_scripted_model(tok):
 # --------------------------------------------------------------------------- --task
 
 ENV_FILE = '''
-from gridrl.trainer.envs.base import Environment, EnvTurn
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import Environment, EnvTurn, TaskItem
 
 class Echo(Environment):
     name = "echo"
@@ -400,7 +399,7 @@ class Echo(Environment):
 
 def test_task_specs_load_environments_or_fail_in_one_line(tmp_path, monkeypatch):
     assert isinstance(loading.make_environment("reverse-words", seed=0, eval_size=4),
-                      SingleTurnEnv)
+                      ReverseWords)
     assert loading.make_environment("reverse-words-retry", seed=0, eval_size=4).max_turns == 2
     path = tmp_path / "echo_env.py"
     path.write_text(ENV_FILE)
@@ -633,7 +632,6 @@ def test_the_run_s_rewards_are_the_environment_s_unless_reward_files_say_otherwi
     assert build_reward_set(env, [], "0.25,1").weights == [0.25, 1.0]
     single = loading.make_environment("reverse-words", seed=0, eval_size=4)
     assert build_reward_set(single, [], None).names == ["reverse-words:score"]
-    assert build_reward_set(single.task, [], None).names == ["reverse-words:score"]
     path = tmp_path / "r.py"
     path.write_text("def short(prompts, completions, **kw):\n"
                     "    return [float(len(c) < 5) for c in completions]\n")

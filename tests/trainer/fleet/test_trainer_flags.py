@@ -26,8 +26,8 @@ class DefectiveNode:
         self.local = LocalRollout(backend, version)
         self.defect = defect
 
-    def sample_turns(self, requests, **kw):
-        results = self.local.sample_turns(requests, **kw)
+    def sample_turns(self, requests, sampling):
+        results = self.local.sample_turns(requests, sampling)
         for request, samples in zip(requests, results, strict=True):
             if request.group % 2 == 0:
                 continue

@@ -16,10 +16,12 @@ from scripted_nodes import BASE, IDENTITY, NodeFarm
 from waiting import wait_for
 
 from gridrl.common.registration import NodeRegistrar
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.fleet.pool import NodePool
 from gridrl.trainer.rollouts import group_seed
 
-SAMPLING = {"group_size": 2, "max_tokens": 8, "temperature": 1.0}
+SAMPLING = SamplingConfig(max_tokens=8, temperature=1.0)
+GROUP = 2  # samples per group
 
 
 @pytest.fixture
@@ -64,7 +66,7 @@ def test_groups_spread_by_capacity_in_order_with_versions(farm, make_pool) -> No
     small = farm.start(capacity=2, generate_s=0.05, adapter=("run", 2))
     pool = make_pool([big.address, small.address])
     pool.wait_for_nodes(2, timeout_s=10)
-    groups = pool.generate_groups(prompts(40), seed=7, **SAMPLING)
+    groups = pool.generate_groups(prompts(40), SAMPLING, group_size=GROUP, seed=7)
 
     assert [g.prompt_index for g in groups] == list(range(40))
     per_node = Counter(g.node for g in groups)
@@ -104,7 +106,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     pool = make_pool([fast.address, slow.address],
                      clock=lambda: time.monotonic() + skipped[0])
     pool.wait_for_nodes(2, timeout_s=10)
-    first = pool.generate_groups(prompts(4), **SAMPLING)  # measures both
+    first = pool.generate_groups(prompts(4), SAMPLING, group_size=GROUP)  # measures both
     assert {g.node for g in first} == {fast.address, slow.address}
     states = {s.address: s for s in pool.nodes()}
     assert states[fast.address].group_s >= 0.05 and states[slow.address].group_s >= 2.0
@@ -114,7 +116,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
                                      {"node": slow.address}) == states[slow.address].group_s
     slow_calls = len(slow.generates)
     for _ in range(3):  # 3 batches of 2 on the fast node (~0.15 s) beat 2 s on the slow one
-        groups = pool.generate_groups(prompts(6), **SAMPLING)
+        groups = pool.generate_groups(prompts(6), SAMPLING, group_size=GROUP)
         assert [g.prompt_index for g in groups] == list(range(6))
         assert {g.node for g in groups} == {fast.address}
     assert len(slow.generates) == slow_calls
@@ -123,7 +125,7 @@ def test_slow_node_does_not_hold_steps_back(farm, make_pool, monkeypatch) -> Non
     monkeypatch.setattr(scheduling, "REEXPLORE_AFTER", 0.5)
     # the pool's clock: the slow node idle half its latency more, no sleep
     skipped[0] += 0.5 * pool.node(slow.address).group_s + 0.01
-    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    groups = pool.generate_groups(prompts(6), SAMPLING, group_size=GROUP)
     assert slow.address in {g.node for g in groups}
 
 
@@ -134,13 +136,13 @@ def test_batch_waits_for_a_node_busy_with_another_batch(farm, make_pool) -> None
     slow = farm.start(capacity=2, generate_s=3.0)  # (lower bounds: two 0.3 s rounds beat 3 s)
     pool = make_pool([fast.address, slow.address])
     pool.wait_for_nodes(2, timeout_s=10)
-    pool.generate_groups(prompts(2), **SAMPLING)  # measures both latencies
+    pool.generate_groups(prompts(2), SAMPLING, group_size=GROUP)  # measures both latencies
     fast.gate = threading.Event()  # the fast node holds its groups until the gate opens
-    with concurrent_call(lambda: pool.generate_groups(prompts(1), **SAMPLING)) as other:
+    with concurrent_call(lambda: pool.generate_groups(prompts(1), SAMPLING, group_size=GROUP)) as other:
         wait_for(lambda: fast.active == 1, 5, "the other batch's group on the fast node")
         opener = threading.Timer(0.3, fast.gate.set)  # as if that group took 0.3 s more
         opener.start()
-        groups = pool.generate_groups(prompts(1), **SAMPLING)  # waits for the fast node
+        groups = pool.generate_groups(prompts(1), SAMPLING, group_size=GROUP)  # waits for the fast node
         opener.join()
     assert [g.node for g in groups] == [fast.address]
     assert [g.node for g in other.result()] == [fast.address]
@@ -162,7 +164,7 @@ def test_failing_node_retried_elsewhere_benched_and_back(farm, make_pool, failur
     else:
         bad.generate_s = 5.0  # Generate sleeps past the deadline
         bad.down = False
-    groups = pool.generate_groups(prompts(8), **SAMPLING)
+    groups = pool.generate_groups(prompts(8), SAMPLING, group_size=GROUP)
 
     assert [g.prompt_index for g in groups] == list(range(8))
     assert {g.node for g in groups} == {good.address}
@@ -183,7 +185,7 @@ def test_failing_node_retried_elsewhere_benched_and_back(farm, make_pool, failur
     # It gets groups again (most of them: it now answers at once while the other node holds
     # its group, and groups go where they are expected to finish first).
     served_before, good.gate = len(bad.generates), threading.Event()
-    with concurrent_call(lambda: pool.generate_groups(prompts(8), **SAMPLING)) as batch:
+    with concurrent_call(lambda: pool.generate_groups(prompts(8), SAMPLING, group_size=GROUP)) as batch:
         wait_for(lambda: len(bad.generates) - served_before >= 4, 30,
                  "groups on the node back in rotation")
         good.gate.set()
@@ -196,7 +198,7 @@ def test_node_killed_mid_step_run_continues(farm, make_pool) -> None:
     pool.wait_for_nodes(3, timeout_s=10)
     killer = threading.Timer(0.25, b.kill)
     killer.start()
-    groups = pool.generate_groups(prompts(30), **SAMPLING)
+    groups = pool.generate_groups(prompts(30), SAMPLING, group_size=GROUP)
     killer.join()
 
     assert [g.prompt_index for g in groups] == list(range(30))
@@ -204,7 +206,7 @@ def test_node_killed_mid_step_run_continues(farm, make_pool) -> None:
     assert per_node[a.address] > 0 and per_node[c.address] > 0
     assert per_node[b.address] < 10  # it died a quarter of the way through
     # The next step goes on without it.
-    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    groups = pool.generate_groups(prompts(6), SAMPLING, group_size=GROUP)
     assert b.address not in {g.node for g in groups}
 
 
@@ -216,7 +218,7 @@ def test_all_nodes_dead_raises_quickly(farm, make_pool) -> None:
     b.kill()
     start = time.monotonic()
     with pytest.raises(RuntimeError) as e:
-        pool.generate_groups(prompts(4), **SAMPLING)
+        pool.generate_groups(prompts(4), SAMPLING, group_size=GROUP)
     assert time.monotonic() - start < 5
     assert a.address in str(e.value) and b.address in str(e.value)
     assert "UNAVAILABLE" in str(e.value)
@@ -234,7 +236,7 @@ def test_model_mismatch_is_excluded_loudly(farm, make_pool, caplog) -> None:
     state = pool.node(other.address)
     assert not state.in_rotation and state.excluded == "hidden_size 32 != 64"
     assert any("EXCLUDED" in r.message and other.address in r.message for r in caplog.records)
-    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    groups = pool.generate_groups(prompts(6), SAMPLING, group_size=GROUP)
     assert {g.node for g in groups} == {good.address}
     assert other.generates == []
 
@@ -256,7 +258,7 @@ def test_another_checkpoint_of_the_architecture_is_excluded(farm, make_pool, cap
         "architecture: start the node on the trainer's --model)")
     assert not pool.node(same.address).excluded and not pool.node(unknown.address).excluded
     assert any("EXCLUDED" in r.message and other.address in r.message for r in caplog.records)
-    groups = pool.generate_groups(prompts(6), **SAMPLING)
+    groups = pool.generate_groups(prompts(6), SAMPLING, group_size=GROUP)
     assert {g.node for g in groups} == {same.address, unknown.address}
     assert other.generates == []
 
@@ -276,10 +278,10 @@ def test_invalid_request_rejected_by_every_node_is_a_value_error(farm, make_pool
     pool = make_pool([node.address])
     pool.wait_for_nodes(1, timeout_s=10)
     with pytest.raises(ValueError, match=r"prompt 0: 1020 prompt tokens \+ max_tokens 8"):
-        pool.generate_groups([[1] * 1020], **SAMPLING)  # beyond the node's max_context 1024
+        pool.generate_groups([[1] * 1020], SAMPLING, group_size=GROUP)  # beyond the node's max_context 1024
     with pytest.raises(ValueError, match=r"prompt 1: rejected by every node in rotation: "
                                          r".*prompt_token_ids\[0\]: 600 is outside"):
-        pool.generate_groups([[1], [600]], **SAMPLING)  # the node refuses token 600
+        pool.generate_groups([[1], [600]], SAMPLING, group_size=GROUP)  # the node refuses token 600
     state = pool.node(node.address)
     assert state.in_rotation and state.failures == 0
 
@@ -306,13 +308,13 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
         pool.add_listener(lambda s: joined.append(s.address))
         pool.wait_for_nodes(2, timeout_s=10)
         assert {s.source for s in pool.nodes()} == {"master"}
-        groups = pool.generate_groups(prompts(8), **SAMPLING)
+        groups = pool.generate_groups(prompts(8), SAMPLING, group_size=GROUP)
         assert {g.node for g in groups} == {a.address, b.address}
 
         # b sleeps: Generate fails, heartbeats stop -> benched, then UNHEALTHY at the master.
         b.down = True
         registrars[1].stop(deregister=False)
-        groups = pool.generate_groups(prompts(8), **SAMPLING)
+        groups = pool.generate_groups(prompts(8), SAMPLING, group_size=GROUP)
         assert {g.node for g in groups} == {a.address}
         wait_for(lambda: not pool.node(b.address).healthy, 5, "the master to mark b unhealthy")
         # b wakes up and heartbeats: the master's CHANGED(HEALTHY) puts it back.
@@ -326,7 +328,7 @@ def test_master_discovery_rotation_and_restart(farm, make_pool, service_factory,
         # its nodes meanwhile, and sees a node that joins after the restart.
         port = master.address.rsplit(":", 1)[1]
         master.stop()
-        groups = pool.generate_groups(prompts(4), **SAMPLING)  # no master: still served
+        groups = pool.generate_groups(prompts(4), SAMPLING, group_size=GROUP)  # no master: still served
         assert len(groups) == 4
         master = service_factory([*args, "--listen", f"127.0.0.1:{port}"], "master2")
         c = farm.start(capacity=4)
@@ -359,7 +361,7 @@ def test_no_node_in_rotation_waits_reports_and_goes_on(farm, make_pool) -> None:
     assert all(r is None or r.starting for r in reports)  # the start's own wait, if any
     started = len(reports)
     node.down = True
-    with concurrent_call(lambda: pool.generate_groups(prompts(3), **SAMPLING)) as batch:
+    with concurrent_call(lambda: pool.generate_groups(prompts(3), SAMPLING, group_size=GROUP)) as batch:
         wait_for(lambda: len(reports) >= started + 2, 10, "the wait to be reported")
         wait = reports[-1]
         assert wait is not None and not wait.starting
@@ -381,7 +383,7 @@ def test_every_node_gone_fails_after_the_wait(farm, make_pool) -> None:
     a.kill()
     b.kill()
     with pytest.raises(RuntimeError) as e:
-        pool.generate_groups(prompts(4), **SAMPLING)
+        pool.generate_groups(prompts(4), SAMPLING, group_size=GROUP)
     assert "(0 in rotation) after waiting" in str(e.value) and "--outage-wait-s" in str(e.value)
     assert a.address in str(e.value) and b.address in str(e.value)
 
@@ -402,8 +404,8 @@ def test_a_stuck_group_is_hedged_on_another_node_and_the_first_answer_wins(
     pool.wait_for_nodes(2, timeout_s=30)
     hedges = metrics.REDISPATCHED.labels(stuck.address, "hedge")
     before = hedges._value.get()
-    with concurrent_call(lambda: pool.generate_groups(prompts(2), group_size=2, max_tokens=4,
-                                                      temperature=1.0)) as result:
+    with concurrent_call(lambda: pool.generate_groups(
+            prompts(2), SamplingConfig(max_tokens=4, temperature=1.0), group_size=2)) as result:
         wait_for(lambda: len(stuck.generates) == 1 and len(fast.generates) == 1, 30,
                  "one group on each node")
         assert not result.done()

@@ -105,7 +105,8 @@ def test_flagged_node_gets_no_group_until_it_passes_a_fresh_check(setup) -> None
     # a batch meanwhile waits: the only node is benched
     assert not any(r.passed for r in console.reviews)
     measured["kl"] = 1e-7  # the node is fixed
-    groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
+    groups = pool.generate_groups([[1, 2]], SamplingConfig(max_tokens=4, temperature=1.0),
+                                  group_size=2)
     assert {s.policy_version for s in groups[0].samples} == {1}
     assert pool.node(node.address).in_rotation
     readmitted = [r for r in console.reviews if r.passed]
@@ -148,7 +149,9 @@ def test_fresh_mismatch_kl_on_the_tiny_llama(tiny_llama_dir) -> None:
 
     from gridrl.trainer.backends.base import create_backend
     from gridrl.trainer.config import TrainConfig
+    from gridrl.trainer.envs.episode import TurnRequest
     from gridrl.trainer.local import LocalRollout
+    from gridrl.trainer.rollouts import group_seed
 
     backend = create_backend(TrainConfig(
         model=str(tiny_llama_dir), lora_rank=4, lora_alpha=8, max_tokens=6, temperature=0.8,
@@ -156,17 +159,18 @@ def test_fresh_mismatch_kl_on_the_tiny_llama(tiny_llama_dir) -> None:
         run_dir="unused").finalize())
     try:
         prompt = [5, 6, 7, 8]
-        [group] = LocalRollout(backend, lambda: 0).generate_groups(
-            [prompt], group_size=4, max_tokens=6, temperature=0.8, top_k=5, seed=1)
+        [samples] = LocalRollout(backend, lambda: 0).sample_turns(
+            [TurnRequest(tuple(prompt), group_seed(1, 0), 4, 6)],
+            SamplingConfig(max_tokens=6, temperature=0.8, top_k=5))
         lock = threading.Lock()
-        assert fresh_mismatch_kl(backend, prompt, group.samples, lock=lock) < 1e-6  # same weights
+        assert fresh_mismatch_kl(backend, prompt, samples, lock=lock) < 1e-6  # same weights
         assert not lock.locked()
-        for s in group.samples:  # another policy's logprobs: k3 = e^0.5 - 1 - 0.5 per token
+        for s in samples:  # another policy's logprobs: k3 = e^0.5 - 1 - 0.5 per token
             s.logprobs = [lp - 0.5 for lp in s.logprobs]
-        assert fresh_mismatch_kl(backend, prompt, group.samples) == pytest.approx(
+        assert fresh_mismatch_kl(backend, prompt, samples) == pytest.approx(
             math.exp(0.5) - 1.5, rel=1e-4)
-        for s in group.samples:
+        for s in samples:
             s.token_ids, s.logprobs = [], []
-        assert fresh_mismatch_kl(backend, prompt, group.samples) is None
+        assert fresh_mismatch_kl(backend, prompt, samples) is None
     finally:
         backend.close()

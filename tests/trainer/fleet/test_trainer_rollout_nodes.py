@@ -12,13 +12,15 @@ import pytest
 from scripted_nodes import peft_files
 from waiting import wait_for
 
+from gridrl.engine.contract import SamplingConfig
 from gridrl.models import model_identity
 from gridrl.trainer.fleet.pool import NodePool
 from gridrl.trainer.fleet.sync import AdapterSync
 
 NAME = "run-1"
 PROMPTS = [[10 + i, 20, 30 + i] for i in range(6)]
-SAMPLING = {"group_size": 3, "max_tokens": 6, "temperature": 1.0}
+SAMPLING = SamplingConfig(max_tokens=6, temperature=1.0)
+GROUP = 3  # samples per group
 
 
 def serve_node(service_factory, model_dir: Path, name: str, backend: str = "torch",
@@ -70,21 +72,21 @@ def test_real_torch_nodes_sample_sync_and_survive_a_death(tiny_llama_dir, servic
     nodes = pool.wait_for_nodes(2, timeout_s=60)
     assert {(n.backend, n.adapter_format) for n in nodes} == {("torch", "peft")}
 
-    groups = pool.generate_groups(PROMPTS, seed=3, **SAMPLING)
+    groups = pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=3)
     check_groups(groups, version=0)
     assert {g.node for g in groups} == {a.address, b.address}
-    again = pool.generate_groups(PROMPTS, seed=3, **SAMPLING)  # groups may land elsewhere
+    again = pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=3)  # groups may land elsewhere
     assert [[s.token_ids for s in g.samples] for g in again] == [
         [s.token_ids for s in g.samples] for g in groups]
 
     files = peft_files(1)
     report = sync.push(1, files)
     assert report.synced == sorted([a.address, b.address]) and report.skipped == {}
-    check_groups(pool.generate_groups(PROMPTS, seed=4, **SAMPLING), version=1)
+    check_groups(pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=4), version=1)
     assert sync.lagging_nodes(1) == []
 
     b.stop(signal.SIGKILL)
-    groups = pool.generate_groups(PROMPTS, seed=5, **SAMPLING)
+    groups = pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=5)
     check_groups(groups, version=1)
     assert {g.node for g in groups} == {a.address}
     files = peft_files(2)
@@ -103,7 +105,7 @@ def test_real_mlx_node_takes_the_converted_adapter(tiny_llama_dir, service_facto
     files = peft_files(1)
     report = sync.push(1, files)
     assert report.synced == [node.address], report.skipped
-    check_groups(pool.generate_groups(PROMPTS, seed=3, **SAMPLING), version=1)
+    check_groups(pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=3), version=1)
 
 
 def test_real_node_found_through_the_master(tiny_llama_dir, service_factory, make_pool) -> None:
@@ -116,7 +118,7 @@ def test_real_node_found_through_the_master(tiny_llama_dir, service_factory, mak
     assert state.address == node.address and state.source == "master"
     files = peft_files(1)
     assert sync.push(1, files).synced == [node.address]
-    check_groups(pool.generate_groups(PROMPTS, seed=3, **SAMPLING), version=1)
+    check_groups(pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=3), version=1)
 
 
 def test_node_on_another_checkpoint_is_refused(tiny_llama_dir, service_factory, make_pool,
@@ -138,7 +140,7 @@ def test_node_on_another_checkpoint_is_refused(tiny_llama_dir, service_factory, 
                              f"{mine.weights_fingerprint!r}")
     with pytest.raises(RuntimeError, match=r"no rollout node can serve prompt 0 .*excluded: "
                                            r"weights_fingerprint"):
-        pool.generate_groups(PROMPTS, seed=3, **SAMPLING)
+        pool.generate_groups(PROMPTS, SAMPLING, group_size=GROUP, seed=3)
     files = peft_files(1)
     report = sync.push(1, files)
     assert report.synced == []
@@ -153,10 +155,9 @@ def test_episodes_stay_on_their_node_and_a_killed_node_drops_only_its_own(
     finish their three turns there."""
     from transformers import AutoTokenizer
 
-    from gridrl.trainer.envs.base import Environment, EnvTurn
+    from gridrl.trainer.envs.base import Environment, EnvTurn, TaskItem
     from gridrl.trainer.envs.episode import EpisodeLimits
     from gridrl.trainer.envs.source import EpisodeSource
-    from gridrl.trainer.tasks import TaskItem
 
     a = serve_node(service_factory, tiny_llama_dir, "node-a")
     b = serve_node(service_factory, tiny_llama_dir, "node-b")
@@ -186,8 +187,8 @@ def test_episodes_stay_on_their_node_and_a_killed_node_drops_only_its_own(
     calls: list[tuple[list, list]] = []
     sample_turns = pool.sample_turns
 
-    def recording(requests, **kw):
-        results = sample_turns(requests, **kw)
+    def recording(requests, sampling):
+        results = sample_turns(requests, sampling)
         calls.append((list(requests), results))
         return results
 
@@ -196,7 +197,8 @@ def test_episodes_stay_on_their_node_and_a_killed_node_drops_only_its_own(
     source = EpisodeSource(env, AutoTokenizer.from_pretrained(tiny_llama_dir), pool,
                            EpisodeLimits(max_turns=3, max_tokens=4))
     items = [env.train_item(i) for i in range(4)]
-    groups, stats = source.generate(items, group_size=2, temperature=1.0, seed=9)
+    groups, stats = source.generate(items, SamplingConfig(max_tokens=4, temperature=1.0),
+                                    group_size=2, seed=9)
 
     first_requests, first_results = calls[0]
     assert all(r.n == 2 and r.keep_cache and not r.node for r in first_requests)

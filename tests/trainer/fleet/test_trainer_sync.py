@@ -12,6 +12,7 @@ from scripted_nodes import BASE, IDENTITY, NodeFarm, peft_files
 from waiting import wait_for
 
 from gridrl.adapters import convert_files
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.fleet.pool import NodePool
 from gridrl.trainer.fleet.sync import AdapterSync
 
@@ -142,7 +143,8 @@ def test_restarted_node_is_caught_up_before_its_samples_are_used(farm, make_sync
     assert sync.push(1, files).synced == [node.address]
 
     node.adapter = ("", 0)  # the process restarted: it serves the base model again
-    groups = pool.generate_groups([[1, 2]], group_size=2, max_tokens=4, temperature=1.0)
+    groups = pool.generate_groups([[1, 2]], SamplingConfig(max_tokens=4, temperature=1.0),
+                                  group_size=2)
     assert {s.policy_version for s in groups[0].samples} == {1}  # sampled after the catch-up
     assert node.adapter == (NAME, 1)
     assert len(node.pushes) == 2 and node.pushed_files[-1] == files

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from gridrl.trainer.backends.base import UpdateStats
+from gridrl.trainer.envs.base import TaskItem
 from gridrl.trainer.evaluation import EvalResult, standard_error
 from gridrl.trainer.grpo import advantages as grpo
 from gridrl.trainer.grpo.batch import build_batch
 from gridrl.trainer.report.records import IS_KEYS, StepRecord, SyncOutcome
 from gridrl.trainer.report.status import step_report
 from gridrl.trainer.rollouts import Group, RolloutSample, StepRollouts
-from gridrl.trainer.tasks import TaskItem
 from gridrl.v1 import trainer_pb2
 
 # The gridrl.v1.StepReport fields every record holds under the same name (``time`` is the

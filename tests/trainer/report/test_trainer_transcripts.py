@@ -28,7 +28,7 @@ from gridrl.v1 import runs_pb2, trainer_pb2
 
 ENV_FILE = '''
 from gridrl.trainer.envs.base import Environment, EnvTurn
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 
 class Retry(Environment):

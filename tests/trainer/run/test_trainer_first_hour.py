@@ -17,6 +17,7 @@ from rich.console import Console
 from trainer_runs import BIN, ENV
 
 from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.envs.reverse import ReverseWords
 from gridrl.trainer.evaluation import FIRST_BATCH, EvalProgress, Evaluator
 from gridrl.trainer.report.console import ConsoleLines
 from gridrl.trainer.report.events import EvalProgressed
@@ -24,7 +25,6 @@ from gridrl.trainer.report.reporter import Reporter
 from gridrl.trainer.report.status import RunStatus, StatusSubscriber
 from gridrl.trainer.run.control import resume_command, trainer_executable
 from gridrl.trainer.server import serve_trainer
-from gridrl.trainer.tasks import ReverseWords
 
 
 def test_the_eval_reports_its_progress_and_expected_time_from_its_first_batch(tiny_llama_dir):

@@ -16,7 +16,7 @@ from trainer_runs import BIN, ENV, records
 
 ENV_FILE = '''
 from gridrl.trainer.envs.base import Environment, EnvTurn
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.envs.base import TaskItem
 
 
 class Flaky(Environment):

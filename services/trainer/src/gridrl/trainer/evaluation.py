@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gridrl.trainer.envs.base import Environment, SingleTurnEnv
+from gridrl.engine.contract import SamplingConfig
+from gridrl.trainer.envs.base import Environment, TaskItem
 from gridrl.trainer.envs.chat import ChatDelta, prompt_ids
 from gridrl.trainer.envs.episode import EpisodeLimits, reward_columns, run_episodes
 from gridrl.trainer.rewards import EvalScorer
 from gridrl.trainer.rollouts import EpisodeStats
-from gridrl.trainer.tasks import Task, TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,7 @@ class Evaluator:
     Args:
         backend: the :class:`gridrl.trainer.backends.base.TrainerBackend` being trained (its
             ``generate`` decodes with the current weights; its tokenizer encodes and decodes).
-        task: the :class:`~gridrl.trainer.envs.base.Environment` (a
-            :class:`~gridrl.trainer.tasks.Task` is taken as its one-turn environment).
+        env: the :class:`~gridrl.trainer.envs.base.Environment`.
         max_tokens: new tokens per model turn.
         scorer: what scores the eval (None: the environment's own score, named by its
             ``score_name``).
@@ -115,20 +114,18 @@ class Evaluator:
             gives, with a warning saying so.
     """
 
-    def __init__(self, backend: Any, task: Task | Environment, *, max_tokens: int,
+    def __init__(self, backend: Any, env: Environment, *, max_tokens: int,
                  scorer: EvalScorer | None = None, shared_prefix: bool = True,
                  status_delay_s: float = 30.0, limits: EpisodeLimits | None = None,
                  eval_tasks: int | None = None) -> None:
         self.backend = backend
         self.shared_prefix = shared_prefix
         self.status_delay_s = status_delay_s
-        self.env = task if isinstance(task, Environment) else SingleTurnEnv(task)
-        self.task = self.env
+        self.env = env
         self.max_tokens = max_tokens
         self.limits = limits or EpisodeLimits(max_turns=self.env.max_turns,
                                               max_tokens=max_tokens)
-        self.scorer = scorer or EvalScorer(None, str(getattr(self.env, "score_name", "")
-                                                     or f"{self.env.name} score"))
+        self.scorer = scorer or EvalScorer(None, self.env.score_name)
         self.tokenizer = backend.tokenizer
         self.items: list[TaskItem] = list(self.env.eval_items())
         if eval_tasks is not None and len(self.items) > eval_tasks:
@@ -158,12 +155,12 @@ class Evaluator:
 
         start = time.perf_counter()
         local = LocalRollout(self.backend, version=lambda: policy_version)
+        greedy = SamplingConfig(max_tokens=self.max_tokens, temperature=0.0)
         n = len(self.items)
         report = on_progress or (lambda _progress: None)
 
         def sample(requests: list[Any]) -> list[Any]:
-            return local.sample_turns(requests, temperature=0.0,
-                                      shared_prefix=self.shared_prefix)
+            return local.sample_turns(requests, greedy, shared_prefix=self.shared_prefix)
 
         # the first batch alone (its time: the whole eval's expected time), then the rest
         bounds = [0, FIRST_BATCH, n] if n > FIRST_BATCH else [0, n]
@@ -218,7 +215,7 @@ def eval_example(prompt: str, episode: Any, score: float) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt": prompt, "completion": episode.last_reply, "score": score,
                            "turns": episode.turns, "transcript": transcript}
     if episode.dropped:
-        out |= {"dropped": episode.dropped, "error": episode.error}
+        out |= {"dropped": episode.dropped.value, "error": episode.error}
     return out
 
 

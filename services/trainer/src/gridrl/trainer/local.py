@@ -9,18 +9,22 @@ stop tokens, exact behaviour logprobs) are those of every rollout node
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gridrl.engine.contract import SamplingConfig
+from gridrl.engine.rng import sequence_seed
 from gridrl.trainer.envs.episode import TurnRequest
-from gridrl.trainer.rollouts import Group, RolloutSample, group_seed
+from gridrl.trainer.rollouts import RolloutSample
 
 LOCAL = "local"
 
 
 class LocalRollout:
-    """A :class:`gridrl.trainer.rollouts.RolloutSource` over the trainer's own model.
+    """A turn sampler (:class:`gridrl.trainer.envs.source.TurnSampler`) over the trainer's own
+    model.
 
     Args:
         backend: the :class:`gridrl.trainer.backends.base.TrainerBackend` being trained.
@@ -31,43 +35,24 @@ class LocalRollout:
         self.backend = backend
         self.version = version
 
-    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
-                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
-        """See :meth:`gridrl.trainer.rollouts.RolloutSource.generate_groups`. All groups of the
-        call are decoded together."""
-        requests = [TurnRequest(tuple(p), group_seed(seed, i), group_size, max_tokens, group=i)
-                    for i, p in enumerate(prompts)]
-        start = time.perf_counter()
-        results = self.sample_turns(requests, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, stop_token_ids=stop_token_ids)
-        seconds = time.perf_counter() - start
-        return [Group(prompt_index=i, prompt_ids=list(p), samples=samples,  # type: ignore[arg-type]
-                      node=LOCAL, seconds=seconds)
-                for i, (p, samples) in enumerate(zip(prompts, results, strict=True))]
-
-    def sample_turns(self, requests: Sequence[TurnRequest], *, temperature: float,
-                     top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+    def sample_turns(self, requests: Sequence[TurnRequest], sampling: SamplingConfig, *,
                      shared_prefix: bool = False) -> list[list[RolloutSample]]:
         """Sample every request (an episode runner's :data:`~gridrl.trainer.envs.episode.
-        Sampler`): sample ``k`` of a request is seeded ``sequence_seed(request.seed, k)``, as a
-        node's ``Generate`` seeds it; requests with the same ``max_tokens`` are decoded in one
-        ``backend.generate`` call (a one-turn environment's turn: exactly the call
-        :meth:`generate_groups` makes).
+        Sampler`) under ``sampling`` (temperature, top-p, top-k, stop ids; each request's own
+        ``max_tokens`` replaces ``sampling.max_tokens``): sample ``k`` of a request is seeded
+        ``sequence_seed(request.seed, k)``, as a node's ``Generate`` seeds it; requests with the
+        same ``max_tokens`` are decoded in one ``backend.generate`` call (a one-turn
+        environment's step: one call for all its groups).
 
         Returns:
             per request, its ``n`` samples, stamped with the trainer's current version (and
             the seconds of the ``backend.generate`` call that sampled them).
         """
-        from gridrl.engine.contract import SamplingConfig
-        from gridrl.engine.rng import sequence_seed
-
         version = self.version()
         decode = self.backend.tokenizer.decode
         out: list[list[RolloutSample]] = [[] for _ in requests]
         for budget in dict.fromkeys(r.max_tokens for r in requests):
-            config = SamplingConfig(max_tokens=budget, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, stop_token_ids=tuple(stop_token_ids))
+            config = dataclasses.replace(sampling, max_tokens=budget)
             chosen = [i for i, r in enumerate(requests) if r.max_tokens == budget]
             flat_prompts, seeds = [], []
             for i in chosen:

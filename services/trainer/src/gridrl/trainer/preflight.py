@@ -32,7 +32,6 @@ from gridrl.common.errors import invalid_argument
 from gridrl.common.rpc.probe import REGISTRY, ROLLOUT, check_service
 from gridrl.models import ModelNameError, check_model
 from gridrl.trainer.config import TrainConfig
-from gridrl.trainer.envs.base import SingleTurnEnv
 from gridrl.trainer.rewards import (
     EvalScorer,
     RewardSet,
@@ -73,8 +72,9 @@ def build_rewards(cfg: TrainConfig, env: Environment) -> tuple[RewardSet, EvalSc
     scorer (:func:`gridrl.trainer.rewards.build_eval_scorer`), each function called once on
     the first training row and the first held-out row with a dummy completion
     (:func:`gridrl.trainer.rewards.check_reward_functions`): the user's files always, the
-    task's own score for a single-turn task (a JSONL file without its answer column and no
-    ``--reward-file`` fails here). Needs no model.
+    environment's own functions when its ``checked_at_start`` says they need no episode state
+    (reverse-words, a JSONL file: one without its answer column and no ``--reward-file`` fails
+    here). Needs no model.
 
     Raises:
         StatusError: INVALID_ARGUMENT on ``--reward-file``, ``--eval-reward-file`` or
@@ -85,13 +85,13 @@ def build_rewards(cfg: TrainConfig, env: Environment) -> tuple[RewardSet, EvalSc
     checks = [(rewards, "--reward-file" if cfg.reward_files else "--task")]
     if scorer.rewards is not None and scorer.rewards is not rewards:
         checks.append((scorer.rewards, "--eval-reward-file"))
-    if not (cfg.reward_files or cfg.eval_reward_files or isinstance(env, SingleTurnEnv)):
+    if not (cfg.reward_files or cfg.eval_reward_files or env.checked_at_start):
         return rewards, scorer  # an environment's own functions may need its episodes' state
     try:
         items = [env.train_item(0), *env.eval_items()[:1]]
     except Exception:  # an environment that needs its tokenizer first (prepare)
         return rewards, scorer
     for funcs, flag in checks:
-        if flag != "--task" or isinstance(env, SingleTurnEnv):
+        if flag != "--task" or env.checked_at_start:
             check_reward_functions(funcs, items, flag)
     return rewards, scorer

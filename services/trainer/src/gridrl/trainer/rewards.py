@@ -8,7 +8,7 @@ apply to that sample; like TRL, the combined reward is the weighted ``nansum`` o
 
 A ``--reward-file`` is a Python file; the functions used are its ``REWARD_FUNCS`` list when it
 defines one, else every public top-level function defined in the file itself. Built-ins can be
-imported there, e.g. ``from gridrl.trainer.tasks import similarity_reward``.
+imported there, e.g. ``from gridrl.trainer.envs.similarity import similarity_reward``.
 
 Reward bugs surface early and in one line: :func:`check_reward_functions` calls every function
 once at start-up, before the model loads, on one row of the task with a dummy completion (a
@@ -307,21 +307,21 @@ def _accepted_keywords(f: RewardFunc) -> set[str] | None:
     return set(params)
 
 
-def build_reward_set(task: Any, reward_files: Sequence[str], weights: str | None) -> RewardSet:
+def build_reward_set(env: Any, reward_files: Sequence[str], weights: str | None) -> RewardSet:
     """The run's rewards: the functions of every ``--reward-file`` (in order), or, with none,
-    the environment's own (``task.reward_funcs()``: ``(name, function, weight)`` each, e.g.
-    reverse-words-retry's attempt reward or a verifiers rubric) or, for a plain task, its
-    score. ``weights`` is ``--reward-weights`` (it replaces the environment's weights)."""
+    the environment's own (``env.reward_funcs()``: ``(name, function, weight)`` each, e.g.
+    its score, reverse-words-retry's attempt reward or a verifiers rubric). ``weights`` is
+    ``--reward-weights`` (it replaces the environment's weights).
+
+    Args:
+        env: the run's :class:`~gridrl.trainer.envs.base.Environment`.
+    """
     funcs: list[tuple[str, RewardFunc]] = []
     for path in reward_files:
         funcs.extend(load_reward_file(path))
     if funcs:
         return RewardSet(funcs, parse_weights(weights, len(funcs)))
-    own = getattr(task, "reward_funcs", None)
-    if own is None:
-        funcs = [(f"{task.name}:score", task.score)]
-        return RewardSet(funcs, parse_weights(weights, 1))
-    listed = own()
+    listed = env.reward_funcs()
     env_weights = [float(w) for _, _, w in listed]
     return RewardSet([(n, f) for n, f, _ in listed],
                      parse_weights(weights, len(listed)) if weights else env_weights)
@@ -355,5 +355,4 @@ def build_eval_scorer(env: Any, run_rewards: RewardSet, reward_files: Sequence[s
         return EvalScorer(scorer, scorer.describe())
     if reward_files:
         return EvalScorer(run_rewards, run_rewards.describe())
-    name = getattr(env, "score_name", None) or f"{getattr(env, 'name', 'task')} score"
-    return EvalScorer(None, str(name)[:256])
+    return EvalScorer(None, str(env.score_name)[:256])

@@ -1,16 +1,18 @@
-"""What a rollout is: the sampled groups a GRPO step trains on, and where they come from.
+"""What a rollout is: the sampled groups a GRPO step trains on.
 
-A :class:`RolloutSource` turns prompts into :class:`Group` s of ``group_size`` samples each:
-:class:`gridrl.trainer.fleet.pool.NodePool` over rollout nodes, or the in-process ``LocalRollout``.
-Every sample carries the policy version (adapter version) of the weights that produced it, so
+An :class:`~gridrl.trainer.envs.source.EpisodeSource` runs ``group_size`` episodes of each item
+over a turn sampler (:class:`gridrl.trainer.fleet.pool.NodePool` over rollout nodes, or the
+in-process :class:`gridrl.trainer.local.LocalRollout`) and hands the step :class:`Group` s of
+their samples. Every sample carries the policy version (adapter version) of the weights that produced it, so
 the loop can measure staleness (trainer version - sample version) and drop what is too old.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from gridrl.engine import rng
 
@@ -51,7 +53,7 @@ class Group:
     """The ``group_size`` samples of one prompt (a GRPO group), all from one node.
 
     Attributes:
-        prompt_index: index of the prompt in the ``prompts`` passed to ``generate_groups``.
+        prompt_index: index of the item (prompt) in the step's items.
         prompt_ids: the prompt's token ids.
         samples: the samples, in sample-index order.
         node: address of the node that sampled the group, or ``"local"``.
@@ -65,10 +67,36 @@ class Group:
     seconds: float
 
 
-#: Why an episode was dropped (``Episode.dropped``), in words; its error message follows.
-DROP_REASONS = {"env_error": "the environment raised", "template": "the chat template failed:",
-                "sampler": "sampling failed:", "mixed_version": "a turn's policy version "
-                "changed:", "mixed_node": "a turn went to another node:"}
+class DropReason(str, enum.Enum):
+    """Why an episode was dropped (``Episode.dropped``): not trained on, counted per step.
+
+    The value is the word in logs, ``log.jsonl`` (``dropped_<reason>``), trackers, Prometheus
+    (``reason`` label) and the dashboard; :attr:`words` says it in a sentence, the error
+    message following."""
+
+    ENV_ERROR = "env_error"
+    TEMPLATE = "template"
+    SAMPLER = "sampler"
+    MIXED_VERSION = "mixed_version"
+    MIXED_NODE = "mixed_node"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def words(self) -> str:
+        """The reason in words, e.g. ``the environment raised``."""
+        return _DROP_WORDS[self]
+
+
+_DROP_WORDS = {DropReason.ENV_ERROR: "the environment raised",
+               DropReason.TEMPLATE: "the chat template failed:",
+               DropReason.SAMPLER: "sampling failed:",
+               DropReason.MIXED_VERSION: "a turn's policy version changed:",
+               DropReason.MIXED_NODE: "a turn went to another node:"}
 
 
 @dataclass
@@ -78,7 +106,8 @@ class EpisodeStats:
     Attributes:
         episodes: episodes run; ``turns``: model turns over all of them.
         model_tokens, env_tokens: tokens sampled by the model / appended by the environment.
-        truncated: episodes cut by a limit; ``dropped``: reason -> episodes not trained on.
+        truncated: episodes cut by a limit; ``dropped``: reason (a :class:`DropReason`) ->
+            episodes not trained on.
         counts: the environments' counters summed (``tool_calls``, ``tool_errors``...).
         errors: ``(reason, message)`` -> dropped episodes with that error (e.g.
             ``("env_error", "RuntimeError: boom")``), in the order first seen.
@@ -89,9 +118,9 @@ class EpisodeStats:
     model_tokens: int = 0
     env_tokens: int = 0
     truncated: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: dict[DropReason, int] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    errors: dict[tuple[DropReason, str], int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, episodes: Sequence[Any]) -> EpisodeStats:
@@ -124,7 +153,7 @@ class EpisodeStats:
             return ""
         causes = sorted(self.errors.items(), key=lambda kv: -kv[1])
         (reason, message), n = causes[0]
-        cause = f"{DROP_REASONS.get(reason, reason)} {message}".strip()
+        cause = f"{reason.words} {message}".strip()
         if n < self.episodes:
             cause += f" ({n} of them; {len(causes) - 1} other cause(s) for the rest)"
         return f"every episode was dropped ({self.episodes} of {self.episodes}): {cause}"
@@ -140,7 +169,7 @@ class EpisodeStats:
                 "model_tokens": self.model_tokens, "env_tokens": self.env_tokens,
                 "truncated_episodes": self.truncated,
                 "dropped_episodes": sum(self.dropped.values()),
-                **{f"dropped_{k}": v for k, v in sorted(self.dropped.items())},
+                **{f"dropped_{k.value}": v for k, v in sorted(self.dropped.items())},
                 **dict(sorted(self.counts.items()))}
 
 
@@ -161,27 +190,6 @@ class StepRollouts:
     generate_s: float
     wait_s: float = 0.0
     episodes: EpisodeStats = field(default_factory=EpisodeStats)
-
-
-class RolloutSource(Protocol):
-    """Something that samples groups: the node pool or the local sampler."""
-
-    def generate_groups(self, prompts: Sequence[Sequence[int]], *, group_size: int,
-                        max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                        seed: int = 0, stop_token_ids: Sequence[int] = ()) -> list[Group]:
-        """Sample ``group_size`` completions of at most ``max_tokens`` tokens for every prompt.
-
-        Returns one :class:`Group` per prompt, in the order of ``prompts``. Group ``i`` is
-        sampled with seed :func:`group_seed` ``(seed, i)``.
-
-        Raises:
-            RuntimeError: when no node can serve (every node dead or out of rotation).
-        """
-        ...
-
-    def close(self) -> None:
-        """Release threads and connections. Idempotent."""
-        ...
 
 
 def group_seed(seed: int, prompt_index: int) -> int:

@@ -1,10 +1,12 @@
 """TrainerService over gRPC: a read-only view of the run in :class:`RunStatus`.
 
     server = serve_trainer(status, listen="127.0.0.1:50052", metrics_port=9402)
-    ...                      # the run's StatusSubscriber appends each step's report
+    ...                      # the run's StatusSubscriber appends each step's StepReport
     server.stop()
 
-``GetRunStatus`` answers the run's state and last report. ``WatchRun`` streams step reports as
+``GetRunStatus`` answers the run's state and its last step's report (the loop emits one
+``StepRecord`` a step; :class:`~gridrl.trainer.report.status.StatusSubscriber` turns it into a
+``StepReport`` in :class:`RunStatus`). ``WatchRun`` streams step reports as
 they finish (the history first when asked) and ends when the run finishes or fails, when the
 client goes away, or when the server stops. The Prometheus endpoint (``gridrl_trainer_*`` from
 :mod:`gridrl.trainer.report.metrics` and :mod:`gridrl.trainer.fleet.metrics`,

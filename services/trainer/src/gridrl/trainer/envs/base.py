@@ -1,6 +1,6 @@
 """The environment interface: what an episode is, and what the trainer asks of an environment.
 
-An episode starts from a :class:`~gridrl.trainer.tasks.TaskItem` (chat messages and columns).
+An episode starts from a :class:`TaskItem` (chat messages and columns).
 The model answers (a *model turn*); the environment reads the answer and either ends the
 episode or appends messages (an *environment turn*: user feedback, tool results), and the model
 answers again, until the environment says done or a limit cuts the episode (``--max-turns``,
@@ -15,8 +15,10 @@ signature ``f(prompts, completions, **columns) -> list[float]`` and combined wit
   ``turns`` (model turns), ``truncated`` (None, ``"max_turns"`` or ``"max_episode_tokens"``)
   and ``state`` (the environment's own dict of the episode).
 
-A single-turn task is the one-turn case (:class:`SingleTurnEnv`): its reward functions see
-exactly what they saw before environments existed. This is the shape of verifiers'
+A single-turn task is the one-turn case (the default :meth:`Environment.respond`; the built-in
+``reverse-words`` of :mod:`.reverse` and a JSONL file's :mod:`.jsonl`). Items are deterministic
+by index, so a run's data position is one integer and a resumed run continues with exactly the
+next item; the held-out items are disjoint from the training ones. This is the shape of verifiers'
 ``MultiTurnEnv`` (``env_response`` / ``is_completed`` over a message list, a rubric of weighted
 reward functions) and of TRL's reward functions.
 
@@ -43,9 +45,27 @@ from typing import Any, ClassVar
 
 from gridrl.trainer.envs.chat import tool_schema
 from gridrl.trainer.rewards import RewardFunc
-from gridrl.trainer.tasks import Task, TaskItem
 
 Message = dict[str, Any]
+
+#: fixed: the same held-out set for every run, whatever ``--seed``
+EVAL_SEED = 20240601
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One item (prompt) of an environment.
+
+    Attributes:
+        prompt: the text reward functions receive as ``prompts[i]`` (the user's request).
+        messages: chat messages ``[{"role", "content"}, ...]`` to render with the tokenizer's
+            chat template (a generation prompt is added when rendering).
+        columns: extra columns passed to reward functions by name (e.g. ``answer``).
+    """
+
+    prompt: str
+    messages: tuple[dict[str, str], ...]
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,9 @@ class Environment(abc.ABC):
         max_tokens: ``--max-tokens`` (new tokens per model turn).
         eval_tasks: ``--eval-tasks`` (held-out items).
         max_turns: ``--max-turns`` (model turns per episode; 1: single-turn).
+        checked_at_start: the run calls its own reward functions once before the model
+            loads, on its first training and eval item with a dummy completion (they need no
+            episode state): a JSONL file without its answer column fails there, in one line.
 
     Threading: one episode's calls come in order; calls of different episodes may interleave
     (never overlap) on the thread that runs the episodes. Keep per-episode data in ``state``.
@@ -83,6 +106,7 @@ class Environment(abc.ABC):
     max_tokens: ClassVar[int] = 40
     eval_tasks: ClassVar[int] = 16
     max_turns: ClassVar[int] = 1
+    checked_at_start: ClassVar[bool] = False
 
     @abc.abstractmethod
     def train_item(self, index: int) -> TaskItem:
@@ -145,38 +169,3 @@ class Environment(abc.ABC):
         """Extra figures of a held-out eval (e.g. first- and second-attempt success), from the
         reward columns of its episodes and their scores; none by default."""
         return {}
-
-
-class SingleTurnEnv(Environment):
-    """A :class:`~gridrl.trainer.tasks.Task` as a one-turn environment: same items, same
-    score, same eval (the built-in ``reverse-words`` and a JSONL file).
-
-    Args:
-        task: the task.
-    """
-
-    def __init__(self, task: Task) -> None:
-        self.task = task
-        self.name = task.name
-        cls = type(task)
-        self.max_tokens = getattr(cls, "max_tokens", Environment.max_tokens)  # type: ignore[misc]
-        self.eval_tasks = getattr(cls, "eval_tasks", Environment.eval_tasks)  # type: ignore[misc]
-
-    @property
-    def has_answer(self) -> bool:
-        """False for a JSONL task without its answer column (the run's rewards score it)."""
-        return getattr(self.task, "has_answer", True)
-
-    @property
-    def score_name(self) -> str:
-        """The task's own ``score_name`` (e.g. reverse-words' word similarity)."""
-        return str(getattr(self.task, "score_name", None) or f"{self.name} score")
-
-    def train_item(self, index: int) -> TaskItem:
-        return self.task.train_item(index)
-
-    def eval_items(self) -> list[TaskItem]:
-        return self.task.eval_items()
-
-    def score(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
-        return self.task.score(prompts, completions, **columns)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gridrl.trainer.tasks import encode_chat, render_chat
+from gridrl.common.errors import invalid_argument
 
 #: stands in for the model's reply when rendering (its ids are found again in the render)
 SENTINEL = "GRIDRL_REPLY_SENTINEL"
@@ -49,8 +49,32 @@ class TemplateDeltaError(ValueError):
 
 def render(tokenizer: Any, messages: Sequence[Message], *, generation_prompt: bool,
            tools: Sequence[Any] | None = None) -> str:
-    """:func:`gridrl.trainer.tasks.render_chat`."""
-    return render_chat(tokenizer, messages, generation_prompt=generation_prompt, tools=tools)
+    """The chat template's text for ``messages`` (``apply_chat_template(tokenize=False)``).
+
+    A template that rejects the system role gets the system text prepended to the first user
+    message instead.
+
+    Args:
+        generation_prompt: end with the assistant turn's opening (``add_generation_prompt``).
+        tools: functions or JSON schemas passed as ``tools=`` (templates that ignore them
+            render as without).
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--model`` when the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid_argument("--model", "the tokenizer has no chat template")
+    msgs = [dict(m) for m in messages]
+    kw: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
+    if tools:
+        kw["tools"] = list(tools)
+    try:
+        return tokenizer.apply_chat_template(msgs, **kw)
+    except Exception:  # jinja raise_exception, e.g. "System role not supported"
+        if not msgs or msgs[0]["role"] != "system" or len(msgs) < 2:
+            raise
+        system = msgs.pop(0)["content"]
+        msgs[0] = {**msgs[0], "content": f"{system}\n\n{msgs[0]['content']}"}
+        return tokenizer.apply_chat_template(msgs, **kw)
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -60,9 +84,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 def prompt_ids(tokenizer: Any, messages: Sequence[Message],
                tools: Sequence[Any] | None = None) -> list[int]:
-    """The first model turn's prompt: ``messages`` rendered with the generation prompt
-    (:func:`gridrl.trainer.tasks.encode_chat`)."""
-    return encode_chat(tokenizer, messages, tools)
+    """The first model turn's prompt: ``messages`` rendered with the tokenizer's chat template
+    plus the generation prompt (:func:`render`), as token ids (the template's own special
+    tokens kept, none added).
+
+    Raises:
+        StatusError: INVALID_ARGUMENT on ``--model`` when the tokenizer has no chat template.
+    """
+    return encode(tokenizer, render(tokenizer, messages, generation_prompt=True, tools=tools))
 
 
 def tool_schema(func: Any) -> dict[str, Any]:

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gridrl.engine import rng
-from gridrl.trainer.envs.base import Environment, Message
+from gridrl.trainer.envs.base import Environment, Message, TaskItem
 from gridrl.trainer.envs.chat import ChatDelta, TemplateDeltaError
-from gridrl.trainer.rollouts import RolloutSample, group_seed
-from gridrl.trainer.tasks import TaskItem
+from gridrl.trainer.rollouts import DropReason, RolloutSample, group_seed
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +104,8 @@ class Episode:
         counts: the environment turns' counters summed (tool calls, errors, timeouts...).
         done: the environment said done.
         truncated: None, :data:`TRUNCATED_TURNS` or :data:`TRUNCATED_TOKENS`.
-        dropped: None, or why it is not trained on (``"env_error"``, ``"template"``,
-            ``"sampler"``, ``"mixed_version"``, ``"mixed_node"``) with ``error`` the
-            message.
+        dropped: None, or why it is not trained on (a
+            :class:`~gridrl.trainer.rollouts.DropReason`) with ``error`` the message.
         policy_version, node: of its model turns (all the same).
         turn_versions: the policy version of each model turn, in order (all equal to
             ``policy_version`` in an episode that was not dropped: the trained record shows
@@ -129,7 +127,7 @@ class Episode:
     counts: dict[str, int] = field(default_factory=dict)
     done: bool = False
     truncated: str | None = None
-    dropped: str | None = None
+    dropped: DropReason | None = None
     error: str | None = None
     policy_version: int | None = None
     turn_versions: list[int] = field(default_factory=list)
@@ -159,7 +157,7 @@ class Episode:
     def live(self) -> bool:
         return not (self.done or self.truncated or self.dropped)
 
-    def drop(self, why: str, error: str) -> None:
+    def drop(self, why: DropReason, error: str) -> None:
         self.dropped, self.error = why, error
 
     def sample(self) -> RolloutSample:
@@ -178,7 +176,8 @@ class Episode:
         return {"turns": self.turns, "turn_versions": list(self.turn_versions),
                 "model_tokens": self.model_tokens,
                 "env_tokens": self.env_tokens, "done": self.done, "truncated": self.truncated,
-                "dropped": self.dropped, "error": self.error, **self.counts}
+                "dropped": self.dropped.value if self.dropped else None, "error": self.error,
+                **self.counts}
 
 
 def turn_seed(seed: int, prompt_index: int, turn: int, index: int) -> int:
@@ -228,7 +227,7 @@ def run_episodes(env: Environment, items: Sequence[TaskItem],
     for g, result in enumerate(results):
         for ep in episodes[g]:
             if isinstance(result, BaseException):
-                ep.drop("sampler", f"{type(result).__name__}: {result}")
+                ep.drop(DropReason.SAMPLER, f"{type(result).__name__}: {result}")
             elif ep.live:
                 _model_turn(ep, result[ep.index], decode)
                 pending.append(ep)
@@ -247,13 +246,13 @@ def run_episodes(env: Environment, items: Sequence[TaskItem],
         pending = []
         for ep, result in zip(live, sample(requests), strict=True):
             if isinstance(result, BaseException):
-                ep.drop("sampler", f"{type(result).__name__}: {result}")
+                ep.drop(DropReason.SAMPLER, f"{type(result).__name__}: {result}")
             elif result[0].policy_version != ep.policy_version:
-                ep.drop("mixed_version", f"turn {turn} sampled by policy version "
+                ep.drop(DropReason.MIXED_VERSION, f"turn {turn} sampled by policy version "
                                          f"{result[0].policy_version}, turn 1 by "
                                          f"{ep.policy_version}")
             elif result[0].node != ep.node:
-                ep.drop("mixed_node", f"turn {turn} sampled by {result[0].node}, the earlier "
+                ep.drop(DropReason.MIXED_NODE, f"turn {turn} sampled by {result[0].node}, the earlier "
                                       f"turns by {ep.node}")
             else:
                 _model_turn(ep, result[0], decode)
@@ -267,7 +266,7 @@ def _log_env_errors(env: Environment, episodes: Sequence[Episode]) -> None:
     episodes it dropped (not one line per episode)."""
     counts: dict[str, int] = {}
     for ep in episodes:
-        if ep.dropped == "env_error":
+        if ep.dropped is DropReason.ENV_ERROR:
             counts[ep.error or ""] = counts.get(ep.error or "", 0) + 1
     for error, n in counts.items():
         log.warning("environment %s raised in %d of %d episode(s) (dropped): %s", env.name, n,
@@ -318,7 +317,7 @@ def _environment_turn(env: Environment, ep: Episode, delta: ChatDelta,
     try:
         ids = delta.append(ep._history, ep._last_ids, ep.finish_reason == "stop", new)
     except TemplateDeltaError as e:
-        ep.drop("template", str(e))
+        ep.drop(DropReason.TEMPLATE, str(e))
         log.warning("episode dropped: %s", e)
         return False
     if limits.max_episode_tokens > 0 and \
@@ -336,7 +335,7 @@ def _environment_turn(env: Environment, ep: Episode, delta: ChatDelta,
 def _env_failed(env: Environment, ep: Episode, e: Exception) -> None:
     """Drop ``ep`` for the environment's exception (logged once per call with a count:
     :func:`_log_env_errors`)."""
-    ep.drop("env_error", f"{type(e).__name__}: {e}")
+    ep.drop(DropReason.ENV_ERROR, f"{type(e).__name__}: {e}")
 
 
 def reward_columns(episodes: Sequence[Episode]) -> dict[str, list[Any]]:

@@ -3,13 +3,13 @@
 ==============================  ===========================================================
 ``--task``                      environment
 ==============================  ===========================================================
-``reverse-words``               the built-in task, single-turn (:class:`~gridrl.trainer.tasks.ReverseWords`)
+``reverse-words``               the built-in task, single-turn (:class:`.reverse.ReverseWords`)
 ``reverse-words-retry``         reverse-words with feedback and a second attempt (:mod:`.reverse`)
 ``tool-arithmetic``             arithmetic with ``add`` / ``multiply`` tools (:mod:`.tools`)
 ``reasoning-gym:<dataset>``     a reasoning-gym dataset (extra ``reasoning-gym``; :mod:`.reasoning_gym`)
 ``verifiers:<environment>``     an installed verifiers environment (extra ``verifiers``; :mod:`.verifiers`)
 ``path/to/env.py``              a user's :class:`~gridrl.trainer.envs.base.Environment` subclass
-``path/to/data.jsonl``          a JSONL file of prompts (or chat ``messages``) and answers
+``path/to/data.jsonl``          a JSONL file of prompts (or chat ``messages``) and answers (:mod:`.jsonl`)
 ==============================  ===========================================================
 
 :func:`make_environment` needs no model: the run calls it before loading one, so a ``--task``
@@ -18,16 +18,46 @@ naming a missing extra, an unknown dataset or a broken file fails in one line fi
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from pathlib import Path
 from typing import Any
 
 from gridrl.common.errors import StatusError, invalid_argument
-from gridrl.trainer.envs.base import Environment, SingleTurnEnv
+from gridrl.trainer.envs.base import Environment
 from gridrl.trainer.rewards import import_file
-from gridrl.trainer.tasks import JsonlTask, ReverseWords
 
 BUILTIN = ("reverse-words", "reverse-words-retry", "tool-arithmetic")
+
+#: kind of ``--task`` (:func:`task_kind`) -> (module under ``gridrl.trainer.envs``, class);
+#: imported when asked for (reasoning-gym and verifiers import their extra only when built)
+CLASSES = {"reverse-words": ("reverse", "ReverseWords"),
+           "reverse-words-retry": ("reverse", "ReverseWordsRetry"),
+           "tool-arithmetic": ("tools", "ToolArithmetic"),
+           "reasoning-gym:": ("reasoning_gym", "ReasoningGymEnv"),
+           "verifiers:": ("verifiers", "VerifiersEnv"),
+           ".jsonl": ("jsonl", "JsonlEnv")}
+
+
+def task_kind(spec: str) -> str:
+    """Which row of the module's table ``--task`` ``spec`` names: a built-in name,
+    ``"reasoning-gym:"``, ``"verifiers:"``, ``".py"``, ``".jsonl"`` (a ``.jsonl`` path, or any
+    other existing file that is not ``.py``), or ``""`` for none."""
+    if spec in BUILTIN:
+        return spec
+    for prefix in ("reasoning-gym:", "verifiers:"):
+        if spec.startswith(prefix):
+            return prefix
+    if spec.endswith(".py"):
+        return ".py"
+    if spec.endswith(".jsonl") or Path(spec).is_file():
+        return ".jsonl"
+    return ""
+
+
+def _class_of(kind: str) -> Any:
+    module, name = CLASSES[kind]
+    return getattr(importlib.import_module(f"gridrl.trainer.envs.{module}"), name)
 
 
 def make_environment(spec: str, *, seed: int, eval_size: int, min_words: int = 3,
@@ -41,70 +71,45 @@ def make_environment(spec: str, *, seed: int, eval_size: int, min_words: int = 3
             (naming what to install), an unknown dataset or a file that does not define an
             environment; on ``--task-params`` for parameters the dataset refuses.
     """
-    if spec == "reverse-words":
-        kw = {"system_prompt": system_prompt} if system_prompt else {}
-        return SingleTurnEnv(ReverseWords(seed=seed, min_words=min_words, max_words=max_words,
-                                          eval_size=eval_size, **kw))
-    if spec == "reverse-words-retry":
-        from gridrl.trainer.envs.reverse import ReverseWordsRetry
-
-        return ReverseWordsRetry(seed=seed, min_words=min_words, max_words=max_words,
-                                 eval_size=eval_size, system_prompt=system_prompt)
-    if spec == "tool-arithmetic":
-        from gridrl.trainer.envs.tools import ToolArithmetic
-
-        return ToolArithmetic(seed=seed, eval_size=eval_size)
-    if spec.startswith("reasoning-gym:"):
-        from gridrl.trainer.envs.reasoning_gym import ReasoningGymEnv, parse_params
-
-        return ReasoningGymEnv(spec.split(":", 1)[1], parse_params(task_params), seed=seed,
-                               eval_size=eval_size,
-                               **({"system_prompt": system_prompt} if system_prompt else {}))
-    if spec.startswith("verifiers:"):
-        from gridrl.trainer.envs.verifiers import VerifiersEnv
-
-        return VerifiersEnv(spec.split(":", 1)[1], seed=seed, eval_size=eval_size)
-    if spec.endswith(".py"):
+    kind = task_kind(spec)
+    if not kind:
+        raise invalid_argument("--task", f"{spec!r} is none of {', '.join(BUILTIN)}, "
+                                         "reasoning-gym:<dataset>, verifiers:<environment>, a "
+                                         ".py file or a .jsonl file")
+    if kind == ".py":
         return load_environment_file(Path(spec), seed=seed, eval_size=eval_size)
-    if spec.endswith(".jsonl") or Path(spec).is_file():
-        return SingleTurnEnv(JsonlTask(Path(spec), seed=seed, eval_size=eval_size,
-                                       prompt_column=prompt_column, answer_column=answer_column,
-                                       system_prompt=system_prompt,
-                                       eval_path=Path(eval_file) if eval_file else None))
-    raise invalid_argument("--task", f"{spec!r} is none of {', '.join(BUILTIN)}, "
-                                     "reasoning-gym:<dataset>, verifiers:<environment>, a .py "
-                                     "file or a .jsonl file")
+    cls = _class_of(kind)
+    system = {"system_prompt": system_prompt} if system_prompt else {}
+    if kind == "reverse-words":
+        return cls(seed=seed, min_words=min_words, max_words=max_words, eval_size=eval_size,
+                   **system)
+    if kind == "reverse-words-retry":
+        return cls(seed=seed, min_words=min_words, max_words=max_words, eval_size=eval_size,
+                   system_prompt=system_prompt)
+    if kind == "reasoning-gym:":
+        from gridrl.trainer.envs.reasoning_gym import parse_params
+
+        return cls(spec.split(":", 1)[1], parse_params(task_params), seed=seed,
+                   eval_size=eval_size, **system)
+    if kind == "verifiers:":
+        return cls(spec.split(":", 1)[1], seed=seed, eval_size=eval_size)
+    if kind == ".jsonl":
+        return cls(Path(spec), seed=seed, eval_size=eval_size, prompt_column=prompt_column,
+                   answer_column=answer_column, system_prompt=system_prompt,
+                   eval_path=Path(eval_file) if eval_file else None)
+    return cls(seed=seed, eval_size=eval_size)  # tool-arithmetic
 
 
-def environment_defaults(spec: str) -> type[Environment] | Any:
+def environment_defaults(spec: str) -> type[Environment] | Environment:
     """The class whose ``max_tokens`` / ``eval_tasks`` / ``max_turns`` are the flags' defaults
     for ``--task`` ``spec`` (a class attribute read, nothing imported that is optional)."""
-    if spec == "reverse-words":
-        return ReverseWords
-    if spec == "reverse-words-retry":
-        from gridrl.trainer.envs.reverse import ReverseWordsRetry
-
-        return ReverseWordsRetry
-    if spec == "tool-arithmetic":
-        from gridrl.trainer.envs.tools import ToolArithmetic
-
-        return ToolArithmetic
-    if spec.startswith("reasoning-gym:"):
-        from gridrl.trainer.envs.reasoning_gym import ReasoningGymEnv
-
-        return ReasoningGymEnv
-    if spec.startswith("verifiers:"):
-        from gridrl.trainer.envs.verifiers import VerifiersEnv
-
-        return VerifiersEnv
-    if spec.endswith(".jsonl") or (Path(spec).is_file() and not spec.endswith(".py")):
-        return JsonlTask
-    if spec.endswith(".py"):
+    kind = task_kind(spec)
+    if kind == ".py":
         try:
             return environment_in_file(Path(spec))
         except StatusError:  # the pre-flight check and the run's build report it
             return Environment
-    return Environment
+    return _class_of(kind) if kind else Environment
 
 
 def default_max_tokens(spec: str) -> int:

@@ -3,7 +3,7 @@
 
 Training items are ``create_dataset(name, seed=--seed, **params)[index]`` (reasoning-gym's own
 generator: entry ``index`` is drawn with ``Random(seed + index)``); the held-out set is the
-first ``eval_size`` entries of the same dataset under :data:`~gridrl.trainer.tasks.EVAL_SEED`,
+first ``eval_size`` entries of the same dataset under :data:`~gridrl.trainer.envs.base.EVAL_SEED`,
 and a training entry whose question is held out is replaced by the next index's (so the splits
 are disjoint). The reward is the dataset's own scorer, ``dataset.score_answer(answer, entry)``,
 on the answer inside ``<answer>...</answer>`` (reasoning-gym's convention,
@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from gridrl.common.errors import invalid_argument
-from gridrl.trainer.envs.base import Environment
+from gridrl.trainer.envs.base import EVAL_SEED, Environment, TaskItem
 from gridrl.trainer.rewards import optional_module
-from gridrl.trainer.tasks import EVAL_SEED, TaskItem
 
 INSTALL_HINT = "pip install 'gridrl-trainer[reasoning-gym]' (or pip install reasoning-gym==0.1.25)"
 

@@ -1,26 +1,141 @@
-"""``reverse-words-retry``: reverse-words with the environment's feedback and a second attempt.
+"""The reverse-words environments.
 
-The items are ``reverse-words``' (same phrases, same held-out set). A reply that is not the exact
-reversal gets a user turn naming the words that are in the wrong place (or missing), and the
-model answers once more. The episode's reward is the word-sequence similarity of its last
-attempt, a second attempt's worth ``second_attempt_weight`` of a first one's, so that solving
-at once pays most. Its eval reports the success (exact reversal at the end), and first- and
-second-attempt success apart.
+- ``reverse-words`` (:class:`ReverseWords`): reverse the order of ``min_words..max_words``
+  distinct words drawn from a bank of common English words, single-turn; dense reward by
+  word-sequence similarity, 1.0 only for the exact reversal.
+- ``reverse-words-retry`` (:class:`ReverseWordsRetry`): the same items with the environment's
+  feedback and a second attempt. A reply that is not the exact reversal gets a user turn naming
+  the words that are in the wrong place (or missing), and the model answers once more. The
+  episode's reward is the word-sequence similarity of its last attempt, a second attempt's worth
+  ``second_attempt_weight`` of a first one's, so that solving at once pays most. Its eval reports
+  the success (exact reversal at the end), and first- and second-attempt success apart.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gridrl.trainer.envs.base import Environment, EnvTurn, Message
-from gridrl.trainer.tasks import (
-    REVERSE_SYSTEM_PROMPT,
-    ReverseWords,
-    TaskItem,
-    word_similarity,
-    words_of,
+from gridrl.common.errors import invalid_argument
+from gridrl.trainer.envs.base import EVAL_SEED, Environment, EnvTurn, Message, TaskItem
+from gridrl.trainer.envs.similarity import similarity_reward, word_similarity, words_of
+
+_WORDS = """
+apple river stone cloud green house table chair bread water light music paper
+garden window summer winter orange yellow silver golden forest ocean mountain valley
+little happy quiet bright simple gentle yellow purple candle pencil basket bottle
+rabbit turtle monkey tiger horse sheep mouse eagle falcon salmon spider zebra
+doctor farmer singer teacher sailor driver baker painter lawyer pilot writer
+morning evening garden village city market bridge tower castle island desert
+coffee butter cheese honey lemon pepper sugar salt rice carrot potato tomato
+happy brave calm clever eager fancy jolly kind lucky proud silly swift
+run jump swim read write sing dance paint build climb laugh travel
+blue red black white brown pink gray dark warm cold soft loud
+table window door floor wall roof clock phone glass plate spoon knife
+"""
+WORD_BANK: tuple[str, ...] = tuple(dict.fromkeys(_WORDS.split()))  # de-duplicated, in order
+
+REVERSE_SYSTEM_PROMPT = (
+    "You reverse the order of words. Reply with the same words in reverse order, separated by "
+    "spaces, and nothing else.\n"
+    "Example:\n"
+    "Words: green apple river\n"
+    "Reversed: river apple green"
 )
+
+
+def check_word_range(min_words: int, max_words: int) -> None:
+    """reverse-words' phrase lengths.
+
+    Raises:
+        StatusError: INVALID_ARGUMENT naming ``--min-words/--max-words`` unless
+            2 <= min_words <= max_words <= the word bank's size.
+    """
+    if not 2 <= min_words <= max_words <= len(WORD_BANK):
+        raise invalid_argument("--min-words/--max-words",
+                               f"need 2 <= min <= max <= {len(WORD_BANK)}, got "
+                               f"{min_words}..{max_words}")
+
+
+@dataclass
+class ReverseWords(Environment):
+    """The built-in ``reverse-words`` environment (single-turn).
+
+    Args:
+        seed: seed of the training stream (the eval set uses :data:`EVAL_SEED`).
+        min_words, max_words: phrase length range, inclusive (3..4 by default, as
+            ``gridrl-trainer run``).
+        eval_size: number of held-out phrases.
+        system_prompt: the system message (an instruction with one worked example).
+    Raises:
+        StatusError: INVALID_ARGUMENT for a bad word range or eval size.
+    """
+
+    seed: int = 0
+    min_words: int = 3
+    max_words: int = 4
+    eval_size: int = 16
+    system_prompt: str = REVERSE_SYSTEM_PROMPT
+    name: str = "reverse-words"
+    #: New tokens a completion needs (``--max-tokens``' default): a reversed phrase of a few
+    #: words is ~2 tokens a word, and 24 leaves no room to ramble.
+    max_tokens: ClassVar[int] = 24
+    #: ``--eval-tasks``' default: the per-prompt standard deviation of the score in runs so far
+    #: reached 0.275 (docs/benchmarks.md, section 4), so 128 phrases keep the eval's standard
+    #: error <= 0.025; generated, they cost no training data.
+    eval_tasks: ClassVar[int] = 128
+    checked_at_start: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_word_range(self.min_words, self.max_words)
+        if self.eval_size < 1:
+            raise invalid_argument("--eval-tasks", "must be >= 1")
+        self._eval_phrases: list[tuple[str, ...]] = []
+        seen: set[tuple[str, ...]] = set()
+        j = 0
+        while len(self._eval_phrases) < self.eval_size:
+            phrase = self._phrase(f"eval:{EVAL_SEED}:{j}")
+            j += 1
+            if phrase not in seen:
+                seen.add(phrase)
+                self._eval_phrases.append(phrase)
+        self._eval_set = seen
+
+    def _phrase(self, key: str) -> tuple[str, ...]:
+        rng = random.Random(key)
+        k = rng.randint(self.min_words, self.max_words)
+        return tuple(rng.sample(WORD_BANK, k))
+
+    def item_for(self, phrase: Sequence[str]) -> TaskItem:
+        """The item asking to reverse ``phrase``."""
+        words = " ".join(phrase)
+        return TaskItem(
+            prompt=f"Words: {words}",
+            messages=({"role": "system", "content": self.system_prompt},
+                      {"role": "user", "content": f"Words: {words}"}),
+            columns={"answer": " ".join(reversed(phrase))},
+        )
+
+    def train_item(self, index: int) -> TaskItem:
+        attempt = 0
+        while True:  # skip the (rare) phrases that are in the held-out set
+            phrase = self._phrase(f"train:{self.seed}:{index}:{attempt}")
+            if phrase not in self._eval_set:
+                return self.item_for(phrase)
+            attempt += 1
+
+    def eval_items(self) -> list[TaskItem]:
+        return [self.item_for(p) for p in self._eval_phrases]
+
+    @property
+    def score_name(self) -> str:
+        """What :meth:`score` measures, in words (the eval's scorer)."""
+        return "reverse-words word similarity (1.0 only for the exact reversal)"
+
+    def score(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+        return similarity_reward(prompts, completions, **columns)
 
 
 def feedback(reply: str, answer: str) -> str:
@@ -47,7 +162,7 @@ class ReverseWordsRetry(Environment):
     """Two attempts at reverse-words, with feedback between them.
 
     Args:
-        seed, min_words, max_words, eval_size: as :class:`~gridrl.trainer.tasks.ReverseWords`.
+        seed, min_words, max_words, eval_size: as :class:`ReverseWords`.
         second_attempt_weight: a second attempt's rewards are a first one's times this.
         solved_weight: the weight of ``solved`` (exact reversal) beside ``attempt``'s
             ``1 - solved_weight`` (similarity).

@@ -4,7 +4,8 @@ one group go to one node), as :class:`~gridrl.trainer.rollouts.Group` s of episo
 :func:`gridrl.trainer.grpo.batch.build_batch`.
 
     source = EpisodeSource(env, tokenizer, sampler, EpisodeLimits(max_turns=2, max_tokens=24))
-    groups, stats = source.generate(items, group_size=8, temperature=1.0, seed=step_seed)
+    groups, stats = source.generate(items, SamplingConfig(max_tokens=24), group_size=8,
+                                    seed=step_seed)
 """
 
 from __future__ import annotations
@@ -12,21 +13,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gridrl.trainer.envs.base import Environment
+from gridrl.engine.contract import SamplingConfig
+from gridrl.trainer.envs.base import Environment, TaskItem
 from gridrl.trainer.envs.chat import ChatDelta, prompt_ids
 from gridrl.trainer.envs.episode import EpisodeLimits, TurnRequest, run_episodes
 from gridrl.trainer.rollouts import EpisodeStats, Group, RolloutSample
-from gridrl.trainer.tasks import TaskItem
 
 
 class TurnSampler(Protocol):
     """What samples episode turns: :class:`~gridrl.trainer.local.LocalRollout` or the node
     pool (:class:`~gridrl.trainer.fleet.pool.NodePool`)."""
 
-    def sample_turns(self, requests: Sequence[TurnRequest], *, temperature: float,
-                     top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = ()
+    def sample_turns(self, requests: Sequence[TurnRequest], sampling: SamplingConfig
                      ) -> list[list[RolloutSample] | BaseException]:
-        """Per request, its ``n`` samples (or the exception that failed it)."""
+        """Per request, its ``n`` samples (or the exception that failed it), sampled under
+        ``sampling`` with the request's own ``max_tokens``."""
         ...
 
     def close(self) -> None:
@@ -59,13 +60,13 @@ class EpisodeSource:
         """The first turn's prompt of each item (its messages, the tools)."""
         return [prompt_ids(self.tokenizer, item.messages, self.tools) for item in items]
 
-    def generate(self, items: Sequence[TaskItem], *, group_size: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 stop_token_ids: Sequence[int] = (),
-                 prompt_ids: Sequence[Sequence[int]] | None = None
+    def generate(self, items: Sequence[TaskItem], sampling: SamplingConfig, *, group_size: int,
+                 seed: int = 0, prompt_ids: Sequence[Sequence[int]] | None = None
                  ) -> tuple[list[Group], EpisodeStats]:
         """Run ``group_size`` episodes of each item (``prompt_ids``: their
-        :meth:`prompt_ids`, when the caller has them already).
+        :meth:`prompt_ids`, when the caller has them already), every model turn sampled under
+        ``sampling`` (temperature, top-p, top-k, stop ids; a turn's new tokens are bounded by
+        ``limits``, not ``sampling.max_tokens``).
 
         Returns:
             one :class:`Group` per item (``prompt_ids`` the first turn's; ``samples`` its
@@ -78,8 +79,7 @@ class EpisodeSource:
             self.prompt_ids(items)
 
         def sample(requests: list[TurnRequest]) -> list[Any]:
-            return self.sampler.sample_turns(requests, temperature=temperature, top_p=top_p,
-                                             top_k=top_k, stop_token_ids=stop_token_ids)
+            return self.sampler.sample_turns(requests, sampling)
 
         runs = run_episodes(self.env, items, prompts, sample, self.delta, self.limits,
                             group_size=group_size, seed=seed,

@@ -32,9 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gridrl.trainer.envs.base import Environment, EnvTurn, Message
+from gridrl.trainer.envs.base import EVAL_SEED, Environment, EnvTurn, Message, TaskItem
 from gridrl.trainer.envs.chat import render, tool_schema
-from gridrl.trainer.tasks import EVAL_SEED, TaskItem
 
 #: the counters a tool environment reports per episode
 TOOL_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts")

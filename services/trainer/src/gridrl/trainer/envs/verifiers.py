@@ -12,7 +12,7 @@ agents (``async with agents.<seat>.interaction(task) as i: segment = await i.tur
 What gridrl does with them, offline and token-exact:
 
 - **Items**: every task of the taskset (a finite one, or its first ``max_tasks``); the held-out
-  split is the first ``eval_size`` tasks of a seeded shuffle (:data:`~gridrl.trainer.tasks.
+  split is the first ``eval_size`` tasks of a seeded shuffle (:data:`~gridrl.trainer.envs.base.
   EVAL_SEED`), training walks the rest in a fresh seeded permutation each epoch.
 - **Turns**: the model is the policy seat. A taskset without an ``Env`` of its own (verifiers'
   ``SingleAgentEnv``) is single-turn: the task's prompt, one reply. An ``Env`` subclass's
@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from gridrl.common.errors import invalid_argument
-from gridrl.trainer.envs.base import Environment, EnvTurn, Message
+from gridrl.trainer.envs.base import EVAL_SEED, Environment, EnvTurn, Message, TaskItem
 from gridrl.trainer.rewards import optional_module
-from gridrl.trainer.tasks import EVAL_SEED, TaskItem
 
 INSTALL_HINT = "pip install 'gridrl-trainer[verifiers]' (verifiers 0.4.x)"
 

@@ -1,7 +1,11 @@
 """The rollout nodes as the trainer sees them.
 
-- ``pool.py``: ``NodePool``, the RPC layer (channels in ``channels.py``, Generate calls, probes,
-  the master's watch ``watch.py``, waits for a node) and the run's ``RolloutSource``;
+- ``nodeset.py``: ``NodeSet``, which nodes there are and which are in rotation: the feed of
+  ``membership.py`` (the master's watch ``watch.py``, probes, pushes, flags; channels in
+  ``channels.py``) and the waits for a node;
+- ``pool.py``: ``NodePool``, a ``NodeSet`` that samples on its nodes (the run's turn sampler):
+  Generate calls dispatched by ``scheduling.py``, retried, re-dispatched or hedged
+  (``hedging.py``), their bookkeeping in ``batch.py``;
 - ``membership.py``: who is in the pool and in rotation, a pure state machine fed events; it
   owns each node's state (``nodes.py``) and the trainer's flags on nodes;
 - ``scheduling.py``: which node samples which group (pure);

@@ -142,7 +142,7 @@ def build_batch(step: int, rollouts: StepRollouts, items: Sequence[Any],
     Args:
         step: the step (its weights are those after ``step - 1``).
         rollouts: the step's groups, one per prompt.
-        items: the step's :class:`~gridrl.trainer.tasks.TaskItem` s (prompt text, columns).
+        items: the step's :class:`~gridrl.trainer.envs.base.TaskItem` s (prompt text, columns).
         prompt_ids: their prompt token ids.
         lineage: policy version -> the step whose weights it names.
         bound: the largest staleness admitted (``--max-staleness``).

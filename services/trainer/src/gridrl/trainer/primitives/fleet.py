@@ -17,6 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.primitives.types import SamplingSpec
 from gridrl.trainer.rollouts import RolloutSample
 
@@ -101,10 +102,10 @@ class FleetRoute:
         Raises:
             ValueError, RuntimeError: as :meth:`NodePool.generate_groups`.
         """
-        groups = self.pool.generate_groups(
-            [prompt], group_size=spec.n, max_tokens=spec.max_tokens,
-            temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=seed,
-            stop_token_ids=spec.stop_token_ids)
+        sampling = SamplingConfig(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                                  top_p=spec.top_p, top_k=spec.top_k,
+                                  stop_token_ids=spec.stop_token_ids)
+        groups = self.pool.generate_groups([prompt], sampling, group_size=spec.n, seed=seed)
         return groups[0].samples, groups[0].node
 
     def close(self) -> None:

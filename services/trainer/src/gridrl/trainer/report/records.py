@@ -229,7 +229,7 @@ class StepRecord:
             data_position=data_position, episodes=episodes.episodes,
             turns_mean=episodes.turns_mean, model_tokens=episodes.model_tokens,
             env_tokens=episodes.env_tokens, truncated_episodes=episodes.truncated,
-            dropped_episodes=dict(sorted(episodes.dropped.items())),
+            dropped_episodes={r.value: n for r, n in sorted(episodes.dropped.items())},
             env_counts=dict(sorted(episodes.counts.items())),
             reward_error_groups=batch.reward_error_groups,
             mismatch_kl_bound=mismatch_kl_bound)

@@ -29,10 +29,11 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
+from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.envs.base import TaskItem
 from gridrl.trainer.envs.source import EpisodeSource
 from gridrl.trainer.rollouts import EpisodeStats, Group, StepRollouts, group_seed
-from gridrl.trainer.tasks import TaskItem
 
 #: a step's groups and the figures of their episodes
 Sampled = tuple[list[Group], EpisodeStats]
@@ -174,6 +175,7 @@ class StepSampler:
     def _sample(self, step: int) -> Sampled:
         cfg = self.cfg
         items, prompt_ids = self.prompts.of(step)
-        return self.source.generate(items, prompt_ids=prompt_ids, group_size=cfg.group_size,
-                                    temperature=cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, seed=step_seed(cfg.seed, step))
+        sampling = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                  top_p=cfg.top_p, top_k=cfg.top_k)
+        return self.source.generate(items, sampling, prompt_ids=prompt_ids,
+                                    group_size=cfg.group_size, seed=step_seed(cfg.seed, step))

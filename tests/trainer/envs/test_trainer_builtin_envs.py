@@ -1,4 +1,5 @@
-"""Tasks (reverse-words, JSONL), their rewards, chat rendering, and --reward-file loading."""
+"""The single-turn built-in environments (reverse-words, a JSONL file), their rewards, chat
+rendering, and --reward-file loading."""
 
 from __future__ import annotations
 
@@ -8,24 +9,27 @@ import math
 import pytest
 
 from gridrl.common.errors import StatusError
-from gridrl.trainer import rewards, tasks
+from gridrl.trainer import rewards
+from gridrl.trainer.envs import chat, similarity
+from gridrl.trainer.envs.loading import make_environment
+from gridrl.trainer.envs.reverse import ReverseWords
 
 
 def test_word_similarity_is_one_only_for_the_exact_reversal():
-    assert tasks.word_similarity("sky blue cat", "sky blue cat") == 1.0
-    assert tasks.word_similarity("  Sky, blue cat.", "sky blue cat") == 1.0  # case/punctuation
+    assert similarity.word_similarity("sky blue cat", "sky blue cat") == 1.0
+    assert similarity.word_similarity("  Sky, blue cat.", "sky blue cat") == 1.0  # case/punctuation
     # 2 of 3 words in order: 2*2/(2+3) = 0.8
-    assert tasks.word_similarity("sky cat", "sky blue cat") == pytest.approx(0.8)
+    assert similarity.word_similarity("sky cat", "sky blue cat") == pytest.approx(0.8)
     # the original order (not reversed) of 3 distinct words matches 1 word: 2*1/6
-    assert tasks.word_similarity("cat blue sky", "sky blue cat") == pytest.approx(1 / 3)
-    assert tasks.word_similarity("", "sky blue cat") == 0.0
-    assert tasks.word_similarity("sky blue cat cat", "sky blue cat") < 1.0
+    assert similarity.word_similarity("cat blue sky", "sky blue cat") == pytest.approx(1 / 3)
+    assert similarity.word_similarity("", "sky blue cat") == 0.0
+    assert similarity.word_similarity("sky blue cat cat", "sky blue cat") < 1.0
 
 
 def test_reverse_words_items_are_deterministic_and_sized():
-    t = tasks.ReverseWords(seed=3, min_words=3, max_words=4, eval_size=16)
+    t = ReverseWords(seed=3, min_words=3, max_words=4, eval_size=16)
     a = [t.train_item(i) for i in range(50)]
-    b = [tasks.ReverseWords(seed=3, min_words=3, max_words=4).train_item(i) for i in range(50)]
+    b = [ReverseWords(seed=3, min_words=3, max_words=4).train_item(i) for i in range(50)]
     assert a == b
     for item in a:
         words = item.prompt.removeprefix("Words: ").split()
@@ -33,35 +37,35 @@ def test_reverse_words_items_are_deterministic_and_sized():
         assert item.columns["answer"] == " ".join(reversed(words))
         assert item.messages[0]["role"] == "system" and "Example" in item.messages[0]["content"]
         assert item.messages[1] == {"role": "user", "content": item.prompt}
-    other_seed = [tasks.ReverseWords(seed=4, min_words=3, max_words=4).train_item(i)
+    other_seed = [ReverseWords(seed=4, min_words=3, max_words=4).train_item(i)
                   for i in range(50)]
     assert other_seed != a
 
 
 def test_reverse_words_eval_set_is_fixed_and_disjoint_from_training():
-    t = tasks.ReverseWords(seed=0, min_words=3, max_words=3, eval_size=40)
+    t = ReverseWords(seed=0, min_words=3, max_words=3, eval_size=40)
     evals = t.eval_items()
     assert len(evals) == 40 and len({e.prompt for e in evals}) == 40
-    assert evals == tasks.ReverseWords(seed=99, min_words=3, max_words=3, eval_size=40).eval_items()
+    assert evals == ReverseWords(seed=99, min_words=3, max_words=3, eval_size=40).eval_items()
     held = {e.prompt for e in evals}
     assert not held & {t.train_item(i).prompt for i in range(3000)}
 
 
 def test_reverse_words_score_and_bad_ranges():
-    t = tasks.ReverseWords()
+    t = ReverseWords()
     item = t.train_item(0)
     answer = item.columns["answer"]
     assert t.score([item.prompt], [answer], answer=[answer]) == [1.0]
     assert t.score([item.prompt], ["nothing"], answer=[answer]) == [0.0]
     with pytest.raises(StatusError, match="--min-words"):
-        tasks.ReverseWords(min_words=5, max_words=4)
+        ReverseWords(min_words=5, max_words=4)
 
 
-def test_jsonl_task_split_epochs_and_columns(tmp_path):
+def test_jsonl_env_split_epochs_and_columns(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"q": f"question {i}", "a": f"answer {i}", "level": i})
                               for i in range(20)) + "\n")
-    t = tasks.make_task(str(path), seed=1, eval_size=5, prompt_column="q", answer_column="a")
+    t = make_environment(str(path), seed=1, eval_size=5, prompt_column="q", answer_column="a")
     evals = t.eval_items()
     assert len(evals) == 5
     first_epoch = [t.train_item(i).prompt for i in range(15)]
@@ -74,25 +78,25 @@ def test_jsonl_task_split_epochs_and_columns(tmp_path):
     assert t.score([item.prompt], [item.columns["a"]], **{"answer": [item.columns["a"]]}) == [1.0]
 
 
-def test_jsonl_task_errors(tmp_path):
+def test_jsonl_env_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\nnot json\n')
     with pytest.raises(StatusError, match=r"bad.jsonl:2"):
-        tasks.make_task(str(bad), seed=0, eval_size=1)
+        make_environment(str(bad), seed=0, eval_size=1)
     small = tmp_path / "small.jsonl"
     small.write_text('{"prompt": "x", "answer": "y"}\n')
     with pytest.raises(StatusError, match="hold out"):
-        tasks.make_task(str(small), seed=0, eval_size=1)
+        make_environment(str(small), seed=0, eval_size=1)
     with pytest.raises(StatusError, match="--task"):
-        tasks.make_task("no-such-task", seed=0, eval_size=1)
+        make_environment("no-such-task", seed=0, eval_size=1)
 
 
-def test_encode_chat_uses_the_template_and_folds_system_when_rejected(tiny_llama_dir):
+def test_prompt_ids_use_the_template_and_folds_system_when_rejected(tiny_llama_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     msgs = [{"role": "system", "content": "reverse words"}, {"role": "user", "content": "cat dog"}]
-    ids = tasks.encode_chat(tok, msgs)
+    ids = chat.prompt_ids(tok, msgs)
     assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False,
                                                       add_generation_prompt=True).strip()
     assert tok.convert_ids_to_tokens(ids[-1]) == "<|assistant|>"
@@ -100,15 +104,15 @@ def test_encode_chat_uses_the_template_and_folds_system_when_rejected(tiny_llama
                          "{{ raise_exception('System role not supported') }}{% endif %}"
                          "<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
                          "<|assistant|>")
-    folded = tok.decode(tasks.encode_chat(tok, msgs))
+    folded = tok.decode(chat.prompt_ids(tok, msgs))
     assert folded.startswith("<|user|> reverse words") and "cat dog" in folded
     tok.chat_template = None
     with pytest.raises(StatusError, match="chat template"):
-        tasks.encode_chat(tok, msgs)
+        chat.prompt_ids(tok, msgs)
 
 
 REWARD_FILE = '''
-from gridrl.trainer.tasks import similarity_reward
+from gridrl.trainer.envs.similarity import similarity_reward
 
 def brevity(prompts, completions, **kwargs):
     return [1.0 if len(c.split()) <= 3 else 0.0 for c in completions]
@@ -137,7 +141,7 @@ def test_reward_file_loading_and_weighted_nansum(tmp_path):
 def test_reward_file_with_reward_funcs_list_and_builtin(tmp_path):
     path = tmp_path / "r.py"
     path.write_text(REWARD_FILE + "\nREWARD_FUNCS = [similarity_reward, 'brevity']\n")
-    rs = rewards.build_reward_set(tasks.ReverseWords(), [str(path)], "1,0.5")
+    rs = rewards.build_reward_set(ReverseWords(), [str(path)], "1,0.5")
     assert rs.names == ["similarity_reward", "brevity"]
     total, _ = rs(["p"], ["c b a"], {"answer": ["c b a"]})
     assert total == [1.5]
@@ -163,8 +167,8 @@ def test_reward_errors(tmp_path):
         rs(["a", "b"], ["a", "b"], {})
 
 
-def test_default_rewards_are_the_task_score():
-    rs = rewards.build_reward_set(tasks.ReverseWords(), [], None)
+def test_default_rewards_are_the_environment_score():
+    rs = rewards.build_reward_set(ReverseWords(), [], None)
     total, per = rs(["p"], ["c b a"], {"answer": ["c b a"]})
     assert per == {"reverse-words:score": [1.0]}
     assert total == [1.0] and rs.names == ["reverse-words:score"]
@@ -177,7 +181,7 @@ def test_jsonl_eval_file_is_held_out_from_training(tmp_path):
                              for i in range(6)))
     evals.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": f"a{i}"}) + "\n"
                              for i in (0, 7)))
-    t = tasks.make_task(str(train), seed=0, eval_size=1, eval_file=str(evals),
+    t = make_environment(str(train), seed=0, eval_size=1, eval_file=str(evals),
                         system_prompt="be brief")
     assert [e.prompt for e in t.eval_items()] == ["q0", "q7"]
     seen = {t.train_item(i).prompt for i in range(5)}
