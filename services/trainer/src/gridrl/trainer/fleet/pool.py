@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -206,11 +207,10 @@ class NodePool(NodeSet):
                     batch.abandon(future)
         return [r for r in batch.results if r is not None]
 
-    def check_group(self, address: str, prompt: Sequence[int], *, group_size: int,
-                    max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                    seed: int = 0) -> Group:
-        """Sample one group on ``address`` whatever its rotation (a flagged node's fresh
-        check); nothing is recorded about the node.
+    def check_group(self, address: str, prompt: Sequence[int], sampling: SamplingConfig, *,
+                    group_size: int, seed: int = 0) -> Group:
+        """Sample one group of ``group_size`` on ``address`` under ``sampling`` whatever its
+        rotation (a flagged node's fresh check); nothing is recorded about the node.
 
         Raises:
             KeyError: ``address`` is not a known node.
@@ -219,9 +219,10 @@ class NodePool(NodeSet):
         """
         request = rollout_pb2.GenerateRequest(
             prompt_token_ids=list(prompt), request_id="check",
-            sampling=common_pb2.SamplingParams(n=group_size, max_tokens=max_tokens,
-                                               temperature=temperature, top_p=top_p,
-                                               top_k=top_k, seed=group_seed(seed, 0)),
+            sampling=common_pb2.SamplingParams(
+                n=group_size, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k,
+                stop_token_ids=list(sampling.stop_token_ids), seed=group_seed(seed, 0)),
             **self._own_adapter())
         response, _, seconds = self._call_generate(address, request)
         samples = samples_of(response, list(prompt), group_size, address, seconds)

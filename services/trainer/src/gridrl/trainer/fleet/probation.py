@@ -241,10 +241,8 @@ class Probation:
                                                   f"{pushing.reason}")
         self._reviews += 1
         try:
-            s = self._sampling
-            group = self.pool.check_group(address, self._prompt, group_size=self._group_size,
-                                          max_tokens=s.max_tokens, temperature=s.temperature,
-                                          top_p=s.top_p, top_k=s.top_k, seed=self._reviews)
+            group = self.pool.check_group(address, self._prompt, self._sampling,
+                                          group_size=self._group_size, seed=self._reviews)
         except (grpc.RpcError, KeyError, ValueError) as e:
             detail = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError)
                       else repr(e))
