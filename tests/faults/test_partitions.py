@@ -312,9 +312,10 @@ def test_a_node_cut_from_the_master_only_does_not_stall_the_run(
     unhealthy; the trainer follows the master's verdict (the node leaves rotation, its group
     in flight is re-dispatched; docs/reliability.md says why that is the behaviour kept and
     what it costs), so the run steps on node 2 for as long as the cut lasts, never on a stale
-    version. After the cut node 1's own keepalive (--keepalive-s 1, --keepalive-timeout-s 2)
-    has dropped its dead connection, so its next heartbeat reaches the master on a fresh one:
-    listed healthy again within seconds, caught up, and sampling on the current adapter."""
+    version. The nodes run with short keepalives of their own (--keepalive-s 1,
+    --keepalive-timeout-s 2: a heartbeat in flight into the cut fails after ~3 s, before its
+    5 s deadline). After the cut node 1 is listed healthy again, caught up, and samples on
+    the current adapter."""
     with fleet_or_skip(tmp_path) as fleet:
         run_dir = tmp_path / "run"
         master = fleet.master(*MASTER_FLAGS)

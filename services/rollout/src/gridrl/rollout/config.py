@@ -120,11 +120,12 @@ class NodeConfig:
         "for ever). From the first refusal its health is NOT_SERVING.", check=NON_NEGATIVE)
     keepalive_s: float = setting(
         10.0, "Seconds between HTTP/2 keepalive pings on the node's channels to the master and "
-        "to the nodes it reads relayed adapters from; a master or relay source whose link "
+        "to the nodes it reads relayed adapters from. A master or relay source whose link "
         "vanished (Wi-Fi down, lid closed: no RST) is noticed after about --keepalive-s + "
-        "--keepalive-timeout-s: a relayed read then resumes from another holder, and the "
-        "heartbeats after the link is back go on a fresh connection instead of one stuck in "
-        "TCP retransmission backoff.", check=at_least(1))
+        "--keepalive-timeout-s and its connection closed: later relayed reads from it fail at "
+        "once (the read moves to the next holder) instead of each waiting the relay's stall "
+        "limit, a heartbeat in flight fails then if that is sooner than its own 5 s deadline, "
+        "and once the link is back a fresh connection is made.", check=at_least(1))
     keepalive_timeout_s: float = setting(
         5.0, "Seconds a keepalive ping of the node's channels may go unanswered before the "
         "connection is dropped.", check=above(0))
