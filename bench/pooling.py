@@ -221,15 +221,23 @@ def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float,
 
 def summarize(records: list[dict], target: float) -> dict[str, Any]:
     """Time per step (median over steps 2.., whose rollouts ran at full pipeline), its
-    parts, and the training time (evals excluded) at the first eval >= ``target``."""
+    parts, and the time to target: the training seconds (evals excluded) at the first
+    held-out eval >= ``target`` (step 0 and 0 s when the baseline eval already reaches it;
+    None when no eval of the run does)."""
     steps = [r for r in records if "step" in r and "rollout_s" in r]
+    if not steps:
+        raise RuntimeError("the run's log.jsonl has no step record")
     body = steps[1:] or steps
     per_step = statistics.median(b["elapsed_s"] - a["elapsed_s"] - (b.get("eval_s") or 0.0)
                                  for a, b in itertools.pairwise(steps)) \
         if len(steps) > 1 else steps[0]["elapsed_s"]
+    baseline = next((r for r in records if r.get("event") == "baseline"), None)
     reached = None
+    if baseline is not None and baseline.get("eval_score") is not None \
+            and baseline["eval_score"] >= target:
+        reached = (0, 0.0)
     evals_s = 0.0
-    for r in steps:
+    for r in [] if reached else steps:
         evals_s += r.get("eval_s") or 0.0
         if r.get("eval_score") is not None and r["eval_score"] >= target:
             reached = (r["step"], r["elapsed_s"] - evals_s)
@@ -248,6 +256,19 @@ def predict(n: int, async_steps: int, g: float, u: float, p: float, o: float) ->
     """The model's time per step (module docstring)."""
     roll = math.ceil(PROMPTS / n) * g  # B groups, one at a time per node
     return (max(roll, u + p) if async_steps else roll + u + p) + o
+
+
+def target_row(r: dict, step_pred: float) -> tuple[str, str, float | None]:
+    """The "time to target" cells of a run: measured (seconds and step), the model's (the
+    steps the run took to reach it x the model's time per step), and the model's relative
+    error (None when the target was not reached, or reached by the baseline)."""
+    if r["target_s"] is None:
+        return "not reached", "-", None
+    measured = f"{r['target_s']:.0f} s (step {r['target_step']})"
+    if not r["target_step"]:
+        return measured, "0 s", None
+    pred = r["target_step"] * step_pred
+    return measured, f"{pred:.0f} s", r["target_s"] / pred - 1
 
 
 def main() -> None:
@@ -310,24 +331,43 @@ def main() -> None:
     base = results.get((1, 0)) or next(iter(results.values()))
     g = base["rollout_s"] / PROMPTS
     o = base["step_s"] - (base["rollout_s"] + base["train_s"] + base["sync_s"])
-    rows = []
+    rows, target_rows, errors, target_errors = [], [], [], []
     for (n, a), r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         pred = predict(n, a, g, r["train_s"], r["sync_s"], o)
         one = results.get((1, a), base)
+        errors.append(r["step_s"] / pred - 1)
         rows.append([str(a), str(n), f"{r['step_s']:.2f}", f"{pred:.2f}",
-                     f"{r['step_s'] / pred - 1:+.0%}", f"{one['step_s'] / r['step_s']:.2f}x",
+                     f"{errors[-1]:+.0%}", f"{one['step_s'] / r['step_s']:.2f}x",
                      f"{r['rollout_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
-                     f"{r['target_s']:.0f} s (step {r['target_step']})" if r["target_s"]
-                     else f"not in {args.steps} steps",
                      " ".join(f"{s}:{e:.2f}" for s, e in r["evals"])])
+        measured, modelled, error = target_row(r, pred)
+        if error is not None:
+            target_errors.append(error)
+        one_target = one.get("target_s")
+        speedup = (f"{one_target / r['target_s']:.2f}x" if one_target and r["target_s"]
+                   else "-")
+        target_rows.append([str(a), str(n), measured if r["target_s"] is not None
+                            else f"not in {args.steps} steps", modelled,
+                            f"{error:+.0%}" if error is not None else "-", speedup])
     print()
     print(f"machine: {machine()}; load average {load_average()}")
     print(f"CPU flags: {cpu_flags()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"model inputs: g = {g:.2f} s a group on one node, o = {o:.2f} s (fitted on 1 node, "
           f"async 0); U, P per run")
     print(table(rows, ["async", "nodes", "s/step", "model", "model error", "speed-up vs 1",
-                       "rollout s", "update s", "push s", f"to eval >= {args.target}",
-                       "evals (step:score)"]))
+                       "rollout s", "update s", "push s", "evals (step:score)"]))
+    print()
+    print(f"time to target: training seconds (evals excluded) to the first held-out eval >= "
+          f"{args.target} (every {args.eval_every} steps); model = the run's steps to it x "
+          f"the model's s/step")
+    print(table(target_rows, ["async", "nodes", "time to target", "model", "model error",
+                              "speed-up vs 1"]))
+    print()
+    print("prediction model check: s/step within "
+          f"{max(abs(e) for e in errors):.0%} of the model over {len(errors)} runs"
+          + (f"; time to target within {max(abs(e) for e in target_errors):.0%} over "
+             f"{len(target_errors)} runs that reached it" if target_errors
+             else "; no run reached the target after step 0 (no time-to-target check)"))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"step_s_simulated": step_s, "step_s_alone": real, "g": g, "o": o,
