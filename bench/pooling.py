@@ -31,6 +31,14 @@ the rest of a step (scoring, bookkeeping; fitted once, on the 1-node ``--async-s
 
 ``g`` is measured on the 1-node async-0 run (its rollout time / B); ``U`` and ``P`` on each run.
 
+Time to target: the training seconds (``elapsed_s`` less the evals' ``eval_s``) at the first
+held-out eval (every ``--eval-every`` steps, ``--eval-tasks 16``) >= ``--target``; 0 s when the
+baseline eval already reaches it. Its model is the steps the run took to reach it x the
+model's ``T(n)``: the node count changes the seconds a step, not the samples a step, so at
+async 0 the steps to target do not depend on it (async 1 trains on one-step-stale samples and
+may need other steps). A second table prints it per (nodes, async) pair with the model's error,
+and a last line the largest model error over the runs (time per step and time to target).
+
     python bench/pooling.py [--nodes 1,2,4] [--async 0,1] [--steps 20] [--target 0.4]
                             [--plot docs/pooling.png]
 """
