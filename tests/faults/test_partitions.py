@@ -367,9 +367,9 @@ def test_a_node_cut_from_the_master_only_does_not_stall_the_run(
         # it still reaches (docs/reliability.md) would change this line
         later = [r for r in during if r["step"] > out_step + 2]
         assert later and all(node_samples(r, n1) is None for r in later), later
-        # bounded by a step or two, not by the cut, and far from the Generate deadline:
-        # nothing waited for node 1
-        assert stall < cut_s and stall < REQUEST_TIMEOUT_S / 2, (stall, cut_s)
+        # far from the Generate deadline: no step waited for node 1's group (a call the
+        # verdict cancelled is re-dispatched at once)
+        assert stall < REQUEST_TIMEOUT_S / 2, (stall, cut_s)
         back = [r for r in records if watch.seen[r["step"]] > restored_at
                 and node_samples(r, n1)]
         assert back, "node 1 never sampled again after the cut"
