@@ -227,11 +227,23 @@ def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float,
             _stop(p)
 
 
+def time_to_target(baseline: float | None, evals: list, target: float
+                   ) -> tuple[int, float] | None:
+    """``(step, training seconds)`` of the first held-out eval >= ``target`` (``(0, 0.0)``
+    when the baseline reaches it), from ``evals`` = ``[step, score, training seconds]``
+    entries in step order; None when none reaches it."""
+    if baseline is not None and baseline >= target:
+        return 0, 0.0
+    for step, score, seconds in evals:
+        if score >= target:
+            return step, seconds
+    return None
+
+
 def summarize(records: list[dict], target: float) -> dict[str, Any]:
     """Time per step (median over steps 2.., whose rollouts ran at full pipeline), its
-    parts, and the time to target: the training seconds (evals excluded) at the first
-    held-out eval >= ``target`` (step 0 and 0 s when the baseline eval already reaches it;
-    None when no eval of the run does)."""
+    parts, each eval with the training seconds (evals excluded) at it, and the time to
+    target (:func:`time_to_target`)."""
     steps = [r for r in records if "step" in r and "rollout_s" in r]
     if not steps:
         raise RuntimeError("the run's log.jsonl has no step record")
@@ -239,23 +251,19 @@ def summarize(records: list[dict], target: float) -> dict[str, Any]:
     per_step = statistics.median(b["elapsed_s"] - a["elapsed_s"] - (b.get("eval_s") or 0.0)
                                  for a, b in itertools.pairwise(steps)) \
         if len(steps) > 1 else steps[0]["elapsed_s"]
-    baseline = next((r for r in records if r.get("event") == "baseline"), None)
-    reached = None
-    if baseline is not None and baseline.get("eval_score") is not None \
-            and baseline["eval_score"] >= target:
-        reached = (0, 0.0)
-    evals_s = 0.0
-    for r in [] if reached else steps:
+    baseline = next((r.get("eval_score") for r in records if r.get("event") == "baseline"),
+                    None)
+    evals, evals_s = [], 0.0
+    for r in steps:
         evals_s += r.get("eval_s") or 0.0
-        if r.get("eval_score") is not None and r["eval_score"] >= target:
-            reached = (r["step"], r["elapsed_s"] - evals_s)
-            break
+        if r.get("eval_score") is not None:
+            evals.append([r["step"], r["eval_score"], r["elapsed_s"] - evals_s])
+    reached = time_to_target(baseline, evals, target)
     return {"step_s": per_step,
             "rollout_s": statistics.median(r["rollout_s"] for r in body),
             "train_s": statistics.median(r["train_s"] for r in body),
             "sync_s": statistics.median(r["sync_s"] for r in body),
-            "evals": [(r["step"], r["eval_score"]) for r in steps
-                      if r.get("eval_score") is not None],
+            "baseline_eval": baseline, "evals": evals,
             "target_step": reached[0] if reached else None,
             "target_s": reached[1] if reached else None}
 
@@ -292,6 +300,8 @@ def main() -> None:
     parser.add_argument("--runs", default="1:0,2:0,4:0,1:1,2:1,4:1",
                         help="NODES:ASYNC_STEPS pairs, run in this order")
     parser.add_argument("--rows", help="no runs: report the JSON rows this bench printed "
+                                       "(each eval carries its training seconds, so "
+                                       "--target may differ from the runs') "
                                        "(one a line) in FILE")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
@@ -315,6 +325,10 @@ def main() -> None:
         for line in Path(args.rows).read_text().splitlines():
             if line.startswith('{"nodes"'):
                 row = json.loads(line)
+                if all(len(e) == 3 for e in row["evals"]):  # any --target, from the evals
+                    reached = time_to_target(row.get("baseline_eval"), row["evals"],
+                                             args.target)
+                    row["target_step"], row["target_s"] = reached or (None, None)
                 results[(row.pop("nodes"), row.pop("async_steps"))] = row
         step_s = args.step_s or 0.0
         real = step_s / args.slowdown
@@ -347,7 +361,7 @@ def main() -> None:
         rows.append([str(a), str(n), f"{r['step_s']:.2f}", f"{pred:.2f}",
                      f"{errors[-1]:+.0%}", f"{one['step_s'] / r['step_s']:.2f}x",
                      f"{r['rollout_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
-                     " ".join(f"{s}:{e:.2f}" for s, e in r["evals"])])
+                     " ".join(f"{e[0]}:{e[1]:.2f}" for e in r["evals"])])
         measured, modelled, error = target_row(r, pred)
         if error is not None:
             target_errors.append(error)
