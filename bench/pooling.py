@@ -300,9 +300,8 @@ def main() -> None:
     parser.add_argument("--runs", default="1:0,2:0,4:0,1:1,2:1,4:1",
                         help="NODES:ASYNC_STEPS pairs, run in this order")
     parser.add_argument("--rows", help="no runs: report the JSON rows this bench printed "
-                                       "(each eval carries its training seconds, so "
-                                       "--target may differ from the runs') "
-                                       "(one a line) in FILE")
+                                       "(one a line) in FILE; each eval carries its training "
+                                       "seconds, so --target may differ from the runs'")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.4, help="held-out eval to reach")
