@@ -39,8 +39,15 @@ async 0 the steps to target do not depend on it (async 1 trains on one-step-stal
 may need other steps). A second table prints it per (nodes, async) pair with the model's error,
 and a last line the largest model error over the runs (time per step and time to target).
 
-    python bench/pooling.py [--nodes 1,2,4] [--async 0,1] [--steps 20] [--target 0.4]
-                            [--plot docs/pooling.png]
+    python bench/pooling.py [--runs 1:0,2:0,4:0,1:1,2:1,4:1] [--steps 20] [--target 0.4]
+                            [--eval-every 5] [--prompts-per-step 2] [--plot docs/pooling.png]
+    python bench/pooling.py --rows OUTPUT --target 0.5     # report printed rows again
+
+The figure (a quiet machine, about an hour; 4 groups a step so that a fourth node has a
+group of its own):
+
+    python bench/pooling.py --runs 1:0,2:0,4:0,1:1,2:1,4:1 --prompts-per-step 4 \
+        --steps 30 --eval-every 5 --target 0.6 --plot docs/pooling.png | tee pooling.txt
 """
 
 from __future__ import annotations
