@@ -31,8 +31,23 @@ the rest of a step (scoring, bookkeeping; fitted once, on the 1-node ``--async-s
 
 ``g`` is measured on the 1-node async-0 run (its rollout time / B); ``U`` and ``P`` on each run.
 
-    python bench/pooling.py [--nodes 1,2,4] [--async 0,1] [--steps 20] [--target 0.4]
-                            [--plot docs/pooling.png]
+Time to target: the training seconds (``elapsed_s`` less the evals' ``eval_s``) at the first
+held-out eval (every ``--eval-every`` steps, ``--eval-tasks 16``) >= ``--target``; 0 s when the
+baseline eval already reaches it. Its model is the steps the run took to reach it x the
+model's ``T(n)``: the node count changes the seconds a step, not the samples a step, so at
+async 0 the steps to target do not depend on it (async 1 trains on one-step-stale samples and
+may need other steps). A second table prints it per (nodes, async) pair with the model's error,
+and a last line the largest model error over the runs (time per step and time to target).
+
+    python bench/pooling.py [--runs 1:0,2:0,4:0,1:1,2:1,4:1] [--steps 20] [--target 0.4]
+                            [--eval-every 5] [--prompts-per-step 2] [--plot docs/pooling.png]
+    python bench/pooling.py --rows OUTPUT --target 0.5     # report printed rows again
+
+The figure (a quiet machine, about an hour; 4 groups a step so that a fourth node has a
+group of its own):
+
+    python bench/pooling.py --runs 1:0,2:0,4:0,1:1,2:1,4:1 --prompts-per-step 4 \
+        --steps 30 --eval-every 5 --target 0.6 --plot docs/pooling.png | tee pooling.txt
 """
 
 from __future__ import annotations
@@ -219,27 +234,43 @@ def run_one(model: str, nodes: int, async_steps: int, steps: int, step_s: float,
             _stop(p)
 
 
+def time_to_target(baseline: float | None, evals: list, target: float
+                   ) -> tuple[int, float] | None:
+    """``(step, training seconds)`` of the first held-out eval >= ``target`` (``(0, 0.0)``
+    when the baseline reaches it), from ``evals`` = ``[step, score, training seconds]``
+    entries in step order; None when none reaches it."""
+    if baseline is not None and baseline >= target:
+        return 0, 0.0
+    for step, score, seconds in evals:
+        if score >= target:
+            return step, seconds
+    return None
+
+
 def summarize(records: list[dict], target: float) -> dict[str, Any]:
     """Time per step (median over steps 2.., whose rollouts ran at full pipeline), its
-    parts, and the training time (evals excluded) at the first eval >= ``target``."""
+    parts, each eval with the training seconds (evals excluded) at it, and the time to
+    target (:func:`time_to_target`)."""
     steps = [r for r in records if "step" in r and "rollout_s" in r]
+    if not steps:
+        raise RuntimeError("the run's log.jsonl has no step record")
     body = steps[1:] or steps
     per_step = statistics.median(b["elapsed_s"] - a["elapsed_s"] - (b.get("eval_s") or 0.0)
                                  for a, b in itertools.pairwise(steps)) \
         if len(steps) > 1 else steps[0]["elapsed_s"]
-    reached = None
-    evals_s = 0.0
+    baseline = next((r.get("eval_score") for r in records if r.get("event") == "baseline"),
+                    None)
+    evals, evals_s = [], 0.0
     for r in steps:
         evals_s += r.get("eval_s") or 0.0
-        if r.get("eval_score") is not None and r["eval_score"] >= target:
-            reached = (r["step"], r["elapsed_s"] - evals_s)
-            break
+        if r.get("eval_score") is not None:
+            evals.append([r["step"], r["eval_score"], r["elapsed_s"] - evals_s])
+    reached = time_to_target(baseline, evals, target)
     return {"step_s": per_step,
             "rollout_s": statistics.median(r["rollout_s"] for r in body),
             "train_s": statistics.median(r["train_s"] for r in body),
             "sync_s": statistics.median(r["sync_s"] for r in body),
-            "evals": [(r["step"], r["eval_score"]) for r in steps
-                      if r.get("eval_score") is not None],
+            "baseline_eval": baseline, "evals": evals,
             "target_step": reached[0] if reached else None,
             "target_s": reached[1] if reached else None}
 
@@ -248,6 +279,19 @@ def predict(n: int, async_steps: int, g: float, u: float, p: float, o: float) ->
     """The model's time per step (module docstring)."""
     roll = math.ceil(PROMPTS / n) * g  # B groups, one at a time per node
     return (max(roll, u + p) if async_steps else roll + u + p) + o
+
+
+def target_row(r: dict, step_pred: float) -> tuple[str, str, float | None]:
+    """The "time to target" cells of a run: measured (seconds and step), the model's (the
+    steps the run took to reach it x the model's time per step), and the model's relative
+    error (None when the target was not reached, or reached by the baseline)."""
+    if r["target_s"] is None:
+        return "not reached", "-", None
+    measured = f"{r['target_s']:.0f} s (step {r['target_step']})"
+    if not r["target_step"]:
+        return measured, "0 s", None
+    pred = r["target_step"] * step_pred
+    return measured, f"{pred:.0f} s", r["target_s"] / pred - 1
 
 
 def main() -> None:
@@ -263,7 +307,8 @@ def main() -> None:
     parser.add_argument("--runs", default="1:0,2:0,4:0,1:1,2:1,4:1",
                         help="NODES:ASYNC_STEPS pairs, run in this order")
     parser.add_argument("--rows", help="no runs: report the JSON rows this bench printed "
-                                       "(one a line) in FILE")
+                                       "(one a line) in FILE; each eval carries its training "
+                                       "seconds, so --target may differ from the runs'")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--target", type=float, default=0.4, help="held-out eval to reach")
@@ -286,6 +331,10 @@ def main() -> None:
         for line in Path(args.rows).read_text().splitlines():
             if line.startswith('{"nodes"'):
                 row = json.loads(line)
+                if all(len(e) == 3 for e in row["evals"]):  # any --target, from the evals
+                    reached = time_to_target(row.get("baseline_eval"), row["evals"],
+                                             args.target)
+                    row["target_step"], row["target_s"] = reached or (None, None)
                 results[(row.pop("nodes"), row.pop("async_steps"))] = row
         step_s = args.step_s or 0.0
         real = step_s / args.slowdown
@@ -310,24 +359,43 @@ def main() -> None:
     base = results.get((1, 0)) or next(iter(results.values()))
     g = base["rollout_s"] / PROMPTS
     o = base["step_s"] - (base["rollout_s"] + base["train_s"] + base["sync_s"])
-    rows = []
+    rows, target_rows, errors, target_errors = [], [], [], []
     for (n, a), r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         pred = predict(n, a, g, r["train_s"], r["sync_s"], o)
         one = results.get((1, a), base)
+        errors.append(r["step_s"] / pred - 1)
         rows.append([str(a), str(n), f"{r['step_s']:.2f}", f"{pred:.2f}",
-                     f"{r['step_s'] / pred - 1:+.0%}", f"{one['step_s'] / r['step_s']:.2f}x",
+                     f"{errors[-1]:+.0%}", f"{one['step_s'] / r['step_s']:.2f}x",
                      f"{r['rollout_s']:.2f}", f"{r['train_s']:.2f}", f"{r['sync_s']:.2f}",
-                     f"{r['target_s']:.0f} s (step {r['target_step']})" if r["target_s"]
-                     else f"not in {args.steps} steps",
-                     " ".join(f"{s}:{e:.2f}" for s, e in r["evals"])])
+                     " ".join(f"{e[0]}:{e[1]:.2f}" for e in r["evals"])])
+        measured, modelled, error = target_row(r, pred)
+        if error is not None:
+            target_errors.append(error)
+        one_target = one.get("target_s")
+        speedup = (f"{one_target / r['target_s']:.2f}x" if one_target and r["target_s"]
+                   else "-")
+        target_rows.append([str(a), str(n), measured if r["target_s"] is not None
+                            else f"not in {args.steps} steps", modelled,
+                            f"{error:+.0%}" if error is not None else "-", speedup])
     print()
     print(f"machine: {machine()}; load average {load_average()}")
     print(f"CPU flags: {cpu_flags()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"model inputs: g = {g:.2f} s a group on one node, o = {o:.2f} s (fitted on 1 node, "
           f"async 0); U, P per run")
     print(table(rows, ["async", "nodes", "s/step", "model", "model error", "speed-up vs 1",
-                       "rollout s", "update s", "push s", f"to eval >= {args.target}",
-                       "evals (step:score)"]))
+                       "rollout s", "update s", "push s", "evals (step:score)"]))
+    print()
+    print(f"time to target: training seconds (evals excluded) to the first held-out eval >= "
+          f"{args.target} (every {args.eval_every} steps); model = the run's steps to it x "
+          f"the model's s/step")
+    print(table(target_rows, ["async", "nodes", "time to target", "model", "model error",
+                              "speed-up vs 1"]))
+    print()
+    print("prediction model check: s/step within "
+          f"{max(abs(e) for e in errors):.0%} of the model over {len(errors)} runs"
+          + (f"; time to target within {max(abs(e) for e in target_errors):.0%} over "
+             f"{len(target_errors)} runs that reached it" if target_errors
+             else "; no run reached the target after step 0 (no time-to-target check)"))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"step_s_simulated": step_s, "step_s_alone": real, "g": g, "o": o,

@@ -16,6 +16,8 @@ from netfleet import Fleet, Proc
 MASTER_FLAGS = ("--heartbeat-interval", "0.5", "--unhealthy-after", "2",
                 "--expire-after", "60")
 KEEPALIVE_FLAGS = ("--keepalive-s", "1", "--keepalive-timeout-s", "2")
+# The same on the nodes' own channels (to the master, to relay sources).
+NODE_KEEPALIVE_FLAGS = ("--keepalive-s", "1", "--keepalive-timeout-s", "2")
 
 
 def trainer_flags(steps: int, **extra: object) -> list[str]:

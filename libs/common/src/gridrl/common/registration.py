@@ -32,7 +32,7 @@ import grpc
 import tenacity
 
 from gridrl.common.address import parse_address
-from gridrl.common.rpc.channel import connection_hint, dial
+from gridrl.common.rpc.channel import Keepalive, connection_hint, dial
 from gridrl.common.security.policy import Security
 from gridrl.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
@@ -74,6 +74,10 @@ class NodeRegistrar:
         max_refusals: refusals in a row after which the registrar gives up (0: never).
         on_give_up: called once on the registrar's thread when it gives up, with the last
             refusal (``"register failed: UNAUTHENTICATED: ..."``); the thread then ends.
+        keepalive: HTTP/2 keepalive of the channel to the master (:class:`Keepalive`; None:
+            its defaults): a master whose link vanished is noticed after about ``time_s +
+            timeout_s`` while no call is in flight, so the heartbeats after the link is back
+            go on a fresh connection.
 
     Raises:
         StatusError: INVALID_ARGUMENT ``master_address: ...`` when not host:port.
@@ -85,7 +89,8 @@ class NodeRegistrar:
                  retry_interval_s: float = 2.0, failure_level: int = logging.WARNING,
                  on_refused: Callable[[str | None], None] | None = None,
                  max_refusals: int = 0,
-                 on_give_up: Callable[[str], None] | None = None) -> None:
+                 on_give_up: Callable[[str], None] | None = None,
+                 keepalive: Keepalive | None = None) -> None:
         parse_address(master_address, field="master_address")
         if not retry_interval_s > 0:
             raise ValueError(f"retry_interval_s must be > 0, got {retry_interval_s}")
@@ -99,6 +104,7 @@ class NodeRegistrar:
         self._info_fn = info_fn
         self._load_fn = load_fn
         self._security = security
+        self.keepalive = keepalive
         self.retry_interval_s = retry_interval_s
         self._failure_level = failure_level
         self._lock = threading.Lock()
@@ -176,7 +182,7 @@ class NodeRegistrar:
         node_id = self._node_id
         self._registered = False
         if deregister and node_id is not None:
-            channel = dial(self.master_address, self._security)
+            channel = dial(self.master_address, self._security, keepalive=self.keepalive)
             try:
                 registry_pb2_grpc.RegistryServiceStub(channel).DeregisterNode(
                     registry_pb2.DeregisterNodeRequest(node_id=node_id), timeout=CALL_TIMEOUT_S)
@@ -301,7 +307,8 @@ class NodeRegistrar:
             if self._stop.is_set():
                 raise _Stopped
             if self._channel is None:
-                self._channel = dial(self.master_address, self._security)
+                self._channel = dial(self.master_address, self._security,
+                                     keepalive=self.keepalive)
             return registry_pb2_grpc.RegistryServiceStub(self._channel)
 
     def _drop_channel(self) -> None:

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 from gridrl.common import settings
 from gridrl.common.address import parse_address, parse_listen
 from gridrl.common.errors import invalid_argument
-from gridrl.common.settings import NON_NEGATIVE, POSITIVE, above, setting
+from gridrl.common.rpc.channel import Keepalive
+from gridrl.common.settings import NON_NEGATIVE, POSITIVE, above, at_least, setting
 from gridrl.models import cache_root
 
 ENV_PREFIX = "GRIDRL_ROLLOUT_"
@@ -117,6 +118,17 @@ class NodeConfig:
         "PERMISSION_DENIED: e.g. an address another credential holds) after which the node "
         "exits non-zero with the master's message, so a supervisor shows it failed (0: retry "
         "for ever). From the first refusal its health is NOT_SERVING.", check=NON_NEGATIVE)
+    keepalive_s: float = setting(
+        10.0, "Seconds between HTTP/2 keepalive pings on the node's channels to the master and "
+        "to the nodes it reads relayed adapters from. A master or relay source whose link "
+        "vanished (Wi-Fi down, lid closed: no RST) is noticed after about --keepalive-s + "
+        "--keepalive-timeout-s and its connection closed: later relayed reads from it fail at "
+        "once (the read moves to the next holder) instead of each waiting the relay's stall "
+        "limit, a heartbeat in flight fails then if that is sooner than its own 5 s deadline, "
+        "and once the link is back a fresh connection is made.", check=at_least(1))
+    keepalive_timeout_s: float = setting(
+        5.0, "Seconds a keepalive ping of the node's channels may go unanswered before the "
+        "connection is dropped.", check=above(0))
     advertise_address: str | None = setting(
         None, "host:port to register with the master [default: the bound address].")
     name: str | None = setting(None, "Node name for logs and the default adapter root "
@@ -133,6 +145,11 @@ class NodeConfig:
     # TLS files, the credentials the node accepts and the token it sends to the master
     # (gridrl.common.security.policy.Security; None: plaintext, no credentials, loopback only)
     security: Any = field(default=None, repr=False, compare=False)
+
+    def keepalive(self) -> Keepalive:
+        """The keepalive of the node's own channels (master, relay sources) from
+        ``--keepalive-s`` and ``--keepalive-timeout-s``."""
+        return Keepalive(self.keepalive_s, self.keepalive_timeout_s)
 
     def validate(self) -> None:
         """Raise INVALID_ARGUMENT naming the first bad flag: each setting's own check, the

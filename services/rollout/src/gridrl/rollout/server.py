@@ -225,7 +225,8 @@ class RolloutNode:
         with self._peer_lock:
             channel = self._peers.get(address)
             if channel is None:
-                channel = self._peers[address] = dial(address, self.config.security)
+                channel = self._peers[address] = dial(address, self.config.security,
+                                                             keepalive=self.config.keepalive())
         return rollout_pb2_grpc.RolloutServiceStub(channel).ReadAdapter(request,
                                                                        timeout=timeout_s)
 
@@ -277,7 +278,8 @@ class RolloutNode:
                                            security=self.config.security,
                                            on_refused=self._refused,
                                            max_refusals=self.config.max_refusals,
-                                           on_give_up=self._give_up)
+                                           on_give_up=self._give_up,
+                                           keepalive=self.config.keepalive())
             self.registrar.start()
             self._watch_waits(self.registrar)
         log.info("rollout node %s: %s backend, %s on %s (%s), adapters in %s", self.name,
