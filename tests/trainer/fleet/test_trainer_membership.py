@@ -300,3 +300,31 @@ def test_the_fleets_backoff_doubles_to_its_cap() -> None:
     assert Backoff(0.2, 2.0).delay(3) == pytest.approx(0.8)
     with pytest.raises(ValueError, match=r"^failures"):
         probes.delay(0)
+
+
+def test_a_node_the_master_lost_but_the_trainer_reaches_stays_in_rotation() -> None:
+    """A partial cut: the master stops hearing B's heartbeats (UNHEALTHY) while the trainer
+    still reaches it. B leaves rotation, is due for the trainer's own probe at once, and is
+    back on that probe's answer; a failed probe keeps it out; DRAINING (the node's own word)
+    is never probed back in; the master's HEALTHY ends the special case."""
+    m = Membership(BASE, probe_interval_s=5.0)
+    m.master_connected()
+    for address in (A, B):
+        m.master_event(event(EV.NODE_EVENT_TYPE_SNAPSHOT, address), 0.0)
+    m.master_event(EV.WatchNodesResponse(type=EV.NODE_EVENT_TYPE_SNAPSHOT_END), 0.0)
+    assert m.probes_due(0.0) == []  # healthy master nodes are not probed
+    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 10.0)
+    assert rotation(m) == [A] and m.probes_due(10.0) == [B]
+    m.probe_failed(B, "UNAVAILABLE", "no route to host")  # really gone: stays out
+    assert rotation(m) == [A] and m.probes_due(11.0) == [B]  # and is probed again
+    m.probe_answered(B, info(B), observed_at=12.0)  # it answers the trainer: back
+    assert rotation(m) == [A, B] and m.probes_due(12.0) == []
+    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B), 20.0)  # the master hears it again
+    m.probe_failed(B, "UNAVAILABLE", "x")  # a probe of a master-healthy node decides nothing
+    assert rotation(m) == [A, B]
+    draining = event(EV.NODE_EVENT_TYPE_CHANGED, B)
+    draining.node.status = common_pb2.NODE_STATUS_DRAINING
+    m.master_event(draining, 30.0)
+    assert rotation(m) == [A] and m.probes_due(30.0) == []
+    m.probe_answered(B, info(B), observed_at=31.0)  # an answer does not undo DRAINING
+    assert rotation(m) == [A]

@@ -14,7 +14,10 @@ locks: the pool serialises events under its lock.
 
 Rotation: a node takes groups while it is
 
-- healthy (master status HEALTHY, or its last probe answered, for a ``--rollout`` address),
+- healthy (master status HEALTHY, or its last probe answered, for a ``--rollout`` address;
+  a node the master declares unhealthy leaves rotation and is probed by the trainer itself:
+  if it answers — a partial cut, the master lost it but the trainer still reaches it — it is
+  back in rotation on that evidence, until a probe or a Generate on it fails),
 - usable (its base model — architecture, hidden_size, num_layers, vocab_size, and the
   weights' fingerprint when both sides know it: another fine-tune of the same architecture —
   matches the trainer's; otherwise it is *excluded*, loudly, for good),
@@ -84,6 +87,7 @@ class _Member:
         self.from_master = source == "master"
         self.reached = False  # answered at least once (probe or master record)
         self.orphan_since: float | None = None  # missing from the master's last snapshot
+        self.master_unhealthy = False  # the master's last verdict: UNHEALTHY (missed heartbeats)
         self.strikes = 0  # benchings since its last successful Generate
         self.probe_after = 0.0  # time before which it is not probed
         self.synced_at = float("-inf")  # time of the last successful push
@@ -178,7 +182,8 @@ class Membership:
         and benched nodes whose backoff has passed."""
         return [a for a, m in self._members.items() if not m.state.excluded
                 and now >= m.probe_after
-                and ((m.static and not m.state.healthy) or m.state.benched)]
+                and (((m.static or m.master_unhealthy) and not m.state.healthy)
+                     or m.state.benched)]
 
     # ------------------------------------------------------------------ membership events
 
@@ -225,8 +230,14 @@ class Membership:
             s.source = "master"
         healthy = record.status == common_pb2.NODE_STATUS_HEALTHY
         if not healthy and s.healthy:
-            log.warning("node %s is %s (master); out of rotation", address,
-                        common_pb2.NodeStatus.Name(record.status))
+            log.warning("node %s is %s (master); out of rotation until it answers the "
+                        "trainer's own probe", address, common_pb2.NodeStatus.Name(record.status))
+        # missed heartbeats (not DRAINING, which is the node's own word): probe it now, the
+        # master may have lost a node the trainer still reaches
+        lost = record.status == common_pb2.NODE_STATUS_UNHEALTHY
+        if lost and not m.master_unhealthy:
+            m.probe_after = now
+        m.master_unhealthy = lost
         s.healthy = healthy
         returning = kind in (registry_pb2.NODE_EVENT_TYPE_JOINED,
                              registry_pb2.NODE_EVENT_TYPE_CHANGED)
@@ -264,7 +275,10 @@ class Membership:
         if m is None:
             return effects
         s = m.state
-        if m.static:
+        if m.master_unhealthy and not s.healthy:
+            log.warning("node %s answers the trainer although the master lists it unhealthy "
+                        "(a partial cut?); back in rotation", address)
+        if m.static or m.master_unhealthy:
             s.healthy = True
         if s.benched and s.healthy:
             log.info("node %s answers GetNodeInfo again; back in rotation", address)
@@ -274,10 +288,11 @@ class Membership:
         return self._update(m, effects, lost=lost)
 
     def probe_failed(self, address: str, code: str, detail: str) -> Effects:
-        """``GetNodeInfo`` failed with status ``code``: a ``--rollout`` node is unhealthy."""
+        """``GetNodeInfo`` failed with status ``code``: a ``--rollout`` node, or one the master
+        lists unhealthy, is unhealthy."""
         effects = Effects()
         m = self._members.get(address)
-        if m is None or not m.static:
+        if m is None or not (m.static or m.master_unhealthy):
             return effects
         s = m.state
         if s.healthy or not m.reached:
