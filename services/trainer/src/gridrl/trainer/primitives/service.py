@@ -66,6 +66,7 @@ from gridrl.trainer.primitives.snapshots import (
     write_mlx,
 )
 from gridrl.trainer.primitives.types import (
+    HEAD_MODULE,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -263,7 +264,8 @@ class PrimitivesService:
             files = entry.model.adapter_files()
             peft_dir = write_dir(files, directory / "peft")
             layers = entry.model.identity.num_layers
-            mlx_dir = write_mlx(files, directory / "mlx", entry.model_id, layers) if name else None
+            mlx_dir = (write_mlx(files, directory / "mlx", entry.model_id, layers,
+                                 entry.model.model_path) if name else None)
             (directory / SNAPSHOT_FILE).write_text(json.dumps(
                 {**self._describe(entry), "policy_version": version}, indent=2))
             synced = None
@@ -292,7 +294,7 @@ class PrimitivesService:
             files = entry.model.adapter_files()
             write_dir(files, directory / "peft")
             write_mlx(files, directory / "mlx", entry.model_id,
-                      entry.model.identity.num_layers)
+                      entry.model.identity.num_layers, entry.model.model_path)
             (directory / EXTERNAL_FILE).write_text(json.dumps(self._describe(entry), indent=2))
             return where.uri
 
@@ -490,10 +492,13 @@ class PrimitivesService:
         return entry
 
     def _lora_settings(self, lora: LoraRequest) -> LoraSettings:
-        if lora.train_attn and lora.train_mlp:
-            targets = "all-linear"
+        """peft's ``all-linear`` for attention and MLP (every linear layer but the head), else
+        the module names; with ``train_unembed`` the names and ``lm_head``."""
+        families = [ATTENTION_MODULES] * lora.train_attn + [MLP_MODULES] * lora.train_mlp
+        if lora.train_unembed:
+            targets = ",".join([*families, HEAD_MODULE])
         else:
-            targets = ATTENTION_MODULES if lora.train_attn else MLP_MODULES
+            targets = "all-linear" if len(families) == 2 else families[0]
         return LoraSettings(rank=lora.rank, alpha=self.lora_alpha, target_modules=targets)
 
     def _info(self, entry: _Entry) -> ModelInfo:

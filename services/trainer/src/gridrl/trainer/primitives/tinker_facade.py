@@ -170,9 +170,6 @@ class TinkerFacade:
         self._expire_sessions()
         session = self._session(request.session_id)
         lora = request.lora_config or tinker_wire.tt.LoraConfig(rank=32)
-        if lora.train_unembed:
-            log.info("create_model: train_unembed ignored (gridrl adapts the attention and MLP "
-                     "projections; the output head stays frozen)")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
         with self._lock:
             if model_id in self._gates:  # the SDK retried the call
@@ -182,7 +179,9 @@ class TinkerFacade:
         started = self.service.create_model(
             request.base_model, LoraRequest(rank=lora.rank, seed=lora.seed,
                                             train_attn=lora.train_attn,
-                                            train_mlp=lora.train_mlp), model_id=model_id)
+                                            train_mlp=lora.train_mlp,
+                                            train_unembed=lora.train_unembed),
+            model_id=model_id)
         run = {"base_model": request.base_model, "lora_rank": lora.rank,
                "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
                "train_unembed": lora.train_unembed, "user_metadata": request.user_metadata}
