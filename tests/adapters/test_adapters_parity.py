@@ -38,6 +38,8 @@ TINY_CASES = {
                 "target_modules": ["gate_proj", "up_proj", "down_proj"]}, None),
     "dora": ({"use_dora": True, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]},
              None),
+    # Tinker's train_unembed: LoRA on the output head too (mlx-lm key "lm_head")
+    "output_head": ({"target_modules": ["q_proj", "v_proj", "lm_head"]}, None),
 }
 
 
@@ -86,11 +88,14 @@ def test_peft_adapter_converted_to_mlx(case: str, tiny_llama_dir: Path, tiny_pro
     assert full < TOL, f"whole-distribution max |peft - mlx| = {full:.3g}"
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_mlx_adapter_converted_to_peft(dora: bool, tiny_llama_dir: Path, tiny_prompt: list[int],
-                                       tiny_base_logprobs: np.ndarray, tmp_path: Path) -> None:
-    mlx_dir = make_mlx_adapter(tiny_llama_dir, tmp_path / "mlx", num_layers=1, dora=dora,
-                               keys=["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"])
+@pytest.mark.parametrize("dora, head", [(False, False), (True, False), (False, True)],
+                         ids=["lora", "dora", "output_head"])
+def test_mlx_adapter_converted_to_peft(dora: bool, head: bool, tiny_llama_dir: Path,
+                                       tiny_prompt: list[int], tiny_base_logprobs: np.ndarray,
+                                       tmp_path: Path) -> None:
+    keys = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"] + ["lm_head"] * head
+    mlx_dir = make_mlx_adapter(tiny_llama_dir, tmp_path / "mlx", num_layers=2 if head else 1,
+                               dora=dora, keys=keys)
     peft_dir = write_dir(convert_files(read_dir(mlx_dir), "peft"), tmp_path / "peft")
     full = _check(tiny_prompt, torch_logprobs(tiny_llama_dir, peft_dir, tiny_prompt),
                   mlx_logprobs(tiny_llama_dir, mlx_dir, tiny_prompt), tiny_base_logprobs)

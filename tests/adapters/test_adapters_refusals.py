@@ -9,7 +9,7 @@ import pytest
 from adapters_testlib import make_peft_adapter
 from safetensors.numpy import save as np_save
 
-from gridrl.adapters import AdapterError, convert_files, read_dir
+from gridrl.adapters import AdapterError, convert_files, read_adapter, read_dir
 from gridrl.adapters import tensors as st
 
 
@@ -122,11 +122,26 @@ def test_embedding_lora(tiny_llama_dir: Path, root: Path) -> None:
         convert_files(files, "mlx")
 
 
-def test_lora_outside_the_blocks(tiny_llama_dir: Path, root: Path) -> None:
-    files = _peft(tiny_llama_dir, root, "lm_head", target_modules=["q_proj", "lm_head"])
-    with pytest.raises(AdapterError, match=r"LoRA on lm_head, outside the transformer blocks, "
-                       r"is not supported"):
-        convert_files(files, "mlx")
+def test_the_output_head_with_only_some_blocks_has_no_peft_config(tiny_llama_dir: Path,
+                                                                  root: Path) -> None:
+    """LoRA on lm_head converts (test_adapters_parity's output_head case): mlx-lm names it
+    by the key "lm_head" whichever blocks are adapted, but peft's layers_to_transform would
+    leave lm_head (no block index) out, so an mlx adapter of the last block and the head has
+    no peft config."""
+    files = _peft(tiny_llama_dir, root, "lm_head", target_modules=["q_proj", "lm_head"],
+                  layers_to_transform=[1])
+    assert set(read_adapter(files).modules) == {"model.layers.1.self_attn.q_proj", "lm_head"}
+    mlx = convert_files(files, "mlx", num_layers=2)
+    assert json.loads(mlx["adapter_config.json"])["lora_parameters"]["keys"] == [
+        "self_attn.q_proj", "lm_head"]
+    assert {"lm_head.lora_a", "lm_head.lora_b"} <= set(st.load(
+        mlx["adapters.safetensors"]).tensors)
+    pair = {"model.layers.1.self_attn.q_proj.lora_a": st_np((8, 2)),
+            "model.layers.1.self_attn.q_proj.lora_b": st_np((2, 8)),
+            "lm_head.lora_a": st_np((8, 2)), "lm_head.lora_b": st_np((2, 16))}
+    with pytest.raises(AdapterError, match=r"cannot convert to peft: the adapter adapts blocks "
+                       r"\[1\] and lm_head; peft's layers_to_transform would leave lm_head"):
+        convert_files(_mlx({}, pair), "peft")
 
 
 def test_blocks_that_are_not_the_last_n(tiny_llama_dir: Path, root: Path) -> None:
@@ -164,9 +179,11 @@ def test_mlx_side_refusals() -> None:
                        r"has 3-D lora_a \(a mixture-of-experts SwitchLinear\); peft has no "
                        r"equivalent layer"):
         convert_files(_mlx({}, {**pair, **moe}), "peft")
-    head = {"lm_head.lora_a": st_np((8, 2)), "lm_head.lora_b": st_np((2, 16))}
-    with pytest.raises(AdapterError, match=r"LoRA on lm_head, outside the transformer blocks"):
-        convert_files(_mlx({}, {**pair, **head}), "peft")
+    embed = {"model.embed_tokens.lora_a": st_np((8, 2)), "model.embed_tokens.lora_b":
+             st_np((2, 16))}
+    with pytest.raises(AdapterError, match=r"embedding LoRA on model\.embed_tokens is not "
+                       r"supported"):
+        convert_files(_mlx({}, {**pair, **embed}), "peft")
     with pytest.raises(AdapterError, match=r"tensor model\.layers\.1\.self_attn\.q_proj\.bias is "
                        r"not a LoRA tensor \(lora_a, lora_b, m\)"):
         convert_files(_mlx({}, {**pair, "model.layers.1.self_attn.q_proj.bias": st_np((8,))}),

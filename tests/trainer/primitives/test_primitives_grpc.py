@@ -231,3 +231,89 @@ def test_samples_go_to_the_node_serving_the_version_and_equal_the_trainers(
         server.stop(0)
         service.close()
         node.stop(1)
+
+
+@pytest.mark.parametrize("node_backend", ["torch", pytest.param("mlx", marks=pytest.mark.mlx)])
+def test_a_node_samples_an_adapter_with_a_head_lora_as_the_trainer_does(
+        node_backend: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """train_unembed: the snapshot pushed to a node carries the LoRA on lm_head, and the node
+    applies it: a torch node's samples (its seeds) are the trainer's own, whose sampler
+    applies it too; the sampled tokens' logprobs (torch and MLX nodes) are peft's on the
+    snapshot, and the head's LoRA moves them far more than the bound."""
+    import numpy as np
+
+    from gridrl.engine.backends.torch.backend import TorchBackend
+    from gridrl.models import model_identity
+    from gridrl.rollout.server import NodeConfig, RolloutNode
+    from gridrl.trainer.fleet.pool import NodePool
+    from gridrl.trainer.primitives.fleet import FleetRoute
+    from gridrl.trainer.primitives.types import (
+        AdamSettings,
+        Datum,
+        LoraRequest,
+        LossSpec,
+        SamplingSpec,
+    )
+
+    if node_backend == "torch":
+        backend = TorchBackend.from_pretrained(tiny_llama_dir)
+    else:
+        from gridrl.engine.backends.mlx.backend import MlxBackend
+
+        backend = MlxBackend.from_pretrained(tiny_llama_dir, device="cpu")
+    node = RolloutNode(backend, NodeConfig(
+        listen="127.0.0.1:0", grace_s=1, adapter_root=tmp_path / "node-adapters")).start()
+    identity = model_identity(tiny_llama_dir)
+    pool = NodePool(master=None, addresses=[node.address], model_identity=identity,
+                    wait_for_nodes_s=30)
+    pool.start()
+    pool.wait_for_nodes(1, timeout_s=60)
+    fleet = FleetRoute(pool, model_path=str(tiny_llama_dir.resolve()), identity=identity)
+    service = PrimitivesService(root=tmp_path / "api", load_model=torch_loader("cpu", "auto"),
+                                lora_alpha=8, fleet=fleet)
+    try:
+        info = service.create_model(str(tiny_llama_dir), LoraRequest(
+            rank=4, train_unembed=True)).result(timeout=120)
+        assert "lm_head" in info.target_modules
+        data = [Datum.of(np.array([5, 9, 12, 7]), np.array([9, 12, 7, 2]))]
+        for _ in range(2):
+            service.forward(info.model_id, data, LossSpec("cross_entropy"),
+                            backward=True).result(timeout=120)
+            service.optim_step(info.model_id, AdamSettings(lr=2e-2)).result(timeout=120)
+        snap = service.save_for_sampler(info.model_id).result(timeout=120)
+        assert snap.nodes_synced == [node.address]
+        target = service.base_target(info.model_id, snap.version)
+        spec = SamplingSpec(n=4, max_tokens=6, temperature=1.0, seed=21)
+        on_node = service.sample(target, [5, 9, 12, 7], spec).result(timeout=120)
+        here = service.sample(target, [5, 9, 12, 7], spec,
+                              prompt_logprobs=True).result(timeout=120)  # the trainer's
+        assert (on_node.sampled_by, here.sampled_by) == (node.address, "trainer")
+        if node_backend == "torch":
+            assert [s.token_ids for s in here.sequences] == [
+                s.token_ids for s in on_node.sequences]
+            for a, b in zip(here.sequences, on_node.sequences, strict=True):
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs,
+                                                      strict=True)) < 1e-4
+        # the head's LoRA matters far beyond that 1e-4: without it (its B zeroed, in peft)
+        # the sampled tokens' logprobs move by more than 1e-2
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        ids = [5, 9, 12, 7, *on_node.sequences[0].token_ids]
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            tiny_llama_dir, dtype=torch.float32), str(snap.peft_dir)).eval()
+
+        def sampled_logprobs() -> np.ndarray:
+            with torch.no_grad():
+                lp = torch.log_softmax(peft(torch.tensor([ids])).logits[0], -1)
+            return lp[torch.arange(3, len(ids) - 1), torch.tensor(ids[4:])].numpy()
+
+        with_head = sampled_logprobs()
+        np.testing.assert_allclose(with_head, on_node.sequences[0].logprobs, rtol=0, atol=1e-4)
+        with torch.no_grad():
+            peft.base_model.model.lm_head.lora_B["default"].weight.zero_()
+        assert np.abs(sampled_logprobs() - with_head).max() > 1e-2
+    finally:
+        service.close()
+        node.stop(1)

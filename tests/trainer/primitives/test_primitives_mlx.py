@@ -153,3 +153,34 @@ def test_the_sdk_trains_and_samples_on_serve_api_backend_mlx(tiny_llama_dir: Pat
         service.close("success").result(timeout=60)
     finally:
         server.stop()
+
+
+def test_a_head_tied_to_the_embeddings_gets_no_head_lora_in_mlx(tiny_llama_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """mlx-lm computes a tied head as embed_tokens.as_linear (no lm_head module): train_unembed
+    is refused there by name, and a torch adapter with a head LoRA gets no mlx-lm copy (it
+    would load and change nothing); the untied tiny llama gets one with key lm_head."""
+    import json
+    import shutil
+
+    from gridrl.common.errors import Kind, StatusError
+    from gridrl.trainer.primitives.snapshots import write_mlx
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_llama_dir, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    head = LoraSettings(rank=4, alpha=8, target_modules="q_proj,v_proj,lm_head")
+    with pytest.raises(StatusError, match="train_unembed") as refused:
+        MlxTrainableModel.load(str(tied), head, seed=0, device="cpu")
+    assert refused.value.kind == Kind.FAILED_PRECONDITION
+    model = TorchTrainableModel.load(str(tiny_llama_dir), head, seed=0, device="cpu")
+    try:
+        files = model.adapter_files()
+    finally:
+        model.close()
+    assert write_mlx(files, tmp_path / "mlx-tied", "m", 2, str(tied)) is None
+    untied = write_mlx(files, tmp_path / "mlx", "m", 2, str(tiny_llama_dir))
+    assert untied is not None
+    saved = json.loads((untied / "adapter_config.json").read_text())
+    assert "lm_head" in saved["lora_parameters"]["keys"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from float_bounds import ROUNDING_REL, assert_close_to_largest
 
 tinker = pytest.importorskip("tinker", reason="the Tinker SDK (gridrl-trainer[tinker])")
 httpx = pytest.importorskip("httpx")
@@ -374,6 +375,107 @@ def test_topk_prompt_logprobs_and_two_training_clients_each_with_its_own_lora(ap
     after = second.forward([datum], "cross_entropy").result(timeout=60).metrics["loss:sum"]
     assert moved < before  # the first one learned
     assert after == pytest.approx(before, rel=1e-6)  # the second one's adapter did not move
+    service_client.close("success").result()
+
+
+def _peft_logprobs(model_dir: str, adapter_dir: Path | None, ids: list[int]) -> np.ndarray:
+    """log p(ids[t + 1] | ids[:t + 1]) from transformers (+ the peft adapter), float32."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1),
+                                         torch.tensor(ids[1:])].numpy()
+
+
+@pytest.mark.mlx
+def test_train_unembed_adapts_the_output_head_and_exports_it_in_peft_and_mlx(api: dict) -> None:
+    """``train_unembed=True`` (the SDK's default) puts a LoRA on lm_head: two clients of one
+    seed, with and without it, start equal (B = 0) and take the same step; the gradient that
+    reaches the head's LoRA makes the one with it score the data better than the one without.
+    Its samples (the trainer's sampler) and its peft and mlx-lm exports compute the same
+    logprobs."""
+    from safetensors.numpy import load_file
+
+    types = tinker.types
+    service_client = tinker.ServiceClient()
+    head, plain = (service_client.create_lora_training_client(
+        base_model=api["model"], rank=4, seed=7, train_unembed=unembed).result(timeout=120)
+        for unembed in (True, False))
+    ids = [1, 17, 9, 33, 21, 41, 12, 8, 30, 2]
+    data = [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:]})]
+
+    def logprobs(client: Any) -> np.ndarray:
+        out = client.forward(data, "cross_entropy").result(timeout=60)
+        return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist())
+
+    before = logprobs(head)
+    assert_close_to_largest(before, logprobs(plain), ROUNDING_REL, "B = 0: both are the base")
+    for client in (head, plain):
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    with_head, without = logprobs(head), logprobs(plain)
+    # the blocks took the same step (same seed, same gradient: the head's LoRA added nothing
+    # to the forward at B = 0); the head's own step is one more descent step
+    gap = float(with_head.sum() - without.sum())
+    assert gap > 10 * ROUNDING_REL * float(np.abs(without).sum()), gap
+
+    folders, paths, rest = {}, {}, tinker.RestClient()
+    for name, client in (("head", head), ("plain", plain)):
+        saved = client.save_weights_for_sampler(name).result(timeout=60)
+        folders[name] = (api["dir"] / client.model_id.replace(":", "-") / "sampler_weights"
+                         / name)
+        info = rest.get_weights_info_by_tinker_path(saved.path).result(timeout=60)
+        assert info.train_unembed is (name == "head")
+        paths[name] = saved.path
+    peft_dir, mlx_dir = folders["head"] / "peft", folders["head"] / "mlx"
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert "lm_head" in config["target_modules"]
+    tensors = load_file(peft_dir / "adapter_model.safetensors")
+    assert {"base_model.model.lm_head.lora_A.weight",
+            "base_model.model.lm_head.lora_B.weight"} <= set(tensors)
+    assert not any("lm_head" in k for k in load_file(
+        folders["plain"] / "peft" / "adapter_model.safetensors"))
+    # the peft export computes what the server scores with the weights
+    local = _peft_logprobs(api["model"], peft_dir, ids)
+    assert_close_to_largest(local, with_head, ROUNDING_REL, "peft export vs forward")
+    assert_close_to_largest(_peft_logprobs(api["model"], folders["plain"] / "peft", ids),
+                            without, ROUNDING_REL, "peft export without the head")
+    # and the server's samplers use the head's LoRA (the trainer's own sampler here)
+    sampler = service_client.create_sampling_client(model_path=paths["head"])
+    served = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result(timeout=60)
+    assert served[0] is None
+    assert_close_to_largest(served[1:], local, ROUNDING_REL, "sampler vs peft export")
+    live = head.save_weights_and_get_sampling_client().result(timeout=60)
+    prompt = types.ModelInput.from_ints(ids[:5])
+    result = live.sample(prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(
+        max_tokens=5, temperature=0.0)).result(timeout=60)
+    sample = result.sequences[0]
+    want = _peft_logprobs(api["model"], peft_dir, ids[:5] + list(sample.tokens))[4:]
+    assert_close_to_largest(sample.logprobs, want, ROUNDING_REL, "sampled tokens' logprobs")
+    # the mlx-lm copy: key "lm_head", tensors lm_head.lora_a / lora_b, the same logits
+    mlx_config = json.loads((mlx_dir / "adapter_config.json").read_text())
+    assert "lm_head" in mlx_config["lora_parameters"]["keys"]
+    assert {"lm_head.lora_a", "lm_head.lora_b"} <= set(load_file(mlx_dir / "adapters.safetensors"))
+    import mlx.core as mx
+    import torch
+    from mlx_lm import load
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            api["model"], dtype=torch.float32), str(peft_dir)).eval()(
+            torch.tensor([ids])).logits[0].numpy()
+    mlx_model, _ = load(api["model"], adapter_path=str(mlx_dir))
+    got = np.array(mlx_model(mx.array([ids]))[0])
+    assert np.abs(got - logits).max() <= 1e-4 * float(np.abs(logits).max())
     service_client.close("success").result()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-from gridrl.adapters.adapter import LoraAdapter, split_module_path
+from gridrl.adapters.adapter import HEAD_MODULE, LoraAdapter, split_module_path
 from gridrl.adapters.errors import AdapterError
 
 CONFIG = "adapter_config.json"
@@ -129,3 +129,13 @@ def outside_blocks_message(path: str) -> str:
 
 def is_block_module(path: str) -> bool:
     return split_module_path(path) is not None
+
+
+def is_adaptable(path: str) -> bool:
+    """A module either format adapts: a linear layer inside the blocks, or the output head."""
+    return path == HEAD_MODULE or is_block_module(path)
+
+
+def config_keys(adapter: LoraAdapter, keys: list[str]) -> list[str]:
+    """The block ``keys`` a config names, plus the output head when the adapter adapts it."""
+    return [*keys, HEAD_MODULE] if adapter.head() is not None else keys

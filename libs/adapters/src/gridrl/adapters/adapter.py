@@ -32,6 +32,16 @@ _HIDDEN_IN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", 
               "query_key_value", "c_attn", "c_fc", "fc1", "w1", "w3", "Wqkv", "in_proj",
               "query", "key", "value", "wq", "wk", "wv"}
 _HIDDEN_OUT = {"o_proj", "down_proj", "c_proj", "fc2", "w2", "out_proj", "wo"}
+#: The output head's module path (llama-like models, peft and mlx-lm alike): the one module
+#: outside the blocks both formats adapt as a plain linear layer (Tinker's ``train_unembed``).
+#: peft names its tensors ``base_model.model.lm_head.lora_A.weight`` / ``lora_B.weight``
+#: (``PeftModel.save_pretrained``), mlx-lm ``lm_head.lora_a`` / ``lora_b`` with ``"lm_head"``
+#: in ``lora_parameters.keys`` (``tuner/utils.py`` ``linear_to_lora_layers`` matches the keys
+#: against the model's top-level module paths too). A model whose head is tied to its
+#: embeddings has no ``lm_head`` module in mlx-lm (``embed_tokens.as_linear``), so such an
+#: adapter's mlx-lm copy would adapt nothing there: :func:`gridrl.adapters.convert_files`
+#: cannot see the tie, its caller refuses (the trainer does).
+HEAD_MODULE = "lm_head"
 
 
 def split_module_path(path: str) -> tuple[str, int, str] | None:
@@ -91,7 +101,8 @@ class LoraAdapter:
         unsupported: what the other format cannot express, one message each (extra tensors,
             biases, embedding LoRA, modules_to_save...). Conversion refuses when non-empty.
         other_modules: paths of LoRA modules kept out of ``modules`` because they are not
-            linear layers inside the blocks (embeddings, lm_head, convolutions, MoE experts).
+            linear layers inside the blocks or the output head :data:`HEAD_MODULE`
+            (embeddings, convolutions, MoE experts).
         config: the parsed adapter_config.json; config_bytes: its exact bytes.
         metadata / layout: the weights file's ``__metadata__`` and how to rewrite it byte for
             byte (see :func:`gridrl.adapters.tensors.detect_writer`).
@@ -136,6 +147,10 @@ class LoraAdapter:
         inside = self.block_modules()
         return sorted({inside[p][2] if p in inside else p for p in self.modules}
                       | set(self.other_modules))
+
+    def head(self) -> LoraModule | None:
+        """The LoRA on the output head (:data:`HEAD_MODULE`), None when it has none."""
+        return self.modules.get(HEAD_MODULE)
 
     def uniform_rank(self) -> int | None:
         """The rank shared by every module, None when they differ or there are none."""

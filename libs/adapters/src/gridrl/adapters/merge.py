@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from gridrl.adapters import tensors as st
-from gridrl.adapters.adapter import Format, LoraAdapter, LoraModule
+from gridrl.adapters.adapter import HEAD_MODULE, Format, LoraAdapter, LoraModule
 from gridrl.adapters.base_model import identity_from_config
 from gridrl.adapters.convert import read_adapter
 from gridrl.adapters.errors import AdapterError
@@ -121,10 +121,12 @@ def check_mergeable(adapter: LoraAdapter) -> None:
                            "initial product from the base weights, so the adapter is relative "
                            "to a modified base (convert it with peft's "
                            "path_initial_model_for_weight_conversion first)")
-    if adapter.other_modules:
-        reasons.append(f"LoRA on {adapter.other_modules[0]}"
-                       + (f" and {len(adapter.other_modules) - 1} more"
-                          if len(adapter.other_modules) > 1 else "")
+    # the output head (train_unembed) stays out too: a head tied to the embeddings would
+    # change them as well
+    outside = [HEAD_MODULE] * (adapter.head() is not None) + adapter.other_modules
+    if outside:
+        reasons.append(f"LoRA on {outside[0]}"
+                       + (f" and {len(outside) - 1} more" if len(outside) > 1 else "")
                        + ": only linear layers inside the transformer blocks are folded")
     if not reasons and adapter.unsupported:
         reasons += adapter.unsupported  # e.g. tensors that are not LoRA factors

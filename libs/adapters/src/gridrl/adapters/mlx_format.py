@@ -15,7 +15,8 @@ Config read by ``mlx_lm.tuner.utils.load_adapters`` / ``linear_to_lora_layers``:
 ``model.layers[-max(num_layers, 0):]``: the last N blocks, all of them when <= 0) and
 ``lora_parameters`` = {``rank``, ``scale``, ``dropout``, ``keys``}: ``keys`` are module paths
 inside a block (``self_attn.q_proj``; None: every linear in the block), also matched against
-the model's top-level module paths.
+the model's top-level module paths: the output head is ``lm_head`` (key ``"lm_head"``,
+tensors ``lm_head.lora_a`` / ``lm_head.lora_b``; :data:`gridrl.adapters.adapter.HEAD_MODULE`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from gridrl.adapters import tensors as st
 from gridrl.adapters._common import (
     CONFIG,
     block_grid,
+    config_keys,
     outside_blocks_message,
     parse_config,
     refuse_unsupported,
     uniform_dora,
     uniform_rank_and_scale,
 )
-from gridrl.adapters.adapter import LoraAdapter, LoraModule, split_module_path
+from gridrl.adapters.adapter import HEAD_MODULE, LoraAdapter, LoraModule, split_module_path
 from gridrl.adapters.errors import AdapterError
 
 WEIGHTS = "adapters.safetensors"
@@ -117,7 +119,7 @@ def read(files: Mapping[str, bytes],
         if keys is not None and (path if split is None else split[2]) not in keys:
             raise AdapterError(f"{WEIGHTS}: {path} is not addressed by lora_parameters.keys "
                                f"{keys}; mlx-lm would refuse to load it")
-        if split is None:
+        if split is None and path != HEAD_MODULE:
             unsupported.append(outside_blocks_message(path))
             other.append(path)
             continue
@@ -193,7 +195,8 @@ def render(adapter: LoraAdapter, num_layers: int | None) -> tuple[dict, dict[str
     layers, keys = block_grid(adapter, "mlx")
     cfg: dict = {
         "fine_tune_type": "dora" if dora else "lora",
-        "lora_parameters": {"dropout": adapter.dropout, "keys": keys, "rank": rank,
+        "lora_parameters": {"dropout": adapter.dropout, "keys": config_keys(adapter, keys),
+                            "rank": rank,
                             "scale": scale},
         "num_layers": mlx_num_layers(adapter, layers, num_layers),
     }

@@ -6,6 +6,9 @@ Tensors (``PeftModel.save_pretrained``, adapter name stripped) for a module at `
     base_model.model.<path>.lora_B.weight          (out, r)
     base_model.model.<path>.lora_magnitude_vector  (out,)       DoRA only
 
+``<path>`` is a module inside the blocks or the output head ``lm_head``
+(:data:`gridrl.adapters.adapter.HEAD_MODULE`, ``target_modules`` naming ``"lm_head"``).
+
 Scale (peft ``tuners/lora/layer.py`` ``update_layer``): ``lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with ``use_rslora`` (Kalajdzievski 2023); per module, ``r`` and
 ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` when a pattern matches
@@ -25,20 +28,28 @@ from gridrl.adapters import tensors as st
 from gridrl.adapters._common import (
     CONFIG,
     block_grid,
+    config_keys,
     embedding_message,
-    is_block_module,
+    is_adaptable,
     outside_blocks_message,
     parse_config,
     refuse_unsupported,
     uniform_dora,
     uniform_rank_and_scale,
 )
-from gridrl.adapters.adapter import LoraAdapter, LoraModule
+from gridrl.adapters.adapter import HEAD_MODULE, LoraAdapter, LoraModule
 from gridrl.adapters.errors import AdapterError
 
 WEIGHTS = "adapter_model.safetensors"
 PICKLE_WEIGHTS = "adapter_model.bin"
 PREFIX = "base_model.model."
+# With lm_head in target_modules, save_pretrained's save_embedding_layers="auto" also saves
+# the frozen base weight of the head as ``base_model.model.lm_head.base_layer.weight``
+# (peft utils/save_and_load.py, get_peft_model_state_dict: the "embedding layers" lm_head and
+# embed_tokens are saved whenever targeted, in case the vocabulary was resized). It is the
+# base model's head, which the base model the adapter is loaded on supplies (a resized
+# vocabulary shows as lora_B rows not matching it), so it is read past and not converted.
+_HEAD_BASE = f"{HEAD_MODULE}.base_layer.weight"
 _SUFFIXES = {
     ".lora_A.weight": "a",
     ".lora_B.weight": "b",
@@ -143,6 +154,8 @@ def read(files: Mapping[str, bytes],
                 parts.setdefault(bare[: -len(suffix)], {})[kind] = t
                 break
         else:
+            if bare == _HEAD_BASE:
+                continue  # the base model's own head (see _HEAD_BASE): not part of the LoRA
             if bare.endswith(".bias"):
                 biases.append(name)
             elif not cfg.get("modules_to_save"):
@@ -189,7 +202,7 @@ def read(files: Mapping[str, bytes],
         if m is not None and m.shape != (b.shape[0],):
             raise AdapterError(f"{WEIGHTS}: {path}: lora_magnitude_vector {list(m.shape)} does "
                                f"not match the output size {b.shape[0]}")
-        if not is_block_module(path):
+        if not is_adaptable(path):
             unsupported.append(outside_blocks_message(path))
             other.append(path)
             continue
@@ -236,6 +249,11 @@ def render(adapter: LoraAdapter, key_prefix: str = PREFIX) -> tuple[dict, dict[s
     rank, scale = uniform_rank_and_scale(adapter, "peft")
     dora = uniform_dora(adapter, "peft")
     layers, keys = block_grid(adapter, "peft")
+    every_block = layers == list(range(len(layers)))
+    if adapter.head() is not None and not every_block:
+        raise AdapterError(f"cannot convert to peft: the adapter adapts blocks {layers} and "
+                           f"{HEAD_MODULE}; peft's layers_to_transform would leave "
+                           f"{HEAD_MODULE} (no block index) out")
     cfg = {
         "alpha_pattern": {},
         "base_model_name_or_path": adapter.base_model_path or None,
@@ -244,14 +262,14 @@ def render(adapter: LoraAdapter, key_prefix: str = PREFIX) -> tuple[dict, dict[s
         "inference_mode": True,
         "init_lora_weights": True,
         "layers_pattern": None,
-        "layers_to_transform": None if layers == list(range(len(layers))) else layers,
+        "layers_to_transform": None if every_block else layers,
         "lora_alpha": alpha_for_scale(scale, rank),
         "lora_dropout": adapter.dropout,
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": rank,
         "rank_pattern": {},
-        "target_modules": keys,
+        "target_modules": config_keys(adapter, keys),
         "task_type": "CAUSAL_LM",
         "use_dora": dora,
         "use_rslora": False,

@@ -4,7 +4,7 @@ waits (a long poll) rather than answering at once, since the SDK asks again as s
 hears "try again".
 
     store = FutureStore()
-    rid = store.create("ForwardBackward")
+    rid = store.create(FutureKind.FORWARD_BACKWARD)
     ... store.resolve(rid, result)        # or store.fail(rid, message, user=True)
     outcome = store.wait(rid, timeout_s=25)   # Pending / Done / Failed; KeyError: unknown id
     store.on_done(rid, wake_my_event_loop)    # the async form of the wait: then store.peek(rid)
@@ -22,21 +22,59 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class FutureKind(StrEnum):
+    """What a request is (Tinker's request types, as the SDK's ``retrieve_future`` decodes
+    their results: :attr:`proto` ones as protobuf, the others as JSON)."""
+
+    CREATE_MODEL = "CreateModel"
+    LOAD_WEIGHTS = "LoadWeights"
+    FORWARD_BACKWARD = "ForwardBackward"
+    FORWARD = "Forward"
+    OPTIM_STEP = "OptimStep"
+    SAVE_WEIGHTS = "SaveWeights"
+    SAVE_WEIGHTS_EXTERNAL = "SaveWeightsExternal"
+    SAVE_WEIGHTS_FOR_SAMPLER = "SaveWeightsForSampler"
+    SAMPLE = "Sample"
+    #: a refused request of an endpoint without a kind of its own (its place in the order)
+    OTHER = "Other"
+
+    @property
+    def proto(self) -> bool:
+        """Its result travels as protobuf (forward, forward-backward, sample), else JSON."""
+        return self in (FutureKind.FORWARD_BACKWARD, FutureKind.FORWARD, FutureKind.SAMPLE)
+
+    @classmethod
+    def of_endpoint(cls, endpoint: str) -> FutureKind:
+        """The kind of a request to ``/api/v1/<endpoint>`` (:attr:`OTHER` for the rest)."""
+        return _ENDPOINT_KINDS.get(endpoint, cls.OTHER)
+
+
+_ENDPOINT_KINDS = {
+    "create_model": FutureKind.CREATE_MODEL, "load_weights": FutureKind.LOAD_WEIGHTS,
+    "forward_backward": FutureKind.FORWARD_BACKWARD, "forward": FutureKind.FORWARD,
+    "optim_step": FutureKind.OPTIM_STEP, "save_weights": FutureKind.SAVE_WEIGHTS,
+    "save_weights_external": FutureKind.SAVE_WEIGHTS_EXTERNAL,
+    "save_weights_for_sampler": FutureKind.SAVE_WEIGHTS_FOR_SAMPLER,
+    "asample": FutureKind.SAMPLE,
+}
 
 
 @dataclass(frozen=True)
 class Pending:
     """Still running (the client should ask again)."""
 
-    kind: str
+    kind: FutureKind
 
 
 @dataclass(frozen=True)
 class Done:
     """Finished with ``result`` (a domain object; the wire layer encodes it)."""
 
-    kind: str
+    kind: FutureKind
     result: Any
 
 
@@ -49,7 +87,7 @@ class Failed:
         user: the caller's mistake (Tinker's ``category: user``), else the server's.
     """
 
-    kind: str
+    kind: FutureKind
     message: str
     user: bool
 
@@ -59,7 +97,7 @@ Outcome = Pending | Done | Failed
 
 @dataclass
 class _Entry:
-    kind: str
+    kind: FutureKind
     outcome: Outcome
     finished_at: float | None = None
     listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -81,8 +119,8 @@ class FutureStore:
         self._counter = itertools.count(1)
         self._prefix = uuid.uuid4().hex[:8]
 
-    def create(self, kind: str) -> str:
-        """A new pending request of ``kind`` (``"ForwardBackward"``, ``"Sample"``...); its id."""
+    def create(self, kind: FutureKind) -> str:
+        """A new pending request of ``kind``; its id."""
         with self._cond:
             self._expire()
             rid = f"{self._prefix}-{next(self._counter)}"

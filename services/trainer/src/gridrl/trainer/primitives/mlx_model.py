@@ -36,6 +36,7 @@ from gridrl.trainer.primitives.types import (
     CISPO,
     CROSS_ENTROPY,
     DRO,
+    HEAD_MODULE,
     IMPORTANCE_SAMPLING,
     AdamSettings,
     Datum,
@@ -102,7 +103,8 @@ class MlxTrainableModel:
 
         Raises:
             StatusError: INVALID_ARGUMENT for a ``dtype`` MLX has not, or when no module
-                matches ``lora.target_modules``.
+                matches ``lora.target_modules``; FAILED_PRECONDITION for ``lm_head`` among
+                them (train_unembed) on a model whose head is tied to its embeddings.
         """
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -119,7 +121,17 @@ class MlxTrainableModel:
         if dtype != "auto":
             model.set_dtype(DTYPES[dtype])
             engine.dtype = dtype
-        keys = _lora_keys(model, lora.target_modules)
+        names = [t.strip() for t in lora.target_modules.split(",")]
+        head = HEAD_MODULE in names  # train_unembed: mlx-lm's top-level key "lm_head"
+        keys = _lora_keys(model, ",".join(n for n in names if n != HEAD_MODULE))
+        if head:
+            if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model,
+                                                                                HEAD_MODULE):
+                raise failed_precondition(
+                    f"train_unembed=True: {base_model}'s output head is tied to its embeddings "
+                    "(mlx-lm computes it as embed_tokens.as_linear, no lm_head module to put "
+                    "a LoRA on); pass train_unembed=False or use --backend torch")
+            keys.append(HEAD_MODULE)
         scale = lora.alpha / (math.sqrt(lora.rank) if lora.rslora else lora.rank)
         mx.random.seed(seed % (2 ** 32))  # the LoRA A initialisation
         model.freeze()

@@ -10,6 +10,8 @@ call from its one model thread.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from gridrl.trainer.primitives.types import (
@@ -85,3 +87,19 @@ class TrainableModel(Protocol):
 
     def close(self) -> None:
         """Release the model. Idempotent."""
+
+
+@dataclass
+class ModelEntry:
+    """An open training model in the service's table: its model, its policy versions saved
+    for sampling (directory per version, the unnamed ones in order), the newest version and
+    the version equal to the current weights (None: trained since)."""
+
+    model: TrainableModel
+    model_id: str
+    base_model: str
+    base_files: dict[str, bytes]  # version 0: B = 0, the base model
+    versions: dict[int, Path] = field(default_factory=dict)  # sampler directory per version
+    unnamed: list[int] = field(default_factory=list)
+    version: int = 0  # newest snapshot
+    live: int | None = 0  # the version equal to the current weights; None: trained since

@@ -1,19 +1,16 @@
 """The primitives behind both wires: :class:`PrimitivesService`.
 
 It owns the training models (one :class:`~gridrl.trainer.primitives.model.TrainableModel`
-each), their snapshots for sampling (policy versions 1, 2, ... on disk, see
-:mod:`gridrl.trainer.primitives.paths`), and the choice of who samples a version: the rollout
-nodes when they serve it (:class:`~gridrl.trainer.primitives.fleet.FleetRoute`), else the
-trainer on its own copy of the weights.
+each, held as a :class:`~gridrl.trainer.primitives.model.ModelEntry`), their training, and
+their snapshots (policy versions 1, 2, ... on disk, see :mod:`gridrl.trainer.primitives.paths`;
+files written by :mod:`gridrl.trainer.primitives.snapshots`). Who samples a version (the
+rollout nodes when they serve it, else the trainer on its own copy of the weights) is its
+:class:`~gridrl.trainer.primitives.routing.SampleRouter`'s.
 
 Every method returns a ``concurrent.futures.Future`` at once. Work on a model's weights runs on
 one thread, ``primitives-model``, in the order it was submitted (so a caller that submits in
 its order gets that order; the HTTP facade releases a client's requests in its ``seq_id``
-order first, :mod:`gridrl.trainer.primitives.ordering`). Samples the nodes serve run on the
-``primitives-sample`` threads and never wait for the model thread; the samples the trainer
-serves itself queue for the model thread
-(:class:`~gridrl.trainer.primitives.local_sampling.TrainerSampler`: requests queued at once
-for the same weights and settings share one batched decode). The saved checkpoints as
+order first, :mod:`gridrl.trainer.primitives.tinker_requests`). The saved checkpoints as
 Tinker's RestClient sees them (listings, TTLs, deletion) are
 :mod:`gridrl.trainer.primitives.checkpoints`. Errors are
 :class:`gridrl.common.errors.StatusError` s set on the future (NOT_FOUND for an unknown model,
@@ -28,13 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,13 +43,9 @@ from gridrl.common.errors import (
 from gridrl.trainer.backends.base import LoraSettings
 from gridrl.trainer.primitives import paths
 from gridrl.trainer.primitives.fleet import FleetRoute
-from gridrl.trainer.primitives.local_sampling import (
-    LocalSample,
-    SampleTarget,
-    TrainerSampler,
-    apply_stops,
-)
-from gridrl.trainer.primitives.model import TrainableModel
+from gridrl.trainer.primitives.local_sampling import SampleTarget
+from gridrl.trainer.primitives.model import ModelEntry
+from gridrl.trainer.primitives.routing import ModelLoader, SampleRouter
 from gridrl.trainer.primitives.snapshots import (
     EXTERNAL_FILE,
     KEEP_UNNAMED,
@@ -66,6 +57,7 @@ from gridrl.trainer.primitives.snapshots import (
     write_mlx,
 )
 from gridrl.trainer.primitives.types import (
+    HEAD_MODULE,
     AdamSettings,
     Datum,
     ForwardResult,
@@ -73,7 +65,6 @@ from gridrl.trainer.primitives.types import (
     LossSpec,
     ModelInfo,
     OptimResult,
-    SampledSequence,
     SampleResult,
     SamplingSpec,
 )
@@ -81,22 +72,8 @@ from gridrl.trainer.primitives.types import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# (base model, LoRA settings, seed) -> a loaded model with a fresh adapter
-ModelLoader = Callable[[str, LoraSettings, int], TrainableModel]
 ATTENTION_MODULES = "q_proj,k_proj,v_proj,o_proj"
 MLP_MODULES = "gate_proj,up_proj,down_proj"
-
-
-@dataclass
-class _Entry:
-    model: TrainableModel
-    model_id: str
-    base_model: str
-    base_files: dict[str, bytes]  # version 0: B = 0, the base model
-    versions: dict[int, Path] = field(default_factory=dict)  # sampler directory per version
-    unnamed: list[int] = field(default_factory=list)
-    version: int = 0  # newest snapshot
-    live: int | None = 0  # the version equal to the current weights; None: trained since
 
 
 class PrimitivesService:
@@ -121,13 +98,13 @@ class PrimitivesService:
         self.max_models = max_models
         self._load_model = load_model
         self._lock = threading.Lock()
-        self._models: dict[str, _Entry] = {}
+        self._models: dict[str, ModelEntry] = {}
         self._snapshots: dict[str, tuple[str, int]] = {}  # sampler uri -> (model id, version)
-        self._samplers: dict[tuple[str, Any], TrainableModel] = {}  # models of closed ones
-        self._trainer_sampler = TrainerSampler(self._sampler_for)
         self._model_thread = futures.ThreadPoolExecutor(1, thread_name_prefix="primitives-model")
-        self._sample_threads = futures.ThreadPoolExecutor(16, thread_name_prefix="primitives-sample")
         self._closed = False
+        self.router = SampleRouter(fleet=fleet, load_model=load_model, seed=seed,
+                                   open_model=self._open_entry, open_models=self._open_entries,
+                                   submit=self._on_model_thread)
 
     # ---------------------------------------------------------------- models
 
@@ -161,7 +138,7 @@ class PrimitivesService:
                 raise
             except (OSError, ValueError) as e:
                 raise invalid_argument("base_model", f"{base!r}: {e}") from e
-            entry = _Entry(model, mid, base, base_files=model.adapter_files())
+            entry = ModelEntry(model, mid, base, base_files=model.adapter_files())
             if saved is not None:
                 model.load_state_files(saved, with_optimizer=with_optimizer)
                 entry.live = None
@@ -263,7 +240,8 @@ class PrimitivesService:
             files = entry.model.adapter_files()
             peft_dir = write_dir(files, directory / "peft")
             layers = entry.model.identity.num_layers
-            mlx_dir = write_mlx(files, directory / "mlx", entry.model_id, layers) if name else None
+            mlx_dir = (write_mlx(files, directory / "mlx", entry.model_id, layers,
+                                 entry.model.model_path) if name else None)
             (directory / SNAPSHOT_FILE).write_text(json.dumps(
                 {**self._describe(entry), "policy_version": version}, indent=2))
             synced = None
@@ -292,13 +270,13 @@ class PrimitivesService:
             files = entry.model.adapter_files()
             write_dir(files, directory / "peft")
             write_mlx(files, directory / "mlx", entry.model_id,
-                      entry.model.identity.num_layers)
+                      entry.model.identity.num_layers, entry.model.model_path)
             (directory / EXTERNAL_FILE).write_text(json.dumps(self._describe(entry), indent=2))
             return where.uri
 
         return self._on_model_thread(job)
 
-    def _drop_old_unnamed(self, entry: _Entry, version: int) -> list[Path]:
+    def _drop_old_unnamed(self, entry: ModelEntry, version: int) -> list[Path]:
         entry.unnamed.append(version)
         dropped = []
         while len(entry.unnamed) > KEEP_UNNAMED:
@@ -345,117 +323,14 @@ class PrimitivesService:
     def sample(self, target: SampleTarget, prompt: Sequence[int], spec: SamplingSpec, *,
                prompt_logprobs: bool = False, topk_prompt: int = 0
                ) -> futures.Future[SampleResult]:
-        """``spec.n`` samples of ``prompt`` on ``target``'s weights: on the rollout nodes when
-        they serve that version (and prompt logprobs are not asked), else on the trainer.
-        ``topk_prompt`` > 0: also the top-k logprobs of every prompt position
-        (:attr:`SampleResult.topk_prompt`)."""
-        result: futures.Future[SampleResult] = futures.Future()
-        try:
-            spec.check()
-            if not prompt:
-                raise invalid_argument("prompt", "is empty")
-            if topk_prompt < 0:
-                raise invalid_argument("topk_prompt_logprobs", f"must be >= 0, got {topk_prompt}")
-        except StatusError as e:
-            result.set_exception(e)
-            return result
-        seed = spec.seed if spec.seed is not None else random.getrandbits(63)
-        prompt = list(prompt)
-
-        def local() -> None:
-            self._trainer_sampler.enqueue(LocalSample(target, prompt, spec, seed, result,
-                                                      prompt_logprobs, topk_prompt))
-            drained = self._on_model_thread(self._trainer_sampler.drain)
-            if drained.done() and drained.exception() is not None:  # shutting down
-                result.set_exception(drained.exception())
-
-        def remote() -> None:
-            try:
-                samples, node = self.fleet.sample(prompt, spec, seed)  # type: ignore[union-attr]
-            except Exception as e:  # no node could serve it: the trainer can
-                log.warning("sampling on the rollout nodes failed (%s); sampling on the "
-                            "trainer", e)
-                return local()
-            if any(s.policy_version != target.version for s in samples):
-                return local()  # the fleet moved to a newer version meanwhile
-            seqs = [SampledSequence(s.token_ids, s.logprobs, s.finish_reason, s.policy_version)
-                    for s in samples]
-            try:
-                if spec.stop_strings:
-                    seqs = apply_stops(seqs, spec, self.tokenizer(target.base_model))
-                result.set_result(SampleResult(seqs, node))
-            except Exception as e:
-                result.set_exception(e)
-
-        if (self.fleet is not None and not prompt_logprobs and not topk_prompt
-                and self._fleet_serves(target)):
-            self._sample_threads.submit(remote)
-        else:
-            local()
-        return result
-
-    def _fleet_serves(self, target: SampleTarget) -> bool:
-        from gridrl.models import resolve_model
-
-        try:
-            path = str(resolve_model(target.base_model, progress=False))
-        except (OSError, ValueError):
-            return False
-        return self.fleet is not None and self.fleet.serves(
-            target.model_id, target.version, path)
-
-    def _sampler_for(self, target: SampleTarget
-                     ) -> tuple[TrainableModel, Mapping[str, bytes] | None]:
-        """The model to sample ``target`` on, and the adapter files to swap in for the call
-        (None: its current weights are the target's)."""
-        from gridrl.adapters import read_dir
-
-        with self._lock:
-            entry = self._models.get(target.model_id) if target.model_id else None
-        if entry is not None:
-            if target.version == entry.live:
-                return entry.model, None
-            if target.version == 0:
-                return entry.model, entry.base_files
-            directory = entry.versions.get(target.version)
-            if directory is None:
-                raise not_found(f"{target.model_id}: policy version {target.version} was "
-                                f"dropped (unnamed snapshots are kept {KEEP_UNNAMED} deep)")
-            return entry.model, read_dir(directory / "peft")
-        if target.adapter_dir is None:
-            if target.model_id is not None and target.version != 0:
-                raise not_found(f"training model {target.model_id} is closed: sample its "
-                                "snapshot by its tinker:// path instead")
-            # the base model: any adapter with B = 0 will do
-            return self._sampler_model(target.base_model, LoraSettings(rank=1)), None
-        files = read_dir(target.adapter_dir)
-        cfg = json.loads(files["adapter_config.json"])
-        targets = cfg.get("target_modules") or []
-        settings = LoraSettings(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
-                                target_modules=lora_targets(targets))
-        return self._sampler_model(target.base_model, settings), files
-
-    def _sampler_model(self, base_model: str, settings: LoraSettings) -> TrainableModel:
-        key = (base_model, settings)
-        with self._lock:
-            model = self._samplers.get(key)
-        if model is None:
-            model = self._load_model(base_model, settings, self.seed)
-            with self._lock:
-                self._samplers[key] = model
-        return model
+        """``spec.n`` samples of ``prompt`` on ``target``'s weights (:meth:`SampleRouter.sample`:
+        on the rollout nodes when they serve that version, else on the trainer)."""
+        return self.router.sample(target, prompt, spec, prompt_logprobs=prompt_logprobs,
+                                  topk_prompt=topk_prompt)
 
     def tokenizer(self, base_model: str) -> Any:
         """The tokenizer of ``base_model`` (an open model's, else loaded from its directory)."""
-        from transformers import AutoTokenizer
-
-        from gridrl.models import resolve_model
-
-        with self._lock:
-            for entry in self._models.values():
-                if entry.base_model == base_model:
-                    return entry.model.tokenizer
-        return AutoTokenizer.from_pretrained(resolve_model(base_model, progress=False))
+        return self.router.tokenizer(base_model)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -464,12 +339,11 @@ class PrimitivesService:
         if self._closed:
             return
         self._closed = True
-        self._sample_threads.shutdown(wait=True, cancel_futures=True)
+        samplers = self.router.close()
         self._model_thread.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            models = [e.model for e in self._models.values()] + list(self._samplers.values())
+            models = [e.model for e in self._models.values()] + samplers
             self._models.clear()
-            self._samplers.clear()
         for model in models:
             model.close()
         if self.fleet is not None:
@@ -482,7 +356,15 @@ class PrimitivesService:
             return failed
         return self._model_thread.submit(job)
 
-    def _entry(self, model_id: str) -> _Entry:
+    def _open_entry(self, model_id: str) -> ModelEntry | None:
+        with self._lock:
+            return self._models.get(model_id)
+
+    def _open_entries(self) -> list[ModelEntry]:
+        with self._lock:
+            return list(self._models.values())
+
+    def _entry(self, model_id: str) -> ModelEntry:
         with self._lock:
             entry = self._models.get(model_id)
         if entry is None:
@@ -490,13 +372,16 @@ class PrimitivesService:
         return entry
 
     def _lora_settings(self, lora: LoraRequest) -> LoraSettings:
-        if lora.train_attn and lora.train_mlp:
-            targets = "all-linear"
+        """peft's ``all-linear`` for attention and MLP (every linear layer but the head), else
+        the module names; with ``train_unembed`` the names and ``lm_head``."""
+        families = [ATTENTION_MODULES] * lora.train_attn + [MLP_MODULES] * lora.train_mlp
+        if lora.train_unembed:
+            targets = ",".join([*families, HEAD_MODULE])
         else:
-            targets = ATTENTION_MODULES if lora.train_attn else MLP_MODULES
+            targets = "all-linear" if len(families) == 2 else families[0]
         return LoraSettings(rank=lora.rank, alpha=self.lora_alpha, target_modules=targets)
 
-    def _info(self, entry: _Entry) -> ModelInfo:
+    def _info(self, entry: ModelEntry) -> ModelInfo:
         m = entry.model
         return ModelInfo(model_id=entry.model_id, base_model=entry.base_model,
                          tokenizer_dir=m.model_path, architecture=m.identity.architecture,
@@ -505,7 +390,7 @@ class PrimitivesService:
                          steps=m.steps,
                          policy_version=entry.version, pending_datums=m.pending_datums)
 
-    def _describe(self, entry: _Entry) -> dict[str, Any]:
+    def _describe(self, entry: ModelEntry) -> dict[str, Any]:
         m = entry.model
         return {"model_id": entry.model_id, "base_model": entry.base_model,
                 "lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha,

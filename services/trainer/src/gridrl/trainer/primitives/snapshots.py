@@ -65,12 +65,19 @@ def read_state(root: Path, where: paths.WeightsPath
 
 
 def write_mlx(files: Mapping[str, bytes], directory: Path, model_id: str,
-              num_layers: int) -> Path | None:
+              num_layers: int, base_model: str | None = None) -> Path | None:
     """``files`` (a peft adapter) converted to the mlx-lm layout and written as
-    ``directory``; None (logged) when the conversion does not cover the model."""
-    from gridrl.adapters import convert_files
+    ``directory``; None (logged) when the conversion does not cover the model: among others an
+    adapted output head (``train_unembed``) on a ``base_model`` whose head is tied to its
+    embeddings, which mlx-lm computes with ``embed_tokens.as_linear`` (no ``lm_head`` module
+    for the LoRA: it would load and change nothing)."""
+    from gridrl.adapters import convert_files, read_adapter
 
     try:
+        if base_model is not None and read_adapter(files).head() is not None and _tied(
+                base_model):
+            raise ValueError("train_unembed: the output head is tied to the embeddings, and "
+                             "mlx-lm has no lm_head module to put its LoRA on")
         return write_dir(convert_files(files, "mlx", num_layers), directory)
     except Exception as e:  # the peft directory is there; MLX may not cover the model
         log.warning("%s: no mlx-lm copy of the snapshot: %s", model_id, e)
@@ -88,3 +95,13 @@ def write_dir(files: Mapping[str, bytes], directory: Path) -> Path:
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     return write_adapter_dir(files, directory)
+
+
+def _tied(base_model: str) -> bool:
+    """Whether ``base_model``'s output head shares its weights with the input embeddings."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_model)
+    text = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings",
+                                                             False)))

@@ -38,9 +38,11 @@ from gridrl.trainer.primitives.tinker_facade import (
     HttpError,
     TinkerFacade,
 )
+from gridrl.trainer.primitives.tinker_requests import Accepted, RetrieveTag
 from gridrl.trainer.primitives.tinker_rest import TinkerRest, refused_feature
 
 log = logging.getLogger(__name__)
+tt = tinker_wire.tt
 
 API = "/api/v1"
 KEY_HEADER = "x-api-key"
@@ -62,7 +64,11 @@ def app(facade: TinkerFacade) -> Any:
             raise HttpError(400, "the body must be a JSON object")
         return body
 
-    def endpoint(fn: Callable[..., Any], *, raw: bool = False, auth: bool = True) -> Callable:
+    def endpoint(fn: Callable[..., Any], parsed: type | None = None, *, raw: bool = False,
+                 auth: bool = True) -> Callable:
+        """``fn`` on a route: a POST body parsed as the SDK's ``parsed`` request model (the
+        raw JSON object when None), then the path's parameters; its answer as JSON (an
+        :class:`Accepted` through its ``to_json``)."""
         async def handle(request: Request) -> Response:
             body = None
             try:
@@ -70,9 +76,14 @@ def app(facade: TinkerFacade) -> Any:
                     facade.check_key(request.headers.get(KEY_HEADER))
                 if raw:
                     return await fn(request)
-                args = [body := await json_body(request)] if request.method == "POST" else []
+                args: list[Any] = []
+                if request.method == "POST":
+                    body = await json_body(request)
+                    args.append(body if parsed is None else
+                                tinker_wire.parse(parsed, body, "request"))
                 args += list(request.path_params.values())
-                return JSONResponse(fn(*args))
+                answer = fn(*args)
+                return JSONResponse(answer.to_json() if isinstance(answer, Accepted) else answer)
             except HttpError as e:
                 error = e
             except StatusError as e:
@@ -85,13 +96,15 @@ def app(facade: TinkerFacade) -> Any:
 
     async def forward_backward(request: Request) -> Response:
         body = await request.body()
-        return JSONResponse(facade.forward_backward(body, request.headers.get("content-encoding")))
+        return JSONResponse(facade.forward_backward(
+            body, request.headers.get("content-encoding")).to_json())
 
     async def retrieve(request: Request) -> Response:
-        payload, kind = await facade.retrieve(await json_body(request))
-        if kind == "proto":
-            return Response(payload, media_type=tinker_wire.PROTOBUF)
-        return JSONResponse(payload, status_code=408 if kind == "pending" else 200)
+        asked = tinker_wire.parse(tt.FutureRetrieveRequest, await json_body(request), "request")
+        answer = await facade.retrieve(asked)
+        if answer.tag is RetrieveTag.PROTO:
+            return Response(answer.payload, media_type=tinker_wire.PROTOBUF)
+        return JSONResponse(answer.payload, status_code=answer.status)
 
     rest_api = TinkerRest(facade)
 
@@ -131,29 +144,41 @@ def app(facade: TinkerFacade) -> Any:
 
     routes = [
         Route(f"{API}/healthz", endpoint(lambda: {"status": "ok"}, auth=False), methods=["GET"]),
-        Route(f"{API}/client/config", endpoint(facade.client_config), methods=["POST"]),
+        Route(f"{API}/client/config", endpoint(facade.client_config, tt.ClientConfigRequest),
+              methods=["POST"]),
         Route(f"{API}/client/dynamic_config", endpoint(lambda body: {}), methods=["POST"]),
         Route(f"{API}/get_server_capabilities", endpoint(facade.capabilities), methods=["GET"]),
-        Route(f"{API}/create_session", endpoint(facade.create_session), methods=["POST"]),
-        Route(f"{API}/session_heartbeat", endpoint(facade.heartbeat), methods=["POST"]),
+        Route(f"{API}/create_session", endpoint(facade.create_session,
+                                                tt.CreateSessionRequest), methods=["POST"]),
+        Route(f"{API}/session_heartbeat", endpoint(facade.heartbeat,
+                                                   tt.SessionHeartbeatRequest),
+              methods=["POST"]),
         Route(f"{API}/sessions/{{session_id}}/finish",
               endpoint(lambda body, sid: facade.finish_session(sid)), methods=["POST"]),
         Route(f"{API}/telemetry", endpoint(lambda body: {"status": "accepted"}),
               methods=["POST"]),
-        Route(f"{API}/create_model", endpoint(facade.create_model), methods=["POST"]),
-        Route(f"{API}/get_info", endpoint(facade.get_info), methods=["POST"]),
+        Route(f"{API}/create_model", endpoint(facade.create_model, tt.CreateModelRequest),
+              methods=["POST"]),
+        Route(f"{API}/get_info", endpoint(facade.get_info, tt.GetInfoRequest),
+              methods=["POST"]),
         Route(f"{API}/forward_backward", endpoint(forward_backward, raw=True), methods=["POST"]),
-        Route(f"{API}/optim_step", endpoint(facade.optim_step), methods=["POST"]),
-        Route(f"{API}/save_weights", endpoint(facade.save_weights), methods=["POST"]),
-        Route(f"{API}/load_weights", endpoint(facade.load_weights), methods=["POST"]),
-        Route(f"{API}/save_weights_external", endpoint(facade.save_weights_external),
+        Route(f"{API}/optim_step", endpoint(facade.optim_step, tt.OptimStepRequest),
               methods=["POST"]),
-        Route(f"{API}/save_weights_for_sampler", endpoint(facade.save_weights_for_sampler),
+        Route(f"{API}/save_weights", endpoint(facade.save_weights, tt.SaveWeightsRequest),
               methods=["POST"]),
-        Route(f"{API}/create_sampling_session", endpoint(facade.create_sampling_session),
+        Route(f"{API}/load_weights", endpoint(facade.load_weights, tt.LoadWeightsRequest),
+              methods=["POST"]),
+        Route(f"{API}/save_weights_external", endpoint(facade.save_weights_external,
+                                                       tt.SaveWeightsExternalRequest),
+              methods=["POST"]),
+        Route(f"{API}/save_weights_for_sampler", endpoint(facade.save_weights_for_sampler,
+                                                          tt.SaveWeightsForSamplerRequest),
+              methods=["POST"]),
+        Route(f"{API}/create_sampling_session", endpoint(facade.create_sampling_session,
+                                                         tt.CreateSamplingSessionRequest),
               methods=["POST"]),
         Route(f"{API}/samplers/{{sampler_id}}", endpoint(facade.get_sampler), methods=["GET"]),
-        Route(f"{API}/asample", endpoint(facade.asample), methods=["POST"]),
+        Route(f"{API}/asample", endpoint(facade.asample, tt.SampleRequest), methods=["POST"]),
         Route(f"{API}/retrieve_future", endpoint(retrieve, raw=True), methods=["POST"]),
         Route(f"{API}/cancel_future", endpoint(lambda body: {}), methods=["POST"]),
         Route(f"{API}/{{rest:path}}", rest_or_refused,

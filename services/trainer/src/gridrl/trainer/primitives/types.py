@@ -223,6 +223,11 @@ class SamplingSpec:
             raise invalid_argument(f"{prefix}.stop", "an empty stop string")
 
 
+#: The output head's module name (LoRA on it: Tinker's ``train_unembed``; the same name as
+#: :data:`gridrl.adapters.adapter.HEAD_MODULE` in both adapter layouts).
+HEAD_MODULE = "lm_head"
+
+
 @dataclass(frozen=True)
 class LoraRequest:
     """The LoRA of a new training model.
@@ -231,12 +236,15 @@ class LoraRequest:
         rank: r >= 1.
         seed: seed of the adapter's initialisation (None: the server's).
         train_attn, train_mlp: which projections carry LoRA (at least one).
+        train_unembed: the output head (``lm_head``, the unembedding) carries LoRA too
+            (Tinker's ``train_unembed``).
     """
 
     rank: int = 32
     seed: int | None = None
     train_attn: bool = True
     train_mlp: bool = True
+    train_unembed: bool = False
 
     def check(self) -> None:
         """Raises INVALID_ARGUMENT for rank < 1 or no module family chosen."""
