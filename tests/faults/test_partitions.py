@@ -447,3 +447,51 @@ def test_a_node_the_trainer_cannot_reach_stalls_the_run_for_seconds(
         print(f"\nMEASURED trainer cut from a node only: longest wait for a step {stall:.2f}s "
               "over the cut's first three steps; node 1 sampled again "
               f"{rejoin_s:.2f}s after the restore")
+
+
+def test_the_only_node_cut_from_the_master_keeps_the_run_stepping(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The run's only node loses the master but not the trainer. The master declares it
+    unhealthy and the trainer takes it out of rotation, then probes it itself, finds it
+    answering and puts it back: the run keeps stepping on it for as long as the cut lasts
+    (before, it waited for the whole cut with a node it could reach)."""
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*MASTER_FLAGS)
+        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", *NODE_KEEPALIVE_FLAGS,
+                          master=master, wait=False)
+        run_dir = tmp_path / "run"
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            5000, request_timeout_s=REQUEST_TIMEOUT_S, outage_wait_s=600), master=master,
+            run_dir=run_dir)
+        node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            fleet.cut_between("node-1", "master")
+            cut_at = time.monotonic()
+            wait_for(lambda: _status_at_master(fleet, master, node) not in
+                     (None, "NODE_STATUS_HEALTHY"), 30,
+                     "the master to declare the node unhealthy", alive=trainer, every_s=0.25)
+            verdict_at = time.monotonic()
+            wait_for(lambda: f"node {node.address} is NODE_STATUS_" in trainer.log(), 30,
+                     "the trainer to take the node out of rotation", alive=trainer)
+            # three steps complete after the verdict, the cut still on and the master still
+            # listing the node unhealthy: the trainer's own probe let it back
+            wait_for(lambda: len(watch.steps_after(verdict_at)) >= 3, 90,
+                     "three steps after the master's verdict", alive=trainer)
+            assert _status_at_master(fleet, master, node) != "NODE_STATUS_HEALTHY"
+            stall = _longest_gap(watch, cut_at, len(watch.steps_after(cut_at)))
+            cut_s = time.monotonic() - cut_at
+            fleet.restore_between("node-1", "master")
+        finally:
+            watch.stop()
+            trainer.stop()
+        assert "answers the trainer although the master lists it unhealthy" in trainer.log()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        check_versions(records, max_staleness=0)
+        # bounded by the trainer's probe interval (5 s) plus a step, far below the cut
+        assert stall < 30, (stall, cut_s)
+        print(f"\nMEASURED only node cut from the master: unhealthy at the master after "
+              f"{verdict_at - cut_at:.2f}s; longest wait for a step {stall:.2f}s over the cut "
+              f"({cut_s:.1f}s)")
