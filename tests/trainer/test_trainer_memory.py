@@ -93,8 +93,10 @@ def _sequences(widths, seed: int = 5) -> list[TrainSequence]:
     return seqs
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, shared_prefix):
+@pytest.mark.parametrize(("pack", "shared_prefix"), [(True, True), (False, True), (False, False)],
+                         ids=["packed", "shared-prefix", "padded"])
+def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, pack,
+                                                              shared_prefix):
     """Room for ~2 short sequences; the long one fits only checkpointed."""
     from gridrl.trainer.backends.torch.memory import UpdateMemory
 
@@ -102,7 +104,8 @@ def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, s
     results = []
     for bounded in (False, True):
         backend = create_backend(_config(tiny_llama_dir))
-        backend.update_cfg = dataclasses.replace(backend.update_cfg, shared_prefix=shared_prefix)
+        backend.update_cfg = dataclasses.replace(backend.update_cfg, shared_prefix=shared_prefix,
+                                                 pack=pack)
         backend.load_adapter_files(random_adapter(backend.adapter_files(), seed=7))
         if bounded:
             probe = UpdateMemory(backend.policy, backend.update_cfg, 1 << 40, width=256,

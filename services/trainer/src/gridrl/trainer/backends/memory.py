@@ -7,7 +7,8 @@ sized to fit.
     plan.chunks        # list[list[int]]: sequence indices of each micro-batch, in order
     plan.checkpointed  # list[bool]: which micro-batches recompute their activations
 
-A micro-batch of ``n`` sequences padded to ``width`` tokens (prompt + completion) holds
+A micro-batch of ``n`` rows of ``width`` tokens (padded: a sequence a row, prompt +
+completion; packed: :mod:`gridrl.trainer.backends.packing`'s rows) holds
 ``fixed + per_token * n * width`` bytes of activations at its peak (:class:`ActivationCost`).
 Both numbers are measured once at start-up on a probe forward and backward of the real model
 (:mod:`gridrl.trainer.backends.torch.memory`), with and without activation checkpointing; the
@@ -26,10 +27,12 @@ import math
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from gridrl.trainer.backends.packing import pack_layout
 
 MIB = 1024 * 1024
 
@@ -178,12 +181,16 @@ class MemoryPlanner(Protocol):
 def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
                        completion_lens: Sequence[int], room_bytes: float,
                        plain: ActivationCost, checkpointed: ActivationCost | None = None,
-                       max_sequences: int = 0, base_bytes: float = 0.0) -> MemoryPlan:
+                       max_sequences: int = 0, base_bytes: float = 0.0,
+                       prompt_keys: Sequence[Hashable] | None = None) -> MemoryPlan:
     """Cut ``indices`` (in order) into micro-batches whose activations fit ``room_bytes``.
 
-    A micro-batch grows while it fits; its width is its longest prompt plus its longest
-    completion (prompts left-padded, completions right-padded). A sequence that does not fit
-    alone runs alone with activation checkpointing (``checkpointed`` cost) when that fits.
+    A micro-batch grows while it fits. Padded (``prompt_keys`` None), it is as many rows as
+    sequences, as wide as its longest prompt plus its longest completion (prompts
+    left-padded, completions right-padded); packed, its rows and width are those of
+    :func:`gridrl.trainer.backends.packing.pack_layout` (each group's prompt once, its
+    completions unpadded). A sequence that does not fit alone runs alone with activation
+    checkpointing (``checkpointed`` cost) when that fits.
 
     Args:
         indices: the sequences to train, in the order to keep.
@@ -193,37 +200,45 @@ def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
             no checkpointing available).
         max_sequences: most sequences a micro-batch (``--micro-batch-size``; 0: no limit).
         base_bytes: the resident memory the room is above (for the error's least budget).
+        prompt_keys: for a packed update, a key per sequence equal for equal prompts (the
+            prompt's token ids); None: padded.
     Returns:
         a :class:`MemoryPlan`.
     Raises:
         MemoryBudgetError: a sequence does not fit even with checkpointing; ``least_mb`` is
             the budget that would hold it.
     """
+
+    def extent(chunk: list[int]) -> tuple[int, int]:  # (rows, tokens a row)
+        if prompt_keys is not None:
+            layout = pack_layout(chunk, prompt_keys, prompt_lens, completion_lens)
+            return len(layout.rows), layout.width
+        return len(chunk), (max(prompt_lens[i] for i in chunk)
+                            + max(max(completion_lens[i], 1) for i in chunk))
+
     chunks: list[list[int]] = []
     flags: list[bool] = []
     peak = 0.0
     current: list[int] = []
-    p_max = c_max = 0
     for i in indices:
-        p, c = max(p_max, prompt_lens[i]), max(c_max, max(completion_lens[i], 1))
-        need = plain.bytes(len(current) + 1, p + c)
-        if current and need <= room_bytes and (not max_sequences or len(current) < max_sequences):
-            current.append(i)
-            p_max, c_max = p, c
-            continue
+        if current and (not max_sequences or len(current) < max_sequences):
+            need = plain.bytes(*extent([*current, i]))
+            if need <= room_bytes:
+                current.append(i)
+                continue
         if current:
             chunks.append(current)
             flags.append(False)
-            peak = max(peak, plain.bytes(len(current), p_max + c_max))
+            peak = max(peak, plain.bytes(*extent(current)))
         width = prompt_lens[i] + max(completion_lens[i], 1)
         if plain.bytes(1, width) <= room_bytes:
-            current, p_max, c_max = [i], prompt_lens[i], max(completion_lens[i], 1)
+            current = [i]
             continue
         if checkpointed is not None and checkpointed.bytes(1, width) <= room_bytes:
             chunks.append([i])
             flags.append(True)
             peak = max(peak, checkpointed.bytes(1, width))
-            current, p_max, c_max = [], 0, 0
+            current = []
             continue
         cost = checkpointed or plain
         raise MemoryBudgetError(mib_up(base_bytes + cost.bytes(1, width)),
@@ -232,7 +247,7 @@ def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
     if current:
         chunks.append(current)
         flags.append(False)
-        peak = max(peak, plain.bytes(len(current), p_max + c_max))
+        peak = max(peak, plain.bytes(*extent(current)))
     return MemoryPlan(chunks, flags, peak)
 
 

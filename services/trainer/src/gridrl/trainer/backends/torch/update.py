@@ -1,7 +1,9 @@
 """The torch backend's GRPO step: one optimizer step over the training sequences of a step,
 and the trainer's behaviour-aligned logprobs of sequences.
 
-The trainer's logprobs of every sequence come from padded forward passes (prompts left-padded,
+The trainer's logprobs of every sequence come from packed forward passes where the model allows
+(:mod:`gridrl.trainer.backends.torch.packed`: each group's prompt once, its completions after it,
+no padding but each row's tail) and otherwise from padded ones (prompts left-padded,
 completions right-padded, positions from the attention mask), in micro-batches of
 ``micro_batch_size`` sequences (0: all at once); no per-token Python loop. The loss weights are
 fixed over the whole step first (:func:`gridrl.trainer.grpo.advantages.sequence_weights`), so micro-batches
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +30,7 @@ from gridrl.trainer.backends.memory import (
 )
 from gridrl.trainer.backends.torch import losses as grpo_torch
 from gridrl.trainer.backends.torch.distributed import SingleProcess
+from gridrl.trainer.backends.torch.packed import pack
 from gridrl.trainer.grpo import advantages as grpo
 
 if TYPE_CHECKING:
@@ -303,6 +306,8 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
     head = getattr(policy, "head_weight", None)
     if amp and getattr(policy, "update_head", None) is not None:
         head = policy.update_head  # its bfloat16 copy (Policy.frozen_weights_as)
+    if cfg.pack and getattr(policy, "packs", False):
+        return _packed_logprobs(policy, seqs, batch, cfg, par, mixed, head)
     if cfg.truncated or head is None:
         with mixed():
             logits = _logits(policy, seqs, batch, cfg, par)
@@ -321,6 +326,36 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
             hidden = par.run(policy, "completion_hidden", batch["input_ids"],
                              batch["attention_mask"], width)
         picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
+                                          tokens.reshape(-1)[real], cfg.temperature)
+    logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
+    logp = logp.index_put((real,), picked).reshape(n, width)
+    return logp, logp
+
+
+def _packed_logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
+                     cfg: UpdateConfig, par: Any,
+                     mixed: Callable[[], contextlib.AbstractContextManager],
+                     head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_logprobs` from one packed forward (:func:`gridrl.trainer.backends.torch.packed.
+    pack`: no padding but each row's tail, each group's prompt once); the outputs that predict
+    each completion token are gathered back into the collated (n, C) layout."""
+    tokens = batch["completion_ids"]
+    n, width = tokens.shape
+    packed = pack(seqs, policy.pad_id, width, policy.device)
+    args = (packed.input_ids, packed.position_ids, packed.allowed)
+    if cfg.truncated or head is None:
+        with mixed():
+            out = par.run(policy, "packed_logits", *args)
+        logits = out.reshape(-1, out.shape[-1])[packed.predicts.reshape(-1)].reshape(n, width, -1)
+        del out
+        logp = grpo_torch.completion_logprobs(logits, tokens, cfg.temperature)
+        seen = (sampler_logprobs(logits.detach(), tokens, cfg) if cfg.truncated else logp)
+        return logp, seen
+    real = batch["completion_mask"].reshape(-1).nonzero().squeeze(-1)
+    with mixed():
+        hidden = par.run(policy, "packed_hidden", *args)
+        rows = packed.predicts.reshape(-1)[real]
+        picked = grpo_torch.head_logprobs(hidden.reshape(-1, hidden.shape[-1])[rows], head,
                                           tokens.reshape(-1)[real], cfg.temperature)
     logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
     logp = logp.index_put((real,), picked).reshape(n, width)
