@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig
-from gridrl.trainer.backends.packing import pack_layout
 from gridrl.trainer.backends.memory import (
     MIB,
     RESERVE_BYTES,
@@ -37,6 +36,7 @@ from gridrl.trainer.backends.memory import (
     plan_micro_batches,
     return_freed_memory_to_the_system,
 )
+from gridrl.trainer.backends.packing import pack_layout
 
 #: The probe's sequence width (tokens) when the run gives none wider.
 PROBE_WIDTH = 128
