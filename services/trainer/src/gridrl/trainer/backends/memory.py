@@ -65,6 +65,75 @@ class MemoryBudgetError(Exception):
         self.what = what
 
 
+class UpdateOutOfMemory(RuntimeError):
+    """The update ran out of memory anyway (the allocator refused: a planned budget the
+    machine no longer had, or no ``--memory-mb`` plan at all), saying which setting to lower.
+
+    A RuntimeError, so a run fails as on any other runtime error (exit 1) and, when the
+    weights are untouched, first checkpoints the steps it finished
+    (:func:`gridrl.trainer.run.driver.train`); the checkpoints already written are kept.
+
+    Attributes:
+        setting: the flag to lower first (``--memory-mb`` or ``--micro-batch-size``).
+        weights_untouched: True when it failed before the optimizer step (the forward or the
+            backward of a micro-batch; the gradients are dropped): the weights and the
+            optimizer's state are the last finished step's.
+    """
+
+    def __init__(self, message: str, setting: str, weights_untouched: bool) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.weights_untouched = weights_untouched
+
+
+#: What the allocators' refusals say: torch's CPU allocator (``DefaultCPUAllocator: can't
+#: allocate memory``), CUDA's and MPS's (``... out of memory``), MLX's (``[malloc] Unable to
+#: allocate``, ``[metal::malloc] ... out of memory``).
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "unable to allocate",
+                       "cannot allocate memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for an allocation failure: a :class:`MemoryError`, or a RuntimeError whose
+    message is an allocator's refusal (:data:`OUT_OF_MEMORY_WORDS`; ``torch.OutOfMemoryError``
+    is a RuntimeError saying ``out of memory``)."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in OUT_OF_MEMORY_WORDS)
+
+
+def out_of_memory_advice(*, limit_mb: int | None, micro_batch_size: int,
+                         largest_micro_batch: int, micro_batches: int,
+                         weights_untouched: bool) -> UpdateOutOfMemory:
+    """The :class:`UpdateOutOfMemory` of an update that failed to allocate.
+
+    Args:
+        limit_mb: the ``--memory-mb`` the micro-batches were planned for (None: no plan).
+        micro_batch_size: ``--micro-batch-size`` (0: the whole batch).
+        largest_micro_batch: sequences in the step's largest micro-batch.
+        micro_batches: the step's micro-batches.
+        weights_untouched: it failed before the optimizer step.
+    """
+    half = max(1, largest_micro_batch // 2)
+    if limit_mb:
+        setting = "--memory-mb"
+        advice = (f"lower --memory-mb (now {limit_mb} MiB: the machine had less free than the "
+                  f"plan of {micro_batches} micro-batch(es) of up to {largest_micro_batch} "
+                  f"sequences assumed), or set --micro-batch-size {half}")
+    else:
+        setting = "--micro-batch-size"
+        advice = (f"lower --micro-batch-size (now "
+                  f"{micro_batch_size or 'the whole batch'}: {micro_batches} micro-batch(es) "
+                  f"of up to {largest_micro_batch} sequences; try {half}), or set --memory-mb "
+                  f"so the micro-batches are planned to fit")
+    state = ("the weights are the last finished step's" if weights_untouched else
+             "it failed in the optimizer step, so the weights in memory may be half stepped")
+    return UpdateOutOfMemory(f"the update ran out of memory: {advice}; {state}, and the "
+                             f"checkpoints written are kept (--resume continues from the "
+                             f"latest)", setting, weights_untouched)
+
+
 def _status_kib(key: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():

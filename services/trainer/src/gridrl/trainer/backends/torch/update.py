@@ -24,6 +24,8 @@ from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig, UpdateStats
 from gridrl.trainer.backends.memory import (
     MemoryPlanner,
+    is_out_of_memory,
+    out_of_memory_advice,
     peak_rss_bytes,
     reset_peak_rss,
     trim_free_memory,
@@ -110,11 +112,13 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         ValueError: ``seqs`` is empty or this rank's share is empty.
         MemoryBudgetError: a sequence does not fit ``memory`` even with checkpointing (the
             weights are untouched).
+        UpdateOutOfMemory: the allocator refused anyway (a RuntimeError saying which setting
+            to lower, :func:`gridrl.trainer.backends.memory.out_of_memory_advice`); before the
+            optimizer step the gradients are dropped and the weights untouched.
     """
     par = parallel or SingleProcess(policy.model)
     if not seqs:
         raise ValueError("no sequences to train on")
-    device = policy.device
     coef = torch.from_numpy(grpo.sequence_weights(
         [s.trained_tokens for s in seqs], cfg.aggregation, cfg.max_tokens))  # type: ignore[arg-type]
     reset_peak_rss()
@@ -138,8 +142,78 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     ratio_max = torch.zeros(1, dtype=torch.float64)
     if cores is not None:
         cores.begin()
+
+    def out_of_memory(weights_untouched: bool) -> Exception:
+        optimizer.zero_grad(set_to_none=True)
+        trim_free_memory()
+        return out_of_memory_advice(
+            limit_mb=getattr(memory, "limit_bytes", 0) // (1 << 20) if memory else None,
+            micro_batch_size=cfg.micro_batch_size,
+            largest_micro_batch=max((len(c) for c in chunks), default=0),
+            micro_batches=len(chunks), weights_untouched=weights_untouched)
+
+    try:
+        _micro_batches(policy, seqs, cfg, par, chunks, checkpointed, coef, totals, ratio_max,
+                       memory, cores)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory(True) from e
+    par.all_reduce_sum(totals)
+    if correct:
+        par.all_reduce_max(ratio_max)
+
+    params = policy.trainable_parameters()
+    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
+        if p.grad is None:  # still steps every parameter (moments and weight decay)
+            p.grad = torch.zeros_like(p)
+    limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    lr = float(optimizer.param_groups[0]["lr"])
+    try:
+        optimizer.step()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory(False) from e
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
+    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
+    tokens = max(float(all_tokens), 1.0)
+    units = max(float(totals[6]), 1.0)
+    return UpdateStats(
+        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
+        per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
+        clip_fraction=float(totals[1]) / tokens,
+        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
+        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
+        is_weight_mean=float(totals[5]) / units if correct else None,
+        is_weight_max=float(ratio_max[0]) if correct else None,
+        is_limited_fraction=float(totals[7]) / units if correct else None,
+        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped),
+        micro_batches=len(chunks), checkpointed_micro_batches=sum(checkpointed),
+        peak_rss_bytes=peak_rss_bytes(), threads=torch.get_num_threads())
+
+
+#: Called with the micro-batch's index before each micro-batch's forward (None: nothing): where
+#: tests inject a failure (an allocator's refusal) into a real update.
+before_micro_batch: Callable[[int], None] | None = None
+
+
+def _micro_batches(policy: Any, seqs: Sequence[TrainSequence], cfg: UpdateConfig, par: Any,
+                   chunks: list[list[int]], checkpointed: list[bool], coef: torch.Tensor,
+                   totals: torch.Tensor, ratio_max: torch.Tensor,
+                   memory: MemoryPlanner | None, cores: ThreadGovernor | None) -> None:
+    """The forward and backward of each micro-batch of :func:`grpo_update` (gradients
+    accumulated in the LoRA parameters, statistics added into ``totals`` / ``ratio_max``)."""
+    device = policy.device
+    correct = cfg.is_correction != "none"
     with _frozen_weights_cast(policy, cfg):
         for k, idx in enumerate(chunks):
+            if before_micro_batch is not None:
+                before_micro_batch(k)
             batch = collate([seqs[i] for i in idx], policy.pad_id, device)
             mask = batch["completion_mask"]
             width = mask.shape[1]
@@ -190,37 +264,6 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                 trim_free_memory()  # the next micro-batch starts from the base again
             if cores is not None:
                 cores.step()  # between micro-batches: the threads others leave free
-    par.all_reduce_sum(totals)
-    if correct:
-        par.all_reduce_max(ratio_max)
-
-    params = policy.trainable_parameters()
-    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
-        if p.grad is None:  # still steps every parameter (moments and weight decay)
-            p.grad = torch.zeros_like(p)
-    limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
-    lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
-    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
-    tokens = max(float(all_tokens), 1.0)
-    units = max(float(totals[6]), 1.0)
-    return UpdateStats(
-        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
-        per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
-        clip_fraction=float(totals[1]) / tokens,
-        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
-        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
-        is_weight_mean=float(totals[5]) / units if correct else None,
-        is_weight_max=float(ratio_max[0]) if correct else None,
-        is_limited_fraction=float(totals[7]) / units if correct else None,
-        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped),
-        micro_batches=len(chunks), checkpointed_micro_batches=sum(checkpointed),
-        peak_rss_bytes=peak_rss_bytes(), threads=torch.get_num_threads())
 
 
 def _trained_share(seqs: Sequence[TrainSequence], cfg: UpdateConfig,
