@@ -54,7 +54,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from gridrl.common.errors import invalid_argument
+from gridrl.common.errors import invalid_argument, resource_exhausted
 from gridrl.engine.contract import SequenceRequest
 from gridrl.models import model_identity, resolve_model
 from gridrl.trainer.backends.base import (
@@ -64,9 +64,19 @@ from gridrl.trainer.backends.base import (
     UpdateConfig,
     UpdateStats,
 )
+from gridrl.trainer.backends.memory import (
+    MIB,
+    MemoryBudgetError,
+    is_out_of_memory,
+    out_of_memory_advice,
+    peak_rss_bytes,
+    reset_peak_rss,
+    resolve_memory_mb,
+)
 from gridrl.trainer.backends.mlx import losses as grpo_mlx
 from gridrl.trainer.backends.mlx.files import OPTIMIZER, RNG, MlxAdapterFiles
 from gridrl.trainer.backends.mlx.forward import PLAIN_HEAD_TYPES, MlxForwardPasses
+from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory
 from gridrl.trainer.grpo import advantages as grpo
 
 __all__ = ["OPTIMIZER", "RNG", "MlxTrainerBackend"]
@@ -131,7 +141,8 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
     def __init__(self, engine: Any, lora: LoraSettings, optimizer: optim.Optimizer,
                  update_cfg: UpdateConfig, model_id: str, identity: Any, *, lr: float,
                  schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
-                 seed: int = 0, max_batch: int = 64) -> None:
+                 seed: int = 0, max_batch: int = 64,
+                 memory: MlxUpdateMemory | None = None) -> None:
         self.engine = engine
         self.model: nn.Module = engine.model
         self.lora = lora
@@ -145,6 +156,10 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.seed = seed
         self.max_batch = max_batch
+        #: ``--memory-mb``'s bound (:class:`~gridrl.trainer.backends.mlx.memory.
+        #: MlxUpdateMemory`): micro-batches planned from token counts; None: of
+        #: ``micro_batch_size``.
+        self.memory = memory
         self.modules = _lora_modules(self.model)
         model_type = getattr(getattr(self.model, "args", None), "model_type", "")
         self._plain_head = model_type in PLAIN_HEAD_TYPES and hasattr(self.model, "model")
@@ -204,8 +219,31 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
 
         optimizer = optim.AdamW(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8,
                                 weight_decay=cfg.weight_decay, bias_correction=True)
-        return cls(engine, lora, optimizer, update_cfg, cfg.model, identity, seed=cfg.seed,
-                   **settings)
+        backend = cls(engine, lora, optimizer, update_cfg, cfg.model, identity, seed=cfg.seed,
+                      **settings)
+        limit_mb = resolve_memory_mb(getattr(cfg, "memory_mb", 0))
+        if limit_mb:  # measured on the model as loaded, before step 1
+            try:
+                backend.memory = MlxUpdateMemory(backend, limit_mb * MIB)
+            except MemoryBudgetError as e:
+                raise invalid_argument("--memory-mb", str(e)) from e
+        return backend
+
+    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]) -> list[list[int]]:
+        """The micro-batches of ``indices``: planned within ``--memory-mb`` (:attr:`memory`,
+        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``.
+
+        Raises:
+            StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit alone.
+        """
+        cfg = self.update_cfg
+        if self.memory is not None:
+            try:
+                return self.memory.plan(seqs, indices, cfg.micro_batch_size).chunks
+            except MemoryBudgetError as e:
+                raise resource_exhausted(str(e), field="--memory-mb") from e
+        mb = cfg.micro_batch_size or max(len(indices), 1)
+        return [indices[i:i + mb] for i in range(0, len(indices), mb)]
 
     # ---------------------------------------------------------------- sampling and scoring
 
@@ -223,17 +261,16 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         return results
 
     def logprobs(self, seqs: Sequence[TrainSequence]) -> list[list[float]]:
-        """See :meth:`TrainerBackend.logprobs`: eval mode, in micro-batches of
-        ``micro_batch_size``."""
+        """See :meth:`TrainerBackend.logprobs`: eval mode, in the update's micro-batches
+        (:meth:`_chunks`)."""
         if not seqs:
             return []
         self.model.eval()
         cfg = self.update_cfg
-        mb = cfg.micro_batch_size or len(seqs)
         out: list[list[float]] = []
         with mx.stream(self.engine._device):
-            for start in range(0, len(seqs), mb):
-                chunk = list(seqs[start:start + mb])
+            for idx in self._chunks(seqs, list(range(len(seqs)))):
+                chunk = [seqs[i] for i in idx]
                 batch = self._collate(chunk, behaviour=False)
                 logits = self._completion_logits(chunk, batch)
                 if cfg.truncated:
@@ -269,9 +306,14 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
 
         Raises:
             ValueError: ``seqs`` is empty.
+            StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit the
+                budget alone (nothing stepped).
+            UpdateOutOfMemory: MLX's allocator refused anyway (a RuntimeError naming the
+                setting to lower; before the optimizer step the weights are untouched).
         """
         if not seqs:
             raise ValueError("no sequences to train on")
+        reset_peak_rss()
         cfg = self.update_cfg
         n = len(seqs)
         coef_all = grpo.sequence_weights([s.trained_tokens for s in seqs],
@@ -280,42 +322,57 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                                             [s.advantage for s in seqs], beta=cfg.beta))
                 if cfg.skip_no_signal else {s.group for s in seqs})
         trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
-        mb = cfg.micro_batch_size or max(len(trained), 1)
-        chunks = [trained[i:i + mb] for i in range(0, len(trained), mb)]
+        chunks = self._chunks(seqs, trained)
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
         per_seq_kl = np.full(n, np.nan, np.float64)  # NaN: skipped, not measured
         ntok = np.array([s.trained_tokens for s in seqs], np.float64)
         grads: Any = None
+
+        def out_of_memory(weights_untouched: bool) -> Exception:
+            self.model.eval()
+            mx.clear_cache()
+            return out_of_memory_advice(
+                limit_mb=self.memory.limit_bytes // MIB if self.memory else None,
+                micro_batch_size=cfg.micro_batch_size,
+                largest_micro_batch=max((len(c) for c in chunks), default=0),
+                micro_batches=len(chunks), weights_untouched=weights_untouched)
+
         with mx.stream(self.engine._device):
-            for idx in chunks:
-                chunk = [seqs[i] for i in idx]
-                batch = self._collate(chunk)
-                ref_logp = None
-                if cfg.beta:
-                    self.model.eval()
-                    with self._adapter_disabled():
-                        ref_logits = self._completion_logits(chunk, batch)
-                        ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
-                            ref_logits, batch["completion_ids"], cfg.temperature))
-                        mx.eval(ref_logp)
-                self.model.train()
-                loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
-                (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
-                                                              ref_logp)
-                seen = (self._sampler_logprobs(mx.stop_gradient(
-                    self._completion_logits(chunk, batch)),
-                    batch["completion_ids"]) if cfg.truncated else logp)
-                grads = g if grads is None else tree_map(mx.add, grads, g)
-                mx.eval(part, seen, took, ref_kl, grads)
-                mask = np.array(batch["mask"])
-                kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
-                                                   mask)
-                per_seq_kl[idx] = kl
-                loss_sum += float(part.item())
-                clipped += float((np.array(took) & (mask > 0)).sum())
-                ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
+            try:
+                for idx in chunks:
+                    chunk = [seqs[i] for i in idx]
+                    batch = self._collate(chunk)
+                    ref_logp = None
+                    if cfg.beta:
+                        self.model.eval()
+                        with self._adapter_disabled():
+                            ref_logits = self._completion_logits(chunk, batch)
+                            ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
+                                ref_logits, batch["completion_ids"], cfg.temperature))
+                            mx.eval(ref_logp)
+                    self.model.train()
+                    loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+                    (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
+                                                                  ref_logp)
+                    seen = (self._sampler_logprobs(mx.stop_gradient(
+                        self._completion_logits(chunk, batch)),
+                        batch["completion_ids"]) if cfg.truncated else logp)
+                    grads = g if grads is None else tree_map(mx.add, grads, g)
+                    mx.eval(part, seen, took, ref_kl, grads)
+                    mask = np.array(batch["mask"])
+                    kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
+                                                       mask)
+                    per_seq_kl[idx] = kl
+                    loss_sum += float(part.item())
+                    clipped += float((np.array(took) & (mask > 0)).sum())
+                    ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                grads = None
+                raise out_of_memory(True) from e
             self.model.eval()
             if grads is None:  # no group with signal: a zero gradient, AdamW still steps
                 grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
@@ -326,8 +383,13 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum()
                                    for _, g in tree_flatten(grads)))
-            self.optimizer.update(self.model, grads)
-            mx.eval(self.model.parameters(), self.optimizer.state, norm)
+            try:
+                self.optimizer.update(self.model, grads)
+                mx.eval(self.model.parameters(), self.optimizer.state, norm)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise out_of_memory(False) from e
         tokens = max(float(ntok.sum()), 1.0)
         forwarded = max(float(ntok[trained].sum()), 1.0)
         return UpdateStats(
@@ -338,7 +400,8 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
             ref_kl=ref_kl_sum / forwarded if cfg.beta else None,
             grad_norm=float(norm.item()), lr=lr, tokens=int(ntok.sum()),
             skipped_groups=len({s.group for s in seqs} - kept),
-            skipped_sequences=n - len(trained))
+            skipped_sequences=n - len(trained), micro_batches=len(chunks),
+            peak_rss_bytes=peak_rss_bytes())
 
     # ---------------------------------------------------------------- files
 
