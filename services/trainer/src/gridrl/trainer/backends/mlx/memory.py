@@ -67,7 +67,9 @@ def probe_peak_bytes(backend: Any, n: int, width: int) -> int:
             batch = backend._collate(seqs)
             loss_and_grad = nn.value_and_grad(backend.model,
                                               partial(backend._chunk_loss, seqs))
-            (part, *_), grads = loss_and_grad(batch, mx.ones((n,), mx.float32), None)
+            ref_logp = (mx.zeros(batch["completion_ids"].shape, mx.float32)
+                        if backend.update_cfg.beta else None)  # the loss's KL term's input
+            (part, *_), grads = loss_and_grad(batch, mx.ones((n,), mx.float32), ref_logp)
             mx.eval(part, grads)
             peak = mx.get_peak_memory() - before
             del part, grads, batch
