@@ -163,8 +163,8 @@ def multi_turn(repeats: int, model: str) -> None:
     """Update seconds per trained model token of reverse-words-retry (16 two-turn episodes)
     against reverse-words (16 one-turn samples), both sampled once on the demo backend, then
     ``repeats`` updates of each, interleaved in one process (so a load that comes and goes hits
-    both alike), packed (the default) and padded (``pack=False``: the shared-prefix KV cache
-    and right-padded completions); prints the median seconds per token of each and the
+    both alike), packed (``UpdateConfig.pack``) and padded (the default: the shared-prefix KV
+    cache and right-padded completions); prints the median seconds per token of each and the
     retry / single-turn ratios (issue 45's goal: <= 1.3x)."""
     backend = demo_backend("torch", model)
     task = ReverseWords(seed=0, min_words=3, max_words=4)

@@ -116,6 +116,7 @@ def test_packed_update_gives_the_padded_loss_and_gradients(tiny_llama_dir, top_k
 def test_packed_logprobs_equal_the_padded_ones(tiny_llama_dir):
     backend = create_backend(_config(tiny_llama_dir))
     seqs = _sequences(seed=4)
+    backend.update_cfg = dataclasses.replace(backend.update_cfg, pack=True)
     got = backend.logprobs(seqs)
     backend.update_cfg = dataclasses.replace(backend.update_cfg, pack=False,
                                              shared_prefix=False)
