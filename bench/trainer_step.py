@@ -9,6 +9,7 @@ them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio 
     python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
     python bench/trainer_step.py --background-load 1 --steps 5
+    python bench/trainer_step.py --multi-turn 5
 
 ``--profile`` (torch only): one demo-shaped batch, a warm-up update, then one update under
 ``torch.profiler`` per ``--update-dtype``: CPU seconds by kind of work (products, attention,
@@ -16,6 +17,10 @@ casts, the head's log-softmax, elementwise, the optimizer) and the top operators
 
 ``--background-load N`` (torch only): the update alone and beside N busy processes, with
 ``--threads 0`` (core sharing) and with a fixed thread per core; the loaded / alone ratios.
+
+``--multi-turn N`` (torch only): 16 reverse-words-retry episodes and 16 reverse-words samples,
+sampled once, then N updates of each interleaved in one process, packed and padded; the median
+update seconds per trained model token and the retry / single-turn ratio (issue 45: <= 1.3x).
 
 ``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
 on it computing the completion logprobs from the final hidden states in chunks
@@ -132,6 +137,77 @@ def update_beside_load(steps: int, model: str, busy: int) -> None:
               f"{medians[(threads, busy)] / medians[(threads, 0)]:.2f}x")
 
 
+def retry_sequences(backend, step: int) -> list[TrainSequence]:
+    """Step ``step``'s 16 reverse-words-retry episodes (2 prompts x 8, two turns of up to 24
+    tokens each, the environment's feedback between them), sampled on the backend's own
+    sampler, as training sequences (prompt + every turn, the loss mask on the model's tokens)
+    with standard-normal advantages."""
+    from gridrl.trainer.envs import episode
+    from gridrl.trainer.envs.reverse import ReverseWordsRetry
+    from gridrl.trainer.envs.source import EpisodeSource
+    from gridrl.trainer.local import LocalRollout
+
+    env = ReverseWordsRetry(seed=0)
+    source = EpisodeSource(env, backend.tokenizer, LocalRollout(backend, version=lambda: 0),
+                           episode.EpisodeLimits(max_turns=2, max_tokens=24))
+    items = [env.train_item(2 * step + i) for i in range(2)]
+    groups, _ = source.generate(items, group_size=8, temperature=1.0, seed=step)
+    prompts = source.prompt_ids(items)
+    adv = np.random.default_rng(step).standard_normal(16)
+    samples = [(b, s) for b, g in enumerate(groups) for s in g.samples]
+    return [TrainSequence(tuple(prompts[b]), tuple(s.token_ids), tuple(s.logprobs), float(a), b,
+                          loss_mask=None if s.loss_mask is None else tuple(s.loss_mask))
+            for (b, s), a in zip(samples, adv, strict=True)]
+
+
+def multi_turn(repeats: int, model: str) -> None:
+    """Update seconds per trained model token of reverse-words-retry (16 two-turn episodes)
+    against reverse-words (16 one-turn samples), both sampled once on the demo backend, then
+    ``repeats`` updates of each, interleaved in one process (so a load that comes and goes hits
+    both alike), packed (``UpdateConfig.pack``) and padded (the default: the shared-prefix KV
+    cache and right-padded completions); prints the median seconds per token of each and the
+    retry / single-turn ratios (issue 45's goal: <= 1.3x)."""
+    backend = demo_backend("torch", model)
+    task = ReverseWords(seed=0, min_words=3, max_words=4)
+    prompts = demo_prompts(backend, task, 0)
+    batches = {"reverse-words": sequences(prompts, sample(backend, prompts), 0),
+               "reverse-words-retry": retry_sequences(backend, 0)}
+    for name, seqs in batches.items():
+        trained = sum(s.trained_tokens for s in seqs)
+        forwarded = sum(len(s.completion_ids) for s in seqs)
+        print({"batch": name, "sequences": len(seqs), "trained model tokens": trained,
+               "completion tokens (env included)": forwarded,
+               "prompt tokens": sum(len(s.prompt_ids) for s in seqs)}, flush=True)
+    base = backend.update_cfg
+    times: dict[tuple[str, bool], list[float]] = {}
+    try:
+        for r in range(repeats + 1):  # round 0: warm-up, not counted
+            for pack in (True, False):
+                backend.update_cfg = dataclasses.replace(base, pack=pack)
+                for name, seqs in batches.items():
+                    t0 = time.perf_counter()
+                    stats = backend.update(seqs)
+                    dt = time.perf_counter() - t0
+                    print({"round": r, "batch": name, "packed": pack, "update s": round(dt, 3),
+                           "s per 1k trained tokens": round(1000 * dt / stats.tokens, 3),
+                           "load": load_average()}, flush=True)
+                    if r:
+                        times.setdefault((name, pack), []).append(dt / stats.tokens)
+    finally:
+        backend.close()
+    rows = [[name, "packed" if pack else "padded", str(len(v)),
+             f"{1000 * float(np.median(v)):.2f}"] for (name, pack), v in times.items()]
+    print(table(rows, ["batch", "update", "runs", "median s per 1k trained model tokens"]))
+    for pack in (True, False):
+        ratio = (float(np.median(times[("reverse-words-retry", pack)]))
+                 / float(np.median(times[("reverse-words", pack)])))
+        print(f"{'packed' if pack else 'padded'}: reverse-words-retry / reverse-words, update s "
+              f"per trained model token = {ratio:.2f}x (goal <= 1.3x)")
+    retry = (float(np.median(times[("reverse-words-retry", False)]))
+             / float(np.median(times[("reverse-words-retry", True)])))
+    print(f"reverse-words-retry: padded / packed = {retry:.2f}x")
+
+
 def compare_logits(repeats: int, model: str) -> None:
     """Median update seconds with the fused head against full logits, alternating."""
     backend = demo_backend("torch", model)
@@ -221,8 +297,14 @@ def main() -> None:
                         help="torch: alternate N updates with and without the fused head")
     parser.add_argument("--background-load", type=int, default=0, metavar="N",
                         help="torch: update seconds alone and beside N busy processes")
+    parser.add_argument("--multi-turn", type=int, default=0, metavar="N",
+                        help="torch: N interleaved updates each of reverse-words-retry and "
+                             "reverse-words, packed and padded; s per trained model token")
     args = parser.parse_args()
     print(machine())
+    if args.multi_turn:
+        multi_turn(args.multi_turn, args.model)
+        return
     if args.background_load:
         update_beside_load(max(args.steps, 3), args.model, args.background_load)
         return

@@ -93,8 +93,10 @@ def _sequences(widths, seed: int = 5) -> list[TrainSequence]:
     return seqs
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, shared_prefix):
+@pytest.mark.parametrize(("pack", "shared_prefix"), [(True, True), (False, True), (False, False)],
+                         ids=["packed", "shared-prefix", "padded"])
+def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, pack,
+                                                              shared_prefix):
     """Room for ~2 short sequences; the long one fits only checkpointed."""
     from gridrl.trainer.backends.torch.memory import UpdateMemory
 
@@ -102,7 +104,8 @@ def test_bounded_update_gives_the_unbounded_loss_and_gradients(tiny_llama_dir, s
     results = []
     for bounded in (False, True):
         backend = create_backend(_config(tiny_llama_dir))
-        backend.update_cfg = dataclasses.replace(backend.update_cfg, shared_prefix=shared_prefix)
+        backend.update_cfg = dataclasses.replace(backend.update_cfg, shared_prefix=shared_prefix,
+                                                 pack=pack)
         backend.load_adapter_files(random_adapter(backend.adapter_files(), seed=7))
         if bounded:
             probe = UpdateMemory(backend.policy, backend.update_cfg, 1 << 40, width=256,
@@ -237,3 +240,110 @@ def test_the_probe_counts_what_a_block_allocates_not_views_of_weights_it_found()
         y.sum().backward()  # x.grad: 32 KiB, plus the backward's ones-like seed
     allocated = y.nelement() * 4 + x.grad.nelement() * 4
     assert allocated <= live.peak <= allocated + y.nelement() * 4
+
+
+# ---------------------------------------------------------------- out of memory anyway
+
+ALLOCATOR_REFUSAL = ("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                     "268435456 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def _refuse_at(micro_batch: int, calls: list[int] | None = None):
+    def hook(k: int) -> None:
+        if calls is not None:
+            calls.append(k)
+        if k == micro_batch:
+            raise RuntimeError(ALLOCATOR_REFUSAL)
+    return hook
+
+
+def test_an_allocation_failure_in_the_update_names_the_setting_and_leaves_the_weights(
+        tiny_llama_dir, monkeypatch):
+    from gridrl.trainer.backends.memory import UpdateOutOfMemory, is_out_of_memory
+    from gridrl.trainer.backends.torch import update as torch_update
+    from gridrl.trainer.backends.torch.memory import UpdateMemory
+
+    assert is_out_of_memory(RuntimeError(ALLOCATOR_REFUSAL)) and is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    seqs = _sequences([(12, 20), (12, 9), (30, 12), (30, 40)])
+    backend = create_backend(_config(tiny_llama_dir, micro_batch_size=2))
+    backend.memory = None  # no plan (a CUDA trainer's case): --micro-batch-size is the setting
+    before = backend.adapter_files()
+    calls: list[int] = []
+    # the second micro-batch fails: the first one's gradients are already accumulated
+    monkeypatch.setattr(torch_update, "before_micro_batch", _refuse_at(1, calls))
+    with pytest.raises(UpdateOutOfMemory) as e:
+        backend.update(seqs)
+    assert calls == [0, 1]
+    assert e.value.setting == "--micro-batch-size" and e.value.weights_untouched
+    assert "lower --micro-batch-size (now 2" in str(e.value) and "try 1" in str(e.value)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert backend.adapter_files() == before  # nothing stepped
+    assert all(p.grad is None for p in backend.policy.trainable_parameters())
+    assert not backend.optimizer.state  # AdamW's moments untouched too
+    # with a --memory-mb plan, that is the setting to lower
+    backend.memory = UpdateMemory(backend.policy, backend.update_cfg, 1 << 40, rss=lambda: 0)
+    with pytest.raises(UpdateOutOfMemory) as e:
+        backend.update(seqs)
+    assert e.value.setting == "--memory-mb" and f"now {1 << 20} MiB" in str(e.value)
+    assert backend.adapter_files() == before
+    # the next step, with memory to spare, trains
+    monkeypatch.setattr(torch_update, "before_micro_batch", None)
+    assert backend.update(seqs).micro_batches >= 1
+    assert backend.adapter_files() != before
+    # a failure in the optimizer step says the weights may be half stepped
+    monkeypatch.setattr(backend.optimizer, "step", lambda: (_ for _ in ()).throw(
+        MemoryError()))
+    with pytest.raises(UpdateOutOfMemory) as e:
+        backend.update(seqs)
+    assert not e.value.weights_untouched and "half stepped" in str(e.value)
+    backend.close()
+
+
+OUT_OF_MEMORY_RUN = textwrap.dedent("""
+    import sys
+    from gridrl.trainer.backends.torch import update
+
+    refusal = sys.argv.pop(1)
+    updates = []
+
+    def refuse_in_step_3(micro_batch):
+        if micro_batch == 0:
+            updates.append(micro_batch)
+        if len(updates) == 3:
+            raise RuntimeError(refusal)
+
+    update.before_micro_batch = refuse_in_step_3
+    from gridrl.trainer.cli import main
+
+    sys.argv[0] = "gridrl-trainer"
+    main()
+""")
+
+
+@pytest.mark.slow
+def test_a_run_out_of_memory_keeps_its_checkpoint_and_names_the_setting(tiny_llama_dir,
+                                                                       tmp_path):
+    """``gridrl-trainer run`` whose third update's allocation fails: exit 1 naming
+    --memory-mb (the planned budget is what to lower), the two finished steps checkpointed
+    (the weights were untouched), and ``--resume`` continues from there."""
+    from trainer_runs import BIN, ENV, run_args, write_task_files
+    from trainer_runs import records as read_records
+
+    data, reward = write_task_files(tmp_path)
+    run_dir = tmp_path / "run"
+    args = run_args(tiny_llama_dir, data, reward, run_dir, steps=4, checkpoint_every=100,
+                    eval_every=100, metrics_port=-1)
+    failed = subprocess.run([sys.executable, "-c", OUT_OF_MEMORY_RUN, ALLOCATOR_REFUSAL,
+                             *args[1:]], capture_output=True, text=True, timeout=600, env=ENV)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode == 1, out[-3000:]
+    assert "the update ran out of memory: lower --memory-mb" in out, out[-3000:]
+    assert "--micro-batch-size" in out
+    assert [r["step"] for r in read_records(run_dir) if r.get("step")] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000002"
+    resumed = subprocess.run([str(BIN / "gridrl-trainer"), "run", "--resume", str(run_dir),
+                              "--steps", "3", "--listen", "127.0.0.1:0", "--metrics-port",
+                              "-1"], capture_output=True, text=True, timeout=600, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_records(run_dir) if r.get("step")] == [1, 2, 3]

@@ -188,10 +188,10 @@ class TrainConfig:
         "(the KL penalty, --kl-beta > 0, keeps every group).",
         flag="--skip-no-signal/--no-skip-no-signal")
     memory_mb: int = setting(
-        0, "MiB of resident memory the trainer may use in its update (torch backend): "
-        "micro-batches are sized from the sequences' tokens and the activations per token "
-        "measured at start-up, a sequence too long for it alone recomputes its activations "
-        "(activation checkpointing); a budget the model and one sequence do not fit is "
+        0, "MiB of resident memory the trainer may use in its update (torch and mlx "
+        "backends): micro-batches are sized from the sequences' tokens and the activations "
+        "per token measured at start-up, a sequence too long for it alone recomputes its "
+        "activations (activation checkpointing; torch only, mlx refuses it); a budget the model and one sequence do not fit is "
         "refused before step 1, naming the least that fits. 0: 60% of the memory available "
         "at start-up (MemAvailable) on top of what the process holds. --micro-batch-size "
         "still caps the sequences of a micro-batch. With --threads 0 the update shares the "

@@ -110,6 +110,13 @@ class UpdateConfig:
         shared_prefix: run each group's prompt once and repeat its KV cache for the group's
             completions; False: one padded forward over prompt + completion per sequence. Same
             maths, different float rounding (a backend may ignore it).
+        pack: run a micro-batch's sequences packed without padding where the backend allows
+            (:mod:`gridrl.trainer.backends.packing`: each group's prompt once, then its
+            completions, in rows of the longest group; a block-diagonal causal mask); it
+            replaces ``shared_prefix``'s cache. False (the default): the padded paths. Same
+            maths, different float rounding. Off by default: its attention is dense over a
+            group's whole row, so on a CPU it measured faster for one-turn groups but slower
+            for long multi-turn ones (docs/benchmarks.md section 19).
         top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
             ``softmax(logits / T)`` (as TRL does); the mismatch KL and :meth:`TrainerBackend.
             logprobs` use the sampler's own transform (engine contract steps 1-3), so
@@ -137,6 +144,7 @@ class UpdateConfig:
     top_p: float = 1.0
     top_k: int = 0
     shared_prefix: bool = True
+    pack: bool = False
     is_correction: str = "none"
     is_level: str = "token"
     is_cap: float = 2.0

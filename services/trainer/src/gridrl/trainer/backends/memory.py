@@ -7,7 +7,8 @@ sized to fit.
     plan.chunks        # list[list[int]]: sequence indices of each micro-batch, in order
     plan.checkpointed  # list[bool]: which micro-batches recompute their activations
 
-A micro-batch of ``n`` sequences padded to ``width`` tokens (prompt + completion) holds
+A micro-batch of ``n`` rows of ``width`` tokens (padded: a sequence a row, prompt +
+completion; packed: :mod:`gridrl.trainer.backends.packing`'s rows) holds
 ``fixed + per_token * n * width`` bytes of activations at its peak (:class:`ActivationCost`).
 Both numbers are measured once at start-up on a probe forward and backward of the real model
 (:mod:`gridrl.trainer.backends.torch.memory`), with and without activation checkpointing; the
@@ -26,10 +27,12 @@ import math
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from gridrl.trainer.backends.packing import pack_layout
 
 MIB = 1024 * 1024
 
@@ -60,6 +63,75 @@ class MemoryBudgetError(Exception):
         super().__init__(f"{what}: needs --memory-mb {least_mb} or more")
         self.least_mb = least_mb
         self.what = what
+
+
+class UpdateOutOfMemory(RuntimeError):
+    """The update ran out of memory anyway (the allocator refused: a planned budget the
+    machine no longer had, or no ``--memory-mb`` plan at all), saying which setting to lower.
+
+    A RuntimeError, so a run fails as on any other runtime error (exit 1) and, when the
+    weights are untouched, first checkpoints the steps it finished
+    (:func:`gridrl.trainer.run.driver.train`); the checkpoints already written are kept.
+
+    Attributes:
+        setting: the flag to lower first (``--memory-mb`` or ``--micro-batch-size``).
+        weights_untouched: True when it failed before the optimizer step (the forward or the
+            backward of a micro-batch; the gradients are dropped): the weights and the
+            optimizer's state are the last finished step's.
+    """
+
+    def __init__(self, message: str, setting: str, weights_untouched: bool) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.weights_untouched = weights_untouched
+
+
+#: What the allocators' refusals say: torch's CPU allocator (``DefaultCPUAllocator: can't
+#: allocate memory``), CUDA's and MPS's (``... out of memory``), MLX's (``[malloc] Unable to
+#: allocate``, ``[metal::malloc] ... out of memory``).
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "unable to allocate",
+                       "cannot allocate memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for an allocation failure: a :class:`MemoryError`, or a RuntimeError whose
+    message is an allocator's refusal (:data:`OUT_OF_MEMORY_WORDS`; ``torch.OutOfMemoryError``
+    is a RuntimeError saying ``out of memory``)."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in OUT_OF_MEMORY_WORDS)
+
+
+def out_of_memory_advice(*, limit_mb: int | None, micro_batch_size: int,
+                         largest_micro_batch: int, micro_batches: int,
+                         weights_untouched: bool) -> UpdateOutOfMemory:
+    """The :class:`UpdateOutOfMemory` of an update that failed to allocate.
+
+    Args:
+        limit_mb: the ``--memory-mb`` the micro-batches were planned for (None: no plan).
+        micro_batch_size: ``--micro-batch-size`` (0: the whole batch).
+        largest_micro_batch: sequences in the step's largest micro-batch.
+        micro_batches: the step's micro-batches.
+        weights_untouched: it failed before the optimizer step.
+    """
+    half = max(1, largest_micro_batch // 2)
+    if limit_mb:
+        setting = "--memory-mb"
+        advice = (f"lower --memory-mb (now {limit_mb} MiB: the machine had less free than the "
+                  f"plan of {micro_batches} micro-batch(es) of up to {largest_micro_batch} "
+                  f"sequences assumed), or set --micro-batch-size {half}")
+    else:
+        setting = "--micro-batch-size"
+        advice = (f"lower --micro-batch-size (now "
+                  f"{micro_batch_size or 'the whole batch'}: {micro_batches} micro-batch(es) "
+                  f"of up to {largest_micro_batch} sequences; try {half}), or set --memory-mb "
+                  f"so the micro-batches are planned to fit")
+    state = ("the weights are the last finished step's" if weights_untouched else
+             "it failed in the optimizer step, so the weights in memory may be half stepped")
+    return UpdateOutOfMemory(f"the update ran out of memory: {advice}; {state}, and the "
+                             f"checkpoints written are kept (--resume continues from the "
+                             f"latest)", setting, weights_untouched)
 
 
 def _status_kib(key: str) -> int | None:
@@ -178,12 +250,16 @@ class MemoryPlanner(Protocol):
 def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
                        completion_lens: Sequence[int], room_bytes: float,
                        plain: ActivationCost, checkpointed: ActivationCost | None = None,
-                       max_sequences: int = 0, base_bytes: float = 0.0) -> MemoryPlan:
+                       max_sequences: int = 0, base_bytes: float = 0.0,
+                       prompt_keys: Sequence[Hashable] | None = None) -> MemoryPlan:
     """Cut ``indices`` (in order) into micro-batches whose activations fit ``room_bytes``.
 
-    A micro-batch grows while it fits; its width is its longest prompt plus its longest
-    completion (prompts left-padded, completions right-padded). A sequence that does not fit
-    alone runs alone with activation checkpointing (``checkpointed`` cost) when that fits.
+    A micro-batch grows while it fits. Padded (``prompt_keys`` None), it is as many rows as
+    sequences, as wide as its longest prompt plus its longest completion (prompts
+    left-padded, completions right-padded); packed, its rows and width are those of
+    :func:`gridrl.trainer.backends.packing.pack_layout` (each group's prompt once, its
+    completions unpadded). A sequence that does not fit alone runs alone with activation
+    checkpointing (``checkpointed`` cost) when that fits.
 
     Args:
         indices: the sequences to train, in the order to keep.
@@ -193,37 +269,45 @@ def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
             no checkpointing available).
         max_sequences: most sequences a micro-batch (``--micro-batch-size``; 0: no limit).
         base_bytes: the resident memory the room is above (for the error's least budget).
+        prompt_keys: for a packed update, a key per sequence equal for equal prompts (the
+            prompt's token ids); None: padded.
     Returns:
         a :class:`MemoryPlan`.
     Raises:
         MemoryBudgetError: a sequence does not fit even with checkpointing; ``least_mb`` is
             the budget that would hold it.
     """
+
+    def extent(chunk: list[int]) -> tuple[int, int]:  # (rows, tokens a row)
+        if prompt_keys is not None:
+            layout = pack_layout(chunk, prompt_keys, prompt_lens, completion_lens)
+            return len(layout.rows), layout.width
+        return len(chunk), (max(prompt_lens[i] for i in chunk)
+                            + max(max(completion_lens[i], 1) for i in chunk))
+
     chunks: list[list[int]] = []
     flags: list[bool] = []
     peak = 0.0
     current: list[int] = []
-    p_max = c_max = 0
     for i in indices:
-        p, c = max(p_max, prompt_lens[i]), max(c_max, max(completion_lens[i], 1))
-        need = plain.bytes(len(current) + 1, p + c)
-        if current and need <= room_bytes and (not max_sequences or len(current) < max_sequences):
-            current.append(i)
-            p_max, c_max = p, c
-            continue
+        if current and (not max_sequences or len(current) < max_sequences):
+            need = plain.bytes(*extent([*current, i]))
+            if need <= room_bytes:
+                current.append(i)
+                continue
         if current:
             chunks.append(current)
             flags.append(False)
-            peak = max(peak, plain.bytes(len(current), p_max + c_max))
+            peak = max(peak, plain.bytes(*extent(current)))
         width = prompt_lens[i] + max(completion_lens[i], 1)
         if plain.bytes(1, width) <= room_bytes:
-            current, p_max, c_max = [i], prompt_lens[i], max(completion_lens[i], 1)
+            current = [i]
             continue
         if checkpointed is not None and checkpointed.bytes(1, width) <= room_bytes:
             chunks.append([i])
             flags.append(True)
             peak = max(peak, checkpointed.bytes(1, width))
-            current, p_max, c_max = [], 0, 0
+            current = []
             continue
         cost = checkpointed or plain
         raise MemoryBudgetError(mib_up(base_bytes + cost.bytes(1, width)),
@@ -232,7 +316,7 @@ def plan_micro_batches(indices: Sequence[int], prompt_lens: Sequence[int],
     if current:
         chunks.append(current)
         flags.append(False)
-        peak = max(peak, plain.bytes(len(current), p_max + c_max))
+        peak = max(peak, plain.bytes(*extent(current)))
     return MemoryPlan(chunks, flags, peak)
 
 

@@ -189,10 +189,13 @@ def _stop(run: Run, step: int) -> RunResult:
 def _checkpoint_failed_run(loop: StepLoop, error: BaseException) -> None:
     """A run failing between steps (no rollout node in time, a node error): checkpoint the
     steps it finished since the last checkpoint, so ``--resume`` loses none of them. Not
-    inside an update (the weights are then neither the last step's nor the next's)."""
+    inside an update (the weights are then neither the last step's nor the next's), unless
+    the update says its weights are untouched (an allocation failure before the optimizer
+    step: :class:`~gridrl.trainer.backends.memory.UpdateOutOfMemory`)."""
     run = loop.run
     step = run.state.step
-    if loop.updating or step <= run.control.checkpointed:
+    untouched = bool(getattr(error, "weights_untouched", False))
+    if (loop.updating and not untouched) or step <= run.control.checkpointed:
         return
     try:
         loop.checkpoint(step)

@@ -32,17 +32,19 @@ states). MLX's global key (LoRA dropout) is re-seeded from ``(seed, optimizer st
 update, so it needs no saving to resume exactly.
 
 Data parallelism is not implemented: ``--backend mlx`` trains in one process.
+
+The module holds the trainer's steps (set-up, sampling, scoring, the update); its forward
+passes are in :mod:`gridrl.trainer.backends.mlx.forward`, its files (adapter, checkpoint) in
+:mod:`gridrl.trainer.backends.mlx.files`, ``--memory-mb``'s probe and plan in
+:mod:`gridrl.trainer.backends.mlx.memory`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import sys
-from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -50,33 +52,34 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from safetensors import numpy as safetensors_numpy
+from mlx.utils import tree_flatten, tree_map
 
-from gridrl.adapters import convert_files
-from gridrl.adapters.tensors import Tensor, cast, dump, load, to_float64
-from gridrl.common.errors import invalid_argument
-from gridrl.engine.contract import SamplingConfig, SequenceRequest
+from gridrl.common.errors import invalid_argument, resource_exhausted
+from gridrl.engine.contract import SequenceRequest
 from gridrl.models import model_identity, resolve_model
 from gridrl.trainer.backends.base import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     LoraSettings,
     TrainerBackend,
     TrainSequence,
     UpdateConfig,
     UpdateStats,
 )
+from gridrl.trainer.backends.memory import (
+    MIB,
+    MemoryBudgetError,
+    is_out_of_memory,
+    out_of_memory_advice,
+    peak_rss_bytes,
+    reset_peak_rss,
+    resolve_memory_mb,
+)
 from gridrl.trainer.backends.mlx import losses as grpo_mlx
+from gridrl.trainer.backends.mlx.files import OPTIMIZER, RNG, MlxAdapterFiles
+from gridrl.trainer.backends.mlx.forward import PLAIN_HEAD_TYPES, MlxForwardPasses
+from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory
 from gridrl.trainer.grpo import advantages as grpo
 
-OPTIMIZER = "optimizer.safetensors"
-RNG = "rng.json"
-PEFT_PREFIX = "base_model.model."
-# mlx-lm model types whose __call__ is ``head(self.model(inputs))`` with the head
-# ``lm_head`` or the tied ``model.embed_tokens.as_linear``: the head can be applied to the
-# completion positions only.
-_PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+__all__ = ["OPTIMIZER", "RNG", "MlxTrainerBackend"]
 
 
 def _lora_modules(model: nn.Module) -> dict[str, Any]:
@@ -116,7 +119,7 @@ def _check_single_process() -> None:
                                             "(torchrun) needs --backend torch")
 
 
-class MlxTrainerBackend(TrainerBackend):
+class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
     """The MLX implementation (see the module docstring).
 
     Args:
@@ -138,7 +141,8 @@ class MlxTrainerBackend(TrainerBackend):
     def __init__(self, engine: Any, lora: LoraSettings, optimizer: optim.Optimizer,
                  update_cfg: UpdateConfig, model_id: str, identity: Any, *, lr: float,
                  schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1,
-                 seed: int = 0, max_batch: int = 64) -> None:
+                 seed: int = 0, max_batch: int = 64,
+                 memory: MlxUpdateMemory | None = None) -> None:
         self.engine = engine
         self.model: nn.Module = engine.model
         self.lora = lora
@@ -152,9 +156,13 @@ class MlxTrainerBackend(TrainerBackend):
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.seed = seed
         self.max_batch = max_batch
+        #: ``--memory-mb``'s bound (:class:`~gridrl.trainer.backends.mlx.memory.
+        #: MlxUpdateMemory`): micro-batches planned from token counts; None: of
+        #: ``micro_batch_size``.
+        self.memory = memory
         self.modules = _lora_modules(self.model)
         model_type = getattr(getattr(self.model, "args", None), "model_type", "")
-        self._plain_head = model_type in _PLAIN_HEAD_TYPES and hasattr(self.model, "model")
+        self._plain_head = model_type in PLAIN_HEAD_TYPES and hasattr(self.model, "model")
         self.model.eval()
 
     @classmethod
@@ -211,126 +219,31 @@ class MlxTrainerBackend(TrainerBackend):
 
         optimizer = optim.AdamW(learning_rate=learning_rate, betas=[0.9, 0.999], eps=1e-8,
                                 weight_decay=cfg.weight_decay, bias_correction=True)
-        return cls(engine, lora, optimizer, update_cfg, cfg.model, identity, seed=cfg.seed,
-                   **settings)
+        backend = cls(engine, lora, optimizer, update_cfg, cfg.model, identity, seed=cfg.seed,
+                      **settings)
+        limit_mb = resolve_memory_mb(getattr(cfg, "memory_mb", 0))
+        if limit_mb:  # measured on the model as loaded, before step 1
+            try:
+                backend.memory = MlxUpdateMemory(backend, limit_mb * MIB)
+            except MemoryBudgetError as e:
+                raise invalid_argument("--memory-mb", str(e)) from e
+        return backend
 
-    # ---------------------------------------------------------------- forward passes
+    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]) -> list[list[int]]:
+        """The micro-batches of ``indices``: planned within ``--memory-mb`` (:attr:`memory`,
+        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``.
 
-    def _collate(self, seqs: Sequence[TrainSequence], *, behaviour: bool = True
-                 ) -> dict[str, mx.array]:
-        """Right-padded rows ``prompt + completion`` and the completion columns.
-
-        Returns:
-            ``input_ids`` (n, L) int32 (L = the longest prompt + completion, padding 0),
-            ``positions`` (n, C) int32: the row position whose output predicts completion token
-            ``t`` (``len(prompt) - 1 + t``; clamped on padding), ``completion_ids`` (n, C)
-            int32, ``mask`` (n, C) float32 (1 on the tokens that carry a loss: 0 on padding and
-            on a multi-turn episode's environment tokens, :attr:`TrainSequence.loss_mask`),
-            ``behaviour`` (n, C) float32 (0 where the mask is) and ``advantages`` (n,) float32.
+        Raises:
+            StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit alone.
         """
-        n = len(seqs)
-        width = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
-        c_width = max(max(len(s.completion_ids) for s in seqs), 1)
-        ids = np.zeros((n, width), np.int32)
-        positions = np.zeros((n, c_width), np.int32)
-        comp = np.zeros((n, c_width), np.int32)
-        mask = np.zeros((n, c_width), np.float32)
-        beh = np.zeros((n, c_width), np.float32)
-        for i, s in enumerate(seqs):
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            ids[i, :p] = s.prompt_ids
-            ids[i, p:p + c] = s.completion_ids
-            positions[i] = np.minimum(np.arange(p - 1, p - 1 + c_width), width - 1)
-            comp[i, :c] = s.completion_ids
-            mask[i, :c] = s.mask_row()
-            if behaviour and c:
-                beh[i, :c] = np.asarray(s.behaviour_logprobs, np.float32) * mask[i, :c]
-        return {"input_ids": mx.array(ids), "positions": mx.array(positions),
-                "completion_ids": mx.array(comp), "mask": mx.array(mask),
-                "behaviour": mx.array(beh),
-                "advantages": mx.array(np.array([s.advantage for s in seqs], np.float32))}
-
-    def _head(self, hidden: mx.array) -> mx.array:
-        """The output head of a plain-head architecture on hidden states (..., D)."""
-        if getattr(self.model.args, "tie_word_embeddings", False):
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
-
-    def _completion_logits(self, seqs: Sequence[TrainSequence],
-                           batch: dict[str, mx.array]) -> mx.array:
-        """(n, C, V) logits predicting each completion token of ``seqs`` (collated as
-        ``batch``): the shared-prefix forward (:meth:`_shared_prefix_hidden`) when
-        ``shared_prefix`` is set and the architecture has a plain head, else the padded rows,
-        the head applied at the completion positions only where the architecture allows it."""
-        positions = batch["positions"]
-        if self._plain_head and self.update_cfg.shared_prefix:
-            return self._head(self._shared_prefix_hidden(seqs, batch["completion_ids"]))
-        if self._plain_head:
-            hidden = self.model.model(batch["input_ids"])
-            return self._head(mx.take_along_axis(hidden, positions[..., None], axis=1))
-        logits = self.model(batch["input_ids"])
-        return mx.take_along_axis(logits, positions[..., None], axis=1)
-
-    def _shared_prefix_hidden(self, seqs: Sequence[TrainSequence],
-                              completion_ids: mx.array) -> mx.array:
-        """Hidden states (n, C, D) predicting each completion token, each distinct prompt run
-        once: the prompt's forward (batch 1) fills an mlx-lm ``ConcatenateKVCache`` per layer
-        whose keys and values are repeated for the group's completions, which then run on it
-        (positions continue from the prompt's length; the causal mask is offset by it). The
-        gradient reaches the prompt's activations through the cache (concatenation and repeat
-        are differentiable). Same values as the padded rows up to float rounding, for
-        ``P + G * C`` tokens of compute instead of ``G * (P + C)`` (as the torch backend's
-        ``Policy.shared_prefix_logits``)."""
-        from mlx_lm.models.cache import ConcatenateKVCache
-
-        width = completion_ids.shape[1]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(tuple(s.prompt_ids), []).append(i)
-        parts: list[mx.array] = []
-        order: list[int] = []
-        for prompt, rows in groups.items():
-            cache = [ConcatenateKVCache() for _ in self.model.layers]
-            hidden = self.model.model(mx.array([list(prompt)], mx.int32), cache=cache)
-            first = mx.repeat(hidden[:, -1:, :], len(rows), axis=0)
-            if width > 1:
-                for c in cache:
-                    c.state = (mx.repeat(c.keys, len(rows), axis=0),
-                               mx.repeat(c.values, len(rows), axis=0))
-                rest = self.model.model(completion_ids[mx.array(rows), :width - 1], cache=cache)
-                parts.append(mx.concatenate([first, rest], axis=1))
-            else:
-                parts.append(first)
-            order.extend(rows)
-        inverse = np.empty(len(order), np.int32)
-        inverse[np.array(order)] = np.arange(len(order))
-        return mx.concatenate(parts, axis=0)[mx.array(inverse)]
-
-    def _sampler_logprobs(self, logits: mx.array, tokens: mx.array) -> mx.array:
-        """Logprobs of ``tokens`` under the rollout sampler's transform (temperature, top-k,
-        top-p, renormalised: :func:`gridrl.engine.backends.mlx.sampling.transform_logits`);
-        tokens outside the kept support get -100 (as the torch backend)."""
-
-        from gridrl.engine.backends.mlx.sampling import transform_logits
-        n, c, v = logits.shape
         cfg = self.update_cfg
-        config = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                top_p=cfg.top_p, top_k=cfg.top_k)
-        lp = transform_logits(logits.reshape(n * c, v).astype(mx.float32), [config] * (n * c))
-        picked = mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1).reshape(n, c)
-        return mx.maximum(picked, -100.0)
-
-    @contextmanager
-    def _adapter_disabled(self):
-        """The base model: every LoRA ``scale`` 0 for the duration."""
-        scales = {p: m.scale for p, m in self.modules.items()}
-        for m in self.modules.values():
-            m.scale = 0.0
-        try:
-            yield
-        finally:
-            for p, m in self.modules.items():
-                m.scale = scales[p]
+        if self.memory is not None:
+            try:
+                return self.memory.plan(seqs, indices, cfg.micro_batch_size).chunks
+            except MemoryBudgetError as e:
+                raise resource_exhausted(str(e), field="--memory-mb") from e
+        mb = cfg.micro_batch_size or max(len(indices), 1)
+        return [indices[i:i + mb] for i in range(0, len(indices), mb)]
 
     # ---------------------------------------------------------------- sampling and scoring
 
@@ -348,17 +261,16 @@ class MlxTrainerBackend(TrainerBackend):
         return results
 
     def logprobs(self, seqs: Sequence[TrainSequence]) -> list[list[float]]:
-        """See :meth:`TrainerBackend.logprobs`: eval mode, in micro-batches of
-        ``micro_batch_size``."""
+        """See :meth:`TrainerBackend.logprobs`: eval mode, in the update's micro-batches
+        (:meth:`_chunks`)."""
         if not seqs:
             return []
         self.model.eval()
         cfg = self.update_cfg
-        mb = cfg.micro_batch_size or len(seqs)
         out: list[list[float]] = []
         with mx.stream(self.engine._device):
-            for start in range(0, len(seqs), mb):
-                chunk = list(seqs[start:start + mb])
+            for idx in self._chunks(seqs, list(range(len(seqs)))):
+                chunk = [seqs[i] for i in idx]
                 batch = self._collate(chunk, behaviour=False)
                 logits = self._completion_logits(chunk, batch)
                 if cfg.truncated:
@@ -394,9 +306,14 @@ class MlxTrainerBackend(TrainerBackend):
 
         Raises:
             ValueError: ``seqs`` is empty.
+            StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit the
+                budget alone (nothing stepped).
+            UpdateOutOfMemory: MLX's allocator refused anyway (a RuntimeError naming the
+                setting to lower; before the optimizer step the weights are untouched).
         """
         if not seqs:
             raise ValueError("no sequences to train on")
+        reset_peak_rss()
         cfg = self.update_cfg
         n = len(seqs)
         coef_all = grpo.sequence_weights([s.trained_tokens for s in seqs],
@@ -405,42 +322,57 @@ class MlxTrainerBackend(TrainerBackend):
                                             [s.advantage for s in seqs], beta=cfg.beta))
                 if cfg.skip_no_signal else {s.group for s in seqs})
         trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
-        mb = cfg.micro_batch_size or max(len(trained), 1)
-        chunks = [trained[i:i + mb] for i in range(0, len(trained), mb)]
+        chunks = self._chunks(seqs, trained)
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
         per_seq_kl = np.full(n, np.nan, np.float64)  # NaN: skipped, not measured
         ntok = np.array([s.trained_tokens for s in seqs], np.float64)
         grads: Any = None
+
+        def out_of_memory(weights_untouched: bool) -> Exception:
+            self.model.eval()
+            mx.clear_cache()
+            return out_of_memory_advice(
+                limit_mb=self.memory.limit_bytes // MIB if self.memory else None,
+                micro_batch_size=cfg.micro_batch_size,
+                largest_micro_batch=max((len(c) for c in chunks), default=0),
+                micro_batches=len(chunks), weights_untouched=weights_untouched)
+
         with mx.stream(self.engine._device):
-            for idx in chunks:
-                chunk = [seqs[i] for i in idx]
-                batch = self._collate(chunk)
-                ref_logp = None
-                if cfg.beta:
-                    self.model.eval()
-                    with self._adapter_disabled():
-                        ref_logits = self._completion_logits(chunk, batch)
-                        ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
-                            ref_logits, batch["completion_ids"], cfg.temperature))
-                        mx.eval(ref_logp)
-                self.model.train()
-                loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
-                (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
-                                                              ref_logp)
-                seen = (self._sampler_logprobs(mx.stop_gradient(
-                    self._completion_logits(chunk, batch)),
-                    batch["completion_ids"]) if cfg.truncated else logp)
-                grads = g if grads is None else tree_map(mx.add, grads, g)
-                mx.eval(part, seen, took, ref_kl, grads)
-                mask = np.array(batch["mask"])
-                kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
-                                                   mask)
-                per_seq_kl[idx] = kl
-                loss_sum += float(part.item())
-                clipped += float((np.array(took) & (mask > 0)).sum())
-                ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
+            try:
+                for idx in chunks:
+                    chunk = [seqs[i] for i in idx]
+                    batch = self._collate(chunk)
+                    ref_logp = None
+                    if cfg.beta:
+                        self.model.eval()
+                        with self._adapter_disabled():
+                            ref_logits = self._completion_logits(chunk, batch)
+                            ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
+                                ref_logits, batch["completion_ids"], cfg.temperature))
+                            mx.eval(ref_logp)
+                    self.model.train()
+                    loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+                    (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
+                                                                  ref_logp)
+                    seen = (self._sampler_logprobs(mx.stop_gradient(
+                        self._completion_logits(chunk, batch)),
+                        batch["completion_ids"]) if cfg.truncated else logp)
+                    grads = g if grads is None else tree_map(mx.add, grads, g)
+                    mx.eval(part, seen, took, ref_kl, grads)
+                    mask = np.array(batch["mask"])
+                    kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
+                                                       mask)
+                    per_seq_kl[idx] = kl
+                    loss_sum += float(part.item())
+                    clipped += float((np.array(took) & (mask > 0)).sum())
+                    ref_kl_sum += float((np.array(ref_kl).astype(np.float64) * mask).sum())
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                grads = None
+                raise out_of_memory(True) from e
             self.model.eval()
             if grads is None:  # no group with signal: a zero gradient, AdamW still steps
                 grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
@@ -451,8 +383,13 @@ class MlxTrainerBackend(TrainerBackend):
             else:
                 norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum()
                                    for _, g in tree_flatten(grads)))
-            self.optimizer.update(self.model, grads)
-            mx.eval(self.model.parameters(), self.optimizer.state, norm)
+            try:
+                self.optimizer.update(self.model, grads)
+                mx.eval(self.model.parameters(), self.optimizer.state, norm)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise out_of_memory(False) from e
         tokens = max(float(ntok.sum()), 1.0)
         forwarded = max(float(ntok[trained].sum()), 1.0)
         return UpdateStats(
@@ -463,109 +400,10 @@ class MlxTrainerBackend(TrainerBackend):
             ref_kl=ref_kl_sum / forwarded if cfg.beta else None,
             grad_norm=float(norm.item()), lr=lr, tokens=int(ntok.sum()),
             skipped_groups=len({s.group for s in seqs} - kept),
-            skipped_sequences=n - len(trained))
+            skipped_sequences=n - len(trained), micro_batches=len(chunks),
+            peak_rss_bytes=peak_rss_bytes())
 
     # ---------------------------------------------------------------- files
-
-    def lora_arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Module path -> (``lora_a`` (in, r), ``lora_b`` (r, out)) as float32 numpy copies."""
-        mx.eval([(m.lora_a, m.lora_b) for m in self.modules.values()])
-        return {p: (np.array(m.lora_a.astype(mx.float32)), np.array(m.lora_b.astype(mx.float32)))
-                for p, m in self.modules.items()}
-
-    def _target_modules(self) -> list[str]:
-        """peft's ``target_modules`` as ``get_peft_model`` records it: ``all-linear`` resolved
-        to the adapted modules' full paths, a list kept as the set of its names."""
-        if self.lora.target_modules == "all-linear":
-            return sorted(self.modules)
-        return sorted({t.strip() for t in self.lora.target_modules.split(",") if t.strip()})
-
-    def adapter_config_json(self) -> bytes:
-        """peft's ``adapter_config.json`` of this adapter: the fields ``LoraConfig`` writes
-        for a causal-LM LoRA (``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``,
-        ``target_modules``, ``base_model_name_or_path`` the
-        ``--model`` string...), serialized as peft does (indent 2, keys sorted)."""
-        lora = self.lora
-        cfg = {
-            "alpha_pattern": {}, "base_model_name_or_path": self.model_id, "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-            "layers_pattern": None, "layers_to_transform": None, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "modules_to_save": None, "peft_type": "LORA",
-            "r": lora.rank, "rank_pattern": {}, "target_modules": self._target_modules(),
-            "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": lora.rslora,
-        }
-        return json.dumps(cfg, indent=2, sort_keys=True).encode()
-
-    def adapter_files(self) -> dict[str, bytes]:
-        """See :meth:`TrainerBackend.adapter_files`: ``lora_A = lora_a.T``,
-        ``lora_B = lora_b.T`` in float32 under peft's key names."""
-        if sys.byteorder != "little":
-            raise ValueError("safetensors data is little-endian; this host is big-endian")
-        state = {}
-        for path, (a, b) in self.lora_arrays().items():
-            for name, arr in ((f"{PEFT_PREFIX}{path}.lora_A.weight", a.T),
-                              (f"{PEFT_PREFIX}{path}.lora_B.weight", b.T)):
-                arr = np.ascontiguousarray(arr, dtype="<f4")
-                state[name] = Tensor("F32", tuple(arr.shape), arr.tobytes())
-        return {ADAPTER_CONFIG: self.adapter_config_json(),
-                ADAPTER_WEIGHTS: dump(state, {"format": "pt"})}
-
-    def mlx_adapter_files(self) -> dict[str, bytes]:
-        """The adapter in mlx-lm's layout as it is trained (``adapter_config.json`` with
-        ``num_layers``, ``lora_parameters`` {rank, scale, dropout, keys}; ``adapters.safetensors``
-        with ``<path>.lora_a`` / ``.lora_b``): what ``gridrl.adapters.convert_files(
-        adapter_files(), "mlx", num_layers)`` gives, tensor for tensor."""
-        return convert_files(self.adapter_files(), "mlx", self.identity.num_layers)
-
-    def load_adapter_files(self, files: Mapping[str, bytes]) -> None:
-        """See :meth:`TrainerBackend.load_adapter_files` (peft files, float tensors cast to
-        float32).
-
-        Raises:
-            ValueError: missing, unexpected or misshapen tensors.
-        """
-        parsed = load(bytes(files[ADAPTER_WEIGHTS]), ADAPTER_WEIGHTS)
-        want = {f"{PEFT_PREFIX}{p}.lora_{x}.weight" for p in self.modules for x in "AB"}
-        got = set(parsed.tensors)
-        if got != want:
-            raise ValueError(f"adapter does not fit the policy: unexpected "
-                             f"{sorted(got - want)[:3]}, missing {sorted(want - got)[:3]}")
-        updates = []
-        for path, m in self.modules.items():
-            for leaf, current in (("A", m.lora_a), ("B", m.lora_b)):
-                t = cast(parsed.tensors[f"{PEFT_PREFIX}{path}.lora_{leaf}.weight"], "F32")
-                value = to_float64(t).astype(np.float32).T
-                if value.shape != tuple(current.shape):
-                    raise ValueError(f"adapter does not fit the policy: {path}.lora_{leaf} "
-                                     f"has shape {value.T.shape}, expected "
-                                     f"{tuple(current.shape)[::-1]}")
-                updates.append((f"{path}.lora_{leaf.lower()}", mx.array(value)))
-        self.model.update(tree_unflatten(updates))
-        mx.eval(self.model.parameters())
-
-    def checkpoint_files(self) -> dict[str, bytes]:
-        """See :meth:`TrainerBackend.checkpoint_files` (module docstring)."""
-        files = self.adapter_files()
-        state = {k: np.array(v) for k, v in tree_flatten(self.optimizer.state)}
-        files[OPTIMIZER] = safetensors_numpy.save(state)
-        np_state = np.random.get_state()
-        rng = {"python": [random.getstate()[0], list(random.getstate()[1]),
-                          random.getstate()[2]],
-               "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
-                         float(np_state[4])]}
-        files[RNG] = json.dumps(rng).encode()
-        return files
-
-    def restore_checkpoint(self, files: Mapping[str, bytes]) -> None:
-        """See :meth:`TrainerBackend.restore_checkpoint`."""
-        self.load_adapter_files({k: v for k, v in files.items() if k.startswith("adapter_")})
-        state = safetensors_numpy.load(bytes(files[OPTIMIZER]))
-        self.optimizer.state = tree_unflatten([(k, mx.array(v)) for k, v in state.items()])
-        rng = json.loads(files[RNG])
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
-        name, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((name, np.array(keys, np.uint32), pos, has_gauss, cached))
 
     def close(self, wait: bool = True) -> None:
         """Nothing to leave (one process); frees MLX's buffer cache."""

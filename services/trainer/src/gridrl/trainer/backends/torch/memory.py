@@ -36,6 +36,7 @@ from gridrl.trainer.backends.memory import (
     plan_micro_batches,
     return_freed_memory_to_the_system,
 )
+from gridrl.trainer.backends.packing import pack_layout
 
 #: The probe's sequence width (tokens) when the run gives none wider.
 PROBE_WIDTH = 128
@@ -199,17 +200,21 @@ class UpdateMemory:
         """
         if not indices:
             return MemoryPlan([], [], 0.0)
-        widest = max(len(seqs[i].prompt_ids) + max(len(seqs[i].completion_ids), 1)
-                     for i in indices)
+        packed = self.cfg.pack and getattr(self.policy, "packs", False)
+        keys = [s.prompt_ids for s in seqs] if packed else None
+        prompt_lens = [len(s.prompt_ids) for s in seqs]
+        completion_lens = [len(s.completion_ids) for s in seqs]
+        widest = max(prompt_lens[i] + max(completion_lens[i], 1) for i in indices)
+        if keys is not None:  # a packed row is as wide as its longest group
+            widest = max(widest, pack_layout(indices, keys, prompt_lens, completion_lens).width)
         plain = self.plain_cost(widest)  # (a probe first: the base is read after it)
         base = self._rss() + RESERVE_BYTES
 
         def plan(checkpointed: ActivationCost | None) -> MemoryPlan:
-            return plan_micro_batches(indices, [len(s.prompt_ids) for s in seqs],
-                                      [len(s.completion_ids) for s in seqs],
+            return plan_micro_batches(indices, prompt_lens, completion_lens,
                                       self.limit_bytes - base, plain,
                                       checkpointed, max_sequences=max_sequences,
-                                      base_bytes=base)
+                                      base_bytes=base, prompt_keys=keys)
 
         try:
             return plan(None)

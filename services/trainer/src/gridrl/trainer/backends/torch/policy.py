@@ -268,6 +268,44 @@ class Policy:
             use_cache=False)
         return out.last_hidden_state[:, -(completion_width + 1):-1]
 
+    @property
+    def packs(self) -> bool:
+        """True when the model takes a packed forward
+        (:mod:`gridrl.trainer.backends.torch.packed`): a decoder of
+        :data:`PLAIN_HEAD_MODEL_TYPES` (their masks pass a 4-D mask through as it is) with
+        ``sdpa`` or ``eager`` attention (the two whose mask this module builds)."""
+        config = self.model.get_base_model().config
+        return (getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
+                and getattr(config, "_attn_implementation", None) in ("sdpa", "eager"))
+
+    def _packed_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` (R, 1, W, W) bool as the attention implementation takes it: as it is for
+        sdpa (True attends), an additive float mask (0 or the dtype's minimum) for eager."""
+        config = self.model.get_base_model().config
+        if config._attn_implementation == "sdpa":
+            return allowed
+        floor = torch.finfo(torch.float32).min
+        return torch.zeros(allowed.shape, dtype=torch.float32,
+                           device=allowed.device).masked_fill_(~allowed, floor)
+
+    def packed_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      allowed: torch.Tensor) -> torch.Tensor:
+        """Logits of a packed batch (:class:`gridrl.trainer.backends.torch.packed.PackedBatch`:
+        ``input_ids`` and ``position_ids`` (R, W) int64, ``allowed`` (R, 1, W, W) bool): (R, W,
+        V) in the model's dtype, ``[r, q]`` predicting the token after ``q`` in its sequence."""
+        out = self.model(input_ids=input_ids, attention_mask=self._packed_mask(allowed),
+                         position_ids=position_ids, use_cache=False)
+        return out.logits
+
+    def packed_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      allowed: torch.Tensor) -> torch.Tensor:
+        """:meth:`packed_logits` before the output projection: (R, W, H) final hidden states,
+        through the decoder of :attr:`model`."""
+        out = self.model.get_base_model().get_decoder()(
+            input_ids=input_ids, attention_mask=self._packed_mask(allowed),
+            position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
     def shared_prefix_logits(self, prompts: Sequence[Sequence[int]],
                              completion_ids: torch.Tensor) -> torch.Tensor:
         """:meth:`completion_logits` computed once per distinct prompt instead of per sequence.

@@ -1,7 +1,9 @@
 """The torch backend's GRPO step: one optimizer step over the training sequences of a step,
 and the trainer's behaviour-aligned logprobs of sequences.
 
-The trainer's logprobs of every sequence come from padded forward passes (prompts left-padded,
+The trainer's logprobs of every sequence come from packed forward passes where the model allows
+(:mod:`gridrl.trainer.backends.torch.packed`: each group's prompt once, its completions after it,
+no padding but each row's tail) and otherwise from padded ones (prompts left-padded,
 completions right-padded, positions from the attention mask), in micro-batches of
 ``micro_batch_size`` sequences (0: all at once); no per-token Python loop. The loss weights are
 fixed over the whole step first (:func:`gridrl.trainer.grpo.advantages.sequence_weights`), so micro-batches
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,12 +24,15 @@ from gridrl.engine.contract import SamplingConfig
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig, UpdateStats
 from gridrl.trainer.backends.memory import (
     MemoryPlanner,
+    is_out_of_memory,
+    out_of_memory_advice,
     peak_rss_bytes,
     reset_peak_rss,
     trim_free_memory,
 )
 from gridrl.trainer.backends.torch import losses as grpo_torch
 from gridrl.trainer.backends.torch.distributed import SingleProcess
+from gridrl.trainer.backends.torch.packed import pack
 from gridrl.trainer.grpo import advantages as grpo
 
 if TYPE_CHECKING:
@@ -107,11 +112,13 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
         ValueError: ``seqs`` is empty or this rank's share is empty.
         MemoryBudgetError: a sequence does not fit ``memory`` even with checkpointing (the
             weights are untouched).
+        UpdateOutOfMemory: the allocator refused anyway (a RuntimeError saying which setting
+            to lower, :func:`gridrl.trainer.backends.memory.out_of_memory_advice`); before the
+            optimizer step the gradients are dropped and the weights untouched.
     """
     par = parallel or SingleProcess(policy.model)
     if not seqs:
         raise ValueError("no sequences to train on")
-    device = policy.device
     coef = torch.from_numpy(grpo.sequence_weights(
         [s.trained_tokens for s in seqs], cfg.aggregation, cfg.max_tokens))  # type: ignore[arg-type]
     reset_peak_rss()
@@ -135,8 +142,78 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
     ratio_max = torch.zeros(1, dtype=torch.float64)
     if cores is not None:
         cores.begin()
+
+    def out_of_memory(weights_untouched: bool) -> Exception:
+        optimizer.zero_grad(set_to_none=True)
+        trim_free_memory()
+        return out_of_memory_advice(
+            limit_mb=getattr(memory, "limit_bytes", 0) // (1 << 20) if memory else None,
+            micro_batch_size=cfg.micro_batch_size,
+            largest_micro_batch=max((len(c) for c in chunks), default=0),
+            micro_batches=len(chunks), weights_untouched=weights_untouched)
+
+    try:
+        _micro_batches(policy, seqs, cfg, par, chunks, checkpointed, coef, totals, ratio_max,
+                       memory, cores)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory(True) from e
+    par.all_reduce_sum(totals)
+    if correct:
+        par.all_reduce_max(ratio_max)
+
+    params = policy.trainable_parameters()
+    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
+        if p.grad is None:  # still steps every parameter (moments and weight decay)
+            p.grad = torch.zeros_like(p)
+    limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    lr = float(optimizer.param_groups[0]["lr"])
+    try:
+        optimizer.step()
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise out_of_memory(False) from e
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
+    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
+    tokens = max(float(all_tokens), 1.0)
+    units = max(float(totals[6]), 1.0)
+    return UpdateStats(
+        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
+        per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
+        clip_fraction=float(totals[1]) / tokens,
+        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
+        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
+        is_weight_mean=float(totals[5]) / units if correct else None,
+        is_weight_max=float(ratio_max[0]) if correct else None,
+        is_limited_fraction=float(totals[7]) / units if correct else None,
+        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped),
+        micro_batches=len(chunks), checkpointed_micro_batches=sum(checkpointed),
+        peak_rss_bytes=peak_rss_bytes(), threads=torch.get_num_threads())
+
+
+#: Called with the micro-batch's index before each micro-batch's forward (None: nothing): where
+#: tests inject a failure (an allocator's refusal) into a real update.
+before_micro_batch: Callable[[int], None] | None = None
+
+
+def _micro_batches(policy: Any, seqs: Sequence[TrainSequence], cfg: UpdateConfig, par: Any,
+                   chunks: list[list[int]], checkpointed: list[bool], coef: torch.Tensor,
+                   totals: torch.Tensor, ratio_max: torch.Tensor,
+                   memory: MemoryPlanner | None, cores: ThreadGovernor | None) -> None:
+    """The forward and backward of each micro-batch of :func:`grpo_update` (gradients
+    accumulated in the LoRA parameters, statistics added into ``totals`` / ``ratio_max``)."""
+    device = policy.device
+    correct = cfg.is_correction != "none"
     with _frozen_weights_cast(policy, cfg):
         for k, idx in enumerate(chunks):
+            if before_micro_batch is not None:
+                before_micro_batch(k)
             batch = collate([seqs[i] for i in idx], policy.pad_id, device)
             mask = batch["completion_mask"]
             width = mask.shape[1]
@@ -187,37 +264,6 @@ def grpo_update(policy: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                 trim_free_memory()  # the next micro-batch starts from the base again
             if cores is not None:
                 cores.step()  # between micro-batches: the threads others leave free
-    par.all_reduce_sum(totals)
-    if correct:
-        par.all_reduce_max(ratio_max)
-
-    params = policy.trainable_parameters()
-    for p in params:  # skipped groups (or a step without signal): exact zeros, so AdamW
-        if p.grad is None:  # still steps every parameter (moments and weight decay)
-            p.grad = torch.zeros_like(p)
-    limit = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
-    lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    forwarded = max(float(totals[2]), 1.0)  # tokens of the sequences trained on
-    all_tokens = sum(s.trained_tokens for s in seqs)  # skipped ones too (never clipped)
-    tokens = max(float(all_tokens), 1.0)
-    units = max(float(totals[6]), 1.0)
-    return UpdateStats(
-        loss=float(totals[0]), mismatch_kl=float(totals[3]) / forwarded,
-        per_sequence_mismatch_kl=[float(v) for v in totals[_TOTALS:]],
-        clip_fraction=float(totals[1]) / tokens,
-        ref_kl=float(totals[4]) / forwarded if cfg.beta else None,
-        grad_norm=grad_norm, lr=lr, tokens=all_tokens,
-        is_weight_mean=float(totals[5]) / units if correct else None,
-        is_weight_max=float(ratio_max[0]) if correct else None,
-        is_limited_fraction=float(totals[7]) / units if correct else None,
-        skipped_groups=len({seqs[i].group for i in skipped}), skipped_sequences=len(skipped),
-        micro_batches=len(chunks), checkpointed_micro_batches=sum(checkpointed),
-        peak_rss_bytes=peak_rss_bytes(), threads=torch.get_num_threads())
 
 
 def _trained_share(seqs: Sequence[TrainSequence], cfg: UpdateConfig,
@@ -303,6 +349,8 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
     head = getattr(policy, "head_weight", None)
     if amp and getattr(policy, "update_head", None) is not None:
         head = policy.update_head  # its bfloat16 copy (Policy.frozen_weights_as)
+    if cfg.pack and getattr(policy, "packs", False):
+        return _packed_logprobs(policy, seqs, batch, cfg, par, mixed, head)
     if cfg.truncated or head is None:
         with mixed():
             logits = _logits(policy, seqs, batch, cfg, par)
@@ -321,6 +369,36 @@ def _logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch
             hidden = par.run(policy, "completion_hidden", batch["input_ids"],
                              batch["attention_mask"], width)
         picked = grpo_torch.head_logprobs(hidden.reshape(n * width, -1)[real], head,
+                                          tokens.reshape(-1)[real], cfg.temperature)
+    logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
+    logp = logp.index_put((real,), picked).reshape(n, width)
+    return logp, logp
+
+
+def _packed_logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str, torch.Tensor],
+                     cfg: UpdateConfig, par: Any,
+                     mixed: Callable[[], contextlib.AbstractContextManager],
+                     head: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_logprobs` from one packed forward (:func:`gridrl.trainer.backends.torch.packed.
+    pack`: no padding but each row's tail, each group's prompt once); the outputs that predict
+    each completion token are gathered back into the collated (n, C) layout."""
+    tokens = batch["completion_ids"]
+    n, width = tokens.shape
+    packed = pack(seqs, policy.pad_id, width, policy.device)
+    args = (packed.input_ids, packed.position_ids, packed.allowed)
+    if cfg.truncated or head is None:
+        with mixed():
+            out = par.run(policy, "packed_logits", *args)
+        logits = out.reshape(-1, out.shape[-1])[packed.predicts.reshape(-1)].reshape(n, width, -1)
+        del out
+        logp = grpo_torch.completion_logprobs(logits, tokens, cfg.temperature)
+        seen = (sampler_logprobs(logits.detach(), tokens, cfg) if cfg.truncated else logp)
+        return logp, seen
+    real = batch["completion_mask"].reshape(-1).nonzero().squeeze(-1)
+    with mixed():
+        hidden = par.run(policy, "packed_hidden", *args)
+        rows = packed.predicts.reshape(-1)[real]
+        picked = grpo_torch.head_logprobs(hidden.reshape(-1, hidden.shape[-1])[rows], head,
                                           tokens.reshape(-1)[real], cfg.temperature)
     logp = torch.zeros(n * width, dtype=torch.float32, device=picked.device)
     logp = logp.index_put((real,), picked).reshape(n, width)
