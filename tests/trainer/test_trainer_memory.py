@@ -347,3 +347,22 @@ def test_a_run_out_of_memory_keeps_its_checkpoint_and_names_the_setting(tiny_lla
                               "-1"], capture_output=True, text=True, timeout=600, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in read_records(run_dir) if r.get("step")] == [1, 2, 3]
+
+
+def test_the_budget_keeps_room_for_the_optimizers_step(tiny_llama_dir):
+    """AdamW's first step allocates two moments per LoRA parameter after the micro-batches'
+    peak (a 0.5B model's bounded update peaked 25 MiB over a 4 GB budget without this): the
+    budget holds them back until they exist, and one parameter-sized set of temporaries
+    always."""
+    from gridrl.trainer.backends.torch.memory import UpdateMemory
+
+    backend = create_backend(_config(tiny_llama_dir))
+    lora = sum(p.numel() * p.element_size() for p in backend.policy.trainable_parameters())
+    memory = UpdateMemory(backend.policy, backend.update_cfg, 1 << 40, width=64, rss=lambda: 0,
+                          optimizer=backend.optimizer)
+    assert memory.optimizer_reserve_bytes() == 3 * lora
+    backend.update(_sequences([(12, 8), (12, 6)]))
+    assert memory.optimizer_reserve_bytes() == lora  # the moments are resident now
+    assert UpdateMemory(backend.policy, backend.update_cfg, 1 << 40, width=64,
+                        rss=lambda: 0).optimizer_reserve_bytes() == 0
+    backend.close()

@@ -165,7 +165,8 @@ class TorchTrainerBackend(TrainerBackend):
         memory = None
         if limit_mb and on_cpu:  # resident memory bounds a CPU update (CUDA: the GPU's own)
             try:
-                memory = UpdateMemory(policy, update_cfg, limit_mb * MIB)
+                memory = UpdateMemory(policy, update_cfg, limit_mb * MIB,
+                                      optimizer=optimizer)
             except MemoryBudgetError as e:
                 raise invalid_argument("--memory-mb", str(e)) from e
         scheduler = make_scheduler(optimizer, schedule=cfg.lr_schedule,
