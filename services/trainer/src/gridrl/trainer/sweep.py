@@ -244,6 +244,7 @@ def run_sweep(args: Sequence[str], sweepable: set[str], sweep_name: str, *,
     base_env = {**os.environ, **(env or {})}
     outcomes: list[Outcome] = []
     running: list[tuple[Variant, subprocess.Popen, float]] = []
+    ended: dict[int, float] = {}  # pid -> when that run's process was seen to end
     try:
         for variant in variants:
             argv = [*exe, *variant.argv, *extra, "--listen", "127.0.0.1:0",
@@ -255,9 +256,10 @@ def run_sweep(args: Sequence[str], sweepable: set[str], sweep_name: str, *,
             running.append((variant, proc, t))
             if one_after_another:
                 proc.wait()
+                ended[proc.pid] = time.monotonic()
         for variant, proc, t in running:
             code = proc.wait()
-            seconds = time.monotonic() - t
+            seconds = ended.setdefault(proc.pid, time.monotonic()) - t
             score, exact, steps = last_eval(variant.run_dir)
             outcomes.append(Outcome(variant, code, seconds, score, exact, steps))
     finally:
