@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.metadata
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -338,7 +339,6 @@ class RolloutNode:
 
     def _remove_ephemeral_dir(self) -> None:
         """On stop, after the adapters are flushed: remove a port-0 node's own directory."""
-        import shutil
 
         shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
         log.info("removed this port-0 node's directory %s", self._ephemeral_dir)

@@ -22,6 +22,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from gridrl.common.address import parse_listen
 from gridrl.common.cli import (
     address_option,
     client_security_options,
@@ -214,8 +215,6 @@ def serve_api(listen: str, metrics_port: int, security: Any, log_level: str,
     a Tinker-compatible REST API on --http-listen (the official `tinker` SDK runs against
     it), on this machine's torch or MLX trainer, sampling on the rollout nodes. Ctrl-C / SIGTERM
     stops it (saved states and sampler weights stay in --api-dir)."""
-    from gridrl.common.address import parse_listen
-    from gridrl.common.errors import StatusError
     from gridrl.common.security.policy import ExposedError, check_exposure
     from gridrl.trainer.primitives.serve import ApiSettings, serve
 

@@ -62,7 +62,9 @@ from pathlib import Path
 
 import click
 
+from gridrl.common.address import port_in_use
 from gridrl.common.cli import progress_bars_off_terminal
+from gridrl.common.errors import StatusError
 from gridrl.common.security.certs import local_identities
 from gridrl.models import resolve_model
 from gridrl.trainer.demo_processes import BIN, STOP_SIGNALS, Children, Service
@@ -318,7 +320,6 @@ def _check_task(task: str, trainer_args: tuple[str, ...]) -> None:
     Raises:
         click.UsageError: ``--task: <problem>`` (e.g. naming what to install).
     """
-    from gridrl.common.errors import StatusError
     from gridrl.trainer.envs.loading import make_environment
 
     params = ""
@@ -333,7 +334,6 @@ def _check_task(task: str, trainer_args: tuple[str, ...]) -> None:
 def _dashboard_port() -> int:
     """The master's own default (8321) when it is free, else any free port (another master
     may hold it); ``GRIDRL_MASTER_DASHBOARD_PORT`` wins."""
-    from gridrl.common.address import port_in_use
 
     if os.environ.get("GRIDRL_MASTER_DASHBOARD_PORT"):
         return int(os.environ["GRIDRL_MASTER_DASHBOARD_PORT"])

@@ -13,6 +13,8 @@ the caller waits or retries as it would anyway.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -43,7 +45,6 @@ def list_services(address: str, security: object | None = None,
             ``address`` (a port taken before a server starts, a mistyped address) is not
             known to be ours.
     """
-    import dataclasses
 
     from gridrl.common.rpc.channel import dial
 

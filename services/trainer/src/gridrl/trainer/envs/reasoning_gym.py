@@ -12,6 +12,8 @@ on the answer inside ``<answer>...</answer>`` (reasoning-gym's convention,
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, ClassVar
 
 from gridrl.common.errors import invalid_argument
@@ -67,7 +69,6 @@ def parse_value(text: str) -> Any:
     ``"no"`` -> False, ``"None"`` -> None, ``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"[+,-]"`` ->
     ``["+", "-"]``, ``'["a", 1]'`` -> ``["a", 1]``, ``"'3'"`` -> ``"3"``, ``"abc"`` ->
     ``"abc"``."""
-    import json
 
     t = text.strip()
     low = t.lower()
@@ -124,7 +125,6 @@ def dataset_fields(dataset: str) -> list[str]:
     """The parameters ``--task-params`` may set for a reasoning-gym dataset: the fields of its
     config dataclass but ``seed`` and ``size`` (gridrl sets those: ``--seed``,
     ``--eval-tasks``)."""
-    import dataclasses
 
     from reasoning_gym.factory import DATASETS
 

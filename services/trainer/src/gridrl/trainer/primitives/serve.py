@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gridrl.common.address import parse_listen
+
 log = logging.getLogger("gridrl.trainer")
 SWEEP_S = 5.0  # seconds between deletions of checkpoints whose TTL passed
 
@@ -101,7 +103,6 @@ def serve(settings: ApiSettings, *, listen: str, metrics_port: int, security: An
     """
     import torch
 
-    from gridrl.common.address import parse_listen
     from gridrl.common.cli import write_ready_file
     from gridrl.common.rpc.server import GrpcServer
     from gridrl.trainer.primitives import grpc_servicer, tinker_facade, tinker_http

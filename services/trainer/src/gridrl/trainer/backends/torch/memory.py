@@ -16,14 +16,17 @@ memory keeps the figure exact whatever the allocator holds; the planner adds
 from __future__ import annotations
 
 import dataclasses
+import json
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gridrl.common.errors import invalid_argument
 from gridrl.trainer.backends.base import TrainSequence, UpdateConfig
 from gridrl.trainer.backends.memory import (
     MIB,
@@ -254,8 +257,6 @@ def weights_bytes(model_dir: Any, dtype: str = "auto") -> int | None:
     (``"auto"``: float32, the CPU's): its ``*.safetensors`` (else ``*.bin``) files, scaled from
     the checkpoint's dtype (``config.json``'s ``dtype`` / ``torch_dtype``; float32 when it names
     none). None when there are no weight files to read."""
-    import json
-    from pathlib import Path
 
     path = Path(str(model_dir))
     if not path.is_dir():
@@ -282,7 +283,6 @@ def check_weights_fit(model: str, dtype: str, limit_mb: int) -> None:
     Raises:
         StatusError: INVALID_ARGUMENT ``--memory-mb``, naming the least that could work.
     """
-    from gridrl.common.errors import invalid_argument
     from gridrl.models import resolve_model
 
     try:
