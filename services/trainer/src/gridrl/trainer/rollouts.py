@@ -12,9 +12,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gridrl.engine import rng
+
+if TYPE_CHECKING:
+    from gridrl.engine.contract import FinishReason
 
 
 @dataclass
@@ -40,7 +43,7 @@ class RolloutSample:
     token_ids: list[int]
     logprobs: list[float]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     policy_version: int
     node: str
     loss_mask: list[int] | None = None

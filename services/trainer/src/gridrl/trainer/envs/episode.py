@@ -26,12 +26,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gridrl.engine import rng
 from gridrl.trainer.envs.base import Environment, Message, TaskItem
 from gridrl.trainer.envs.chat import ChatDelta, TemplateDeltaError
 from gridrl.trainer.rollouts import DropReason, RolloutSample, group_seed
+
+if TYPE_CHECKING:
+    from gridrl.engine.contract import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ class Episode:
     policy_version: int | None = None
     turn_versions: list[int] = field(default_factory=list)
     node: str = ""
-    finish_reason: str = "length"
+    finish_reason: FinishReason = "length"
     seconds: float = 0.0
     _history: list[Message] = field(default_factory=list, repr=False)
     _last_ids: list[int] = field(default_factory=list, repr=False)

@@ -16,10 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gridrl.common.errors import invalid_argument
+
+if TYPE_CHECKING:
+    from gridrl.engine.contract import FinishReason
 
 CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO = "cross_entropy", "importance_sampling", "ppo"
 CISPO, DRO = "cispo", "dro"
@@ -300,7 +304,7 @@ class SampledSequence:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str
+    finish_reason: FinishReason
     policy_version: int
 
 
