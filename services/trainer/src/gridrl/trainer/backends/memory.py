@@ -42,8 +42,10 @@ DEFAULT_MEMORY_SHARE = 0.6
 
 #: Resident memory kept free of activations under every budget: what the allocator and the
 #: libraries take around a micro-batch whatever its size (on the tiny llama a plan that
-#: filled its room peaked 1-2 MiB over it, at 5 and at 8 micro-batches alike).
-RESERVE_BYTES = 8 * MIB
+#: filled its room peaked 1-2 MiB over it, at 5 and at 8 micro-batches alike; with 8 MiB kept
+#: free, one run in eight still peaked 3 MiB over its 64 MiB room: a thread's stack or a
+#: malloc arena more or less, so twice that is kept).
+RESERVE_BYTES = 16 * MIB
 
 #: Resident memory the allocator holds beyond the tensors' own bytes (freed blocks kept,
 #: fragmentation, the small allocations around the products), as a share of the activations:
