@@ -56,6 +56,31 @@ def _two_nodes_and_a_trainer(fleet, tiny_llama_dir: Path, run_dir: Path, pause_a
     return n1, n2, trainer
 
 
+def _check_node_1_out_during_the_cut_and_back_after(watch: StepWatch, trainer, n1, n2,
+                                                     cut_step: int, restored_at: float) -> None:
+    """What a cut between node 1 and the trainer must leave: every step once, three or more
+    during the cut, all with node 2's samples and none of node 1's past the step in progress;
+    node 1 back after the restore on the adapter pushed just before; staleness 0; the trainer
+    said why it moved the group."""
+    records = watch.ordered()
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    during = [r for r in records if cut_step < r["step"] and watch.seen[r["step"]] < restored_at]
+    assert len(during) >= 3
+    # node 1's samples may reach the step in progress at the cut (groups it finished
+    # before), which is cut_step + 1, or + 2 when the last record was still being
+    # written; none reach a later step
+    later = [r for r in during if r["step"] > cut_step + 2]
+    assert later and all(node_samples(r, n1) is None for r in later), later
+    assert all(node_samples(r, n2) for r in during), during
+    # node 1 came back and sampled on the current adapter (pushed before it sampled)
+    back = [r for r in records if watch.seen[r["step"]] > restored_at and node_samples(r, n1)]
+    assert back, "node 1 never sampled again after the cut"
+    for r in back:
+        assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
+    check_versions(records, max_staleness=0)
+    assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
+
+
 def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current(
         tmp_path: Path, tiny_llama_dir: Path) -> None:
     """Node 1's link is cut while it holds a group (paused in Generate, so the cut is
@@ -85,24 +110,8 @@ def test_a_node_cut_mid_generate_stalls_the_run_for_seconds_then_rejoins_current
         finally:
             watch.stop()
             trainer.stop()
-        records = watch.ordered()
-        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
-        during = [r for r in records if cut_step < r["step"] and watch.seen[r["step"]] < restored_at]
-        assert len(during) >= 3
-        # node 1's samples may reach the step in progress at the cut (groups it finished
-        # before), which is cut_step + 1, or + 2 when the last record was still being
-        # written; none reach a later step
-        later = [r for r in during if r["step"] > cut_step + 2]
-        assert later and all(node_samples(r, n1) is None for r in later), later
-        assert all(node_samples(r, n2) for r in during)
-        # node 1 came back and sampled on the current adapter (pushed before it sampled)
-        back = [r for r in records if watch.seen[r["step"]] > restored_at
-                and node_samples(r, n1)]
-        assert back, "node 1 never sampled again after the cut"
-        for r in back:
-            assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
-        check_versions(records, max_staleness=0)
-        assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
+        _check_node_1_out_during_the_cut_and_back_after(watch, trainer, n1, n2, cut_step,
+                                                        restored_at)
         print(f"\nMEASURED cut-mid-generate stall: {stall:.2f}s (longest wait for a step "
               "record, over the cut and the two steps after it); "
               f"node 1 sampled again {rejoin_s:.2f}s after the restore")
@@ -429,21 +438,9 @@ def test_a_node_the_trainer_cannot_reach_stalls_the_run_for_seconds(
             watch.stop()
             trainer.stop()
         assert status == "NODE_STATUS_HEALTHY", status
-        records = watch.ordered()
-        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
-        during = [r for r in records if cut_step < r["step"] and watch.seen[r["step"]] < restored_at]
-        assert len(during) >= 3
-        later = [r for r in during if r["step"] > cut_step + 2]
-        assert later and all(node_samples(r, n1) is None for r in later), later
-        assert all(node_samples(r, n2) for r in during), during
         assert stall < REQUEST_TIMEOUT_S / 2, stall
-        back = [r for r in records if watch.seen[r["step"]] > restored_at
-                and node_samples(r, n1)]
-        assert back, "node 1 never sampled again after the cut"
-        for r in back:
-            assert node_samples(r, n1)["versions"] == [r["policy_version"] - 1], r
-        check_versions(records, max_staleness=0)
-        assert "re-dispatched" in trainer.log() or "UNAVAILABLE" in trainer.log()
+        _check_node_1_out_during_the_cut_and_back_after(watch, trainer, n1, n2, cut_step,
+                                                        restored_at)
         print(f"\nMEASURED trainer cut from a node only: longest wait for a step {stall:.2f}s "
               "over the cut's first three steps; node 1 sampled again "
               f"{rejoin_s:.2f}s after the restore")
