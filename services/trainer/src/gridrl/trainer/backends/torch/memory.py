@@ -2,12 +2,16 @@
 measured on the real model, and the plan of each step's micro-batches from it
 (:func:`gridrl.trainer.backends.memory.plan_micro_batches`).
 
-Measured, not guessed: a probe forward and backward of 1 and then 2 random sequences of
-``width`` tokens, through the update's own code path (the same logprob path, autocast and
-frozen-weight copies, the loss's backward), under :class:`LiveTensorBytes`, which follows every
-tensor storage the probe allocates until it is freed and keeps the peak of the bytes alive at
-once. The difference of the two peaks is the cost of ``width`` more tokens; what is left of
-the first peak is the fixed part. The same again with activation checkpointing gives the cost
+Measured, not guessed: probe forwards and backwards of random sequences (one ``width // 2``
+tokens wide, two of them, one ``width`` wide) through the update's own code path (the same
+logprob path, autocast and frozen-weight copies, the loss's backward), under
+:class:`LiveTensorBytes`, which follows every tensor storage the probe allocates (not views of
+what existed before it) until it is freed and keeps the peak of the bytes alive at once. The
+cost per token is the larger of a second sequence's and a wider sequence's; the fixed part what
+the probes leave above it. No probe holds more than ``width`` tokens, one sequence of the
+step's widest: the smallest micro-batch its plan can run, so measuring inside a step cannot
+overrun the budget (probing two full-width sequences did: a 0.5B model's 4 GB update peaked 38
+MiB over). The same again with activation checkpointing gives the cost
 of a sequence that would not fit otherwise. Counting tensors rather than reading the resident
 memory keeps the figure exact whatever the allocator holds; the planner adds
 :data:`~gridrl.trainer.backends.memory.ALLOCATOR_SLACK` for what it holds.
@@ -43,6 +47,9 @@ from gridrl.trainer.backends.packing import pack_layout
 
 #: The probe's sequence width (tokens) when the run gives none wider.
 PROBE_WIDTH = 128
+
+#: A step wider than every measurement is measured again at its width rounded up to this.
+WIDTH_STEP = 32
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -128,13 +135,22 @@ def probe_peak_bytes(policy: Any, cfg: UpdateConfig, n: int, width: int, *,
 
 def measure_cost(policy: Any, cfg: UpdateConfig, width: int, *,
                  checkpoint: bool) -> ActivationCost:
-    """The :class:`ActivationCost` of the update at ``width`` tokens, from probes of 1 and 2
-    sequences (:func:`probe_peak_bytes`)."""
-    one = probe_peak_bytes(policy, cfg, 1, width, checkpoint=checkpoint)
-    two = probe_peak_bytes(policy, cfg, 2, width, checkpoint=checkpoint)
-    per_token = max(two - one, 0) / width
-    return ActivationCost(fixed=max(one - per_token * width, 0.0), per_token=per_token,
-                          probe_width=width)
+    """The :class:`ActivationCost` of the update at ``width`` tokens from three probes of at
+    most ``width`` tokens each (:func:`probe_peak_bytes`): one sequence ``h = width // 2``
+    wide, two of them, one ``width`` wide. ``per_token`` is the larger of the second
+    sequence's and the wider sequence's cost per added token and ``fixed`` what is left of the
+    largest probe, so ``fixed + per_token * n * width`` bounds ``n`` sequences ``width`` wide
+    from above whether a sequence's cost is mostly per sequence or grows with its width
+    (attention's quadratic part)."""
+    half = max(width // 2, 1)
+    short = probe_peak_bytes(policy, cfg, 1, half, checkpoint=checkpoint)
+    two_short = probe_peak_bytes(policy, cfg, 2, half, checkpoint=checkpoint)
+    wide = probe_peak_bytes(policy, cfg, 1, width, checkpoint=checkpoint)
+    added = max(width - half, 1)
+    per_token = max(two_short - short, wide - short, 0) / added
+    fixed = max(short - per_token * half, two_short - per_token * 2 * half,
+                wide - per_token * width, 0.0)
+    return ActivationCost(fixed=fixed, per_token=per_token, probe_width=width)
 
 
 class UpdateMemory:
@@ -191,20 +207,23 @@ class UpdateMemory:
         return size * (3 if moments_pending else 1)
 
     def plain_cost(self, width: int) -> ActivationCost:
-        """The cost without checkpointing, measured at the smallest power of two >= ``width``
-        (on first use)."""
-        bucket = max(_bucket(width), self._width)
-        if bucket not in self._plain:
-            self._plain[bucket] = measure_cost(self.policy, self.cfg, bucket, checkpoint=False)
-        return self._plain[bucket]
+        """The cost without checkpointing: the one measured at the widest width so far when
+        that covers ``width`` (a wider measurement over-counts a narrower step, never under),
+        else measured now at ``width`` rounded up to :data:`WIDTH_STEP` tokens."""
+        return self._cost(self._plain, width, checkpoint=False)
 
     def checkpointed_cost(self, width: int) -> ActivationCost:
         """:meth:`plain_cost` with activation checkpointing."""
-        bucket = max(_bucket(width), self._width)
-        if bucket not in self._checkpointed:
-            self._checkpointed[bucket] = measure_cost(self.policy, self.cfg, bucket,
-                                                      checkpoint=True)
-        return self._checkpointed[bucket]
+        return self._cost(self._checkpointed, width, checkpoint=True)
+
+    def _cost(self, measured: dict[int, ActivationCost], width: int, *,
+              checkpoint: bool) -> ActivationCost:
+        widest = max(measured, default=0)
+        if widest and widest >= width:
+            return measured[widest]
+        at = max(-(-width // WIDTH_STEP) * WIDTH_STEP, self._width)
+        measured[at] = measure_cost(self.policy, self.cfg, at, checkpoint=checkpoint)
+        return measured[at]
 
     def costs(self, width: int) -> tuple[ActivationCost, ActivationCost]:
         """(plain, checkpointed) costs at ``width``."""
@@ -242,11 +261,6 @@ class UpdateMemory:
             checkpointed = self.checkpointed_cost(widest)
             base = max(base, self._rss() + RESERVE_BYTES + self.optimizer_reserve_bytes())
             return plan(checkpointed)
-
-
-def _bucket(width: int) -> int:
-    """The smallest power of two >= ``width`` (at least 2)."""
-    return 1 << max(int(width) - 1, 1).bit_length()
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
