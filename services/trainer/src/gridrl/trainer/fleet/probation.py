@@ -253,9 +253,11 @@ class Probation:
         if why:
             return self._note(address, False, f"failed its fresh check: {why}")
         measured = f"KL {kl:.2e} nats/token at policy version {version}"
-        self.pool.unflag(address)
+        # the review is reported before the node takes groups again: a batch that waited
+        # for it must find the review already told
         self._note(address, True, f"serves policy version {version} and passed a fresh "
                                   f"mismatch check ({measured}); back in rotation")
+        self.pool.unflag(address)
         return ""
 
     def _note(self, address: str, passed: bool, message: str) -> str:
