@@ -328,3 +328,38 @@ def test_a_node_the_master_lost_but_the_trainer_reaches_stays_in_rotation() -> N
     assert rotation(m) == [A] and m.probes_due(30.0) == []
     m.probe_answered(B, info(B), observed_at=31.0)  # an answer does not undo DRAINING
     assert rotation(m) == [A]
+
+
+def test_a_node_the_master_expired_but_the_trainer_reaches_is_kept_until_a_probe_fails() -> None:
+    """The partial cut lasts past the master's ``--expire-after``: the master removes B
+    (REMOVED with its UNHEALTHY record). B answered the trainer's probe since the verdict,
+    so it stays in rotation; its first failed probe then drops it. A node removed while the
+    trainer does not reach it (no answer since the verdict), or removed cleanly (its record
+    HEALTHY: deregistered), is dropped at once; a kept node that registers again is the
+    master's member as before."""
+    m = Membership(BASE, probe_interval_s=5.0)
+    m.master_connected()
+    for address in (A, B):
+        m.master_event(event(EV.NODE_EVENT_TYPE_SNAPSHOT, address), 0.0)
+    m.master_event(EV.WatchNodesResponse(type=EV.NODE_EVENT_TYPE_SNAPSHOT_END), 0.0)
+    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 10.0)
+    m.probe_answered(B, info(B), observed_at=11.0)
+    effects = m.master_event(event(EV.NODE_EVENT_TYPE_REMOVED, B, healthy=False), 70.0)
+    assert effects.forgotten == [] and B in m and rotation(m) == [A, B]
+    assert m.expire_orphans(200.0).forgotten == []  # not an orphan of a reconnected master
+    m.master_event(event(EV.NODE_EVENT_TYPE_JOINED, B), 80.0)  # it registers again
+    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 90.0)
+    m.probe_answered(B, info(B), observed_at=91.0)
+    m.master_event(event(EV.NODE_EVENT_TYPE_REMOVED, B, healthy=False), 150.0)
+    assert rotation(m) == [A, B]
+    effects = m.probe_failed(B, "UNAVAILABLE", "no route to host")  # now nobody reaches it
+    assert effects.forgotten == [B] and B not in m and rotation(m) == [A]
+    # expired without an answer to the trainer since the verdict: dropped at once
+    m.master_event(event(EV.NODE_EVENT_TYPE_JOINED, B), 200.0)
+    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 210.0)
+    m.probe_failed(B, "UNAVAILABLE", "no route to host")
+    assert m.master_event(event(EV.NODE_EVENT_TYPE_REMOVED, B, healthy=False),
+                          270.0).forgotten == [B]
+    # deregistered (a clean shutdown: its last record is not UNHEALTHY): dropped at once
+    m.master_event(event(EV.NODE_EVENT_TYPE_JOINED, B), 300.0)
+    assert m.master_event(event(EV.NODE_EVENT_TYPE_REMOVED, B), 310.0).forgotten == [B]

@@ -42,7 +42,10 @@ Rotation: a node takes groups while it is
 Nodes of the master missing from the snapshot of a reconnected master stay for
 ``orphan_grace_s`` (a master restarted without its store learns them again as they
 re-register, within a heartbeat); a REMOVED event drops a node at once (and its flag: a node
-that comes back is a new member). ``--rollout`` addresses are never dropped.
+that comes back is a new member), except a node the master expired (missed heartbeats past
+its ``--expire-after``) that the trainer reached since the master's UNHEALTHY verdict and has
+not benched: that partial cut keeps it as a member until a probe of it fails (it is then
+dropped) or it registers with the master again. ``--rollout`` addresses are never dropped.
 
 Flags: :class:`Membership` is the one owner of the trainer's verdicts on nodes (address -> why
 it is flagged, and every node flagged during the run). A flag benches a member; a flagged
@@ -88,6 +91,7 @@ class _Member:
         self.reached = False  # answered at least once (probe or master record)
         self.orphan_since: float | None = None  # missing from the master's last snapshot
         self.master_unhealthy = False  # the master's last verdict: UNHEALTHY (missed heartbeats)
+        self.kept = False  # expired by the master, kept because the trainer reaches it
         self.strikes = 0  # benchings since its last successful Generate
         self.probe_after = 0.0  # time before which it is not probed
         self.synced_at = float("-inf")  # time of the last successful push
@@ -214,8 +218,19 @@ class Membership:
         if not address or record.info.role != common_pb2.NODE_ROLE_ROLLOUT:
             return effects
         if kind == registry_pb2.NODE_EVENT_TYPE_REMOVED:
-            if address in self._members:
-                self._forget(self._members[address], "removed by the master", effects)
+            m = self._members.get(address)
+            if m is None:
+                return effects
+            if (record.status == common_pb2.NODE_STATUS_UNHEALTHY and m.master_unhealthy
+                    and m.state.healthy and not m.state.benched):
+                # expired by the master (missed heartbeats) while the trainer still reaches
+                # it since the master's verdict: a partial cut, kept while it answers
+                log.warning("node %s expired from the master but answers the trainer; kept "
+                            "until a probe of it fails or it registers again", address)
+                m.from_master, m.kept = False, True
+                effects.touched.add(address)
+                return effects
+            self._forget(m, "removed by the master", effects)
             return effects
         if kind == registry_pb2.NODE_EVENT_TYPE_SNAPSHOT and self._snapshot is not None:
             self._snapshot.add(address)
@@ -223,7 +238,7 @@ class Membership:
         if m is None:
             m = self._members[address] = _Member(address, "master")
             log.info("rollout node %s joined (master)", address)
-        m.from_master = True
+        m.from_master, m.kept = True, False
         m.orphan_since = None
         s = m.state
         if not m.static:
@@ -295,6 +310,9 @@ class Membership:
         if m is None or not (m.static or m.master_unhealthy):
             return effects
         s = m.state
+        if m.kept:  # neither the master nor the trainer reaches it now
+            self._forget(m, f"expired from the master and GetNodeInfo fails: {code}", effects)
+            return effects
         if s.healthy or not m.reached:
             log.warning("rollout node %s does not answer GetNodeInfo: %s: %s", address, code,
                         detail)
