@@ -492,3 +492,61 @@ def test_the_only_node_cut_from_the_master_keeps_the_run_stepping(
         print(f"\nMEASURED only node cut from the master: unhealthy at the master after "
               f"{verdict_at - cut_at:.2f}s; longest wait for a step {stall:.2f}s over the cut "
               f"({cut_s:.1f}s)")
+
+
+def test_the_only_node_cut_from_the_master_past_its_expiry_keeps_the_run_stepping(
+        tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The partial cut outlasts the master's --expire-after (6 s here): the master removes
+    the run's only node, which the trainer still reaches. The trainer keeps it (it answered
+    the trainer's probe since the master's verdict) and the run steps on it through the
+    expiry; after the cut the node registers again, the master lists it healthy and the run
+    goes on, on the current adapter."""
+    expire = ("--heartbeat-interval", "0.5", "--unhealthy-after", "2", "--expire-after", "6")
+    with fleet_or_skip(tmp_path) as fleet:
+        master = fleet.master(*expire)
+        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", *NODE_KEEPALIVE_FLAGS,
+                          master=master, wait=False)
+        run_dir = tmp_path / "run"
+        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+            5000, request_timeout_s=REQUEST_TIMEOUT_S, outage_wait_s=600), master=master,
+            run_dir=run_dir)
+        node.wait_ready()
+        watch = StepWatch(run_dir)
+        try:
+            wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
+            fleet.cut_between("node-1", "master")
+            cut_at = time.monotonic()
+            wait_for(lambda: "expired from the master but answers the trainer" in trainer.log(),
+                     60, "the master to expire the node and the trainer to keep it",
+                     alive=trainer, every_s=0.25)
+            expired_at = time.monotonic()
+            assert _status_at_master(fleet, master, node) is None  # removed from the registry
+            wait_for(lambda: len(watch.steps_after(expired_at)) >= 3, 90,
+                     "three steps after the master removed the node", alive=trainer)
+            assert _status_at_master(fleet, master, node) is None
+            stall = _longest_gap(watch, cut_at, len(watch.steps_after(cut_at)))
+            cut_s = time.monotonic() - cut_at
+            fleet.restore_between("node-1", "master")
+            restored_at = time.monotonic()
+            wait_for(lambda: _status_at_master(fleet, master, node) == "NODE_STATUS_HEALTHY",
+                     60, "the node to register with the master again", alive=trainer,
+                     every_s=0.25)
+            registered_at = time.monotonic()
+            registered_s = registered_at - restored_at
+            wait_for(lambda: watch.steps_after(registered_at), 60,
+                     "a step after the node registered again", alive=trainer)
+        finally:
+            watch.stop()
+            trainer.stop()
+        assert "left the pool" not in trainer.log()
+        records = watch.ordered()
+        assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+        after = [r for r in records if watch.seen[r["step"]] > expired_at]
+        assert len(after) >= 3 and all(node_samples(r, node) for r in after), after
+        check_versions(records, max_staleness=0)
+        # bounded by the trainer's probe interval (5 s) plus a step, far below the cut
+        assert stall < 30, (stall, cut_s)
+        print(f"\nMEASURED only node cut from the master past its expiry: removed and kept "
+              f"{expired_at - cut_at:.2f}s after the cut; longest wait for a step {stall:.2f}s "
+              f"over the cut ({cut_s:.1f}s); registered again {registered_s:.2f}s after the "
+              "restore")
