@@ -313,8 +313,9 @@ def test_a_node_the_master_lost_but_the_trainer_reaches_stays_in_rotation() -> N
         m.master_event(event(EV.NODE_EVENT_TYPE_SNAPSHOT, address), 0.0)
     m.master_event(EV.WatchNodesResponse(type=EV.NODE_EVENT_TYPE_SNAPSHOT_END), 0.0)
     assert m.probes_due(0.0) == []  # healthy master nodes are not probed
-    m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 10.0)
+    effects = m.master_event(event(EV.NODE_EVENT_TYPE_CHANGED, B, healthy=False), 10.0)
     assert rotation(m) == [A] and m.probes_due(10.0) == [B]
+    assert effects.probe  # the probe loop runs now, not at its next turn
     m.probe_failed(B, "UNAVAILABLE", "no route to host")  # really gone: stays out
     assert rotation(m) == [A] and m.probes_due(11.0) == [B]  # and is probed again
     m.probe_answered(B, info(B), observed_at=12.0)  # it answers the trainer: back

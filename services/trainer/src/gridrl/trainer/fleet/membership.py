@@ -252,6 +252,7 @@ class Membership:
         lost = record.status == common_pb2.NODE_STATUS_UNHEALTHY
         if lost and not m.master_unhealthy:
             m.probe_after = now
+            effects.probe = True
         m.master_unhealthy = lost
         s.healthy = healthy
         returning = kind in (registry_pb2.NODE_EVENT_TYPE_JOINED,

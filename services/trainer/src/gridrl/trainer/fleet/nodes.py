@@ -100,18 +100,21 @@ class Effects:
         forgotten: addresses that left the pool (close their channels, drop their metrics).
         redial: addresses whose channel should be replaced (benched: a fresh channel later
             skips gRPC's reconnect backoff).
+        probe: a probe fell due now (run the probe loop at once, not at its next turn).
     """
 
     notify: list[NodeState] = field(default_factory=list)
     touched: set[str] = field(default_factory=set)
     forgotten: list[str] = field(default_factory=list)
     redial: list[str] = field(default_factory=list)
+    probe: bool = False
 
     def merge(self, other: Effects) -> Effects:
         self.notify += other.notify
         self.touched |= other.touched
         self.forgotten += other.forgotten
         self.redial += other.redial
+        self.probe |= other.probe
         return self
 
 

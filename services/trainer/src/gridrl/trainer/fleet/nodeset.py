@@ -111,6 +111,7 @@ class NodeSet:
         self._channels = Channels(security, keepalive)
         self._listeners: list[Callable[[NodeState], None]] = []
         self._closed = threading.Event()
+        self._probe_now = threading.Event()  # a probe fell due (Effects.probe) or closing
         self._prober = futures.ThreadPoolExecutor(8, thread_name_prefix="node-probe")
         self._probe_thread = threading.Thread(target=self._probe_loop, name="node-prober",
                                               daemon=True)
@@ -135,6 +136,7 @@ class NodeSet:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._probe_now.set()
         if self._watch is not None:
             self._watch.stop()
         if self._probe_thread.is_alive():
@@ -282,6 +284,8 @@ class NodeSet:
             states = [s for a in effects.touched if (s := self._members.state(a)) is not None]
             listeners = list(self._listeners) if effects.notify else []
             self._changed.notify_all()
+        if effects.probe:
+            self._probe_now.set()
         for s in states:
             metrics.record_node(s.address, in_rotation=s.in_rotation,
                                 adapter_version=s.adapter_version,
@@ -318,7 +322,8 @@ class NodeSet:
             except RuntimeError:  # shut down meanwhile
                 return
             futures.wait(probes)
-            self._closed.wait(self.probe_interval_s)
+            self._probe_now.wait(self.probe_interval_s)
+            self._probe_now.clear()
 
     def _probe(self, address: str) -> None:
         """GetNodeInfo on a fresh channel (no reconnect backoff); feed the answer."""
