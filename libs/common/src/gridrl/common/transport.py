@@ -412,7 +412,8 @@ def encode_read_response(offset: int, piece: bytes | memoryview) -> bytes:
         offset: the piece's byte offset in the concatenated files (>= 0).
         piece: its bytes (any bytes-like object).
     """
-    head = (_OFFSET_TAG + _varint(offset) if offset else b"") + _DATA_TAG + _varint(len(piece))
+    head = ((_OFFSET_TAG + _varint(offset) if offset else b"")  # proto3 leaves out defaults
+            + (_DATA_TAG + _varint(len(piece)) if len(piece) else b""))
     return b"".join((head, piece))
 
 
