@@ -11,6 +11,9 @@ profiles, it measures per push:
 - the trainer's egress: the adapter bytes the trainer streamed (``SyncReport.sent_bytes``) and
   what left the trainer's network interface (eth0 ``tx_bytes`` of its namespace: TLS, HTTP/2
   and TCP overhead included);
+- the CPU seconds (user + system) the node processes spent per push, over all pushes, and the
+  trainer's process per push (median of the measured pushes): at 1 Gbit/s on a box with fewer
+  cores than nodes, the nodes' CPU is what sets the time;
 
 with relay fan-out (``--relay``, the default) and, as the baseline, the trainer pushing to every
 node (``--no-relay``, how gridrl pushed before). Goal: egress = the adapter once whatever the
@@ -178,8 +181,10 @@ def push(args: argparse.Namespace) -> None:
     files = adapter_files(args.shape)
     for version in range(1, args.pushes + 1):
         tx = _tx_bytes()
+        cpu = time.process_time()
         report = sync.push(version, files)
         print(json.dumps({"version": version, "seconds": report.seconds,
+                          "cpu_s": time.process_time() - cpu,
                           "sent_bytes": report.sent_bytes, "tx_bytes": _tx_bytes() - tx,
                           "synced": len(report.synced), "relayed": len(report.relayed),
                           "skipped": report.skipped}), flush=True)
@@ -263,23 +268,26 @@ def run(args: argparse.Namespace) -> None:
                                "sent_bytes": statistics.median(p["sent_bytes"] for p in measured),
                                "tx_bytes": statistics.median(p["tx_bytes"] for p in measured),
                                "size": sizes[shape], "node_cpu_s": cpu,
+                               "trainer_cpu_s": statistics.median(p["cpu_s"] for p in measured),
                                "skipped": sum(len(p["skipped"]) for p in pushes)}
                         results.append(row)
                         print(json.dumps(row), flush=True)
     print()
     print(f"machine: {machine()}")
-    print(f"CPU flags: {cpu_flags()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"CPU flags: {cpu_flags()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     rows = []
     for r in results:
-        one = next(x for x in results if (x["shape"], x["profile"], x["relay"], x["nodes"])
-                   == (r["shape"], r["profile"], r["relay"], 1))
+        one = next((x for x in results if (x["shape"], x["profile"], x["relay"], x["nodes"])
+                    == (r["shape"], r["profile"], r["relay"], 1)), None)  # --nodes without 1
         rows.append([r["shape"], r["profile"], "relay" if r["relay"] else "push to each",
-                     str(r["nodes"]), f"{r['seconds']:.2f}", f"{r['seconds'] / one['seconds']:.2f}x",
+                     str(r["nodes"]), f"{r['seconds']:.2f}",
+                     f"{r['seconds'] / one['seconds']:.2f}x" if one else "-",
                      f"{r['sent_bytes'] / r['size']:.2f}", f"{r['tx_bytes'] / r['size']:.2f}",
-                     f"{r['node_cpu_s']:.1f}", str(r["skipped"])])
+                     f"{r['node_cpu_s']:.2f}", f"{r['trainer_cpu_s']:.2f}", str(r["skipped"])])
     print(table(rows, ["adapter", "link", "fan-out", "nodes", "s until all serve",
                        "vs 1 node", "sent / size", "eth0 tx / size", "nodes' CPU s / push",
-                       "skipped"]))
+                       "trainer CPU s / push", "skipped"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

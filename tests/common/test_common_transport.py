@@ -173,3 +173,67 @@ def test_enum_words_come_from_the_enums_own_names() -> None:
     for word in ("onnx", "unspecified"):
         with pytest.raises(ValueError, match=rf"^'{word}' is not a AdapterFormat \(one of peft"):
             enum_value(common_pb2.AdapterFormat, word)
+
+
+# -- relay fan-out: the plan and the ReadAdapter wire --------------------------------------------
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 7, 8, 9, 1000, 4096, 10248, 1 << 20])
+def test_relay_plan_hashes_pieces_across_file_boundaries(piece_bytes: int) -> None:
+    from gridrl.common.transport import relay_plan
+
+    m = manifest_to_proto(manifest())
+    blob = b"".join(FILES[f.path] for f in m.files)  # 8 + 10240 bytes, in manifest order
+    plan = relay_plan(m, FILES, ["10.0.0.2:50051"], piece_bytes=piece_bytes)
+    assert list(plan.piece_sha256) == [hashlib.sha256(blob[i:i + piece_bytes]).hexdigest()
+                                       for i in range(0, len(blob), piece_bytes)]
+    assert plan.piece_bytes == piece_bytes and list(plan.readers) == ["10.0.0.2:50051"]
+
+
+@pytest.mark.parametrize("offset", [0, 1, 127, 128, 300, 1 << 35, (1 << 64) - 1])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 70000])
+def test_read_responses_are_what_protobuf_writes_and_reads(offset: int, size: int) -> None:
+    from gridrl.common.transport import decode_read_response, encode_read_response
+
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    wire = rollout_pb2.ReadAdapterResponse(offset=offset, data=data).SerializeToString()
+    assert encode_read_response(offset, memoryview(data)) == wire
+    got = decode_read_response(wire)
+    assert (got.offset, bytes(got.data)) == (offset, data)
+    parsed = rollout_pb2.ReadAdapterResponse.FromString(encode_read_response(offset, data))
+    assert (parsed.offset, parsed.data) == (offset, data)
+
+
+def test_read_responses_in_any_valid_encoding_decode_like_protobuf() -> None:
+    from gridrl.common.transport import decode_read_response
+
+    data_field = rollout_pb2.ReadAdapterResponse(data=b"piece").SerializeToString()
+    offset_field = rollout_pb2.ReadAdapterResponse(offset=4096).SerializeToString()
+    unknown = (b"\x18\x05"  # field 3, varint
+               + b"\x22\x02ab"  # field 4, bytes
+               + b"\x29" + bytes(8)  # field 5, 64-bit
+               + b"\x35" + bytes(4))  # field 6, 32-bit
+    old = rollout_pb2.ReadAdapterResponse(offset=1, data=b"old").SerializeToString()
+    for wire in (data_field + offset_field, unknown + offset_field + data_field,
+                 old + offset_field + data_field):  # reversed, unknown fields, repeated
+        want = rollout_pb2.ReadAdapterResponse.FromString(wire)
+        got = decode_read_response(wire)
+        assert (got.offset, bytes(got.data)) == (want.offset, want.data) == (4096, b"piece")
+    empty = decode_read_response(b"")
+    assert (empty.offset, bytes(empty.data)) == (0, b"")
+
+
+@pytest.mark.parametrize("wire", [
+    b"\x08",  # a varint cut short
+    b"\x08" + b"\xff" * 10 + b"\x01",  # a varint of more than 64 bits
+    b"\x12\x05abc",  # data longer than the message
+    b"\x10\x05",  # data as a varint
+    b"\x0a\x01a",  # offset length-delimited
+    b"\x1b",  # a group (field 3, start group)
+    b"\x29\x00",  # a 64-bit field cut short
+])
+def test_malformed_read_responses_are_refused(wire: bytes) -> None:
+    from gridrl.common.transport import decode_read_response
+
+    with pytest.raises(ValueError, match="ReadAdapterResponse"):
+        decode_read_response(wire)

@@ -203,14 +203,14 @@ def test_cancelled_push_changes_nothing(live_node, tiny_llama_dir, tiny_adapters
     read = threading.Event()  # the node has read the first chunks
     receive = adapter_manager.receive_push
 
-    def counting(requests, max_bytes):
+    def counting(requests, max_bytes, **kwargs):
         def counted():
             for i, request in enumerate(requests):
                 yield request
                 if i == 2:  # the third message read: the node asks for the next
                     read.set()
 
-        return receive(counted(), max_bytes)
+        return receive(counted(), max_bytes, **kwargs)
 
     monkeypatch.setattr(adapter_manager, "receive_push", counting)
     push_dir(node.stub, tiny_adapters["a"], "a", 1)

@@ -11,6 +11,7 @@ credential (PERMISSION_DENIED).
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -394,3 +395,75 @@ def test_the_buffer_keeps_only_verified_pieces_and_resumes_after_a_bad_one(adapt
     with pytest.raises(StatusError) as e:
         list(buffer.pieces(3, None))
     assert e.value.kind is Kind.INVALID_ARGUMENT and e.value.field == "offset"
+
+
+def test_the_buffer_takes_any_split_and_checks_each_file_against_the_manifest(adapter) -> None:
+    from gridrl.common.errors import Kind, StatusError
+    from gridrl.rollout.relay import RelayBuffer
+
+    manifest, files = adapter
+    proto = manifest.to_proto()
+    blob = b"".join(files[f.path] for f in proto.files)
+    assert proto.files[0].size_bytes % PIECE  # a piece spans the first two files
+    plan = relay_plan(manifest, files, [], piece_bytes=PIECE)
+    buffer = RelayBuffer(proto, plan)
+    with pytest.raises(StatusError) as e:
+        buffer.files()
+    assert e.value.kind is Kind.FAILED_PRECONDITION  # not complete yet
+    for offset in range(0, len(blob), 333):  # writes that straddle pieces and files
+        buffer.write(offset, memoryview(blob)[offset:offset + 333])
+        written = min(len(blob), offset + 333)  # verified: whole pieces, then the short last
+        assert buffer.verified == (written if written == len(blob) else written // PIECE * PIECE)
+    got = buffer.files()
+    assert {k: bytes(v) for k, v in got.items()} == {k: bytes(v) for k, v in files.items()}
+    assert buffer.files()[proto.files[-1].path] is got[proto.files[-1].path]  # no copies
+    pieces = list(buffer.pieces(0, None))
+    assert [o for o, _ in pieces] == list(range(0, len(blob), PIECE))
+    assert b"".join(p for _, p in pieces) == blob
+    with pytest.raises(TypeError):  # a reader cannot alter what the node serves
+        pieces[-1][1][0] = 0
+    # a plan that matches the bytes, a manifest that does not: refused at the end
+    wrong = manifest.to_proto()
+    wrong.files[-1].sha256 = hashlib.sha256(b"other").hexdigest()
+    buffer = RelayBuffer(wrong, plan)
+    buffer.write(0, blob)
+    assert buffer.complete
+    with pytest.raises(StatusError) as e:
+        buffer.files()
+    assert e.value.kind is Kind.DATA_LOSS
+    assert e.value.message.startswith(f"{wrong.files[-1].path}: sha256")
+
+
+def test_a_relayed_push_is_received_into_its_relay_buffer(adapter) -> None:
+    from gridrl.common.errors import Kind, StatusError
+    from gridrl.common.transport import receive_push
+    from gridrl.rollout.relay import RelayBuffer
+
+    manifest, files = adapter
+    plan = relay_plan(manifest, files, [], piece_bytes=PIECE)
+    buffer = RelayBuffer(manifest.to_proto(), plan)
+    stream = list(_head_stream(manifest, files, plan, push_requests(manifest, files,
+                                                                   chunk_size=1500)))
+    got = receive_push(stream, 1 << 30, into=buffer)
+    assert buffer.complete and got.bytes_received == buffer.total
+    held = buffer.files()
+    assert all(got.files[path] is held[path] for path in files)  # one copy of each byte
+    assert {k: bytes(v) for k, v in got.files.items()} == {k: bytes(v) for k, v in files.items()}
+    # a push whose bytes do not match the plan is refused at the first bad piece
+    bad = list(_head_stream(manifest, files, plan, push_requests(manifest, files,
+                                                                chunk_size=1500)))
+    chunk = bad[-1].chunk
+    chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+    buffer = RelayBuffer(manifest.to_proto(), plan)
+    with pytest.raises(StatusError) as e:
+        receive_push(bad, 1 << 30, into=buffer)
+    assert e.value.kind is Kind.DATA_LOSS and "does not match the trainer's" in e.value.message
+    assert not buffer.complete
+    # a relayed push must give the digests in its header
+    bare = manifest.to_proto()
+    for f in bare.files:
+        f.sha256 = ""
+    header = rollout_pb2.PushAdapterRequest(header=rollout_pb2.PushAdapterHeader(manifest=bare))
+    with pytest.raises(StatusError) as e:
+        receive_push([header], 1 << 30, into=RelayBuffer(manifest.to_proto(), plan))
+    assert e.value.kind is Kind.INVALID_ARGUMENT and e.value.field == "header.manifest.files"

@@ -28,11 +28,12 @@ in memory, and the caller stores it atomically only once it is complete and veri
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf import json_format
 
@@ -187,10 +188,31 @@ def _is_sha256(digest: str) -> bool:
     return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
 
 
+class PushSink(Protocol):
+    """Where :func:`receive_push` writes a push's bytes instead of buffers of its own: a relay
+    buffer (``gridrl.rollout.relay.RelayBuffer``), which checks each piece as it completes and
+    serves it to peers meanwhile."""
+
+    verify_s: float  # seconds spent writing and verifying so far
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Append ``data`` at ``offset`` in the manifest's files concatenated in order."""
+
+    def files(self) -> dict[str, bytearray]:
+        """Once every byte is written: path -> contents, each file's sha256 checked against
+        the manifest (StatusError DATA_LOSS otherwise)."""
+
+
 def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
-                 max_bytes: int) -> ReceivedAdapter:
+                 max_bytes: int, into: PushSink | None = None) -> ReceivedAdapter:
     """Read and verify a whole PushAdapter stream into memory.
 
+    Args:
+        requests: the stream.
+        max_bytes: the largest adapter accepted (bytes).
+        into: write the bytes there (it hashes them) instead of into buffers of this
+            function's own; the header's manifest must then give every sha256 (no trailer),
+            and be the manifest ``into`` was made for.
     Raises:
         StatusError: INVALID_ARGUMENT (missing or repeated header, chunk for an unknown file,
             out-of-order offset, more bytes than declared, manifest problems, a trailer that is
@@ -212,14 +234,20 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
     # Each chunk is hashed as it arrives (hashlib releases the GIL, so gRPC keeps receiving
     # meanwhile) and copied into its file's buffer, allocated at the declared size (the total
     # is checked against max_bytes above). The buffers are writable, so a backend can view the
-    # tensors in them without another copy.
-    buffers = {f.path: bytearray(f.size_bytes) for f in manifest.files}
+    # tensors in them without another copy. With ``into``, the bytes go there instead and it
+    # does the hashing.
+    deferred = _digests_deferred(manifest)
+    if into is not None and deferred:
+        raise invalid_argument("header.manifest.files", "a relayed adapter's manifest must "
+                                                        "give every file's sha256 (no trailer)")
+    buffers = {f.path: bytearray(f.size_bytes) for f in manifest.files} if into is None else {}
+    starts = dict(zip(order, itertools.accumulate(
+        (f.size_bytes for f in manifest.files), initial=0), strict=False))
     sizes = dict.fromkeys(order, 0)
     hashers = {p: hashlib.sha256() for p in order}
     hash_s = 0.0
     current = 0  # index into order of the file being received
     total = 0
-    deferred = _digests_deferred(manifest)
     trailer: list[str] | None = None
     for msg in it:
         kind = msg.WhichOneof("payload")
@@ -246,16 +274,21 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
         if chunk.offset != size:
             raise invalid_argument("chunk.offset", f"{chunk.path}: expected offset {size}, "
                                                    f"got {chunk.offset}")
-        if size + len(chunk.data) > expected[chunk.path].size_bytes:
+        data = chunk.data  # a copy of the message's bytes at each access: take it once
+        if size + len(data) > expected[chunk.path].size_bytes:
             raise invalid_argument("chunk.data", f"{chunk.path}: more bytes than the declared "
                                                  f"{expected[chunk.path].size_bytes}")
-        data = chunk.data
-        t = time.perf_counter()
-        hashers[chunk.path].update(data)
-        hash_s += time.perf_counter() - t
-        buffers[chunk.path][size:size + len(data)] = data
+        if into is not None:
+            into.write(starts[chunk.path] + size, data)
+        else:
+            t = time.perf_counter()
+            hashers[chunk.path].update(data)
+            hash_s += time.perf_counter() - t
+            buffers[chunk.path][size:size + len(data)] = data
         sizes[chunk.path] = size + len(data)
         total += len(data)
+    if into is not None:
+        hash_s = into.verify_s
     receive_s = time.perf_counter() - start - hash_s
     t = time.perf_counter()
     for path in order:
@@ -264,6 +297,11 @@ def receive_push(requests: Iterable[rollout_pb2.PushAdapterRequest],
             raise StatusError(Kind.DATA_LOSS,
                               f"{path}: received {sizes[path]} of {want.size_bytes} bytes "
                               "(truncated stream)")
+    if into is not None:  # it hashed every file as its pieces were verified
+        files = into.files()
+        return ReceivedAdapter(manifest=manifest, stage_only=first.header.stage_only,
+                               files=files, bytes_received=total, receive_s=receive_s,
+                               verify_s=into.verify_s)
     if deferred and trailer is None:
         raise invalid_argument("trailer", "missing: the header's manifest left every sha256 "
                                           "empty, so the stream must end with a trailer giving "
@@ -332,11 +370,111 @@ def relay_plan(manifest: Any, files: Mapping[str, bytes], readers: Iterable[str]
     """
     if piece_bytes <= 0:
         raise ValueError(f"piece_bytes: must be > 0, got {piece_bytes}")
-    blob = b"".join(ordered_files(manifest, files))
-    digests = [hashlib.sha256(blob[i:i + piece_bytes]).hexdigest()
-               for i in range(0, len(blob), piece_bytes)]
+    digests = []
+    hasher, left = hashlib.sha256(), piece_bytes  # the piece being hashed, its bytes to come
+    for view in ordered_files(manifest, files):  # pieces span files: no joined copy
+        at = 0
+        while at < len(view):
+            take = min(left, len(view) - at)
+            hasher.update(view[at:at + take])
+            at, left = at + take, left - take
+            if not left:
+                digests.append(hasher.hexdigest())
+                hasher, left = hashlib.sha256(), piece_bytes
+    if left < piece_bytes:  # the last piece, shorter
+        digests.append(hasher.hexdigest())
     return rollout_pb2.RelayPlan(piece_bytes=piece_bytes, piece_sha256=digests,
                                  readers=list(readers))
+
+
+# ReadAdapterResponse on the wire, encoded and decoded here rather than by protobuf: a relay
+# forwards ~300 pieces per adapter and hop, and protobuf would copy each piece twice to send it
+# (into the message, then into its serialization) and twice to receive it (parse, then
+# ``.data``). Field numbers as in rollout.proto: 1 offset (varint), 2 data (bytes).
+_OFFSET_TAG, _DATA_TAG = b"\x08", b"\x12"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_read_response(offset: int, piece: bytes | memoryview) -> bytes:
+    """``ReadAdapterResponse(offset=offset, data=piece).SerializeToString()``, copying
+    ``piece`` once (a server's response serializer passes ``bytes`` through:
+    ``gridrl.common.rpc.interceptor``).
+
+    Args:
+        offset: the piece's byte offset in the concatenated files (>= 0).
+        piece: its bytes (any bytes-like object).
+    """
+    head = ((_OFFSET_TAG + _varint(offset) if offset else b"")  # proto3 leaves out defaults
+            + (_DATA_TAG + _varint(len(piece)) if len(piece) else b""))
+    return b"".join((head, piece))
+
+
+@dataclass(frozen=True)
+class ReadPiece:
+    """A decoded ReadAdapterResponse: ``offset`` and ``data``, a view into the received bytes
+    (no copy)."""
+
+    offset: int
+    data: memoryview
+
+
+def decode_read_response(raw: bytes) -> ReadPiece:
+    """Parse a serialized ReadAdapterResponse (any valid encoding: fields in any order or
+    repeated, the last one winning, unknown fields skipped) without copying its data.
+
+    Raises:
+        ValueError: the bytes are not a ReadAdapterResponse (truncated, a group, a field of
+            the wrong wire type).
+    """
+    view = memoryview(raw).cast("B")
+    offset, data, at, end = 0, view[0:0], 0, len(view)
+
+    def varint() -> int:
+        nonlocal at
+        value = shift = 0
+        while True:
+            if at >= end or shift > 63:
+                raise ValueError("ReadAdapterResponse: truncated or overlong varint")
+            byte = view[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+
+    while at < end:
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value = varint()
+            if number == 1:
+                offset = value & 0xFFFFFFFFFFFFFFFF
+            elif number == 2:
+                raise ValueError("ReadAdapterResponse.data: a varint, not bytes")
+        elif wire == 2:
+            size = varint()
+            if at + size > end:
+                raise ValueError("ReadAdapterResponse: a field runs past the message's end")
+            if number == 2:
+                data = view[at:at + size]
+            elif number == 1:
+                raise ValueError("ReadAdapterResponse.offset: length-delimited, not a varint")
+            at += size
+        elif wire in (1, 5) and number not in (1, 2):
+            at += 8 if wire == 1 else 4
+            if at > end:
+                raise ValueError("ReadAdapterResponse: a field runs past the message's end")
+        else:
+            raise ValueError(f"ReadAdapterResponse: field {number} has wire type {wire}")
+    return ReadPiece(offset=offset, data=data)
 
 
 def check_relay_plan(manifest: common_pb2.AdapterManifest, plan: rollout_pb2.RelayPlan,

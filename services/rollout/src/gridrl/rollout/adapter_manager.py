@@ -182,8 +182,9 @@ class AdapterManager:
                 if first.header.HasField("relay"):  # relay fan-out: serve pieces as they come
                     validate_manifest(first.header.manifest, self.max_bytes)
                     buffer = self.relays.open(first.header.manifest, first.header.relay)
-                    stream = _tee(stream, buffer)
-            received = receive_push(_chain(first, stream), self.max_bytes)
+            # a relayed push is received into its relay buffer: its pieces are served to the
+            # plan's readers as they are verified, and its files are the buffer's
+            received = receive_push(_chain(first, stream), self.max_bytes, into=buffer)
         except grpc.RpcError as e:
             if buffer is not None:
                 buffer.fail("the push stream ended early")
@@ -500,21 +501,6 @@ def _chain(first: rollout_pb2.PushAdapterRequest | None,
     if first is not None:
         yield first
         yield from rest
-
-
-def _tee(stream: Iterator[rollout_pb2.PushAdapterRequest], buffer: RelayBuffer
-         ) -> Iterator[rollout_pb2.PushAdapterRequest]:
-    """Pass the push stream on, copying each chunk into ``buffer`` once the receiver took it
-    (its pieces become readable by peers as they are verified)."""
-    starts, at = {}, 0
-    for f in buffer.manifest.files:
-        starts[f.path] = at
-        at += f.size_bytes
-    for message in stream:
-        yield message
-        if message.WhichOneof("payload") == "chunk":
-            chunk = message.chunk
-            buffer.write(starts[chunk.path] + chunk.offset, chunk.data)
 
 
 def _ref(adapter: ServingAdapter) -> common_pb2.AdapterRef:

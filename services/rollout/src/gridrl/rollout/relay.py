@@ -21,7 +21,9 @@ holds none and serves none: its readers fall back to other sources).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gridrl.common.errors import Kind, StatusError, invalid_argument
+from gridrl.common.errors import Kind, StatusError, failed_precondition, invalid_argument
 from gridrl.common.transport import check_relay_plan
 from gridrl.v1 import common_pb2, rollout_pb2
 
@@ -47,11 +49,15 @@ STALL_S = 5.0
 
 
 class RelayBuffer:
-    """One adapter version's bytes (its files concatenated in manifest order) as they arrive,
-    with how much of them is verified against the trainer's piece digests.
+    """One adapter version's files as they arrive (written in manifest order, as one stream of
+    bytes), with how much of them is verified against the trainer's piece digests.
 
     One writer (the push or fetch receiving it) calls :meth:`write`; any number of readers
-    call :meth:`pieces`. A piece becomes readable only once its sha256 matches.
+    call :meth:`pieces`. A piece becomes readable only once its sha256 matches. The bytes go
+    straight into the files' buffers, allocated once at the manifest's sizes: readers are
+    served views of them and :meth:`files` returns them, so every byte is copied once on its
+    way in and hashed twice while it is still in cache (its piece's sha256, then its file's,
+    fed piece by piece as pieces are verified).
 
     Args:
         manifest: the adapter's manifest, every file's sha256 given.
@@ -67,9 +73,12 @@ class RelayBuffer:
         self.digests = list(plan.piece_sha256)
         self.readers = tuple(plan.readers)
         self.verify_s = 0.0
-        # verified pieces, in order, as received (bytes: served to readers without a copy)
-        self._pieces: list[bytes] = []
-        self._partial = bytearray()  # the bytes of the piece being assembled
+        # the files' bytes (the total was checked against the node's limit before the plan)
+        self._files = [bytearray(f.size_bytes) for f in manifest.files]
+        self._starts = list(itertools.accumulate((f.size_bytes for f in manifest.files),
+                                                 initial=0))[:-1]  # each file's first byte
+        self._file_sha256 = [hashlib.sha256() for _ in manifest.files]  # verified bytes only
+        self._written = 0  # bytes from 0 written (verified, then at most part of a piece)
         self._verified = 0  # bytes from 0 whose pieces all matched
         self._failed: str | None = None
         self._cond = threading.Condition()
@@ -103,54 +112,65 @@ class RelayBuffer:
     def _piece_end(self, start: int) -> int:
         return min(start + self.piece_bytes, self.total)
 
-    def write(self, offset: int, data: bytes) -> None:
-        """Append ``data`` at ``offset`` (the end of what was written), checking every piece it
-        completes against the plan; a piece that does not match is dropped (what was verified
-        before stays, so another source can resume at :attr:`verified`). A whole piece passed
-        as ``bytes`` is kept as it is, without a copy.
+    def _segments(self, start: int, end: int) -> list[tuple[int, memoryview]]:
+        """(file index, view) of the bytes ``start``..``end`` of the concatenated files."""
+        out = []
+        i = bisect.bisect_right(self._starts, start) - 1
+        while start < end:
+            while self._starts[i] + len(self._files[i]) <= start:  # empty files included
+                i += 1
+            first = start - self._starts[i]
+            take = min(end - start, len(self._files[i]) - first)
+            out.append((i, memoryview(self._files[i])[first:first + take]))
+            start += take
+        return out
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Write ``data`` (any bytes-like object) at ``offset`` (the end of what was written),
+        checking every piece it completes against the plan; a piece that does not match is
+        dropped (what was verified before stays, so another source can resume at
+        :attr:`verified`).
 
         Raises:
             StatusError: INVALID_ARGUMENT (not contiguous, or past the end), DATA_LOSS (a
                 piece's sha256 does not match the plan).
         """
-        written = self._verified + len(self._partial)
-        if offset != written:
-            raise invalid_argument("offset", f"expected byte {written}, got {offset}")
-        if offset + len(data) > self.total:
+        view = memoryview(data).cast("B")
+        if offset != self._written:
+            raise invalid_argument("offset", f"expected byte {self._written}, got {offset}")
+        if offset + len(view) > self.total:
             raise invalid_argument("data", f"past the adapter's {self.total} bytes")
         t = time.perf_counter()
         try:
-            view = memoryview(data).cast("B")
-            while len(view):
-                start = self._verified
-                need = self._piece_end(start) - start - len(self._partial)
-                if not self._partial and len(view) == need and isinstance(data, bytes) \
-                        and len(view) == len(data):
-                    piece = data  # one whole piece: keep the object
-                else:
-                    self._partial += view[:need]
-                    if len(view) < need:
-                        return
-                    piece = bytes(self._partial)
-                view = view[need:]
-                self._partial = bytearray()
+            at = 0
+            for _, target in self._segments(offset, offset + len(view)):
+                target[:] = view[at:at + len(target)]
+                at += len(target)
+            self._written = offset + len(view)
+            while (end := self._piece_end(start := self._verified)) <= self._written \
+                    and start < self.total:
+                segments = self._segments(start, end)
+                hasher = hashlib.sha256()
+                for _, segment in segments:
+                    hasher.update(segment)  # releases the GIL: gRPC keeps receiving meanwhile
                 index = start // self.piece_bytes
-                digest = hashlib.sha256(piece).hexdigest()
-                if digest != self.digests[index]:
+                if (digest := hasher.hexdigest()) != self.digests[index]:
+                    self._written = start  # the bad piece is dropped
                     raise StatusError(Kind.DATA_LOSS,
-                                      f"piece {index} (bytes {start}-{start + len(piece)}) of "
-                                      f"{self.name} v{self.version}: sha256 {digest} does not "
-                                      f"match the trainer's {self.digests[index]}")
+                                      f"piece {index} (bytes {start}-{end}) of {self.name} "
+                                      f"v{self.version}: sha256 {digest} does not match the "
+                                      f"trainer's {self.digests[index]}")
+                for i, segment in segments:
+                    self._file_sha256[i].update(segment)
                 with self._cond:
-                    self._pieces.append(piece)
-                    self._verified = start + len(piece)
+                    self._verified = end
                     self._cond.notify_all()
         finally:
             self.verify_s += time.perf_counter() - t
 
     def rewind(self) -> None:
         """Drop written bytes past :attr:`verified` (a source failed mid-piece)."""
-        self._partial = bytearray()
+        self._written = self._verified
 
     def fail(self, reason: str) -> None:
         """The writer gave up: readers waiting for more get ABORTED (they try another
@@ -160,10 +180,20 @@ class RelayBuffer:
                 self._failed = reason
                 self._cond.notify_all()
 
+    def _piece(self, start: int) -> bytes | memoryview:
+        """The verified piece at ``start``: a read-only view of its file, or, for a piece
+        that spans files, its bytes joined."""
+        segments = self._segments(start, self._piece_end(start))
+        if len(segments) == 1:
+            return segments[0][1].toreadonly()
+        return b"".join(segment for _, segment in segments)
+
     def pieces(self, offset: int, until: float | None,
-               active: Callable[[], bool] = lambda: True) -> Iterator[tuple[int, bytes]]:
-        """Yield ``(offset, piece)`` from ``offset`` on, each once verified, waiting for more
-        until ``until`` (``time.monotonic()`` seconds; None: no limit) while ``active()``.
+               active: Callable[[], bool] = lambda: True
+               ) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Yield ``(offset, piece)`` from ``offset`` on, each once verified (a read-only
+        bytes-like object), waiting for more until ``until`` (``time.monotonic()`` seconds;
+        None: no limit) while ``active()``.
 
         Raises:
             StatusError: INVALID_ARGUMENT (``offset`` not on a piece boundary or past the
@@ -174,7 +204,6 @@ class RelayBuffer:
             raise invalid_argument("offset", f"{offset} is not a piece boundary (pieces of "
                                              f"{self.piece_bytes} bytes) within the adapter's "
                                              f"{self.total} bytes")
-        index = offset // self.piece_bytes
         while offset < self.total:
             with self._cond:
                 while self._verified <= offset and self._failed is None and active():
@@ -189,40 +218,32 @@ class RelayBuffer:
                         raise StatusError(Kind.ABORTED, f"{self.name} v{self.version}: this "
                                                         f"node's transfer failed: {self._failed}")
                     return  # the reader left
-                ready = self._pieces[index:]  # verified pieces never change
-            for piece in ready:
+                ready = self._verified  # verified bytes never change
+            while offset < ready:
+                piece = self._piece(offset)
                 yield offset, piece
                 offset += len(piece)
-                index += 1
 
     def files(self) -> dict[str, bytearray]:
-        """path -> contents of every manifest file, each file's sha256 checked against the
-        manifest (call once complete).
+        """path -> contents of every manifest file, each file's sha256 (computed as its
+        pieces were verified) checked against the manifest. Call once complete. The buffers
+        are the ones readers are served from: view them, never modify them.
 
         Raises:
-            StatusError: DATA_LOSS naming the file whose sha256 does not match.
+            StatusError: FAILED_PRECONDITION (not complete), DATA_LOSS naming the file whose
+                sha256 does not match.
         """
+        if not self.complete:
+            raise failed_precondition(f"{self.name} v{self.version}: {self.verified} of "
+                                      f"{self.total} bytes verified")
         t = time.perf_counter()
-        out: dict[str, bytearray] = {}
-        pieces = iter(self._pieces)
-        rest = memoryview(b"")
-        for f in self.manifest.files:
-            buf = bytearray(f.size_bytes)
-            filled = 0
-            while filled < f.size_bytes:
-                if not len(rest):
-                    rest = memoryview(next(pieces))
-                take = min(len(rest), f.size_bytes - filled)
-                buf[filled:filled + take] = rest[:take]
-                rest = rest[take:]
-                filled += take
-            digest = hashlib.sha256(buf).hexdigest()
-            if digest != f.sha256:
+        for f, hasher in zip(self.manifest.files, self._file_sha256, strict=True):
+            if (digest := hasher.hexdigest()) != f.sha256:
                 raise StatusError(Kind.DATA_LOSS, f"{f.path}: sha256 {digest} does not match "
                                                   f"the manifest's {f.sha256}")
-            out[f.path] = buf
         self.verify_s += time.perf_counter() - t
-        return out
+        return {f.path: buffer for f, buffer in zip(self.manifest.files, self._files,
+                                                    strict=True)}
 
 
 class RelayTable:

@@ -27,6 +27,7 @@ from gridrl.common.rpc.channel import NODE_REQUEST_BYTES, dial
 from gridrl.common.rpc.server import GrpcServer
 from gridrl.common.security.access import caller, relay_reader_refusal
 from gridrl.common.sequence import ReportSequence
+from gridrl.common.transport import decode_read_response, encode_read_response
 from gridrl.engine.contract import Backend
 from gridrl.engine.threads import release_thread_state
 from gridrl.rollout.adapter_manager import AdapterManager
@@ -46,6 +47,10 @@ from gridrl.v1.enums import enum_value
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+# ReadAdapter's method path (read_from_peer calls it with its own response decoder)
+READ_ADAPTER = f"/{SERVICE_NAME}/ReadAdapter"
 
 
 def software_version() -> str:
@@ -117,7 +122,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         from ``request.offset`` on, to a node the trainer listed as one of its readers.
 
         Yields:
-            ``ReadAdapterResponse`` (offset in the concatenated files, one piece of bytes).
+            ``ReadAdapterResponse`` (offset in the concatenated files, one piece of bytes),
+            serialized here (``transport.encode_read_response``: one copy of the piece).
         Raises:
             StatusError: PERMISSION_DENIED (the caller's credential has no address, or its
                 address is not among the version's readers), NOT_FOUND (the version neither
@@ -142,7 +148,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if refusal is not None:
             raise StatusError(Kind.PERMISSION_DENIED, refusal)
         for offset, piece in buffer.pieces(request.offset, until, context.is_active):
-            yield rollout_pb2.ReadAdapterResponse(offset=offset, data=piece)
+            yield encode_read_response(offset, piece)  # the message's bytes: one copy
 
     def ReloadAdapter(self, request: rollout_pb2.ReloadAdapterRequest,
                       context: grpc.ServicerContext) -> rollout_pb2.ReloadAdapterResponse:
@@ -228,8 +234,11 @@ class RolloutNode:
             if channel is None:
                 channel = self._peers[address] = dial(address, self.config.security,
                                                              keepalive=self.config.keepalive())
-        return rollout_pb2_grpc.RolloutServiceStub(channel).ReadAdapter(request,
-                                                                       timeout=timeout_s)
+        # the stub's call with a decoder that views each piece in the received bytes
+        read = channel.unary_stream(
+            READ_ADAPTER, request_serializer=rollout_pb2.ReadAdapterRequest.SerializeToString,
+            response_deserializer=decode_read_response)
+        return read(request, timeout=timeout_s)
 
     def _close_peers(self) -> None:
         with self._peer_lock:

@@ -111,21 +111,22 @@ class ServerInterceptor(grpc.ServerInterceptor):
         # INVALID_ARGUMENT (grpc's own answer would be INTERNAL "Exception deserializing
         # request!").
         parse = _lenient(handler.request_deserializer)
+        serialize = _preserialized(handler.response_serializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 unary_response(_decoded_request(handler.unary_unary)), parse,
-                handler.response_serializer)
+                serialize)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 unary_response(_decoded_stream(handler.stream_unary)), parse,
-                handler.response_serializer)
+                serialize)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 stream_response(_decoded_request(handler.unary_stream)), parse,
-                handler.response_serializer)
+                serialize)
         return grpc.stream_stream_rpc_method_handler(
             stream_response(_decoded_stream(handler.stream_stream)), parse,
-            handler.response_serializer)
+            serialize)
 
 
 def _ended_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
@@ -144,6 +145,20 @@ def _peer_checked(decision: Decision, method: str, context: grpc.ServicerContext
         return decision
     pem = (context.auth_context() or {}).get("x509_pem_cert") or [None]
     return check_bound_certificate(decision, method, pem[0])
+
+
+def _preserialized(serializer: Callable[[Any], bytes] | None
+                   ) -> Callable[[Any], bytes] | None:
+    """``serializer``, except that a response a handler yields already serialized (``bytes``:
+    ReadAdapter's pieces, ``gridrl.common.transport.encode_read_response``) goes out as it
+    is, without protobuf copying it again."""
+    if serializer is None:
+        return None
+
+    def serialize(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serializer(response)
+
+    return serialize
 
 
 class _Undecodable:
