@@ -301,6 +301,42 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         ref_kl = out.ref_kl if out.ref_kl is not None else mx.zeros_like(logp)
         return part, logp, out.clipped, ref_kl
 
+    def _micro_batch(self, chunk: Sequence[TrainSequence], coef: mx.array, grads: Any
+                     ) -> tuple[dict[str, mx.array], tuple[mx.array, ...], Any]:
+        """The forward and backward of one micro-batch of :meth:`update`, evaluated (also
+        what ``--memory-mb``'s probe runs: :func:`gridrl.trainer.backends.mlx.memory.
+        probe_peak_bytes`): the reference forward first (beta > 0), then the loss and its
+        gradients in train mode (dropout on), the sampler's logprobs when it truncates.
+
+        Args:
+            chunk: the micro-batch's sequences.
+            coef: (n,) float32 loss weights of its sequences.
+            grads: the gradients of the micro-batches before it (None: the first).
+        Returns:
+            ``(batch, (part, seen, clipped, ref_kl), grads)``: the collated batch
+            (:meth:`_collate`), the micro-batch's weighted loss (scalar), the logprobs the
+            mismatch KL reads (n, C), the clipped mask (n, C) bool, the reference KL (n, C),
+            and the gradients summed with ``grads``.
+        """
+        cfg = self.update_cfg
+        batch = self._collate(chunk)
+        ref_logp = None
+        if cfg.beta:
+            self.model.eval()
+            with self._adapter_disabled():
+                ref_logits = self._completion_logits(chunk, batch)
+                ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
+                    ref_logits, batch["completion_ids"], cfg.temperature))
+                mx.eval(ref_logp)
+        self.model.train()
+        loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+        (part, logp, took, ref_kl), g = loss_and_grad(batch, coef, ref_logp)
+        seen = (self._sampler_logprobs(mx.stop_gradient(self._completion_logits(chunk, batch)),
+                                       batch["completion_ids"]) if cfg.truncated else logp)
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        mx.eval(part, seen, took, ref_kl, grads)
+        return batch, (part, seen, took, ref_kl), grads
+
     def update(self, seqs: Sequence[TrainSequence]) -> UpdateStats:
         """See :meth:`TrainerBackend.update` (module docstring for the MLX specifics).
 
@@ -343,24 +379,8 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
             try:
                 for idx in chunks:
                     chunk = [seqs[i] for i in idx]
-                    batch = self._collate(chunk)
-                    ref_logp = None
-                    if cfg.beta:
-                        self.model.eval()
-                        with self._adapter_disabled():
-                            ref_logits = self._completion_logits(chunk, batch)
-                            ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
-                                ref_logits, batch["completion_ids"], cfg.temperature))
-                            mx.eval(ref_logp)
-                    self.model.train()
-                    loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
-                    (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
-                                                                  ref_logp)
-                    seen = (self._sampler_logprobs(mx.stop_gradient(
-                        self._completion_logits(chunk, batch)),
-                        batch["completion_ids"]) if cfg.truncated else logp)
-                    grads = g if grads is None else tree_map(mx.add, grads, g)
-                    mx.eval(part, seen, took, ref_kl, grads)
+                    batch, (part, seen, took, ref_kl), grads = self._micro_batch(
+                        chunk, mx.array(coef_all[idx]), grads)
                     mask = np.array(batch["mask"])
                     kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
                                                        mask)
