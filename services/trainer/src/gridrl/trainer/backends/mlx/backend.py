@@ -76,7 +76,7 @@ from gridrl.trainer.backends.memory import (
 from gridrl.trainer.backends.mlx import losses as grpo_mlx
 from gridrl.trainer.backends.mlx.files import OPTIMIZER, RNG, MlxAdapterFiles
 from gridrl.trainer.backends.mlx.forward import PLAIN_HEAD_TYPES, MlxForwardPasses
-from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory
+from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory, cache_limited
 from gridrl.trainer.grpo import advantages as grpo
 
 __all__ = ["OPTIMIZER", "RNG", "MlxTrainerBackend"]
@@ -229,9 +229,13 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                 raise invalid_argument("--memory-mb", str(e)) from e
         return backend
 
-    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]) -> list[list[int]]:
+    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]
+                ) -> tuple[list[list[int]], int | None]:
         """The micro-batches of ``indices``: planned within ``--memory-mb`` (:attr:`memory`,
-        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``.
+        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``; and the
+        bytes MLX's buffer cache may keep while they run
+        (:meth:`~gridrl.trainer.backends.mlx.memory.MlxUpdateMemory.cache_limit_bytes`; None
+        without a budget: MLX's own limit).
 
         Raises:
             StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit alone.
@@ -239,11 +243,12 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         cfg = self.update_cfg
         if self.memory is not None:
             try:
-                return self.memory.plan(seqs, indices, cfg.micro_batch_size).chunks
+                plan = self.memory.plan(seqs, indices, cfg.micro_batch_size)
             except MemoryBudgetError as e:
                 raise resource_exhausted(str(e), field="--memory-mb") from e
+            return plan.chunks, self.memory.cache_limit_bytes(plan)
         mb = cfg.micro_batch_size or max(len(indices), 1)
-        return [indices[i:i + mb] for i in range(0, len(indices), mb)]
+        return [indices[i:i + mb] for i in range(0, len(indices), mb)], None
 
     # ---------------------------------------------------------------- sampling and scoring
 
@@ -268,8 +273,9 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         self.model.eval()
         cfg = self.update_cfg
         out: list[list[float]] = []
-        with mx.stream(self.engine._device):
-            for idx in self._chunks(seqs, list(range(len(seqs)))):
+        chunks, cache_limit = self._chunks(seqs, list(range(len(seqs))))
+        with mx.stream(self.engine._device), cache_limited(cache_limit):
+            for idx in chunks:
                 chunk = [seqs[i] for i in idx]
                 batch = self._collate(chunk, behaviour=False)
                 logits = self._completion_logits(chunk, batch)
@@ -358,7 +364,7 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                                             [s.advantage for s in seqs], beta=cfg.beta))
                 if cfg.skip_no_signal else {s.group for s in seqs})
         trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
-        chunks = self._chunks(seqs, trained)
+        chunks, cache_limit = self._chunks(seqs, trained)
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
@@ -375,7 +381,7 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                 largest_micro_batch=max((len(c) for c in chunks), default=0),
                 micro_batches=len(chunks), weights_untouched=weights_untouched)
 
-        with mx.stream(self.engine._device):
+        with mx.stream(self.engine._device), cache_limited(cache_limit):
             try:
                 for idx in chunks:
                     chunk = [seqs[i] for i in idx]
