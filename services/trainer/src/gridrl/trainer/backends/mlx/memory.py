@@ -22,7 +22,9 @@ sequence that does not fit alone is refused, naming the least budget that holds 
 
 The resident base the room is above: the process's resident memory (``/proc``; on Apple
 Silicon's GPU, whose buffers are not in it, plus MLX's active bytes), plus what the optimizer's
-step adds (:meth:`MlxUpdateMemory.optimizer_reserve_bytes`).
+step adds (:meth:`MlxUpdateMemory.optimizer_reserve_bytes`). MLX's buffer cache, resident too,
+is held to the plan's allocator slack while a bounded step runs and to nothing during a probe
+(:func:`cache_limited`), and what a probe freed is trimmed before the base is read.
 """
 
 from __future__ import annotations
