@@ -8,11 +8,12 @@ logprob path, autocast and frozen-weight copies, the loss's backward), under
 :class:`LiveTensorBytes`, which follows every tensor storage the probe allocates (not views of
 what existed before it) until it is freed and keeps the peak of the bytes alive at once. The
 cost per token is the larger of a second sequence's and a wider sequence's; the fixed part what
-the probes leave above it. No probe holds more than ``width`` tokens, one sequence of the
-step's widest: the smallest micro-batch its plan can run, so measuring inside a step cannot
-overrun the budget (probing two full-width sequences did: a 0.5B model's 4 GB update peaked 38
-MiB over). The same again with activation checkpointing gives the cost
-of a sequence that would not fit otherwise. Counting tensors rather than reading the resident
+does not grow with the sequences, at least what the wide probe leaves above its tokens
+(:func:`~gridrl.trainer.backends.memory.cost_from_probes`, shared with the MLX backend). No
+probe holds more than ``width`` tokens, one sequence of the step's widest: the smallest
+micro-batch its plan can run, so measuring inside a step cannot overrun the budget (probing
+two full-width sequences did: a 0.5B model's 4 GB update peaked 38 MiB over). The same again
+with activation checkpointing gives the cost of a sequence that would not fit otherwise. Counting tensors rather than reading the resident
 memory keeps the figure exact whatever the allocator holds; the planner adds
 :data:`~gridrl.trainer.backends.memory.ALLOCATOR_SLACK` for what it holds.
 """
