@@ -27,7 +27,7 @@ import math
 import os
 import resource
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -224,6 +224,96 @@ class ActivationCost:
     def bytes(self, n: int, width: int) -> float:
         """Bytes of a micro-batch of ``n`` sequences ``width`` tokens wide."""
         return (self.fixed + self.per_token * n * width) * (1.0 + ALLOCATOR_SLACK)
+
+
+#: A step wider than every measurement is measured again at its width rounded up to this
+#: (tokens): one probe serves every width up to it.
+WIDTH_STEP = 32
+
+
+def probe_shapes(width: int) -> list[tuple[int, int]]:
+    """The probes that measure the cost at ``width`` tokens, as ``(sequences, tokens a
+    sequence)``: one sequence ``h = width // 2`` wide, two of them, one ``width`` wide. None
+    holds more than ``width`` tokens, one sequence of the width measured: the smallest
+    micro-batch a plan at that width can run, so a probe inside a step never needs more
+    memory than the step's own micro-batches may take (probing two sequences of the width
+    did: docs/benchmarks.md section 19)."""
+    half = max(width // 2, 1)
+    return [(1, half), (2, half), (1, max(width, 1))]
+
+
+def cost_from_probes(width: int, short: float, two_short: float,
+                     wide: float) -> ActivationCost:
+    """The :class:`ActivationCost` at ``width`` from the peaks (bytes) of the three probes of
+    :func:`probe_shapes`: ``short`` (one sequence ``h = width // 2`` wide), ``two_short``
+    (two of them) and ``wide`` (one ``width`` wide).
+
+    ``per_token`` is the larger of the second sequence's cost per token
+    (``(two_short - short) / h``) and the wider sequence's (``(wide - short) / (width - h)``);
+    ``fixed`` is the larger of what does not grow with the sequences
+    (``2 * short - two_short``) and what the wide probe leaves above ``per_token * width``
+    (never below 0), so the cost is at least every probe's peak. For a peak that grows as
+    ``F + n * (a * w + b * w**2)`` in ``n`` sequences ``w`` tokens wide (``a, b >= 0``; ``b``:
+    attention's scores), the probes give ``fixed = F`` and ``per_token = a + b * (width +
+    h) >= a + b * w``: the cost bounds every micro-batch of sequences up to ``width + h``
+    wide from above, the one-sequence ones included. (Taking ``fixed`` as only what
+    the probes leave above ``per_token`` times their tokens gives ``F - b * width * h``: one
+    sequence much narrower than ``h`` would be under-counted.)
+    """
+    half = max(width // 2, 1)
+    marginals = [max(two_short - short, 0.0) / half]
+    if width > half:
+        marginals.append(max(wide - short, 0.0) / (width - half))
+    per_token = max(marginals)
+    fixed = max(2 * short - two_short, wide - per_token * width, 0.0)
+    return ActivationCost(fixed=fixed, per_token=per_token, probe_width=width)
+
+
+class CostsByWidth:
+    """Activation costs measured at the widths steps have met: a step no wider than the
+    widest measurement reuses it (:func:`cost_from_probes` at ``width`` bounds narrower
+    sequences too), a wider one is measured now at its width rounded up to
+    :data:`WIDTH_STEP` tokens, and never below ``floor`` (the start-up probe's width).
+
+    Args:
+        measure: measures the cost at a width (tokens), e.g. from the probes of
+            :func:`probe_shapes` through :func:`cost_from_probes`.
+        floor: the narrowest width measured (tokens).
+    """
+
+    def __init__(self, measure: Callable[[int], ActivationCost], floor: int) -> None:
+        self._measure = measure
+        self._floor = floor
+        self.measured: dict[int, ActivationCost] = {}
+
+    @staticmethod
+    def width_to_measure(width: int, widest: int, floor: int) -> int | None:
+        """The width (tokens) to measure for a step ``width`` wide when the widest measurement
+        so far is ``widest`` (0: none): None when that one serves."""
+        if widest and widest >= width:
+            return None
+        return max(-(-int(width) // WIDTH_STEP) * WIDTH_STEP, floor)
+
+    def __call__(self, width: int) -> ActivationCost:
+        """The cost for a step whose widest sequence is ``width`` tokens (measured first when
+        no measurement is that wide)."""
+        widest = max(self.measured, default=0)
+        at = self.width_to_measure(width, widest, self._floor)
+        if at is None:
+            return self.measured[widest]
+        self.measured[at] = self._measure(at)
+        return self.measured[at]
+
+
+def adamw_reserve_bytes(param_bytes: int, *, moments_pending: bool,
+                        gradient_copies: int = 0) -> int:
+    """Bytes an AdamW step adds above the micro-batches' measured peak, for trainable
+    parameters of ``param_bytes`` bytes: its two moments (``exp_avg``, ``exp_avg_sq``) while
+    ``moments_pending`` (before the first step allocates them), one parameter-sized set of the
+    step's temporaries always, and ``gradient_copies`` parameter-sized sets of gradients the
+    backend keeps beyond the one its probe counts (MLX: the running sum of the micro-batches'
+    gradients and the clipped copy; torch accumulates and clips in place: 0)."""
+    return param_bytes * ((2 if moments_pending else 0) + 1 + gradient_copies)
 
 
 @dataclass(frozen=True)

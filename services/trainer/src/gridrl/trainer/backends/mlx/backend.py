@@ -76,7 +76,7 @@ from gridrl.trainer.backends.memory import (
 from gridrl.trainer.backends.mlx import losses as grpo_mlx
 from gridrl.trainer.backends.mlx.files import OPTIMIZER, RNG, MlxAdapterFiles
 from gridrl.trainer.backends.mlx.forward import PLAIN_HEAD_TYPES, MlxForwardPasses
-from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory
+from gridrl.trainer.backends.mlx.memory import MlxUpdateMemory, cache_limited
 from gridrl.trainer.grpo import advantages as grpo
 
 __all__ = ["OPTIMIZER", "RNG", "MlxTrainerBackend"]
@@ -229,9 +229,13 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                 raise invalid_argument("--memory-mb", str(e)) from e
         return backend
 
-    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]) -> list[list[int]]:
+    def _chunks(self, seqs: Sequence[TrainSequence], indices: list[int]
+                ) -> tuple[list[list[int]], int | None]:
         """The micro-batches of ``indices``: planned within ``--memory-mb`` (:attr:`memory`,
-        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``.
+        ``micro_batch_size`` still caps their sequences), else of ``micro_batch_size``; and the
+        bytes MLX's buffer cache may keep while they run
+        (:meth:`~gridrl.trainer.backends.mlx.memory.MlxUpdateMemory.cache_limit_bytes`; None
+        without a budget: MLX's own limit).
 
         Raises:
             StatusError: RESOURCE_EXHAUSTED ``--memory-mb``: a sequence does not fit alone.
@@ -239,11 +243,12 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         cfg = self.update_cfg
         if self.memory is not None:
             try:
-                return self.memory.plan(seqs, indices, cfg.micro_batch_size).chunks
+                plan = self.memory.plan(seqs, indices, cfg.micro_batch_size)
             except MemoryBudgetError as e:
                 raise resource_exhausted(str(e), field="--memory-mb") from e
+            return plan.chunks, self.memory.cache_limit_bytes(plan)
         mb = cfg.micro_batch_size or max(len(indices), 1)
-        return [indices[i:i + mb] for i in range(0, len(indices), mb)]
+        return [indices[i:i + mb] for i in range(0, len(indices), mb)], None
 
     # ---------------------------------------------------------------- sampling and scoring
 
@@ -268,8 +273,9 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         self.model.eval()
         cfg = self.update_cfg
         out: list[list[float]] = []
-        with mx.stream(self.engine._device):
-            for idx in self._chunks(seqs, list(range(len(seqs)))):
+        chunks, cache_limit = self._chunks(seqs, list(range(len(seqs))))
+        with mx.stream(self.engine._device), cache_limited(cache_limit):
+            for idx in chunks:
                 chunk = [seqs[i] for i in idx]
                 batch = self._collate(chunk, behaviour=False)
                 logits = self._completion_logits(chunk, batch)
@@ -301,6 +307,42 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
         ref_kl = out.ref_kl if out.ref_kl is not None else mx.zeros_like(logp)
         return part, logp, out.clipped, ref_kl
 
+    def _micro_batch(self, chunk: Sequence[TrainSequence], coef: mx.array, grads: Any
+                     ) -> tuple[dict[str, mx.array], tuple[mx.array, ...], Any]:
+        """The forward and backward of one micro-batch of :meth:`update`, evaluated (also
+        what ``--memory-mb``'s probe runs: :func:`gridrl.trainer.backends.mlx.memory.
+        probe_peak_bytes`): the reference forward first (beta > 0), then the loss and its
+        gradients in train mode (dropout on), the sampler's logprobs when it truncates.
+
+        Args:
+            chunk: the micro-batch's sequences.
+            coef: (n,) float32 loss weights of its sequences.
+            grads: the gradients of the micro-batches before it (None: the first).
+        Returns:
+            ``(batch, (part, seen, clipped, ref_kl), grads)``: the collated batch
+            (:meth:`_collate`), the micro-batch's weighted loss (scalar), the logprobs the
+            mismatch KL reads (n, C), the clipped mask (n, C) bool, the reference KL (n, C),
+            and the gradients summed with ``grads``.
+        """
+        cfg = self.update_cfg
+        batch = self._collate(chunk)
+        ref_logp = None
+        if cfg.beta:
+            self.model.eval()
+            with self._adapter_disabled():
+                ref_logits = self._completion_logits(chunk, batch)
+                ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
+                    ref_logits, batch["completion_ids"], cfg.temperature))
+                mx.eval(ref_logp)
+        self.model.train()
+        loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
+        (part, logp, took, ref_kl), g = loss_and_grad(batch, coef, ref_logp)
+        seen = (self._sampler_logprobs(mx.stop_gradient(self._completion_logits(chunk, batch)),
+                                       batch["completion_ids"]) if cfg.truncated else logp)
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        mx.eval(part, seen, took, ref_kl, grads)
+        return batch, (part, seen, took, ref_kl), grads
+
     def update(self, seqs: Sequence[TrainSequence]) -> UpdateStats:
         """See :meth:`TrainerBackend.update` (module docstring for the MLX specifics).
 
@@ -322,7 +364,7 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                                             [s.advantage for s in seqs], beta=cfg.beta))
                 if cfg.skip_no_signal else {s.group for s in seqs})
         trained = [i for i, s in enumerate(seqs) if s.group in kept]  # the rest: gradient 0
-        chunks = self._chunks(seqs, trained)
+        chunks, cache_limit = self._chunks(seqs, trained)
         step = int(self.optimizer.step.item())
         mx.random.seed((self.seed * 1_000_003 + step) % (2 ** 32))  # dropout of this step
         loss_sum, clipped, ref_kl_sum = 0.0, 0.0, 0.0
@@ -339,28 +381,12 @@ class MlxTrainerBackend(MlxForwardPasses, MlxAdapterFiles, TrainerBackend):
                 largest_micro_batch=max((len(c) for c in chunks), default=0),
                 micro_batches=len(chunks), weights_untouched=weights_untouched)
 
-        with mx.stream(self.engine._device):
+        with mx.stream(self.engine._device), cache_limited(cache_limit):
             try:
                 for idx in chunks:
                     chunk = [seqs[i] for i in idx]
-                    batch = self._collate(chunk)
-                    ref_logp = None
-                    if cfg.beta:
-                        self.model.eval()
-                        with self._adapter_disabled():
-                            ref_logits = self._completion_logits(chunk, batch)
-                            ref_logp = mx.stop_gradient(grpo_mlx.completion_logprobs(
-                                ref_logits, batch["completion_ids"], cfg.temperature))
-                            mx.eval(ref_logp)
-                    self.model.train()
-                    loss_and_grad = nn.value_and_grad(self.model, partial(self._chunk_loss, chunk))
-                    (part, logp, took, ref_kl), g = loss_and_grad(batch, mx.array(coef_all[idx]),
-                                                                  ref_logp)
-                    seen = (self._sampler_logprobs(mx.stop_gradient(
-                        self._completion_logits(chunk, batch)),
-                        batch["completion_ids"]) if cfg.truncated else logp)
-                    grads = g if grads is None else tree_map(mx.add, grads, g)
-                    mx.eval(part, seen, took, ref_kl, grads)
+                    batch, (part, seen, took, ref_kl), grads = self._micro_batch(
+                        chunk, mx.array(coef_all[idx]), grads)
                     mask = np.array(batch["mask"])
                     kl = grpo.mismatch_kl_per_sequence(np.array(seen), np.array(batch["behaviour"]),
                                                        mask)

@@ -1,43 +1,68 @@
 """``--memory-mb`` on the MLX trainer: the activation cost of a micro-batch measured on the real
-model at start-up, and each step's micro-batches planned from the sequences' token counts by the
+model, and each step's micro-batches planned from the sequences' token counts by the
 framework-free planner (:func:`gridrl.trainer.backends.memory.plan_micro_batches`).
 
-Measured, not guessed: a probe forward and backward of 1 and then 2 random sequences of
-``width`` tokens through the update's own loss (:meth:`MlxTrainerBackend._chunk_loss` under
-``nn.value_and_grad``), evaluated, with MLX's own allocator counters: the peak of the bytes it
-holds (``mx.get_peak_memory``, reset first) above what it held before (``mx.get_active_memory``).
-The difference of the two peaks is the cost of ``width`` more tokens; what is left of the first
-is the fixed part. MLX has no activation checkpointing in this trainer, so a sequence that does
-not fit alone is refused, naming the least budget that holds it.
+Measured, not guessed: probe forwards and backwards of random sequences (one ``width // 2``
+tokens wide, two of them, one ``width`` wide:
+:func:`~gridrl.trainer.backends.memory.probe_shapes`) through the update's own micro-batch
+(:meth:`MlxTrainerBackend._micro_batch`: the reference forward, the loss under
+``nn.value_and_grad``, the sampler's logprobs, evaluated), with MLX's own allocator counters:
+the peak of the bytes it holds (``mx.get_peak_memory``, reset first) above what it held before
+(``mx.get_active_memory``). The cost per token is the larger of a second sequence's and a wider
+sequence's, the fixed part what the probes leave above it
+(:func:`~gridrl.trainer.backends.memory.cost_from_probes`). No probe holds more than ``width``
+tokens, one sequence of the step's widest (rounded up to
+:data:`~gridrl.trainer.backends.memory.WIDTH_STEP`): the smallest micro-batch its plan can run,
+so measuring inside a step cannot overrun the budget; a narrower step reuses the widest
+measurement (:class:`~gridrl.trainer.backends.memory.CostsByWidth`). (It had probed 1 and then
+2 sequences at the next power of two above the step's width: up to four times the tokens of
+the one-sequence micro-batches a tight budget leaves room for, the defect the torch probe had:
+docs/benchmarks.md section 19.) MLX has no activation checkpointing in this trainer, so a
+sequence that does not fit alone is refused, naming the least budget that holds it.
 
 The resident base the room is above: the process's resident memory (``/proc``; on Apple
-Silicon's GPU, whose buffers are not in it, plus MLX's active bytes).
+Silicon's GPU, whose buffers are not in it, plus MLX's active bytes), plus what the optimizer's
+step adds (:meth:`MlxUpdateMemory.optimizer_reserve_bytes`). MLX's buffer cache, resident too,
+is held to the plan's allocator slack while a bounded step runs and to nothing during a probe
+(:func:`cache_limited`), and what a probe freed is trimmed before the base is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from gridrl.trainer.backends.base import TrainSequence
 from gridrl.trainer.backends.memory import (
+    ALLOCATOR_SLACK,
     MIB,
     RESERVE_BYTES,
     ActivationCost,
+    CostsByWidth,
     MemoryBudgetError,
     MemoryPlan,
+    adamw_reserve_bytes,
+    cost_from_probes,
     current_rss_bytes,
     mib_up,
     plan_micro_batches,
+    probe_shapes,
+    return_freed_memory_to_the_system,
+    trim_free_memory,
 )
 
 #: The probe's sequence width (tokens) when the run gives none wider.
 PROBE_WIDTH = 128
+
+#: Parameter-sized sets of gradients the MLX update holds beyond the one its probe counts: the
+#: running sum of the micro-batches' gradients (``grads``, alive until the optimizer's step)
+#: and the copy ``mlx.optimizers.clip_grad_norm`` returns (torch sums and clips in place).
+GRADIENT_COPIES = 2
 
 
 def _probe_sequences(n: int, width: int, vocab: int) -> list[TrainSequence]:
@@ -53,40 +78,53 @@ def _probe_sequences(n: int, width: int, vocab: int) -> list[TrainSequence]:
     return seqs
 
 
+@contextmanager
+def cache_limited(limit_bytes: int | None) -> Iterator[None]:
+    """MLX's buffer cache (freed buffers it keeps for reuse, resident memory all the same)
+    held within ``limit_bytes`` for the block (``mx.set_cache_limit``; None: left as it is),
+    the previous limit restored after. Its default is MLX's memory limit: with micro-batches
+    of changing shapes the cache kept growing beside the planned arrays (tiny llama, 64
+    sequences of 20-450 tokens: 32 MiB cached, the step's peak 3 MiB over a 48 MiB room)."""
+    if limit_bytes is None:
+        yield
+        return
+    previous = mx.set_cache_limit(max(int(limit_bytes), 0))
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)
+
+
 def probe_peak_bytes(backend: Any, n: int, width: int) -> int:
-    """Peak bytes MLX holds above its base during the forward and backward of ``n`` random
-    sequences ``width`` tokens wide through the update's loss (gradients included)."""
+    """Peak bytes MLX holds above its base during one micro-batch of the update
+    (:meth:`~gridrl.trainer.backends.mlx.backend.MlxTrainerBackend._micro_batch`: its
+    forwards and backward, the gradients included) on ``n`` random sequences ``width``
+    tokens wide. (Its dropout draws from MLX's global key, which every update re-seeds from
+    ``(seed, step)`` after planning, so runs stay reproducible.)"""
     seqs = _probe_sequences(n, width, backend.identity.vocab_size or 2)
-    with mx.stream(backend.engine._device):
+    with mx.stream(backend.engine._device), cache_limited(0):  # resident: the arrays alone
         mx.eval(backend.model.parameters())
         mx.clear_cache()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        backend.model.train()
         try:
-            batch = backend._collate(seqs)
-            loss_and_grad = nn.value_and_grad(backend.model,
-                                              partial(backend._chunk_loss, seqs))
-            ref_logp = (mx.zeros(batch["completion_ids"].shape, mx.float32)
-                        if backend.update_cfg.beta else None)  # the loss's KL term's input
-            (part, *_), grads = loss_and_grad(batch, mx.ones((n,), mx.float32), ref_logp)
-            mx.eval(part, grads)
+            out = backend._micro_batch(seqs, mx.ones((n,), mx.float32), None)
             peak = mx.get_peak_memory() - before
-            del part, grads, batch
+            del out
         finally:
             backend.model.eval()
             mx.clear_cache()
+            trim_free_memory()  # what the probe freed leaves the resident base
     return max(int(peak), 0)
 
 
 def measure_cost(backend: Any, width: int) -> ActivationCost:
-    """The :class:`ActivationCost` of the MLX update at ``width`` tokens, from probes of 1
-    and 2 sequences (:func:`probe_peak_bytes`)."""
-    one = probe_peak_bytes(backend, 1, width)
-    two = probe_peak_bytes(backend, 2, width)
-    per_token = max(two - one, 0) / width
-    return ActivationCost(fixed=max(one - per_token * width, 0.0), per_token=per_token,
-                          probe_width=width)
+    """The :class:`ActivationCost` of the MLX update at ``width`` tokens from three probes of
+    at most ``width`` tokens each (:func:`probe_peak_bytes` at
+    :func:`~gridrl.trainer.backends.memory.probe_shapes`), combined by
+    :func:`~gridrl.trainer.backends.memory.cost_from_probes`."""
+    peaks = [probe_peak_bytes(backend, n, w) for n, w in probe_shapes(width)]
+    return cost_from_probes(width, *peaks)
 
 
 def _base_rss() -> int:
@@ -103,7 +141,8 @@ class MlxUpdateMemory:
     :class:`~gridrl.trainer.backends.torch.memory.UpdateMemory`, without checkpointing.
 
     Args:
-        backend: the :class:`~gridrl.trainer.backends.mlx.backend.MlxTrainerBackend`.
+        backend: the :class:`~gridrl.trainer.backends.mlx.backend.MlxTrainerBackend` (its
+            ``optimizer``, AdamW, is what :meth:`optimizer_reserve_bytes` counts).
         limit_bytes: ``--memory-mb`` in bytes.
         width: the probe's width (a wider step is measured again at its width).
         rss: reads the resident base, bytes (tests pass their own).
@@ -117,21 +156,47 @@ class MlxUpdateMemory:
         self.limit_bytes = limit_bytes
         self._rss = rss
         self._width = width
-        self._costs: dict[int, ActivationCost] = {}
-        base = rss() + RESERVE_BYTES
-        need = base + self.cost(width).bytes(1, width)
+        return_freed_memory_to_the_system()  # resident memory that follows MLX's buffers
+        self._costs = CostsByWidth(lambda w: measure_cost(self.backend, w), width)
+        cost = self.cost(width)  # (a probe first: the base is read after it)
+        base = rss() + RESERVE_BYTES + self.optimizer_reserve_bytes()
+        need = base + cost.bytes(1, width)
         if need > limit_bytes:
             raise MemoryBudgetError(mib_up(need),
                                     f"the model ({mib_up(base)} MiB resident) and one "
                                     f"sequence of {width} tokens do not fit "
                                     f"{limit_bytes // MIB} MiB")
 
+    def optimizer_reserve_bytes(self) -> int:
+        """Bytes the update holds beyond the micro-batches' measured peak that the resident
+        memory does not hold yet (:func:`~gridrl.trainer.backends.memory.adamw_reserve_bytes`):
+        AdamW's two moments per LoRA parameter until its first step allocates them (``m``,
+        ``v``), one parameter-sized set of the step's temporaries, and
+        :data:`GRADIENT_COPIES` sets of gradients. On the tiny llama's rank-4 LoRA the first
+        step measured 3.8 and the later ones 1.8 parameter-sized sets above the summed
+        gradients (MLX's peak counter), within the 4 and 2 counted besides the running sum."""
+        optimizer = getattr(self.backend, "optimizer", None)
+        if optimizer is None:
+            return 0
+        size = sum(v.nbytes for _, v in tree_flatten(self.backend.model.trainable_parameters()))
+        moments_pending = not any(k not in ("step", "learning_rate") for k in optimizer.state)
+        return adamw_reserve_bytes(size, moments_pending=moments_pending,
+                                   gradient_copies=GRADIENT_COPIES)
+
+    @staticmethod
+    def cache_limit_bytes(plan: MemoryPlan) -> int:
+        """Bytes MLX's buffer cache may keep while ``plan`` runs (:func:`cache_limited`): the
+        part of the planned peak beyond the arrays' own bytes,
+        :data:`~gridrl.trainer.backends.memory.ALLOCATOR_SLACK` of them, so arrays and cache
+        together stay within the plan."""
+        return int(plan.peak_bytes * ALLOCATOR_SLACK / (1.0 + ALLOCATOR_SLACK))
+
     def cost(self, width: int) -> ActivationCost:
-        """The cost measured at the smallest power of two >= ``width`` (on first use)."""
-        bucket = max(1 << max(int(width) - 1, 1).bit_length(), self._width)
-        if bucket not in self._costs:
-            self._costs[bucket] = measure_cost(self.backend, bucket)
-        return self._costs[bucket]
+        """The cost for a step whose widest sequence is ``width`` tokens: the widest
+        measurement so far when it covers ``width``, else measured now at ``width`` rounded
+        up to :data:`~gridrl.trainer.backends.memory.WIDTH_STEP` tokens
+        (:class:`~gridrl.trainer.backends.memory.CostsByWidth`)."""
+        return self._costs(width)
 
     def plan(self, seqs: Sequence[TrainSequence], indices: Sequence[int],
              max_sequences: int = 0) -> MemoryPlan:
@@ -147,7 +212,7 @@ class MlxUpdateMemory:
         prompt_lens = [len(s.prompt_ids) for s in seqs]
         completion_lens = [len(s.completion_ids) for s in seqs]
         cost = self.cost(max(prompt_lens[i] + max(completion_lens[i], 1) for i in indices))
-        base = self._rss() + RESERVE_BYTES
+        base = self._rss() + RESERVE_BYTES + self.optimizer_reserve_bytes()
         return plan_micro_batches(indices, prompt_lens, completion_lens,
                                   self.limit_bytes - base, cost, None,
                                   max_sequences=max_sequences, base_bytes=base)

@@ -8,11 +8,12 @@ logprob path, autocast and frozen-weight copies, the loss's backward), under
 :class:`LiveTensorBytes`, which follows every tensor storage the probe allocates (not views of
 what existed before it) until it is freed and keeps the peak of the bytes alive at once. The
 cost per token is the larger of a second sequence's and a wider sequence's; the fixed part what
-the probes leave above it. No probe holds more than ``width`` tokens, one sequence of the
-step's widest: the smallest micro-batch its plan can run, so measuring inside a step cannot
-overrun the budget (probing two full-width sequences did: a 0.5B model's 4 GB update peaked 38
-MiB over). The same again with activation checkpointing gives the cost
-of a sequence that would not fit otherwise. Counting tensors rather than reading the resident
+does not grow with the sequences, at least what the wide probe leaves above its tokens
+(:func:`~gridrl.trainer.backends.memory.cost_from_probes`, shared with the MLX backend). No
+probe holds more than ``width`` tokens, one sequence of the step's widest: the smallest
+micro-batch its plan can run, so measuring inside a step cannot overrun the budget (probing
+two full-width sequences did: a 0.5B model's 4 GB update peaked 38 MiB over). The same again
+with activation checkpointing gives the cost of a sequence that would not fit otherwise. Counting tensors rather than reading the resident
 memory keeps the figure exact whatever the allocator holds; the planner adds
 :data:`~gridrl.trainer.backends.memory.ALLOCATOR_SLACK` for what it holds.
 """
@@ -36,20 +37,21 @@ from gridrl.trainer.backends.memory import (
     MIB,
     RESERVE_BYTES,
     ActivationCost,
+    CostsByWidth,
     MemoryBudgetError,
     MemoryPlan,
+    adamw_reserve_bytes,
+    cost_from_probes,
     current_rss_bytes,
     mib_up,
     plan_micro_batches,
+    probe_shapes,
     return_freed_memory_to_the_system,
 )
 from gridrl.trainer.backends.packing import pack_layout
 
 #: The probe's sequence width (tokens) when the run gives none wider.
 PROBE_WIDTH = 128
-
-#: A step wider than every measurement is measured again at its width rounded up to this.
-WIDTH_STEP = 32
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -136,21 +138,13 @@ def probe_peak_bytes(policy: Any, cfg: UpdateConfig, n: int, width: int, *,
 def measure_cost(policy: Any, cfg: UpdateConfig, width: int, *,
                  checkpoint: bool) -> ActivationCost:
     """The :class:`ActivationCost` of the update at ``width`` tokens from three probes of at
-    most ``width`` tokens each (:func:`probe_peak_bytes`): one sequence ``h = width // 2``
-    wide, two of them, one ``width`` wide. ``per_token`` is the larger of the second
-    sequence's and the wider sequence's cost per added token and ``fixed`` what is left of the
-    largest probe, so ``fixed + per_token * n * width`` bounds ``n`` sequences ``width`` wide
-    from above whether a sequence's cost is mostly per sequence or grows with its width
-    (attention's quadratic part)."""
-    half = max(width // 2, 1)
-    short = probe_peak_bytes(policy, cfg, 1, half, checkpoint=checkpoint)
-    two_short = probe_peak_bytes(policy, cfg, 2, half, checkpoint=checkpoint)
-    wide = probe_peak_bytes(policy, cfg, 1, width, checkpoint=checkpoint)
-    added = max(width - half, 1)
-    per_token = max(two_short - short, wide - short, 0) / added
-    fixed = max(short - per_token * half, two_short - per_token * 2 * half,
-                wide - per_token * width, 0.0)
-    return ActivationCost(fixed=fixed, per_token=per_token, probe_width=width)
+    most ``width`` tokens each (:func:`probe_peak_bytes`): one sequence ``width // 2`` wide,
+    two of them, one ``width`` wide (:func:`~gridrl.trainer.backends.memory.probe_shapes`),
+    combined by :func:`~gridrl.trainer.backends.memory.cost_from_probes` (the larger of the
+    second sequence's and the wider sequence's cost per token)."""
+    peaks = [probe_peak_bytes(policy, cfg, n, w, checkpoint=checkpoint)
+             for n, w in probe_shapes(width)]
+    return cost_from_probes(width, *peaks)
 
 
 class UpdateMemory:
@@ -181,8 +175,10 @@ class UpdateMemory:
         self._rss = rss
         self._width = width  # narrower steps use this probe (a wider one costs more a token)
         return_freed_memory_to_the_system()  # resident memory that follows the tensors
-        self._plain: dict[int, ActivationCost] = {}
-        self._checkpointed: dict[int, ActivationCost] = {}
+        self._plain = CostsByWidth(
+            lambda w: measure_cost(self.policy, self.cfg, w, checkpoint=False), width)
+        self._checkpointed = CostsByWidth(
+            lambda w: measure_cost(self.policy, self.cfg, w, checkpoint=True), width)
         base = rss() + RESERVE_BYTES + self.optimizer_reserve_bytes()
         need = base + self.plain_cost(width).bytes(1, width)
         if need > limit_bytes:  # then only checkpointed; measured when needed, as here
@@ -204,26 +200,18 @@ class UpdateMemory:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         size = sum(p.numel() * p.element_size() for p in params)
         moments_pending = not any(self.optimizer.state.get(p) for p in params)
-        return size * (3 if moments_pending else 1)
+        return adamw_reserve_bytes(size, moments_pending=moments_pending)
 
     def plain_cost(self, width: int) -> ActivationCost:
         """The cost without checkpointing: the one measured at the widest width so far when
-        that covers ``width`` (a wider measurement over-counts a narrower step, never under),
-        else measured now at ``width`` rounded up to :data:`WIDTH_STEP` tokens."""
-        return self._cost(self._plain, width, checkpoint=False)
+        that covers ``width``, else measured now at ``width`` rounded up to
+        :data:`~gridrl.trainer.backends.memory.WIDTH_STEP` tokens
+        (:class:`~gridrl.trainer.backends.memory.CostsByWidth`)."""
+        return self._plain(width)
 
     def checkpointed_cost(self, width: int) -> ActivationCost:
         """:meth:`plain_cost` with activation checkpointing."""
-        return self._cost(self._checkpointed, width, checkpoint=True)
-
-    def _cost(self, measured: dict[int, ActivationCost], width: int, *,
-              checkpoint: bool) -> ActivationCost:
-        widest = max(measured, default=0)
-        if widest and widest >= width:
-            return measured[widest]
-        at = max(-(-width // WIDTH_STEP) * WIDTH_STEP, self._width)
-        measured[at] = measure_cost(self.policy, self.cfg, at, checkpoint=checkpoint)
-        return measured[at]
+        return self._checkpointed(width)
 
     def costs(self, width: int) -> tuple[ActivationCost, ActivationCost]:
         """(plain, checkpointed) costs at ``width``."""
