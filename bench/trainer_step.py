@@ -151,7 +151,8 @@ def retry_sequences(backend, step: int) -> list[TrainSequence]:
     source = EpisodeSource(env, backend.tokenizer, LocalRollout(backend, version=lambda: 0),
                            episode.EpisodeLimits(max_turns=2, max_tokens=24))
     items = [env.train_item(2 * step + i) for i in range(2)]
-    groups, _ = source.generate(items, group_size=8, temperature=1.0, seed=step)
+    groups, _ = source.generate(items, SamplingConfig(max_tokens=24, temperature=1.0),
+                                group_size=8, seed=step)
     prompts = source.prompt_ids(items)
     adv = np.random.default_rng(step).standard_normal(16)
     samples = [(b, s) for b, g in enumerate(groups) for s in g.samples]
