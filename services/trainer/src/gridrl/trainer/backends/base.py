@@ -117,6 +117,10 @@ class UpdateConfig:
             maths, different float rounding. Off by default: its attention is dense over a
             group's whole row, so on a CPU it measured faster for one-turn groups but slower
             for long multi-turn ones (docs/benchmarks.md section 19).
+        segment_attention: a packed forward attends per prompt and per completion
+            (:class:`gridrl.trainer.backends.torch.packed.SegmentAttention`: no row-wide
+            scores) where the model's attention is sdpa; False: over the whole row with the
+            block-diagonal mask. Same maths, different float rounding.
         top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
             ``softmax(logits / T)`` (as TRL does); the mismatch KL and :meth:`TrainerBackend.
             logprobs` use the sampler's own transform (engine contract steps 1-3), so
@@ -145,6 +149,7 @@ class UpdateConfig:
     top_k: int = 0
     shared_prefix: bool = True
     pack: bool = False
+    segment_attention: bool = True
     is_correction: str = "none"
     is_level: str = "token"
     is_cap: float = 2.0

@@ -384,8 +384,10 @@ def _packed_logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str
     each completion token are gathered back into the collated (n, C) layout."""
     tokens = batch["completion_ids"]
     n, width = tokens.shape
-    packed = pack(seqs, policy.pad_id, width, policy.device)
-    args = (packed.input_ids, packed.position_ids, packed.allowed)
+    per_segment = cfg.segment_attention and getattr(policy, "attends_per_segment", False)
+    packed = pack(seqs, policy.pad_id, width, policy.device, dense_mask=not per_segment)
+    args = (packed.input_ids, packed.position_ids, packed.allowed,
+            packed.segments if per_segment else None)
     if cfg.truncated or head is None:
         with mixed():
             out = par.run(policy, "packed_logits", *args)
