@@ -208,3 +208,23 @@ def test_multi_turn_episodes_packed_per_segment_give_the_default_update(tiny_lla
     for key, g in want_grads.items():
         assert np.abs(g).max() > 0, key
         assert_close_to_largest(got_grads[key], g, ROUNDING_REL, str(key))
+
+
+def test_attention_per_segment_refuses_activation_checkpointing(tiny_llama_dir):
+    from gridrl.trainer.backends.torch.packed import pack
+
+    backend = create_backend(_config(tiny_llama_dir))
+    policy = backend.policy
+    packed = pack(_episodes(), policy.pad_id, 40, policy.device, dense_mask=False)
+    assert packed.allowed is None
+    try:
+        with policy.activation_checkpointing(), pytest.raises(ValueError, match="checkpointing"):
+            policy.packed_hidden(packed.input_ids, packed.position_ids, None, packed.segments)
+        config = policy.model.get_base_model().config
+        assert config._attn_implementation == "sdpa"  # restored (never switched here)
+        hidden = policy.packed_hidden(packed.input_ids, packed.position_ids, None,
+                                      packed.segments)
+        assert hidden.shape[:2] == packed.input_ids.shape and torch.isfinite(hidden).all()
+        assert config._attn_implementation == "sdpa"  # restored after the forward
+    finally:
+        backend.close()

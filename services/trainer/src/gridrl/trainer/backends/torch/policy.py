@@ -324,7 +324,12 @@ class Policy:
         ``segments``) :func:`~gridrl.trainer.backends.torch.packed.segment_attention` as the
         model's attention implementation for the block (restored after, on error too) with
         the units passed along and a placeholder 4-D mask (transformers passes a 4-D mask
-        through as it is; the units carry the real one)."""
+        through as it is; the units carry the real one).
+
+        Raises:
+            ValueError: ``segments`` under activation checkpointing (its recomputation would
+                run after the implementation is restored: use the dense mask there).
+        """
         if segments is None:
             if allowed is None:
                 raise ValueError("a packed forward needs its dense mask or its segments")
@@ -332,7 +337,13 @@ class Policy:
             return
         from gridrl.trainer.backends.torch.packed import register_segment_attention
 
-        config = self.model.get_base_model().config
+        base = self.model.get_base_model()
+        flag = ("is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing")
+                else "is_gradient_checkpointing")  # transformers 5 renamed it
+        if getattr(base, flag, False):
+            raise ValueError("attention per segment cannot run under activation "
+                             "checkpointing: pass the dense mask")
+        config = base.config
         name = register_segment_attention()
         previous = config._attn_implementation
         config._attn_implementation = name

@@ -222,8 +222,8 @@ def _micro_batches(policy: Any, seqs: Sequence[TrainSequence], cfg: UpdateConfig
             recompute = checkpointed[k]
             with ctx, policy.activation_checkpointing(recompute):
                 logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch,
-                                       dataclasses.replace(cfg, shared_prefix=False)
-                                       if recompute else cfg, par, amp=True)
+                                       checkpointable(cfg) if recompute else cfg, par,
+                                       amp=True)
                 ref_logp = None
                 if cfg.beta:
                     with autocast(cfg, device):
@@ -306,6 +306,14 @@ def _frozen_weights_cast(policy: Any, cfg: UpdateConfig) -> contextlib.AbstractC
     if cfg.update_dtype == "bfloat16":
         return policy.frozen_weights_as(torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def checkpointable(cfg: UpdateConfig) -> UpdateConfig:
+    """``cfg`` for a forward under activation checkpointing: no shared-prefix cache (a
+    checkpointed layer drops it) and a packed batch's dense mask rather than attention per
+    segment (the recomputation in the backward runs after the forward's attention
+    implementation is restored: :meth:`Policy.packed_hidden`)."""
+    return dataclasses.replace(cfg, shared_prefix=False, segment_attention=False)
 
 
 def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractContextManager:
