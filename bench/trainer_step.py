@@ -9,7 +9,7 @@ them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio 
     python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
     python bench/trainer_step.py --background-load 1 --steps 5
-    python bench/trainer_step.py --multi-turn 5
+    python bench/trainer_step.py --multi-turn 5 [--batches /tmp/batches.pkl]
 
 ``--profile`` (torch only): one demo-shaped batch, a warm-up update, then one update under
 ``torch.profiler`` per ``--update-dtype``: CPU seconds by kind of work (products, attention,
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pickle
 import time
 
 import numpy as np
@@ -170,7 +171,7 @@ MULTI_TURN_PATHS = {
 }
 
 
-def multi_turn(repeats: int, model: str) -> None:
+def multi_turn(repeats: int, model: str, batches_file: str | None = None) -> None:
     """Update seconds per trained model token of reverse-words-retry (16 two-turn episodes)
     against reverse-words (16 one-turn samples), both sampled once on the demo backend, then
     ``repeats`` updates of each, interleaved in one process (so a load that comes and goes hits
@@ -179,10 +180,18 @@ def multi_turn(repeats: int, model: str) -> None:
     attention per segment (``UpdateConfig.segment_attention``); prints the median seconds per
     token of each and the retry / single-turn ratios (issue 45's goal: <= 1.3x)."""
     backend = demo_backend("torch", model)
-    task = ReverseWords(seed=0, min_words=3, max_words=4)
-    prompts = demo_prompts(backend, task, 0)
-    batches = {"reverse-words": sequences(prompts, sample(backend, prompts), 0),
-               "reverse-words-retry": retry_sequences(backend, 0)}
+    if batches_file and os.path.exists(batches_file):
+        with open(batches_file, "rb") as f:
+            batches = pickle.load(f)
+        print(f"batches read from {batches_file}", flush=True)
+    else:
+        task = ReverseWords(seed=0, min_words=3, max_words=4)
+        prompts = demo_prompts(backend, task, 0)
+        batches = {"reverse-words": sequences(prompts, sample(backend, prompts), 0),
+                   "reverse-words-retry": retry_sequences(backend, 0)}
+        if batches_file:
+            with open(batches_file, "wb") as f:
+                pickle.dump(batches, f)
     for name, seqs in batches.items():
         trained = sum(s.trained_tokens for s in seqs)
         forwarded = sum(len(s.completion_ids) for s in seqs)
@@ -321,10 +330,13 @@ def main() -> None:
     parser.add_argument("--multi-turn", type=int, default=0, metavar="N",
                         help="torch: N interleaved updates each of reverse-words-retry and "
                              "reverse-words, packed and padded; s per trained model token")
+    parser.add_argument("--batches", metavar="PATH",
+                        help="--multi-turn: read the two sampled batches from PATH (a pickle) "
+                             "when it exists, else sample them and write them there")
     args = parser.parse_args()
     print(machine())
     if args.multi_turn:
-        multi_turn(args.multi_turn, args.model)
+        multi_turn(args.multi_turn, args.model, args.batches)
         return
     if args.background_load:
         update_beside_load(max(args.steps, 3), args.model, args.background_load)
