@@ -68,7 +68,8 @@ class SegmentAttention:
         k_index: (U, K) int64: the token of each key slot (a prompt unit's keys are its prompt;
             a completion unit's its prompt then itself; a padding slot repeats the first key).
         allowed: (U, 1, Q, K) bool: query slot ``q`` attends to key slot ``k`` (causal within
-            the unit; a padding query slot attends to key slot 0 only, and is never read).
+            the unit; a padding query slot attends to key slot 0 at least: never a NaN row,
+            never read).
         slots: (T,) int64 indices into the (U * Q) flattened query slots of the real ones.
         tokens: (T,) int64: the flattened position of each of those (every real token once).
         positions: R * W.
