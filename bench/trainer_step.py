@@ -9,7 +9,7 @@ them; prints wall and process-CPU seconds of each phase and the MLX/torch ratio 
     python bench/trainer_step.py --backend torch --update-dtype float32 --update-dtype bfloat16
     python bench/trainer_step.py --compare-logits 4
     python bench/trainer_step.py --background-load 1 --steps 5
-    python bench/trainer_step.py --multi-turn 5
+    python bench/trainer_step.py --multi-turn 5 [--batches /tmp/batches.pkl]
 
 ``--profile`` (torch only): one demo-shaped batch, a warm-up update, then one update under
 ``torch.profiler`` per ``--update-dtype``: CPU seconds by kind of work (products, attention,
@@ -19,8 +19,9 @@ casts, the head's log-softmax, elementwise, the optimizer) and the top operators
 ``--threads 0`` (core sharing) and with a fixed thread per core; the loaded / alone ratios.
 
 ``--multi-turn N`` (torch only): 16 reverse-words-retry episodes and 16 reverse-words samples,
-sampled once, then N updates of each interleaved in one process, packed and padded; the median
-update seconds per trained model token and the retry / single-turn ratio (issue 45: <= 1.3x).
+sampled once, then N updates of each interleaved in one process, padded, packed with the
+row-wide mask and packed with attention per segment; the median update seconds per trained
+model token and the retry / single-turn ratio (issue 45: <= 1.3x).
 
 ``--compare-logits N`` (torch only): sample one demo-shaped batch, then alternate N updates
 on it computing the completion logprobs from the final hidden states in chunks
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pickle
 import time
 
 import numpy as np
@@ -151,7 +153,8 @@ def retry_sequences(backend, step: int) -> list[TrainSequence]:
     source = EpisodeSource(env, backend.tokenizer, LocalRollout(backend, version=lambda: 0),
                            episode.EpisodeLimits(max_turns=2, max_tokens=24))
     items = [env.train_item(2 * step + i) for i in range(2)]
-    groups, _ = source.generate(items, group_size=8, temperature=1.0, seed=step)
+    groups, _ = source.generate(items, SamplingConfig(max_tokens=24, temperature=1.0),
+                                group_size=8, seed=step)
     prompts = source.prompt_ids(items)
     adv = np.random.default_rng(step).standard_normal(16)
     samples = [(b, s) for b, g in enumerate(groups) for s in g.samples]
@@ -160,52 +163,79 @@ def retry_sequences(backend, step: int) -> list[TrainSequence]:
             for (b, s), a in zip(samples, adv, strict=True)]
 
 
-def multi_turn(repeats: int, model: str) -> None:
+#: --multi-turn's update paths: name -> UpdateConfig settings
+MULTI_TURN_PATHS = {
+    "padded": {"pack": False},
+    "packed, dense mask": {"pack": True, "segment_attention": False},
+    "packed, per segment": {"pack": True, "segment_attention": True},
+}
+
+
+def multi_turn(repeats: int, model: str, batches_file: str | None = None) -> None:
     """Update seconds per trained model token of reverse-words-retry (16 two-turn episodes)
     against reverse-words (16 one-turn samples), both sampled once on the demo backend, then
     ``repeats`` updates of each, interleaved in one process (so a load that comes and goes hits
-    both alike), packed (``UpdateConfig.pack``) and padded (the default: the shared-prefix KV
-    cache and right-padded completions); prints the median seconds per token of each and the
-    retry / single-turn ratios (issue 45's goal: <= 1.3x)."""
+    both alike), on each of :data:`MULTI_TURN_PATHS`: padded (the shared-prefix KV cache and
+    right-padded completions), packed with the row-wide block-diagonal mask, packed with
+    attention per segment (``UpdateConfig.segment_attention``); prints the median seconds per
+    token of each and the retry / single-turn ratios (issue 45's goal: <= 1.3x)."""
     backend = demo_backend("torch", model)
-    task = ReverseWords(seed=0, min_words=3, max_words=4)
-    prompts = demo_prompts(backend, task, 0)
-    batches = {"reverse-words": sequences(prompts, sample(backend, prompts), 0),
-               "reverse-words-retry": retry_sequences(backend, 0)}
+    if batches_file and os.path.exists(batches_file):
+        with open(batches_file, "rb") as f:
+            batches = pickle.load(f)
+        print(f"batches read from {batches_file}", flush=True)
+    else:
+        task = ReverseWords(seed=0, min_words=3, max_words=4)
+        prompts = demo_prompts(backend, task, 0)
+        batches = {"reverse-words": sequences(prompts, sample(backend, prompts), 0),
+                   "reverse-words-retry": retry_sequences(backend, 0)}
+        if batches_file:
+            with open(batches_file, "wb") as f:
+                pickle.dump(batches, f)
     for name, seqs in batches.items():
         trained = sum(s.trained_tokens for s in seqs)
         forwarded = sum(len(s.completion_ids) for s in seqs)
+        widest = max(len(s.completion_ids) for s in seqs)
         print({"batch": name, "sequences": len(seqs), "trained model tokens": trained,
                "completion tokens (env included)": forwarded,
-               "prompt tokens": sum(len(s.prompt_ids) for s in seqs)}, flush=True)
+               "completion slots padded": len(seqs) * widest,
+               "prompt tokens": sum(len(s.prompt_ids) for s in seqs),
+               "distinct prompt tokens": sum(len(p) for p in {s.prompt_ids for s in seqs})},
+              flush=True)
     base = backend.update_cfg
-    times: dict[tuple[str, bool], list[float]] = {}
+    times: dict[tuple[str, str], list[float]] = {}
     try:
         for r in range(repeats + 1):  # round 0: warm-up, not counted
-            for pack in (True, False):
-                backend.update_cfg = dataclasses.replace(base, pack=pack)
+            for path, settings in MULTI_TURN_PATHS.items():
+                backend.update_cfg = dataclasses.replace(base, **settings)
                 for name, seqs in batches.items():
                     t0 = time.perf_counter()
                     stats = backend.update(seqs)
                     dt = time.perf_counter() - t0
-                    print({"round": r, "batch": name, "packed": pack, "update s": round(dt, 3),
+                    print({"round": r, "batch": name, "update": path, "update s": round(dt, 3),
                            "s per 1k trained tokens": round(1000 * dt / stats.tokens, 3),
-                           "load": load_average()}, flush=True)
+                           "micro-batches": stats.micro_batches, "load": load_average()},
+                          flush=True)
                     if r:
-                        times.setdefault((name, pack), []).append(dt / stats.tokens)
+                        times.setdefault((name, path), []).append(dt / stats.tokens)
     finally:
         backend.close()
-    rows = [[name, "packed" if pack else "padded", str(len(v)),
-             f"{1000 * float(np.median(v)):.2f}"] for (name, pack), v in times.items()]
-    print(table(rows, ["batch", "update", "runs", "median s per 1k trained model tokens"]))
-    for pack in (True, False):
-        ratio = (float(np.median(times[("reverse-words-retry", pack)]))
-                 / float(np.median(times[("reverse-words", pack)])))
-        print(f"{'packed' if pack else 'padded'}: reverse-words-retry / reverse-words, update s "
-              f"per trained model token = {ratio:.2f}x (goal <= 1.3x)")
-    retry = (float(np.median(times[("reverse-words-retry", False)]))
-             / float(np.median(times[("reverse-words-retry", True)])))
-    print(f"reverse-words-retry: padded / packed = {retry:.2f}x")
+    rows = [[name, path, str(len(v)), " ".join(f"{1000 * x:.2f}" for x in v),
+             f"{1000 * float(np.median(v)):.2f}"] for (name, path), v in times.items()]
+    print(table(rows, ["batch", "update", "runs", "s per 1k trained model tokens",
+                       "median"]))
+
+    def median(name: str, path: str) -> float:
+        return float(np.median(times[(name, path)]))
+
+    for path in MULTI_TURN_PATHS:
+        ratio = median("reverse-words-retry", path) / median("reverse-words", path)
+        print(f"{path}: reverse-words-retry / reverse-words, update s per trained model "
+              f"token = {ratio:.2f}x (goal <= 1.3x)")
+    for name in batches:
+        for path in list(MULTI_TURN_PATHS)[1:]:
+            print(f"{name}: {path} / padded = "
+                  f"{median(name, path) / median(name, 'padded'):.2f}x")
 
 
 def compare_logits(repeats: int, model: str) -> None:
@@ -300,10 +330,13 @@ def main() -> None:
     parser.add_argument("--multi-turn", type=int, default=0, metavar="N",
                         help="torch: N interleaved updates each of reverse-words-retry and "
                              "reverse-words, packed and padded; s per trained model token")
+    parser.add_argument("--batches", metavar="PATH",
+                        help="--multi-turn: read the two sampled batches from PATH (a pickle) "
+                             "when it exists, else sample them and write them there")
     args = parser.parse_args()
     print(machine())
     if args.multi_turn:
-        multi_turn(args.multi_turn, args.model)
+        multi_turn(args.multi_turn, args.model, args.batches)
         return
     if args.background_load:
         update_beside_load(max(args.steps, 3), args.model, args.background_load)

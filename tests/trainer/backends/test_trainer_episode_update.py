@@ -74,11 +74,14 @@ def _sequences(episodes, advantages=None):
             for i, ep in enumerate(episodes)]
 
 
-@pytest.mark.parametrize("shared_prefix", [True, False])
-def test_on_policy_episode_logprobs_equal_the_behaviour_logprobs(tiny_llama_dir, shared_prefix):
+@pytest.mark.parametrize(("shared_prefix", "pack"), [(True, False), (False, False), (True, True)],
+                         ids=["shared-prefix", "padded", "packed-per-segment"])
+def test_on_policy_episode_logprobs_equal_the_behaviour_logprobs(tiny_llama_dir, shared_prefix,
+                                                                  pack):
     backend = _backend(tiny_llama_dir)
     backend.update_cfg = type(backend.update_cfg)(**{**backend.update_cfg.__dict__,
-                                                     "shared_prefix": shared_prefix})
+                                                     "shared_prefix": shared_prefix,
+                                                     "pack": pack})
     eps = _episodes(backend)
     assert all(ep.turns == 3 and ep.truncated == episode.TRUNCATED_TURNS for ep in eps)
     assert all(ep.env_tokens > 0 for ep in eps)

@@ -95,14 +95,15 @@ def _update(model_dir, seqs, **update):
     return stats, grads
 
 
+@pytest.mark.parametrize("segments", [True, False], ids=["per-segment", "dense-mask"])
 @pytest.mark.parametrize("top_k", [0, 20], ids=["head-path", "full-logits"])
-def test_packed_update_gives_the_padded_loss_and_gradients(tiny_llama_dir, top_k):
+def test_packed_update_gives_the_padded_loss_and_gradients(tiny_llama_dir, top_k, segments):
     seqs = _sequences()
     want, want_grads = _update(tiny_llama_dir, seqs, pack=False, shared_prefix=False,
                                top_k=top_k)
     for shared_prefix in (True, False):  # packing replaces either padded path
         got, got_grads = _update(tiny_llama_dir, seqs, pack=True, shared_prefix=shared_prefix,
-                                 top_k=top_k)
+                                 top_k=top_k, segment_attention=segments)
         assert_within(abs(got.loss - want.loss), ROUNDING_REL * abs(want.loss), "loss")
         assert_close_to_largest(got.per_sequence_mismatch_kl, want.per_sequence_mismatch_kl,
                                 ROUNDING_REL, "mismatch kl")
@@ -113,10 +114,12 @@ def test_packed_update_gives_the_padded_loss_and_gradients(tiny_llama_dir, top_k
             assert_close_to_largest(got_grads[key], g, ROUNDING_REL, str(key))
 
 
-def test_packed_logprobs_equal_the_padded_ones(tiny_llama_dir):
+@pytest.mark.parametrize("segments", [True, False], ids=["per-segment", "dense-mask"])
+def test_packed_logprobs_equal_the_padded_ones(tiny_llama_dir, segments):
     backend = create_backend(_config(tiny_llama_dir))
     seqs = _sequences(seed=4)
-    backend.update_cfg = dataclasses.replace(backend.update_cfg, pack=True)
+    backend.update_cfg = dataclasses.replace(backend.update_cfg, pack=True,
+                                             segment_attention=segments)
     got = backend.logprobs(seqs)
     backend.update_cfg = dataclasses.replace(backend.update_cfg, pack=False,
                                              shared_prefix=False)
@@ -145,3 +148,83 @@ def test_a_packed_row_attends_within_its_sequence_and_its_group_s_prompt():
     assert allowed[1][4] == [0, 0, 0, 0, 1, 0]  # padding: itself only
     # completion token t of sequence i is predicted at the flat position before it
     assert packed.predicts.tolist() == [[1, 2, 3], [1, 0, 0], [6, 7, 0]]
+
+
+def test_the_segment_units_see_exactly_what_the_dense_mask_allows():
+    from gridrl.trainer.backends.torch.packed import pack
+
+    rng = np.random.default_rng(0)
+    extra = TrainSequence((3,), tuple(int(t) for t in rng.integers(7, 99, 4)), (0.0,) * 4, 1.0, 3)
+    seqs = [*_sequences(seed=5), extra]
+    packed = pack(seqs, 0, max(len(s.completion_ids) for s in seqs), torch.device("cpu"))
+    seg = packed.segments
+    rows, width = packed.input_ids.shape
+    dense = packed.allowed[:, 0].reshape(rows, width, width)
+    # every real token is the query of exactly one unit's real slot
+    real = {r * width + q for r in range(rows) for q in range(width)
+            if packed.layout.rows[r] and any(s.start <= q < s.start + s.length
+                                             for s in packed.layout.rows[r])}
+    assert sorted(seg.tokens.tolist()) == sorted(real)
+    q_of_slot = seg.q_index.reshape(-1)
+    for slot, token in zip(seg.slots.tolist(), seg.tokens.tolist(), strict=True):
+        assert q_of_slot[slot] == token
+        u, q = divmod(slot, seg.q_index.shape[1])
+        seen = set(seg.k_index[u][seg.allowed[u, 0, q]].tolist())
+        r, col = divmod(token, width)
+        want = {r * width + k for k in dense[r, col].nonzero().squeeze(-1).tolist()}
+        assert seen == want, token
+        assert len(seen) == int(seg.allowed[u, 0, q].sum())  # no key slot twice
+
+
+def _episodes(seed: int = 6) -> list[TrainSequence]:
+    """Two groups of four two-turn episodes shaped like reverse-words-retry's: a model turn,
+    the environment's feedback (no loss), a second model turn; some stop after one turn."""
+    rng = np.random.default_rng(seed)
+    prompts = [tuple(int(t) for t in rng.integers(7, VOCAB, p)) for p in (21, 14)]
+    seqs = []
+    for i in range(8):
+        first, env, second = (int(x) for x in rng.integers(3, 12, 3))
+        if i % 4 == 3:
+            env = second = 0
+        mask = (1,) * first + (0,) * (env + 6) + (1,) * second if env else None
+        c = first + (env + 6 + second if env else 0)
+        seqs.append(TrainSequence(prompts[i // 4], tuple(int(t) for t in
+                                                         rng.integers(7, VOCAB, c)),
+                                  tuple(float(x) for x in rng.uniform(-7.0, -5.0, c)),
+                                  float(rng.standard_normal()), i // 4, loss_mask=mask))
+    return seqs
+
+
+def test_multi_turn_episodes_packed_per_segment_give_the_default_update(tiny_llama_dir):
+    seqs = _episodes()
+    assert any(s.loss_mask for s in seqs) and any(s.loss_mask is None for s in seqs)
+    want, want_grads = _update(tiny_llama_dir, seqs, pack=False)  # shared-prefix, padded
+    got, got_grads = _update(tiny_llama_dir, seqs, pack=True, segment_attention=True)
+    assert_within(abs(got.loss - want.loss), ROUNDING_REL * abs(want.loss), "loss")
+    assert_close_to_largest(got.per_sequence_mismatch_kl, want.per_sequence_mismatch_kl,
+                            ROUNDING_REL, "mismatch kl")
+    assert got.tokens == want.tokens == sum(s.trained_tokens for s in seqs)
+    assert set(got_grads) == set(want_grads) and want_grads
+    for key, g in want_grads.items():
+        assert np.abs(g).max() > 0, key
+        assert_close_to_largest(got_grads[key], g, ROUNDING_REL, str(key))
+
+
+def test_attention_per_segment_refuses_activation_checkpointing(tiny_llama_dir):
+    from gridrl.trainer.backends.torch.packed import pack
+
+    backend = create_backend(_config(tiny_llama_dir))
+    policy = backend.policy
+    packed = pack(_episodes(), policy.pad_id, 40, policy.device, dense_mask=False)
+    assert packed.allowed is None
+    try:
+        with policy.activation_checkpointing(), pytest.raises(ValueError, match="checkpointing"):
+            policy.packed_hidden(packed.input_ids, packed.position_ids, None, packed.segments)
+        config = policy.model.get_base_model().config
+        assert config._attn_implementation == "sdpa"  # restored (never switched here)
+        hidden = policy.packed_hidden(packed.input_ids, packed.position_ids, None,
+                                      packed.segments)
+        assert hidden.shape[:2] == packed.input_ids.shape and torch.isfinite(hidden).all()
+        assert config._attn_implementation == "sdpa"  # restored after the forward
+    finally:
+        backend.close()

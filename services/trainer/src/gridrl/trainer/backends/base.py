@@ -112,11 +112,17 @@ class UpdateConfig:
             maths, different float rounding (a backend may ignore it).
         pack: run a micro-batch's sequences packed without padding where the backend allows
             (:mod:`gridrl.trainer.backends.packing`: each group's prompt once, then its
-            completions, in rows of the longest group; a block-diagonal causal mask); it
-            replaces ``shared_prefix``'s cache. False (the default): the padded paths. Same
-            maths, different float rounding. Off by default: its attention is dense over a
-            group's whole row, so on a CPU it measured faster for one-turn groups but slower
-            for long multi-turn ones (docs/benchmarks.md section 19).
+            completions, in rows of the longest group; attention per segment or a
+            block-diagonal causal mask, ``segment_attention``); it replaces
+            ``shared_prefix``'s cache. False (the default): the padded paths. Same maths,
+            different float rounding. Off by default: with the dense mask it measured faster
+            for one-turn groups but slower for long multi-turn ones on a CPU; per segment it
+            measured 0.70x the padded update on one turn and 1.04x on two (a loaded box,
+            docs/benchmarks.md section 19), to be re-measured before it becomes the default.
+        segment_attention: a packed forward attends per prompt and per completion
+            (:class:`gridrl.trainer.backends.torch.packed.SegmentAttention`: no row-wide
+            scores) where the model's attention is sdpa; False: over the whole row with the
+            block-diagonal mask. Same maths, different float rounding.
         top_p, top_k: the sampler's truncation. The loss uses the untruncated policy
             ``softmax(logits / T)`` (as TRL does); the mismatch KL and :meth:`TrainerBackend.
             logprobs` use the sampler's own transform (engine contract steps 1-3), so
@@ -145,6 +151,7 @@ class UpdateConfig:
     top_k: int = 0
     shared_prefix: bool = True
     pack: bool = False
+    segment_attention: bool = True
     is_correction: str = "none"
     is_level: str = "token"
     is_cap: float = 2.0

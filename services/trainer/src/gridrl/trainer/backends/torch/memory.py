@@ -20,7 +20,6 @@ memory keeps the figure exact whatever the allocator holds; the planner adds
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import weakref
 from collections.abc import Callable, Sequence
@@ -111,10 +110,15 @@ def probe_peak_bytes(policy: Any, cfg: UpdateConfig, n: int, width: int, *,
     sequences ``width`` tokens wide through the update's logprob path (the gradients of the
     LoRA parameters included; they are dropped after). The RNG state is restored."""
     from gridrl.trainer.backends.torch.distributed import SingleProcess
-    from gridrl.trainer.backends.torch.update import _frozen_weights_cast, _logprobs, collate
+    from gridrl.trainer.backends.torch.update import (
+        _frozen_weights_cast,
+        _logprobs,
+        checkpointable,
+        collate,
+    )
 
     seqs = _probe_sequences(n, width, policy.identity.vocab_size or 2)
-    run_cfg = dataclasses.replace(cfg, shared_prefix=cfg.shared_prefix and not checkpoint)
+    run_cfg = checkpointable(cfg) if checkpoint else cfg
     params = policy.trainable_parameters()
     was_training = policy.model.training
     policy.model.train()

@@ -288,23 +288,71 @@ class Policy:
         return torch.zeros(allowed.shape, dtype=torch.float32,
                            device=allowed.device).masked_fill_(~allowed, floor)
 
+    @property
+    def attends_per_segment(self) -> bool:
+        """True when a packed forward attends per segment
+        (:class:`gridrl.trainer.backends.torch.packed.SegmentAttention`: no row-wide scores):
+        :attr:`packs` with ``sdpa`` attention (the kernel the units run on)."""
+        config = self.model.get_base_model().config
+        return self.packs and config._attn_implementation == "sdpa"
+
     def packed_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      allowed: torch.Tensor) -> torch.Tensor:
+                      allowed: torch.Tensor | None, segments: Any = None) -> torch.Tensor:
         """Logits of a packed batch (:class:`gridrl.trainer.backends.torch.packed.PackedBatch`:
-        ``input_ids`` and ``position_ids`` (R, W) int64, ``allowed`` (R, 1, W, W) bool): (R, W,
-        V) in the model's dtype, ``[r, q]`` predicting the token after ``q`` in its sequence."""
-        out = self.model(input_ids=input_ids, attention_mask=self._packed_mask(allowed),
-                         position_ids=position_ids, use_cache=False)
+        ``input_ids`` and ``position_ids`` (R, W) int64, ``allowed`` (R, 1, W, W) bool or
+        ``segments`` its :class:`~gridrl.trainer.backends.torch.packed.SegmentAttention`,
+        which is used when given): (R, W, V) in the model's dtype, ``[r, q]`` predicting the
+        token after ``q`` in its sequence."""
+        with self._packed_attention(input_ids, allowed, segments) as kwargs:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             **kwargs)
         return out.logits
 
     def packed_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      allowed: torch.Tensor) -> torch.Tensor:
+                      allowed: torch.Tensor | None, segments: Any = None) -> torch.Tensor:
         """:meth:`packed_logits` before the output projection: (R, W, H) final hidden states,
         through the decoder of :attr:`model`."""
-        out = self.model.get_base_model().get_decoder()(
-            input_ids=input_ids, attention_mask=self._packed_mask(allowed),
-            position_ids=position_ids, use_cache=False)
+        with self._packed_attention(input_ids, allowed, segments) as kwargs:
+            out = self.model.get_base_model().get_decoder()(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         return out.last_hidden_state
+
+    @contextlib.contextmanager
+    def _packed_attention(self, input_ids: torch.Tensor, allowed: torch.Tensor | None,
+                          segments: Any) -> Iterator[dict[str, Any]]:
+        """The forward's attention keywords for a packed batch: the dense mask, or (with
+        ``segments``) :func:`~gridrl.trainer.backends.torch.packed.segment_attention` as the
+        model's attention implementation for the block (restored after, on error too) with
+        the units passed along and a placeholder 4-D mask (transformers passes a 4-D mask
+        through as it is; the units carry the real one).
+
+        Raises:
+            ValueError: ``segments`` under activation checkpointing (its recomputation would
+                run after the implementation is restored: use the dense mask there).
+        """
+        if segments is None:
+            if allowed is None:
+                raise ValueError("a packed forward needs its dense mask or its segments")
+            yield {"attention_mask": self._packed_mask(allowed)}
+            return
+        from gridrl.trainer.backends.torch.packed import register_segment_attention
+
+        base = self.model.get_base_model()
+        flag = ("is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing")
+                else "is_gradient_checkpointing")  # transformers 5 renamed it
+        if getattr(base, flag, False):
+            raise ValueError("attention per segment cannot run under activation "
+                             "checkpointing: pass the dense mask")
+        config = base.config
+        name = register_segment_attention()
+        previous = config._attn_implementation
+        config._attn_implementation = name
+        try:
+            yield {"attention_mask": torch.ones((input_ids.shape[0], 1, 1, 1), dtype=torch.bool,
+                                                device=input_ids.device),
+                   "gridrl_segments": segments}
+        finally:
+            config._attn_implementation = previous
 
     def shared_prefix_logits(self, prompts: Sequence[Sequence[int]],
                              completion_ids: torch.Tensor) -> torch.Tensor:

@@ -222,8 +222,8 @@ def _micro_batches(policy: Any, seqs: Sequence[TrainSequence], cfg: UpdateConfig
             recompute = checkpointed[k]
             with ctx, policy.activation_checkpointing(recompute):
                 logp, seen = _logprobs(policy, [seqs[i] for i in idx], batch,
-                                       dataclasses.replace(cfg, shared_prefix=False)
-                                       if recompute else cfg, par, amp=True)
+                                       checkpointable(cfg) if recompute else cfg, par,
+                                       amp=True)
                 ref_logp = None
                 if cfg.beta:
                     with autocast(cfg, device):
@@ -308,6 +308,14 @@ def _frozen_weights_cast(policy: Any, cfg: UpdateConfig) -> contextlib.AbstractC
     return contextlib.nullcontext()
 
 
+def checkpointable(cfg: UpdateConfig) -> UpdateConfig:
+    """``cfg`` for a forward under activation checkpointing: no shared-prefix cache (a
+    checkpointed layer drops it) and a packed batch's dense mask rather than attention per
+    segment (the recomputation in the backward runs after the forward's attention
+    implementation is restored: :meth:`Policy.packed_hidden`)."""
+    return dataclasses.replace(cfg, shared_prefix=False, segment_attention=False)
+
+
 def autocast(cfg: UpdateConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to bfloat16 on ``device`` when ``cfg.update_dtype`` is
     ``"bfloat16"`` (products in bfloat16, parameters and their gradients stay float32), else a
@@ -384,8 +392,10 @@ def _packed_logprobs(policy: Any, seqs: Sequence[TrainSequence], batch: dict[str
     each completion token are gathered back into the collated (n, C) layout."""
     tokens = batch["completion_ids"]
     n, width = tokens.shape
-    packed = pack(seqs, policy.pad_id, width, policy.device)
-    args = (packed.input_ids, packed.position_ids, packed.allowed)
+    per_segment = cfg.segment_attention and getattr(policy, "attends_per_segment", False)
+    packed = pack(seqs, policy.pad_id, width, policy.device, dense_mask=not per_segment)
+    args = (packed.input_ids, packed.position_ids, packed.allowed,
+            packed.segments if per_segment else None)
     if cfg.truncated or head is None:
         with mixed():
             out = par.run(policy, "packed_logits", *args)
