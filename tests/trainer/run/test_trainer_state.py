@@ -14,15 +14,16 @@ from waiting import wait_for
 
 from gridrl.common.errors import StatusError
 from gridrl.trainer.config import TrainConfig
+from gridrl.trainer.envs.base import TaskItem
 from gridrl.trainer.fleet.membership import Membership
 from gridrl.trainer.fleet.monitor import NodeMonitor
 from gridrl.trainer.grpo.admission import NodeStepStats
 from gridrl.trainer.report.plot import eval_points, plot_run
 from gridrl.trainer.report.records import StepRecord
-from gridrl.trainer.rollouts import EpisodeStats
+from gridrl.trainer.rollouts import EpisodeStats, Group
 from gridrl.trainer.run.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gridrl.trainer.run.rundir import RunDir
-from gridrl.trainer.run.steps import Prefetcher
+from gridrl.trainer.run.steps import Prefetcher, StepPrompts, StepSampler, step_seed
 
 
 def test_checkpoint_round_trip_keeps_the_backend_files_and_the_state(tmp_path):
@@ -211,6 +212,52 @@ def test_prefetcher_runs_ahead_by_depth_and_no_further():
     assert requested() == [1, 2, 3, 4]  # each step once, never beyond last_step
     sync = Prefetcher(lambda s: ([s], EpisodeStats()), depth=0, last_step=3)
     assert sync.get(2).groups == [2]
+
+
+class _ItemSource:
+    """An episode source whose item ``i`` is the prompt ``"item i"`` (token ids ``[i]``) and
+    whose groups echo the prompt ids and the seed they were sampled for."""
+
+    def __init__(self) -> None:
+        self.env = self
+        self.seeds: list[int] = []
+        self._lock = threading.Lock()
+
+    def train_item(self, index: int) -> TaskItem:
+        return TaskItem(prompt=f"item {index}", messages=({"role": "user", "content": ""},))
+
+    def prompt_ids(self, items):
+        return [[int(item.prompt.split()[1])] for item in items]
+
+    def generate(self, items, sampling, *, prompt_ids, group_size, seed):
+        with self._lock:
+            self.seeds.append(seed)
+        return ([Group(prompt_index=i, prompt_ids=list(ids), samples=[], node=str(seed),
+                       seconds=0.0) for i, ids in enumerate(prompt_ids)], EpisodeStats())
+
+
+@pytest.mark.parametrize("async_steps", [0, 1, 2])
+def test_each_step_trains_its_own_prompts_whatever_the_prefetch_depth(async_steps):
+    """The rewards and advantages of a step are computed with ``SampledStep.items``: under
+    ``--async-steps`` the groups a step gets (sampled ahead, on the prefetch thread) must be
+    those of its own prompts (data position ``(step - 1) * B``) and its own seed, never a
+    neighbouring step's."""
+    cfg = TrainConfig(rollout=["h:1"], prompts_per_step=3, async_steps=async_steps,
+                      steps=5).finalize()
+    source = _ItemSource()
+    sampler = StepSampler(cfg, StepPrompts(cfg, source), source)
+    try:
+        for step in range(1, 6):
+            got = sampler.get(step)
+            first = (step - 1) * 3
+            assert [i.prompt for i in got.items] == [f"item {k}" for k in range(first, first + 3)]
+            assert got.prompt_ids == [[k] for k in range(first, first + 3)]
+            assert [g.prompt_ids for g in got.rollouts.groups] == got.prompt_ids
+            assert {g.node for g in got.rollouts.groups} == {str(step_seed(cfg.seed, step))}
+            assert got.rollouts.step == step
+    finally:
+        sampler.close()
+    assert sorted(source.seeds) == sorted(step_seed(cfg.seed, s) for s in range(1, 6))
 
 
 def test_plot_writes_a_png(tmp_path):
