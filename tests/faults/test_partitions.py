@@ -304,6 +304,18 @@ def test_a_node_behind_a_10_mbit_link_gets_fewer_groups_and_never_holds_the_step
               f"(deadline {sync_deadline_s:.0f}s), samples {samples}")
 
 
+def _one_node_and_a_trainer(fleet, master, tiny_llama_dir: Path, run_dir: Path):
+    """Node 1 (short keepalives) and a trainer on it alone that waits out outages (600 s;
+    stopped by the test); returns ``(node, trainer)`` once the node is ready."""
+    node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", *NODE_KEEPALIVE_FLAGS,
+                      master=master, wait=False)
+    trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
+        5000, request_timeout_s=REQUEST_TIMEOUT_S, outage_wait_s=600), master=master,
+        run_dir=run_dir)
+    node.wait_ready()
+    return node, trainer
+
+
 def _status_at_master(fleet, master, node) -> str | None:
     """``node``'s status in the master's listing ("NODE_STATUS_HEALTHY", ...; None: not
     listed, or the listing failed)."""
@@ -454,13 +466,8 @@ def test_the_only_node_cut_from_the_master_keeps_the_run_stepping(
     (before, it waited for the whole cut with a node it could reach)."""
     with fleet_or_skip(tmp_path) as fleet:
         master = fleet.master(*MASTER_FLAGS)
-        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", *NODE_KEEPALIVE_FLAGS,
-                          master=master, wait=False)
         run_dir = tmp_path / "run"
-        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
-            5000, request_timeout_s=REQUEST_TIMEOUT_S, outage_wait_s=600), master=master,
-            run_dir=run_dir)
-        node.wait_ready()
+        node, trainer = _one_node_and_a_trainer(fleet, master, tiny_llama_dir, run_dir)
         watch = StepWatch(run_dir)
         try:
             wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
@@ -504,13 +511,8 @@ def test_the_only_node_cut_from_the_master_past_its_expiry_keeps_the_run_steppin
     expire = ("--heartbeat-interval", "0.5", "--unhealthy-after", "2", "--expire-after", "6")
     with fleet_or_skip(tmp_path) as fleet:
         master = fleet.master(*expire)
-        node = fleet.node("node-1", tiny_llama_dir, "--capacity", "4", *NODE_KEEPALIVE_FLAGS,
-                          master=master, wait=False)
         run_dir = tmp_path / "run"
-        trainer = fleet.trainer(tiny_llama_dir, *trainer_flags(
-            5000, request_timeout_s=REQUEST_TIMEOUT_S, outage_wait_s=600), master=master,
-            run_dir=run_dir)
-        node.wait_ready()
+        node, trainer = _one_node_and_a_trainer(fleet, master, tiny_llama_dir, run_dir)
         watch = StepWatch(run_dir)
         try:
             wait_for(lambda: watch.last() >= 2, 180, "two steps", alive=trainer)
