@@ -117,8 +117,9 @@ class UpdateConfig:
             ``shared_prefix``'s cache. False (the default): the padded paths. Same maths,
             different float rounding. Off by default: with the dense mask it measured faster
             for one-turn groups but slower for long multi-turn ones on a CPU; per segment it
-            measured 0.70x the padded update on one turn and 1.04x on two (a loaded box,
-            docs/benchmarks.md section 19), to be re-measured before it becomes the default.
+            measured 0.84x the padded update's time on one turn and 0.94x on two (quiet,
+            docs/benchmarks.md section 19); it becomes the default once the whole suite has
+            run on it.
         segment_attention: a packed forward attends per prompt and per completion
             (:class:`gridrl.trainer.backends.torch.packed.SegmentAttention`: no row-wide
             scores) where the model's attention is sdpa; False: over the whole row with the

@@ -312,7 +312,10 @@ class NodeSet:
         self._apply(lambda: self._members.master_event(event, self._clock()))
 
     def _probe_loop(self) -> None:
-        while not self._closed.is_set():
+        while True:
+            self._probe_now.clear()  # a verdict or close() from here on wakes the wait below
+            if self._closed.is_set():
+                return
             now = self._clock()
             self._apply(functools.partial(self._members.expire_orphans, now))
             with self._lock:
@@ -323,7 +326,6 @@ class NodeSet:
                 return
             futures.wait(probes)
             self._probe_now.wait(self.probe_interval_s)
-            self._probe_now.clear()
 
     def _probe(self, address: str) -> None:
         """GetNodeInfo on a fresh channel (no reconnect backoff); feed the answer."""

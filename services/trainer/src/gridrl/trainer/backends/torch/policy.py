@@ -81,6 +81,7 @@ class Policy:
         forward = inspect.signature(model.get_base_model().forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self.head_weight = plain_head_weight(model.get_base_model())
+        self.checkpointing = False  # within :meth:`activation_checkpointing`
         self._state_params: dict[str, torch.nn.Parameter] | None = None
         self._cast_weights: dict[torch.dtype, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
         self._cast_heads: dict[torch.dtype, torch.Tensor] = {}
@@ -146,9 +147,11 @@ class Policy:
                                     category=FutureWarning)
             getattr(base, f"{prefix}_enable")(**{f"{prefix.split('_')[0]}_checkpointing_kwargs":
                                                   {"use_reentrant": False}})
+        self.checkpointing = True
         try:
             yield
         finally:
+            self.checkpointing = False
             getattr(base, f"{prefix}_disable")()
             if hasattr(base, "disable_input_require_grads"):  # the enable's embedding hook
                 base.disable_input_require_grads()
@@ -337,13 +340,10 @@ class Policy:
             return
         from gridrl.trainer.backends.torch.packed import register_segment_attention
 
-        base = self.model.get_base_model()
-        flag = ("is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing")
-                else "is_gradient_checkpointing")  # transformers 5 renamed it
-        if getattr(base, flag, False):
+        if self.checkpointing:
             raise ValueError("attention per segment cannot run under activation "
                              "checkpointing: pass the dense mask")
-        config = base.config
+        config = self.model.get_base_model().config
         name = register_segment_attention()
         previous = config._attn_implementation
         config._attn_implementation = name
